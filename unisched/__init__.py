@@ -1,0 +1,67 @@
+"""unisched: every distributed training strategy as a pair of functions.
+
+A strategy maps each work item ``Work(batch, stage, direction)`` to a compute
+worker and a weight worker; unisched simulates it, draws it, plans it and runs
+it for real.
+"""
+
+from unisched.errors import DeadlockError, ShapeError, StrategyError, UniSchedError
+from unisched.simulate import (
+    BackwardFirst,
+    Costs,
+    Link,
+    OldestBatchFirst,
+    OldestStageFirst,
+    Simulation,
+    shape_lower_bound,
+    simulate,
+)
+from unisched.strategy import Strategy, as_strategy
+from unisched.timeline import Timeline, TransferRecord, Transfers, WorkRecord
+from unisched.work import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    ComputeAndWeightWorkers,
+    Direction,
+    Shape,
+    StageGraph,
+    Work,
+    all_work,
+    dependencies,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "BackwardFirst",
+    "ComputeAndWeightWorkers",
+    "Costs",
+    "DeadlockError",
+    "Direction",
+    "FORWARD",
+    "Link",
+    "OldestBatchFirst",
+    "OldestStageFirst",
+    "Shape",
+    "ShapeError",
+    "Simulation",
+    "StageGraph",
+    "Strategy",
+    "StrategyError",
+    "Timeline",
+    "TransferRecord",
+    "Transfers",
+    "UniSchedError",
+    "Work",
+    "WorkRecord",
+    "all_work",
+    "as_strategy",
+    "dependencies",
+    "shape_lower_bound",
+    "simulate",
+]

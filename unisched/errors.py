@@ -1,0 +1,25 @@
+"""The error family: every error unisched raises for bad input is a
+:class:`UniSchedError`, with a message that names the offending work item,
+worker, stage or file and says what to change."""
+
+
+class UniSchedError(Exception):
+    """Base class of every error unisched raises on purpose."""
+
+
+class ShapeError(UniSchedError, ValueError):
+    """A shape, cost or parameter that cannot describe a training step."""
+
+
+class StrategyError(UniSchedError):
+    """A strategy returned something that is not a valid pair of workers, or raised."""
+
+
+class DeadlockError(UniSchedError):
+    """No work item can make progress: memory limits (or a fixed order) block
+    every worker that still has work.  ``blocked`` maps each stuck worker to a
+    description of what it waits for and what it holds."""
+
+    def __init__(self, message: str, blocked: dict[int, str] | None = None):
+        super().__init__(message)
+        self.blocked = dict(blocked or {})

@@ -1,0 +1,57 @@
+"""Per-worker statistics of a Timeline, with the seed notebook's definitions.
+
+- weight_transmissions: work items the worker computed whose weight worker is
+  another worker (each needs that stage's weights fetched);
+- weight_storage: stages the worker is the weight worker of;
+- activation_transmissions: activations, gradients and stashes the worker
+  received from another worker;
+- max_activation_storage: the most stashed inputs it held at once (see
+  :mod:`unisched.memory`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from unisched.memory import memory_curves
+from unisched.timeline import ACTIVATION_KINDS, Timeline
+
+STAT_COLUMNS = (
+    "busy_time",
+    "utilization",
+    "weight_transmissions",
+    "weight_storage",
+    "activation_transmissions",
+    "max_activation_storage",
+    "bytes_sent",
+    "bytes_received",
+    "peak_memory_bytes",
+)
+
+
+def worker_stats(timeline: Timeline) -> dict[str, list]:
+    """Column name -> list indexed by worker (columns in ``STAT_COLUMNS``)."""
+    t, tr, n = timeline, timeline.transfers, timeline.num_workers
+    busy = t.busy_time
+    latency = t.latency
+    fetching = t.worker != t.weight_worker
+    owned = np.unique(np.stack([t.weight_worker, t.stage]), axis=1)[0] if len(t) else np.zeros(0, int)
+    moved = tr.of_kind(*ACTIVATION_KINDS) & (tr.src != tr.dst)
+    columns = {
+        "busy_time": busy,
+        "utilization": busy / latency if latency > 0 else np.zeros(n),
+        "weight_transmissions": np.bincount(t.worker[fetching], minlength=n),
+        "weight_storage": np.bincount(owned, minlength=n),
+        "activation_transmissions": np.bincount(tr.dst[moved], minlength=n),
+        "max_activation_storage": [c.peak for c in memory_curves(t, "activations", "units")],
+        "bytes_sent": np.bincount(tr.src, weights=tr.nbytes, minlength=n),
+        "bytes_received": np.bincount(tr.dst, weights=tr.nbytes, minlength=n),
+        "peak_memory_bytes": [c.peak for c in memory_curves(t, "total", "bytes")],
+    }
+    return {name: [_plain(v) for v in columns[name]] for name in STAT_COLUMNS}
+
+
+def _plain(value):
+    """numpy scalar -> int when integral, else float (for JSON and tables)."""
+    value = float(value)
+    return int(value) if value.is_integer() else value

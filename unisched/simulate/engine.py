@@ -1,0 +1,270 @@
+"""The tickless greedy, in O(J log J).
+
+The reference rule (DESIGN.md §1): repeatedly take, among the items whose
+dependencies are done, the one that can start soonest on its compute worker,
+``max(time the worker is free, time its inputs are there)``, ties broken by
+the priority rank of its trigger; run it there for its duration.
+
+Doing that by scanning the whole frontier costs O(J) a step.  Here every
+candidate sits in one heap keyed by ``(start estimate, rank)``.  An estimate
+is exact unless its worker got busier since it was pushed; such an item
+moves to its worker's "late" heap (ordered by rank alone, since every late
+item of a worker can start the moment the worker is free), and the worker's
+best late item stands in the main heap.  Each item enters each heap at most
+a constant number of times, so the whole run is O(J log J).
+
+Memory limits: a forward whose stash would not fit on the worker that keeps
+it waits, either until a release already scheduled there (pushed back with
+that time) or, when none is, parked until a backward on that worker is
+scheduled.  When nothing can run and work remains, that is a deadlock.
+
+The engine works on integer item ids and flat lists prepared by
+:mod:`unisched.simulate.problem`; it knows nothing of strategies or Work.
+"""
+
+from __future__ import annotations
+
+import math
+from heapq import heappop, heappush
+
+from unisched.errors import DeadlockError
+from unisched.simulate.problem import EDGE_PRIMARY, EDGE_SEQUENCE, Problem
+
+INF = math.inf
+_EPS = 1e-9
+
+
+def run(p: Problem):
+    """Schedule every item of ``p``; return (start, end, transfer rows)."""
+    n, num_workers = p.num_items, p.num_workers
+    worker, duration, rank = p.worker, p.duration, p.rank
+    succ_ptr, succ_idx, succ_kind = p.succ_ptr, p.succ_idx, p.succ_kind
+    remaining = list(p.num_deps)
+    ready = [0.0] * n
+    trigger_time = [-INF] * n
+    trigger_rank = [0] * n
+    start = [0.0] * n
+    end = [0.0] * n
+    free = [0.0] * num_workers
+    late = [[] for _ in range(num_workers)]
+    heap: list[tuple[float, int, int]] = []
+
+    memory = _Memory(p) if p.claims is not None else None
+    comm = _Communication(p) if p.comm else None
+
+    for item, virtual in p.sources:
+        trigger_rank[item] = rank[virtual]
+        heappush(heap, (0.0, rank[virtual], item))
+
+    scheduled = 0
+    while heap:
+        t, key, item = heappop(heap)
+        if item < 0:  # a worker's best late item stands here
+            w = -1 - item
+            queue = late[w]
+            if not queue or t != free[w] or queue[0][0] != key:
+                continue  # stale: the worker or its queue changed since
+            item = heappop(queue)[1]
+            if queue:
+                heappush(heap, (t, queue[0][0], -1 - w))
+        else:
+            w = worker[item]
+            if t < free[w]:  # the worker got busier: wait among its late items
+                queue = late[w]
+                heappush(queue, (key, item))
+                if queue[0][1] == item:
+                    heappush(heap, (free[w], key, -1 - w))
+                continue
+
+        if memory is not None:
+            retry = memory.admit(item, t, key)
+            if retry is not None:
+                if retry < INF:
+                    heappush(heap, (retry, key, item))
+                continue
+
+        begin = comm.fetch_weights(item, t) if comm is not None else t
+        finish = begin + duration[item]
+        start[item] = begin
+        end[item] = finish
+        free[w] = finish
+        scheduled += 1
+        if late[w]:
+            heappush(heap, (finish, late[w][0][0], -1 - w))
+        if memory is not None:
+            for retry_item, retry_time in memory.on_scheduled(item, begin, finish):
+                heappush(heap, (max(retry_time, ready[retry_item]), trigger_rank[retry_item], retry_item))
+        if comm is not None:
+            comm.on_finished(item, finish)
+
+        item_rank = rank[item]
+        for k in range(succ_ptr[item], succ_ptr[item + 1]):
+            nxt = succ_idx[k]
+            kind = succ_kind[k]
+            arrive = comm.move(item, nxt, kind, finish) if (comm is not None and kind != EDGE_SEQUENCE) else finish
+            if arrive > ready[nxt]:
+                ready[nxt] = arrive
+            if kind == EDGE_PRIMARY and arrive > trigger_time[nxt]:
+                trigger_time[nxt] = arrive
+                trigger_rank[nxt] = item_rank
+            remaining[nxt] -= 1
+            if remaining[nxt] == 0:
+                nxt_worker = worker[nxt]
+                nxt_key = trigger_rank[nxt]
+                at = ready[nxt]
+                if at < free[nxt_worker]:
+                    queue = late[nxt_worker]
+                    heappush(queue, (nxt_key, nxt))
+                    if queue[0][1] == nxt:
+                        heappush(heap, (free[nxt_worker], nxt_key, -1 - nxt_worker))
+                else:
+                    heappush(heap, (at, nxt_key, nxt))
+
+    if scheduled < n:
+        raise _deadlock(p, remaining, start, end, memory)
+    return start, end, (comm.rows if comm is not None else None)
+
+
+class _Memory:
+    """Stash accounting on the workers that keep them, against their limits."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+        self.live = [0.0] * p.num_workers
+        self.releases = [[] for _ in range(p.num_workers)]  # heaps of (time, amount)
+        self.parked = [dict() for _ in range(p.num_workers)]  # storage worker -> {compute worker: heap}
+        self.holding = [dict() for _ in range(p.num_workers)]  # storage worker -> {item: amount}, for errors
+
+    def _level(self, w: int, t: float) -> float:
+        releases = self.releases[w]
+        while releases and releases[0][0] <= t + _EPS:
+            self.live[w] -= heappop(releases)[1]
+        return self.live[w]
+
+    def admit(self, item: int, t: float, key: int) -> float | None:
+        """None if ``item`` may start at ``t``; else when to look again (INF: parked)."""
+        claims = self.p.claims[item]
+        if not claims:
+            return None
+        retry = t
+        for w, amount, _ in claims:
+            need = self._level(w, t) + amount - self.p.limit[w]
+            if need <= _EPS:
+                continue
+            freed, when = 0.0, INF
+            for time, released in sorted(self.releases[w]):
+                freed += released
+                if freed >= need - _EPS:
+                    when = time
+                    break
+            if when == INF:
+                queue = self.parked[w].setdefault(self.p.worker[item], [])
+                heappush(queue, (key, item))
+                return INF
+            retry = max(retry, when)
+        return None if retry == t else retry
+
+    def on_scheduled(self, item: int, begin: float, finish: float):
+        """Book ``item``'s claims and releases; yield parked items to retry."""
+        p = self.p
+        for w, amount, _releaser in p.claims[item] or ():
+            self.live[w] += amount
+            self.holding[w][item] = amount
+        for w, amount, owner in p.releases_of[item] or ():
+            heappush(self.releases[w], (finish, amount))
+            self.holding[w].pop(owner, None)
+            parked = self.parked[w]
+            for compute_worker in list(parked):
+                queue = parked[compute_worker]
+                _, waiting = heappop(queue)
+                if not queue:
+                    del parked[compute_worker]
+                yield waiting, finish
+
+
+class _Communication:
+    """Transfers over links that serialise, weight fetches and gradient returns."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.rows: list[tuple] = []
+        self.history = [[] for _ in range(p.num_workers)]  # start times, for prefetch
+        self.resident = [set() for _ in range(p.num_workers)]
+        self.grads_left = dict(p.gradient_returns)
+
+    def _send(self, kind: str, src: int, dst: int, ready: float, nbytes: float, item: int) -> float:
+        latency, bandwidth = self.p.link(src, dst)
+        occupy = nbytes / bandwidth
+        begin = max(ready, self.link_free.get((src, dst), 0.0))
+        self.link_free[(src, dst)] = begin + occupy
+        arrive = begin + latency + occupy
+        self.rows.append((kind, src, dst, begin, arrive, nbytes, item))
+        return arrive
+
+    def move(self, item: int, nxt: int, kind: int, finish: float) -> float:
+        src, dst = self.p.worker[item], self.p.worker[nxt]
+        if src == dst:
+            return finish
+        return self._send(self.p.edge_label(item, nxt), src, dst, finish, self.p.edge_bytes(item, nxt), nxt)
+
+    def fetch_weights(self, item: int, t: float) -> float:
+        p = self.p
+        w, owner = p.worker[item], p.weight_worker[item]
+        history = self.history[w]
+        history.append(t)
+        if w == owner:
+            return t
+        stage = p.stage_of(item)
+        if p.cache_weights and stage in self.resident[w]:
+            return t
+        depth = p.prefetch_depth
+        issue = history[-1 - depth] if depth and len(history) > depth else (0.0 if depth else t)
+        arrive = self._send("weights", owner, w, issue, p.weight_bytes[stage], item)
+        if p.cache_weights:
+            self.resident[w].add(stage)
+        if arrive > t:
+            history[-1] = arrive
+        return max(t, arrive)
+
+    def on_finished(self, item: int, finish: float) -> None:
+        p = self.p
+        if not p.returns_gradient[item]:
+            return
+        w, owner, stage = p.worker[item], p.weight_worker[item], p.stage_of(item)
+        if p.cache_weights:
+            self.grads_left[(w, stage)] -= 1
+            if self.grads_left[(w, stage)]:
+                return
+        self._send("weight_gradient", w, owner, finish, p.weight_bytes[stage], item)
+
+
+def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> DeadlockError:
+    blocked: dict[int, str] = {}
+    if memory is not None:
+        for storage, parked in enumerate(memory.parked):
+            for compute_worker, queue in parked.items():
+                waiting = ", ".join(p.label(i) for _, i in sorted(queue)[:4])
+                held = sorted(memory.holding[storage], key=lambda i: start[i])
+                holds = ", ".join(p.label(i) for i in held[:8]) + (" ..." if len(held) > 8 else "")
+                blocked.setdefault(compute_worker, "")
+                blocked[compute_worker] += (
+                    f"{waiting} wait(s) for activation memory on worker {storage} "
+                    f"(limit {p.limit[storage]:g}, holding the stashes of {holds or 'nothing'}); "
+                )
+    if not blocked:
+        for item in range(p.num_items):
+            if remaining[item] > 0 and p.num_deps[item] and p.worker[item] not in blocked:
+                blocked[p.worker[item]] = f"{p.label(item)} waits for {remaining[item]} unfinished dependencies"
+    lines = "\n".join(f"  worker {w}: {text.rstrip('; ')}" for w, text in sorted(blocked.items()))
+    hint = (
+        "raise the memory limit of the workers named, or choose a priority that runs backwards earlier"
+        if memory is not None
+        else "check that each worker's fixed order respects the dependencies between work items"
+    )
+    done = sum(1 for r in remaining if r <= 0)
+    return DeadlockError(
+        f"deadlock: no work item can make progress ({p.num_items - done} of {p.num_items} items never became "
+        f"ready or could not start).\n{lines}\nTo fix: {hint}.",
+        blocked,
+    )

@@ -1,0 +1,349 @@
+"""Turn (shape, strategy, priority, costs, limits) into the flat arrays the
+engine runs on, checking the user's input on the way.
+
+Work items get integer ids, batch-major: ``id = (batch * S + stage) * D + k``
+where ``k`` indexes ``directions(split_backward)``; id ``J + b`` is the virtual
+item ``Work(b, -1, FORWARD)`` that triggers batch b's first forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from unisched.errors import ShapeError, StrategyError
+from unisched.simulate.costs import Costs
+from unisched.simulate.priorities import ranks
+from unisched.strategy import Strategy
+from unisched.work import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    Direction,
+    Shape,
+    StageGraph,
+    Work,
+    directions,
+)
+
+EDGE_PRIMARY = 0
+"""A dependency whose completion can trigger the item (its priority is used)."""
+EDGE_STASH = 1
+"""A backward's need for its forward's stashed input."""
+EDGE_SEQUENCE = 2
+"""A fixed per-worker order: the previous item on the same worker."""
+
+
+@dataclass(eq=False)
+class Problem:
+    shape: Shape
+    split_backward: bool
+    dirs: tuple[Direction, ...]
+    batch: np.ndarray
+    stage: np.ndarray
+    direction: np.ndarray
+    worker_array: np.ndarray
+    weight_worker_array: np.ndarray
+    worker: list
+    weight_worker: list
+    duration: list
+    rank: list
+    edges: np.ndarray  # (3, E): src, dst, kind
+    succ_ptr: list
+    succ_idx: list
+    succ_kind: list
+    num_deps: list
+    sources: list
+    limit: list | None
+    claims: list | None
+    releases_of: list | None
+    costs: Costs
+    comm: bool
+    activation_bytes: np.ndarray
+    weight_bytes: list
+    returns_gradient: list
+    gradient_returns: dict
+
+    @property
+    def num_items(self) -> int:
+        return len(self.worker)
+
+    @property
+    def num_workers(self) -> int:
+        return self.shape.num_workers
+
+    @property
+    def cache_weights(self) -> bool:
+        return self.costs.cache_weights
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.costs.prefetch_depth
+
+    def stage_of(self, item: int) -> int:
+        return (item // len(self.dirs)) % self.shape.num_stages
+
+    def work(self, item: int) -> Work:
+        if item >= self.num_items:
+            return Work(item - self.num_items, -1, FORWARD)
+        return Work(int(self.batch[item]), int(self.stage[item]), Direction(int(self.direction[item])))
+
+    def label(self, item: int) -> str:
+        w = self.work(item)
+        return f"{Direction(w.direction).letter}(stage {w.stage}, batch {w.batch})"
+
+    def link(self, src: int, dst: int) -> tuple[float, float]:
+        link = self.costs.link(src, dst)
+        return link.latency, link.bandwidth
+
+    def edge_label(self, src: int, dst: int) -> str:
+        return edge_label(self.direction[src], self.direction[dst], self.stage[src], self.stage[dst])
+
+    def edge_bytes(self, src: int, dst: int) -> float:
+        label = self.edge_label(src, dst)
+        stage = self.stage[dst] if label == "activation" else self.stage[src]
+        return float(self.activation_bytes[stage])
+
+
+def edge_label(src_dir, dst_dir, src_stage, dst_stage) -> str:
+    """What a data dependency moves when its two ends run on different workers."""
+    if src_dir == FORWARD:
+        return "activation" if dst_dir == FORWARD else "stash"
+    return "stash" if src_stage == dst_stage else "gradient"
+
+
+def build(
+    shape: Shape,
+    strategy: Strategy,
+    priority: Callable[[Work], Any],
+    costs: Costs,
+    memory_limit: float | Sequence[float] | None,
+    split_backward: bool,
+    stage_graph: StageGraph,
+) -> Problem:
+    W, S, B = shape
+    dirs = directions(split_backward)
+    D = len(dirs)
+    n = B * S * D
+    ids = np.arange(n)
+    batch, stage, direction = ids // (S * D), (ids // D) % S, np.asarray(dirs, dtype=np.int64)[ids % D]
+
+    compute, weight = _map(strategy, shape, batch, stage, direction)
+    speeds = costs.speeds(W)
+    base = costs.durations(S)
+    duration = np.empty(n)
+    for d in dirs:
+        rows = direction == d
+        duration[rows] = base[d][stage[rows]] / speeds[compute[rows]]
+
+    virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
+    rank = ranks(
+        priority,
+        np.concatenate([batch, virtual[0]]),
+        np.concatenate([stage, virtual[1]]),
+        np.concatenate([direction, virtual[2]]),
+    )
+
+    edges = _edges(S, B, dirs, stage_graph, split_backward)
+    if strategy.worker_orders is not None:
+        edges = np.concatenate([edges, _sequence_edges(strategy.worker_orders, compute, shape, dirs)], axis=1)
+    order = np.argsort(edges[0], kind="stable")
+    edges = edges[:, order]
+    succ_ptr = np.searchsorted(edges[0], np.arange(n + 1))
+    num_deps = np.bincount(edges[1], minlength=n)
+    first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
+    sources = [(int(i), n + int(batch[i])) for i in first]
+
+    act_bytes = costs.per_stage("activation_bytes", S)
+    weight_bytes = costs.per_stage("weight_bytes", S)
+    limit, claims, releases_of = _memory(
+        shape, memory_limit, dirs, compute, stage, act_bytes if costs.has_sizes else None, costs.input_grad_frees
+    )
+
+    is_last_backward = direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
+    returns_gradient = is_last_backward & (compute != weight)
+    pairs, counts = np.unique(np.stack([compute[returns_gradient], stage[returns_gradient]]), axis=1, return_counts=True)
+    gradient_returns = {(int(w), int(s)): int(c) for (w, s), c in zip(pairs.T, counts)}
+
+    return Problem(
+        shape=shape,
+        split_backward=split_backward,
+        dirs=dirs,
+        batch=batch,
+        stage=stage,
+        direction=direction,
+        worker_array=compute,
+        weight_worker_array=weight,
+        worker=compute.tolist(),
+        weight_worker=weight.tolist(),
+        duration=duration.tolist(),
+        rank=rank.tolist(),
+        edges=edges,
+        succ_ptr=succ_ptr.tolist(),
+        succ_idx=edges[1].tolist(),
+        succ_kind=edges[2].tolist(),
+        num_deps=num_deps.tolist(),
+        sources=sources,
+        limit=limit,
+        claims=claims,
+        releases_of=releases_of,
+        costs=costs,
+        comm=costs.has_communication,
+        activation_bytes=act_bytes,
+        weight_bytes=weight_bytes.tolist(),
+        returns_gradient=returns_gradient.tolist(),
+        gradient_returns=gradient_returns,
+    )
+
+
+# ---------------------------------------------------------------------- mapping
+def _map(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.ndarray, np.ndarray]:
+    """Call the strategy once per item (or once on arrays) and check what it says."""
+    W = shape.num_workers
+    if strategy.map_arrays is not None:
+        compute, weight = (np.asarray(a, dtype=np.int64) for a in strategy.map_arrays(batch, stage, direction))
+    else:
+        compute = np.empty(len(batch), dtype=np.int64)
+        weight = np.empty(len(batch), dtype=np.int64)
+        mapping = strategy.mapping
+        for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
+            work = Work(b, s, Direction(d))
+            try:
+                result = mapping(work)
+                c, w = result
+            except Exception as error:
+                raise StrategyError(
+                    f"strategy {strategy.name!r} failed on {work!r}: {type(error).__name__}: {error}"
+                ) from error
+            compute[i] = _worker_id(c, work, "compute", strategy, W)
+            weight[i] = _worker_id(w, work, "weight", strategy, W)
+    bad = np.flatnonzero((compute < 0) | (compute >= W) | (weight < 0) | (weight >= W))
+    if len(bad):
+        i = int(bad[0])
+        work = Work(int(batch[i]), int(stage[i]), Direction(int(direction[i])))
+        raise StrategyError(
+            f"strategy {strategy.name!r} maps {work!r} to compute worker {compute[i]} and weight worker "
+            f"{weight[i]}, but workers are numbered 0..{W - 1}; give the strategy the shape it is simulated with"
+        )
+    return compute, weight
+
+
+def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise StrategyError(
+            f"strategy {strategy.name!r} returned {role} worker {value!r} ({type(value).__name__}) for {work!r}; "
+            f"it must return integers in 0..{num_workers - 1}"
+        )
+    return int(value)
+
+
+# ---------------------------------------------------------------------- dependencies
+def _edges(S: int, B: int, dirs, graph: StageGraph, split_backward: bool) -> np.ndarray:
+    """All (src, dst, kind) dependency edges, as a (3, E) array."""
+    D = len(dirs)
+    k = {d: i for i, d in enumerate(dirs)}
+    back = BACKWARD_INPUT if split_backward else BACKWARD
+    batches = np.arange(B)[:, None] * (S * D)
+    pieces = []
+
+    def add(src_stage, src_dir, dst_stage, dst_dir, kind):
+        src_stage, dst_stage = np.asarray(src_stage), np.asarray(dst_stage)
+        if not src_stage.size:
+            return
+        src = batches + src_stage[None, :] * D + k[src_dir]
+        dst = batches + dst_stage[None, :] * D + k[dst_dir]
+        pieces.append(np.stack([src.ravel(), dst.ravel(), np.full(src.size, kind)]))
+
+    pairs = np.array(list(graph.graph.edges), dtype=np.int64).reshape(-1, 2)
+    add(pairs[:, 0], FORWARD, pairs[:, 1], FORWARD, EDGE_PRIMARY)
+    add(pairs[:, 1], back, pairs[:, 0], back, EDGE_PRIMARY)
+    sinks = np.array(graph.sinks, dtype=np.int64)
+    inner = np.array([s for s in range(S) if graph.successors[s]], dtype=np.int64)
+    add(sinks, FORWARD, sinks, back, EDGE_PRIMARY)
+    add(inner, FORWARD, inner, back, EDGE_STASH)
+    if split_backward:
+        everything = np.arange(S)
+        add(everything, BACKWARD_INPUT, everything, BACKWARD_WEIGHT, EDGE_PRIMARY)
+    return np.concatenate(pieces, axis=1).astype(np.int64)
+
+
+def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarray:
+    """Edges that make each worker follow its given order, after checking it."""
+    W, S, B = shape
+    D = len(dirs)
+    k = {d: i for i, d in enumerate(dirs)}
+    seen = np.zeros(len(compute), dtype=bool)
+    src, dst = [], []
+    unknown = sorted(set(orders) - set(range(W)))
+    if unknown:
+        raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
+    for w, order in orders.items():
+        ids = []
+        for work in order:
+            work = Work(*work)
+            d = Direction(work.direction)
+            if d not in k or not (0 <= work.batch < B and 0 <= work.stage < S):
+                raise StrategyError(f"worker {w}'s order has {work!r}, which is not a work item of this shape")
+            item = (work.batch * S + work.stage) * D + k[d]
+            if compute[item] != w:
+                raise StrategyError(
+                    f"worker {w}'s order has {work!r}, but the mapping sends it to worker {compute[item]}"
+                )
+            if seen[item]:
+                raise StrategyError(f"{work!r} appears twice in the fixed orders")
+            seen[item] = True
+            ids.append(item)
+        src.extend(ids[:-1])
+        dst.extend(ids[1:])
+    if not seen.all():
+        item = int(np.flatnonzero(~seen)[0])
+        b, rest = divmod(item, S * D)
+        work = Work(b, rest // D, dirs[rest % D])
+        raise StrategyError(
+            f"the fixed orders leave out {int((~seen).sum())} work item(s), e.g. {work!r} on worker "
+            f"{compute[item]}; every item must appear in its worker's order"
+        )
+    return np.array([src, dst, [EDGE_SEQUENCE] * len(src)], dtype=np.int64).reshape(3, -1)
+
+
+# ---------------------------------------------------------------------- memory
+def _memory(shape: Shape, memory_limit, dirs, compute, stage, sizes, input_grad_frees):
+    """Per-worker limits, and per item what it claims and releases (or Nones)."""
+    if memory_limit is None:
+        return None, None, None
+    W, S, B = shape
+    limits = np.broadcast_to(np.asarray(memory_limit, dtype=float), (W,)) if np.ndim(memory_limit) == 0 else None
+    if limits is None:
+        limits = np.asarray(memory_limit, dtype=float)
+        if limits.shape != (W,):
+            raise ShapeError(f"memory_limit has {limits.size} entries but there are {W} workers")
+    if np.any(limits < 0) or np.any(np.isnan(limits)):
+        raise ShapeError(f"memory_limit must be >= 0, got {memory_limit!r}")
+    D = len(dirs)
+    n = len(compute)
+    amount = np.ones(S) if sizes is None else np.asarray(sizes, dtype=float)
+    claims: list = [None] * n
+    releases_of: list = [None] * n
+    shares = {BACKWARD: 1.0, BACKWARD_INPUT: input_grad_frees, BACKWARD_WEIGHT: 1.0 - input_grad_frees}
+    for f in range(0, n, D):
+        s = int(stage[f])
+        mine = []
+        for offset, d in enumerate(dirs[1:], start=1):
+            releaser = f + offset
+            holder = int(compute[releaser])
+            share = float(amount[s] * shares[d])
+            mine.append((holder, share, releaser))
+            releases_of[releaser] = ((holder, share, f),)
+        claims[f] = tuple(mine)
+        for holder in {h for h, _, _ in mine}:
+            need = sum(a for h, a, _ in mine if h == holder)
+            if need > limits[holder] + 1e-9:
+                raise ShapeError(
+                    f"memory_limit {limits[holder]:g} of worker {holder} cannot hold even one stash of stage {s} "
+                    f"({need:g} {'bytes' if sizes is not None else 'activation units'}); raise it to at least {need:g}"
+                )
+    return limits.tolist(), claims, releases_of

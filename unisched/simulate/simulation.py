@@ -1,0 +1,208 @@
+"""``simulate``: a strategy, a shape, costs and limits in; a Simulation out.
+
+A :class:`Simulation` is a Timeline plus what produced it (strategy, costs,
+memory limit, priority) and the lower bounds it can be compared with.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import networkx as nx
+import numpy as np
+
+from unisched.errors import ShapeError
+from unisched.simulate import engine
+from unisched.simulate.costs import DEFAULT_COSTS, Costs
+from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.problem import build
+from unisched.simulate.transfers import transfers
+from unisched.strategy import Strategy, as_strategy
+from unisched.timeline import Timeline
+from unisched.work import Shape, StageGraph, Work, directions
+
+
+def simulate(
+    num_workers: int,
+    num_stages: int,
+    num_batches: int,
+    schedule: Strategy | Callable[[Work], Any],
+    priority_order: Callable[[Work], Any] | None = None,
+    *,
+    costs: Costs | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    split_backward: bool | None = None,
+    stage_graph: nx.DiGraph | StageGraph | None = None,
+) -> "Simulation":
+    """Run the reference greedy scheduler and return a :class:`Simulation`.
+
+    ``schedule`` maps each ``Work`` to ``ComputeAndWeightWorkers``; a named
+    :class:`~unisched.Strategy` also brings its own priority, memory limit,
+    split backward and fixed orders, which the arguments here override.
+    ``priority_order`` is any callable ``Work -> sortable key`` (default
+    :class:`OldestBatchFirst`).  ``memory_limit`` caps the activations a
+    worker may hold (stash units, or bytes when ``costs`` give
+    ``activation_bytes``), scalar or one per worker.
+    """
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    strategy = as_strategy(schedule)
+    if strategy.shape is not None and tuple(strategy.shape) != tuple(shape):
+        raise ShapeError(
+            f"strategy {strategy.name!r} was built for W={strategy.shape[0]}, S={strategy.shape[1]}, "
+            f"B={strategy.shape[2]} but is simulated with W={num_workers}, S={num_stages}, B={num_batches}"
+        )
+    costs = costs if costs is not None else DEFAULT_COSTS
+    if not isinstance(costs, Costs):
+        raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
+    priority = priority_order or strategy.priority or OldestBatchFirst(num_stages, num_batches)
+    limit = memory_limit if memory_limit is not None else strategy.memory_limit
+    split = strategy.split_backward if split_backward is None else bool(split_backward)
+    graph = stage_graph if stage_graph is not None else strategy.stage_graph
+    graph = graph if isinstance(graph, StageGraph) else StageGraph(num_stages, graph)
+
+    problem = build(shape, strategy, priority, costs, limit, split, graph)
+    start, end, booked = engine.run(problem)
+    start, end = np.asarray(start), np.asarray(end)
+    timeline = Timeline(
+        *shape,
+        batch=problem.batch,
+        stage=problem.stage,
+        direction=problem.direction,
+        worker=problem.worker_array,
+        weight_worker=problem.weight_worker_array,
+        start=start,
+        end=end,
+        transfers=transfers(problem, start, end, booked),
+        activation_bytes=problem.activation_bytes,
+        weight_bytes=np.asarray(problem.weight_bytes),
+        input_grad_frees=costs.input_grad_frees,
+        split_backward=split,
+        source="simulated",
+        label=strategy.name,
+    )
+    return Simulation(timeline, strategy, costs, limit, priority, graph)
+
+
+def shape_lower_bound(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward: bool = False,
+                      stage_graph: StageGraph | None = None) -> float:
+    """A bound no strategy can beat: max(all work / total speed, one batch's critical path)."""
+    W, S, B = shape
+    durations = costs.durations(S)
+    speeds = costs.speeds(W)
+    per_stage = sum(durations[d] for d in directions(split_backward))
+    work_bound = B * per_stage.sum() / speeds.sum()
+    graph = stage_graph or StageGraph(S)
+    forward, backward = durations[directions(split_backward)[0]], durations[directions(split_backward)[1]]
+    path_bound = _longest_path(graph, forward, backward) / speeds.max()
+    return float(max(work_bound, path_bound))
+
+
+def _longest_path(graph: StageGraph, forward: np.ndarray, backward: np.ndarray) -> float:
+    """Longest forward-then-backward path through the stage DAG of one batch."""
+    order = list(nx.topological_sort(graph.graph))
+    reach = {}
+    for s in order:
+        reach[s] = forward[s] + max((reach[p] for p in graph.predecessors[s]), default=0.0)
+    back = {}
+    for s in reversed(order):
+        back[s] = backward[s] + max((back[t] for t in graph.successors[s]), default=0.0)
+    return max(reach[s] + back[s] for s in order) if order else 0.0
+
+
+class Simulation:
+    """The result of :func:`simulate`: a Timeline and how it came about."""
+
+    def __init__(self, timeline: Timeline, strategy: Strategy, costs: Costs, memory_limit, priority, stage_graph):
+        self.timeline = timeline
+        self.strategy = strategy
+        self.costs = costs
+        self.memory_limit = memory_limit
+        self.priority = priority
+        self.stage_graph = stage_graph
+
+    # the Timeline's measures, at hand
+    @property
+    def shape(self) -> Shape:
+        return self.timeline.shape
+
+    @property
+    def latency(self) -> float:
+        return self.timeline.latency
+
+    @property
+    def throughput(self) -> float:
+        return self.timeline.throughput
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+    @property
+    def transfers(self):
+        return self.timeline.transfers
+
+    @property
+    def memory(self):
+        """Per-worker total memory in bytes over time (``timeline.memory(...)`` for more)."""
+        return self.timeline.memory()
+
+    def worker_stats(self) -> dict[str, list]:
+        return self.timeline.worker_stats()
+
+    @property
+    def lower_bounds(self) -> dict[str, float]:
+        """Each bound this run can be measured against."""
+        shape_bound = shape_lower_bound(self.shape, self.costs, self.timeline.split_backward, self.stage_graph)
+        return {
+            "shape": shape_bound,
+            "busiest_worker": float(self.timeline.busy_time.max(initial=0.0)),
+        }
+
+    @property
+    def lower_bound(self) -> float:
+        """The best of :attr:`lower_bounds`: no schedule with this mapping can be shorter."""
+        return max(self.lower_bounds.values())
+
+    @property
+    def gap(self) -> float:
+        """How far the latency is above the lower bound, as a fraction of the bound."""
+        bound = self.lower_bound
+        return (self.latency - bound) / bound if bound > 0 else 0.0
+
+    def summary(self) -> str:
+        stats = self.worker_stats()
+        lines = [
+            f"{self.strategy.name}: W={self.shape.num_workers} S={self.shape.num_stages} B={self.shape.num_batches}",
+            f"  latency {self.latency:g} (lower bound {self.lower_bound:g}, gap {self.gap:.1%})",
+            f"  throughput {self.throughput:.4f} items/time/worker, bubble {self.bubble_fraction:.1%}",
+            f"  peak activations per worker {_compact(stats['max_activation_storage'])}",
+            f"  weight fetches per worker {_compact(stats['weight_transmissions'])}",
+            f"  weight storage per worker {_compact(stats['weight_storage'])}",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Simulation {self.strategy.name} W={self.shape.num_workers} S={self.shape.num_stages} "
+            f"B={self.shape.num_batches}: latency {self.latency:g}, throughput {self.throughput:.4f}, "
+            f"bubble {self.bubble_fraction:.1%}>"
+        )
+
+    # drawing goes through the Timeline
+    def _repr_html_(self) -> str:
+        return self.timeline.to_html()
+
+    def to_text(self, width: int = 100, color: bool | None = None) -> str:
+        return self.timeline.to_text(width=width, color=color)
+
+    def figure(self, **options):
+        return self.timeline.figure(**options)
+
+    def save(self, path) -> None:
+        self.timeline.save(path)
+
+
+def _compact(values: list) -> str:
+    if len(values) > 16:
+        return f"min {min(values)}, max {max(values)} over {len(values)} workers"
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)

@@ -1,0 +1,71 @@
+"""A strategy: the pair of functions of the unified scheme, plus what else a
+named schedule fixes (a priority, a memory limit, a split backward, or an
+explicit order of work on each worker).
+
+Underneath it stays a plain function ``Work -> ComputeAndWeightWorkers``:
+``strategy(work)`` calls the mapping, so a Strategy can go anywhere the seed
+notebook passes a function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from unisched.work import ComputeAndWeightWorkers, Shape, Work
+
+Mapping_ = Callable[[Work], ComputeAndWeightWorkers]
+ArrayMapping = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True, eq=False)
+class Strategy:
+    """A named strategy.
+
+    ``mapping(work)`` gives the compute and weight workers of a work item.
+    ``priority`` and ``memory_limit`` are used by :func:`unisched.simulate`
+    unless the call gives its own.  ``worker_orders`` fixes the sequence each
+    worker runs (hand-made schedules such as ZB-H1's delayed weight passes, or
+    a plan file); the simulator then follows it instead of choosing.
+    ``map_arrays(batch, stage, direction) -> (compute, weight)`` is an
+    optional vectorised form of ``mapping`` used to simulate large shapes fast;
+    it must agree with ``mapping``.
+    """
+
+    mapping: Mapping_
+    name: str = ""
+    description: str = ""
+    priority: Callable[[Work], Any] | None = None
+    memory_limit: float | Sequence[float] | None = None
+    split_backward: bool = False
+    worker_orders: Mapping[int, Sequence[Work]] | None = None
+    shape: Shape | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    map_arrays: ArrayMapping | None = None
+    stage_graph: Any = None
+
+    def __call__(self, work: Work) -> ComputeAndWeightWorkers:
+        return self.mapping(work)
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.mapping, "__name__", type(self.mapping).__name__))
+
+    def with_(self, **changes) -> "Strategy":
+        """A copy with some fields changed (e.g. another memory limit)."""
+        return replace(self, **changes)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"<Strategy {self.name}{'(' + params + ')' if params else ''}>"
+
+
+def as_strategy(schedule: Strategy | Mapping_, name: str | None = None, description: str = "") -> Strategy:
+    """Wrap a user's function (the notebook's style) so it shows with its own name."""
+    if isinstance(schedule, Strategy):
+        return schedule if name is None else schedule.with_(name=name)
+    if not callable(schedule):
+        raise TypeError(f"a strategy must be callable Work -> ComputeAndWeightWorkers, got {schedule!r}")
+    return Strategy(mapping=schedule, name=name or "", description=description or (schedule.__doc__ or "").strip())

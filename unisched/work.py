@@ -1,0 +1,196 @@
+"""The unified scheme's vocabulary: work items, the two workers a strategy picks
+for each, and the dependencies between work items.
+
+One training step over B micro-batches of an S-stage network is the set of
+work items ``Work(batch, stage, direction)``.  A *strategy* maps each item to a
+:class:`ComputeAndWeightWorkers` pair; everything else (transfers, memory,
+traffic) follows from that pair and the dependencies defined here.
+
+``Work`` is a ``NamedTuple``, so ``Work(3, 1, Direction.BACKWARD)`` and
+``Work(batch=3, stage=1, direction=Direction.BACKWARD)`` are the same item, and
+``work.batch``, ``work.stage``, ``work.direction`` read it back.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterator, NamedTuple
+
+import networkx as nx
+
+from unisched.errors import ShapeError
+
+
+class Direction(enum.IntEnum):
+    """Which pass over a stage a work item is.
+
+    With a *split backward* (zero-bubble pipelines) the backward pass is two
+    items: BACKWARD_INPUT computes the gradient with respect to the stage's
+    input (it is on the critical path), BACKWARD_WEIGHT the gradient with
+    respect to its weights (it can be delayed to fill bubbles).
+    """
+
+    FORWARD = 0
+    BACKWARD = 1
+    BACKWARD_INPUT = 2
+    BACKWARD_WEIGHT = 3
+
+    @property
+    def letter(self) -> str:
+        """One-letter label used in diagrams and compact action strings."""
+        return "FBIW"[self]
+
+    @classmethod
+    def from_letter(cls, letter: str) -> "Direction":
+        try:
+            return cls("FBIW".index(letter.upper()))
+        except ValueError:
+            raise ValueError(f"unknown direction letter {letter!r}; use one of F, B, I, W") from None
+
+    @property
+    def is_backward(self) -> bool:
+        return self is not Direction.FORWARD
+
+
+FORWARD = Direction.FORWARD
+BACKWARD = Direction.BACKWARD
+BACKWARD_INPUT = Direction.BACKWARD_INPUT
+BACKWARD_WEIGHT = Direction.BACKWARD_WEIGHT
+
+
+class Work(NamedTuple):
+    """One pass of one micro-batch over one stage."""
+
+    batch: int
+    stage: int
+    direction: Direction = Direction.FORWARD
+
+    def __str__(self) -> str:
+        return f"{self.stage}{Direction(self.direction).letter}{self.batch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Work":
+        """Inverse of ``str``: ``"2F0"`` is stage 2, forward, micro-batch 0."""
+        for index, char in enumerate(text):
+            if char.isalpha():
+                return cls(int(text[index + 1 :]), int(text[:index]), Direction.from_letter(char))
+        raise ValueError(f"cannot parse work item {text!r}; expected e.g. '2F0' (stage, direction, batch)")
+
+
+class ComputeAndWeightWorkers(NamedTuple):
+    """What a strategy returns for a work item: who computes it, and who holds
+    the source of truth of its stage's weights for it."""
+
+    compute_worker: int
+    weight_worker: int
+
+
+class Shape(NamedTuple):
+    """The size of one training step: workers, pipeline stages, micro-batches."""
+
+    num_workers: int
+    num_stages: int
+    num_batches: int
+
+    def check(self) -> "Shape":
+        for name, value in zip(self._fields, self):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ShapeError(f"{name} must be a positive integer, got {value!r}")
+        return self
+
+
+def backward_directions(split_backward: bool) -> tuple[Direction, ...]:
+    return (BACKWARD_INPUT, BACKWARD_WEIGHT) if split_backward else (BACKWARD,)
+
+
+def directions(split_backward: bool) -> tuple[Direction, ...]:
+    return (FORWARD, *backward_directions(split_backward))
+
+
+class StageGraph:
+    """The stages of a model and which feeds which.
+
+    A chain (the default) is stage 0 -> 1 -> ... -> S-1.  A general DAG, given
+    as a ``networkx.DiGraph`` on the nodes ``0..S-1``, lets e.g. two encoder
+    legs feed one decoder: a forward waits for the forwards of all its
+    predecessor stages, a backward for the backwards of all its successors.
+    """
+
+    def __init__(self, num_stages: int, graph: nx.DiGraph | None = None):
+        if graph is None:
+            graph = nx.path_graph(num_stages, create_using=nx.DiGraph)
+        nodes = set(graph.nodes)
+        if nodes != set(range(num_stages)):
+            missing = sorted(set(range(num_stages)) - nodes)
+            extra = sorted(nodes - set(range(num_stages)), key=repr)
+            raise ShapeError(
+                f"stage_graph must have exactly the nodes 0..{num_stages - 1}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        if not nx.is_directed_acyclic_graph(graph):
+            cycle = nx.find_cycle(graph)
+            raise ShapeError(f"stage_graph has a cycle {cycle}; stages must form a DAG")
+        self.num_stages = num_stages
+        self.graph = graph
+        self.predecessors = tuple(tuple(sorted(graph.predecessors(s))) for s in range(num_stages))
+        self.successors = tuple(tuple(sorted(graph.successors(s))) for s in range(num_stages))
+        self.is_chain = all(p == ((s - 1,) if s else ()) for s, p in enumerate(self.predecessors))
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        return tuple(s for s in range(self.num_stages) if not self.predecessors[s])
+
+    @property
+    def sinks(self) -> tuple[int, ...]:
+        return tuple(s for s in range(self.num_stages) if not self.successors[s])
+
+
+def dependencies(
+    work: Work,
+    num_stages: int,
+    *,
+    split_backward: bool = False,
+    stage_graph: StageGraph | nx.DiGraph | None = None,
+) -> tuple[Work, ...]:
+    """The items that must finish before ``work`` can start.
+
+    Chain rules (DESIGN.md §1): F(s) needs F(s-1); B(S-1) needs F(S-1); B(s)
+    needs B(s+1).  A backward also needs the forward of the same (stage, batch)
+    for its stashed input, which matters when the two run on different
+    workers.  With a split backward, I(s) needs I(s+1) (or F(S-1) at the last
+    stage) and F(s); W(s) needs I(s).
+    """
+    graph = _as_stage_graph(num_stages, stage_graph)
+    b, s, d = work.batch, work.stage, Direction(work.direction)
+    if d is FORWARD:
+        return tuple(Work(b, p, FORWARD) for p in graph.predecessors[s])
+    if d is BACKWARD_WEIGHT:
+        if not split_backward:
+            raise ShapeError(f"{work!r} is a split-backward item but split_backward is off")
+        return (Work(b, s, BACKWARD_INPUT),)
+    if (d is BACKWARD_INPUT) != split_backward:
+        raise ShapeError(f"{work!r} does not match split_backward={split_backward}")
+    downstream = graph.successors[s]
+    if not downstream:
+        return (Work(b, s, FORWARD),)
+    return (*(Work(b, t, d) for t in downstream), Work(b, s, FORWARD))
+
+
+def all_work(num_stages: int, num_batches: int, *, split_backward: bool = False) -> Iterator[Work]:
+    """Every work item of one step, batch-major: the order the engine numbers them."""
+    dirs = directions(split_backward)
+    for b in range(num_batches):
+        for s in range(num_stages):
+            for d in dirs:
+                yield Work(b, s, d)
+
+
+def is_last_item(work: Work, split_backward: bool = False) -> bool:
+    """True for the items whose completion ends a batch's work on a stage."""
+    return work.direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
+
+
+def _as_stage_graph(num_stages: int, stage_graph: StageGraph | nx.DiGraph | None) -> StageGraph:
+    if isinstance(stage_graph, StageGraph):
+        return stage_graph
+    return StageGraph(num_stages, stage_graph)

@@ -65,3 +65,23 @@ __all__ = [
     "shape_lower_bound",
     "simulate",
 ]
+
+_LAZY = {
+    # name -> module that defines it; imported on first use so that the
+    # simulator works without torch or OR-Tools loaded.
+    "Trainer": "unisched.execute",
+    "calibrate_costs": "unisched.execute",
+    "load_plan": "unisched.plan",
+    "Plan": "unisched.plan",
+    "policies": "unisched.policies",
+    "epl": "unisched.epl",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        return module if module.__name__.endswith(name) else getattr(module, name)
+    raise AttributeError(f"module 'unisched' has no attribute {name!r}")

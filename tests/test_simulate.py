@@ -1,0 +1,445 @@
+"""The simulator: the seed's figures, the paper's closed forms and theorem,
+timeline invariants, costs, DAGs, and bad input."""
+
+import math
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unisched
+from unisched import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    ComputeAndWeightWorkers,
+    Costs,
+    DeadlockError,
+    Direction,
+    StrategyError,
+    UniSchedError,
+    Work,
+    simulate,
+)
+from unisched.simulate.priorities import BackwardFirst, OldestStageFirst
+
+from seed_notebook import run_seed_cells
+
+UNIT = 3.0  # one forward (1) + one backward (2) of one stage: the paper's unit of time
+
+
+def ddp(w):
+    return ComputeAndWeightWorkers(w.batch, w.batch)
+
+
+def gpipe(w):
+    return ComputeAndWeightWorkers(w.stage, w.stage)
+
+
+def looped(num_workers, group_size):
+    def h(x, y):
+        return (group_size * y % num_workers) + (x % group_size)
+
+    return lambda w: ComputeAndWeightWorkers(h(w.stage, w.batch), h(w.stage, w.batch))
+
+
+def stats(sim, column):
+    return sim.worker_stats()[column]
+
+
+# ---------------------------------------------------------------------- seed figures
+def test_seed_ddp():
+    sim = simulate(8, 4, 8, ddp)
+    assert sim.latency == 12
+    assert round(sim.throughput, 4) == 0.6667
+    assert stats(sim, "max_activation_storage") == [4] * 8
+
+
+def test_seed_fsdp():
+    sim = simulate(8, 4, 8, lambda w: ComputeAndWeightWorkers(w.batch, w.stage % 8))
+    assert sim.latency == 12
+    assert round(sim.throughput, 4) == 0.6667
+    assert stats(sim, "max_activation_storage") == [4] * 8
+    assert stats(sim, "weight_transmissions") == [6, 6, 6, 6, 8, 8, 8, 8]
+    assert stats(sim, "weight_storage") == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_seed_gpipe_both_priorities():
+    by_stage = simulate(4, 4, 8, gpipe, OldestStageFirst(4, 8))
+    by_batch = simulate(4, 4, 8, gpipe)
+    assert by_stage.latency == by_batch.latency == 33
+    assert round(by_batch.throughput, 4) == 0.4848
+    assert stats(by_stage, "max_activation_storage") == [8, 8, 8, 8]
+    assert stats(by_batch, "max_activation_storage") == [8, 7, 4, 1]
+
+
+def test_seed_looped():
+    sim = simulate(4, 4, 8, looped(4, 2))
+    assert sim.latency == 28
+    assert round(sim.throughput, 4) == 0.5714
+    assert stats(sim, "max_activation_storage") == [6, 3, 6, 3]
+    assert stats(sim, "weight_storage") == [2, 2, 2, 2]
+
+
+def test_seed_notebook_cells_run_unchanged():
+    sims = run_seed_cells()
+    assert len(sims) == 7
+    ddp6, fsdp6, gpipe_stage, gpipe_batch, cuckoo, looped6, fs_looped6 = sims
+    assert ddp6.latency == fsdp6.latency == 6 * UNIT
+    assert gpipe_stage.latency == gpipe_batch.latency == (12 + 6 - 1) * UNIT
+    assert stats(fs_looped6, "weight_storage") == [1, 1, 1, 1, 1, 1]
+    assert stats(looped6, "weight_storage") == [2] * 6
+    moved_backwards = 5 * 4  # stages < 6 // 2 + 2, batches < 12 // 2 - 2
+    assert sum(stats(cuckoo, "weight_transmissions")) == moved_backwards
+
+
+def test_cuckoo_counts_a_stash_on_the_backward_worker_from_the_forward_start():
+    """F(s, b) on worker s, B(s, b) on worker W-s-1: the stash is W-s-1's from F's start."""
+    W = S = 4
+
+    def cuckoo(w):
+        if w.direction == BACKWARD and w.stage == 0 and w.batch == 0:
+            return ComputeAndWeightWorkers(W - 1, 0)
+        return ComputeAndWeightWorkers(w.stage, w.stage)
+
+    sim = simulate(W, S, 1, cuckoo)
+    curve = sim.timeline.memory("activations", "units")[W - 1]
+    forward_start = sim.timeline.start[sim.timeline.index()[Work(0, 0, FORWARD)]]
+    assert curve.at(forward_start) == 1
+    assert stats(sim, "max_activation_storage")[W - 1] == 2
+    assert stats(sim, "max_activation_storage")[0] == 0
+
+
+# ---------------------------------------------------------------------- closed forms
+@pytest.mark.parametrize("S", [1, 2, 3, 5])
+@pytest.mark.parametrize("B", [1, 2, 4, 7])
+def test_ddp_and_fsdp_latency_is_S(S, B):
+    assert simulate(B, S, B, ddp).latency == S * UNIT
+    assert simulate(B, S, B, lambda w: ComputeAndWeightWorkers(w.batch, w.stage % B)).latency == S * UNIT
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("B", [1, 2, 5, 8, 12])
+def test_pipeline_latency_and_memory(S, B):
+    for priority in (None, OldestStageFirst(S, B)):
+        assert simulate(S, S, B, gpipe, priority).latency == (B + S - 1) * UNIT
+    limits = [min(S - s, B) for s in range(S)]
+    one_f_one_b = simulate(S, S, B, gpipe, BackwardFirst(S, B), memory_limit=limits)
+    assert one_f_one_b.latency == (B + S - 1) * UNIT
+    peaks = stats(one_f_one_b, "max_activation_storage")
+    assert peaks == limits
+    assert max(peaks) == min(S, B)
+
+
+@pytest.mark.parametrize("S,G,per_group", [(2, 2, 2), (3, 2, 3), (4, 2, 2), (4, 3, 2), (3, 4, 1)])
+def test_looped_latency_with_R_equal_S(S, G, per_group):
+    B = G * per_group
+    sim = simulate(G * S, S, B, looped(G * S, S))
+    assert sim.latency == (S + B / G - 1) * UNIT
+
+
+def test_looped_with_R_below_S_is_slower_than_the_formula():
+    S, R, W, B = 4, 2, 4, 8
+    G = W // R
+    sim = simulate(W, S, B, looped(W, R))
+    formula = (S + B / G - 1) * UNIT
+    work_per_worker = (S / R) * (B / G) * UNIT
+    assert sim.latency > formula
+    assert sim.latency >= work_per_worker
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    W=st.integers(1, 5),
+    S=st.integers(1, 5),
+    B=st.integers(1, 6),
+    seed=st.integers(0, 2**31),
+)
+def test_throughput_bounded_by_memory(W, S, B, seed):
+    """rho = S B / (L W) <= M / S, L in units of F + B, M the peak stash count."""
+    rng = np.random.default_rng(seed)
+    table = {w: (int(rng.integers(W)), int(rng.integers(W))) for w in unisched.all_work(S, B)}
+    sim = simulate(W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]))
+    rho = S * B / (sim.latency / UNIT * W)
+    M = max(stats(sim, "max_activation_storage"))
+    assert rho <= M / S + 1e-9
+    assert_valid_timeline(sim.timeline)
+
+
+# ---------------------------------------------------------------------- invariants
+def assert_valid_timeline(t, memory_limit=None, split_backward=False, stage_graph=None):
+    index = t.index()
+    expected = set(unisched.all_work(t.num_stages, t.num_batches, split_backward=split_backward))
+    assert len(index) == len(t) == len(expected) and set(index) == expected, "every item exactly once"
+    for work, row in index.items():
+        for dep in unisched.dependencies(work, t.num_stages, split_backward=split_backward, stage_graph=stage_graph):
+            assert t.start[row] >= t.end[index[dep]] - 1e-9, f"{work} starts before {dep} ends"
+    for w in range(t.num_workers):
+        rows = np.flatnonzero(t.worker == w)
+        rows = rows[np.argsort(t.start[rows])]
+        assert np.all(t.start[rows[1:]] >= t.end[rows[:-1]] - 1e-9), f"worker {w} runs two items at once"
+    if memory_limit is not None:
+        limits = np.broadcast_to(memory_limit, (t.num_workers,))
+        for w, curve in enumerate(t.memory("activations", "units")):
+            assert curve.peak <= limits[w] + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    W=st.integers(1, 4),
+    S=st.integers(1, 4),
+    B=st.integers(1, 5),
+    split=st.booleans(),
+    limit=st.one_of(st.none(), st.integers(2, 6)),
+    seed=st.integers(0, 2**31),
+)
+def test_random_strategies_give_valid_timelines(W, S, B, split, limit, seed):
+    rng = np.random.default_rng(seed)
+    table = {
+        w: (int(rng.integers(W)), int(rng.integers(W)))
+        for w in unisched.all_work(S, B, split_backward=split)
+    }
+    try:
+        sim = simulate(
+            W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]), memory_limit=limit, split_backward=split
+        )
+    except DeadlockError as error:
+        assert error.blocked, "a deadlock names the blocked workers"
+        return
+    assert_valid_timeline(sim.timeline, limit, split)
+    assert sim.latency >= sim.lower_bound - 1e-9
+
+
+def test_memory_limit_turns_gpipe_into_1f1b():
+    free = simulate(4, 4, 8, gpipe, BackwardFirst(4, 8))
+    limited = simulate(4, 4, 8, gpipe, BackwardFirst(4, 8), memory_limit=4)
+    assert max(stats(free, "max_activation_storage")) == 8
+    assert max(stats(limited, "max_activation_storage")) == 4
+    assert limited.latency == free.latency
+
+
+def test_memory_limit_per_worker_is_respected():
+    sim = simulate(4, 4, 8, gpipe, memory_limit=[2, 2, 2, 2])
+    assert_valid_timeline(sim.timeline, [2, 2, 2, 2])
+    assert max(stats(sim, "max_activation_storage")) == 2
+
+
+def test_deadlocking_memory_limit_raises_naming_workers():
+    with pytest.raises(DeadlockError) as caught:
+        simulate(2, 4, 2, ddp, memory_limit=2)
+    message = str(caught.value)
+    assert "worker 0" in message and "memory" in message
+    assert set(caught.value.blocked) == {0, 1}
+
+
+def test_memory_limit_below_one_stash_is_a_clear_error():
+    with pytest.raises(UniSchedError, match="cannot hold even one stash"):
+        simulate(4, 4, 8, gpipe, memory_limit=0.5)
+
+
+# ---------------------------------------------------------------------- split backward
+def test_split_backward_dependencies_and_memory():
+    costs = Costs(forward=1, backward_input=1, backward_weight=1, input_grad_frees=0.5)
+    sim = simulate(4, 4, 4, gpipe, costs=costs, split_backward=True)
+    assert_valid_timeline(sim.timeline, split_backward=True)
+    assert len(sim.timeline) == 4 * 4 * 3
+    halves = sim.timeline.memory("activations", "units")[3]
+    assert set(np.round(halves.values * 2)) <= set(range(0, 20))
+    assert any(v % 1 == 0.5 for v in halves.values)
+
+
+def test_split_dependency_rules():
+    assert unisched.dependencies(Work(0, 3, BACKWARD_INPUT), 4, split_backward=True) == (Work(0, 3, FORWARD),)
+    assert unisched.dependencies(Work(0, 1, BACKWARD_INPUT), 4, split_backward=True) == (
+        Work(0, 2, BACKWARD_INPUT),
+        Work(0, 1, FORWARD),
+    )
+    assert unisched.dependencies(Work(0, 1, BACKWARD_WEIGHT), 4, split_backward=True) == (Work(0, 1, BACKWARD_INPUT),)
+
+
+# ---------------------------------------------------------------------- costs
+def test_transfer_delays_its_consumer_by_latency_plus_bytes_over_bandwidth():
+    costs = Costs(activation_bytes=1000.0, latency=0.5, bandwidth=4000.0)
+    sim = simulate(2, 2, 1, gpipe, costs=costs)
+    t, index = sim.timeline, sim.timeline.index()
+    f0, f1 = index[Work(0, 0, FORWARD)], index[Work(0, 1, FORWARD)]
+    assert t.start[f1] == pytest.approx(t.end[f0] + 0.5 + 1000 / 4000)
+    b1, b0 = index[Work(0, 1, BACKWARD)], index[Work(0, 0, BACKWARD)]
+    assert t.start[b0] == pytest.approx(t.end[b1] + 0.75)
+    kinds = [r.kind for r in t.transfers]
+    assert kinds.count("activation") == 1 and kinds.count("gradient") == 1
+
+
+def test_transfers_on_one_link_serialise():
+    costs = Costs(activation_bytes=1.0, bandwidth=1.0)  # each transfer occupies the link for 1
+    fast_forward = Costs(forward=0.25, backward=2, activation_bytes=1.0, bandwidth=1.0)
+    sim = simulate(2, 2, 4, gpipe, costs=fast_forward)
+    moves = sorted((r.start, r.end) for r in sim.timeline.transfers if r.kind == "activation")
+    for (s1, e1), (s2, _) in zip(moves, moves[1:]):
+        assert s2 >= e1 - 1e-9
+    assert simulate(2, 2, 4, gpipe, costs=costs).latency > simulate(2, 2, 4, gpipe).latency
+
+
+def test_per_stage_durations_and_worker_speed():
+    costs = Costs(forward=[1, 2], backward=[2, 4], worker_speed=[1, 2])
+    sim = simulate(2, 2, 1, gpipe, costs=costs)
+    t, index = sim.timeline, sim.timeline.index()
+    assert t.end[index[Work(0, 1, FORWARD)]] - t.start[index[Work(0, 1, FORWARD)]] == 1.0
+    assert t.end[index[Work(0, 0, BACKWARD)]] - t.start[index[Work(0, 0, BACKWARD)]] == 2.0
+
+
+def test_weight_fetches_delay_work_and_return_gradients():
+    fsdp = lambda w: ComputeAndWeightWorkers(w.batch, w.stage % 2)  # noqa: E731
+    costs = Costs(weight_bytes=2.0, bandwidth=1.0, prefetch_depth=0)
+    sim = simulate(2, 2, 2, fsdp, costs=costs)
+    t = sim.timeline
+    fetches = [r for r in t.transfers if r.kind == "weights"]
+    returns = [r for r in t.transfers if r.kind == "weight_gradient"]
+    assert len(fetches) == 2 and len(returns) == 2  # cached: one per (worker, foreign stage)
+    assert sim.latency > simulate(2, 2, 2, fsdp).latency
+    uncached = simulate(2, 2, 2, fsdp, costs=Costs(weight_bytes=2.0, bandwidth=1.0, cache_weights=False))
+    assert sum(r.kind == "weights" for r in uncached.timeline.transfers) == 4
+    assert sum(r.kind == "weight_gradient" for r in uncached.timeline.transfers) == 2
+
+
+def test_prefetch_hides_fetch_time():
+    fsdp = lambda w: ComputeAndWeightWorkers(w.batch, w.stage % 2)  # noqa: E731
+    base = dict(weight_bytes=0.5, bandwidth=1.0, cache_weights=False)
+    eager = simulate(2, 4, 2, fsdp, costs=Costs(prefetch_depth=1, **base))
+    lazy = simulate(2, 4, 2, fsdp, costs=Costs(prefetch_depth=0, **base))
+    assert eager.latency < lazy.latency
+
+
+def test_replicas_all_reduce_at_the_end():
+    costs = Costs(weight_bytes=4.0, bandwidth=2.0, latency=0.0)
+    sim = simulate(4, 2, 4, ddp, costs=costs)
+    reduces = [r for r in sim.timeline.transfers if r.kind == "allreduce"]
+    assert len(reduces) == 2 * 4
+    assert sim.latency == pytest.approx(2 * UNIT + 2 * 3 / 4 * 4.0 / 2.0)
+
+
+def test_free_and_costed_runs_move_the_same_things():
+    fsdp = lambda w: ComputeAndWeightWorkers(w.batch % 2, w.stage % 2)  # noqa: E731
+    free = simulate(2, 3, 4, fsdp, costs=Costs(activation_bytes=1, weight_bytes=1))
+    costed = simulate(2, 3, 4, fsdp, costs=Costs(activation_bytes=1, weight_bytes=1, latency=1e-6))
+
+    def counts(sim):
+        return sorted((r.kind, r.src, r.dst) for r in sim.timeline.transfers)
+
+    assert counts(free) == counts(costed)
+
+
+def test_costs_file_round_trip(tmp_path):
+    costs = Costs(forward=[1, 2], backward=3, activation_bytes=10, bandwidth=5.0, links={(0, 1): {"latency": 2}})
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    again = Costs.load(path)
+    assert again.forward == [1, 2] and again.link(0, 1).latency == 2 and again.bandwidth == 5.0
+    path.write_text('{"forwrd": 1}')
+    with pytest.raises(UniSchedError, match="forwrd"):
+        Costs.load(path)
+
+
+# ---------------------------------------------------------------------- DAG of stages
+def test_two_encoders_feed_a_decoder():
+    graph = nx.DiGraph([(0, 2), (1, 2), (2, 3)])
+    placement = {0: 0, 1: 1, 2: 2, 3: 2}
+    strategy = lambda w: ComputeAndWeightWorkers(placement[w.stage], placement[w.stage])  # noqa: E731
+    costs = Costs(forward=[1, 3, 1, 1], backward=[2, 2, 2, 2])
+    sim = simulate(3, 4, 2, strategy, costs=costs, stage_graph=graph)
+    t, index = sim.timeline, sim.timeline.index()
+    assert_valid_timeline(t, stage_graph=graph)
+    assert t.start[index[Work(0, 2, FORWARD)]] == 3  # waits for the slower leg
+    assert t.start[index[Work(0, 0, BACKWARD)]] >= t.end[index[Work(0, 2, BACKWARD)]]
+    assert t.start[index[Work(0, 1, BACKWARD)]] >= t.end[index[Work(0, 2, BACKWARD)]]
+
+
+def test_stage_graph_must_be_a_dag_on_all_stages():
+    with pytest.raises(UniSchedError, match="cycle"):
+        simulate(2, 2, 1, gpipe, stage_graph=nx.DiGraph([(0, 1), (1, 0)]))
+    with pytest.raises(UniSchedError, match="missing"):
+        simulate(2, 3, 1, gpipe, stage_graph=nx.DiGraph([(0, 1)]))
+
+
+# ---------------------------------------------------------------------- bad input
+def test_worker_out_of_range_names_the_work():
+    with pytest.raises(StrategyError, match=r"Work\(batch=0, stage=3"):
+        simulate(3, 4, 2, gpipe)
+
+
+def test_non_integer_worker_names_the_work():
+    with pytest.raises(StrategyError, match=r"Work\(batch=0, stage=0.*integers"):
+        simulate(2, 2, 2, lambda w: ComputeAndWeightWorkers(0.5, 0))
+
+
+def test_strategy_that_raises_names_the_work():
+    def broken(w):
+        if w.stage == 1:
+            raise KeyError("no such stage")
+        return ComputeAndWeightWorkers(0, 0)
+
+    with pytest.raises(StrategyError, match=r"failed on Work\(batch=0, stage=1.*KeyError"):
+        simulate(2, 2, 2, broken)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 2), (2, 0, 2), (2, 2, -1), (2.5, 2, 2)])
+def test_bad_shapes(shape):
+    with pytest.raises(UniSchedError):
+        simulate(*shape, gpipe)
+
+
+def test_fixed_orders_are_followed_and_checked():
+    order = {0: [Work(1, 0, FORWARD), Work(0, 0, FORWARD), Work(0, 0, BACKWARD), Work(1, 0, BACKWARD)]}
+    strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), name="fixed", worker_orders=order)
+    sim = simulate(1, 1, 2, strategy)
+    assert sim.timeline.worker_order(0) == order[0]
+    bad = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), worker_orders={0: order[0][:3]})
+    with pytest.raises(StrategyError, match="leave out"):
+        simulate(1, 1, 2, bad)
+    backwards = {0: [Work(0, 0, BACKWARD), Work(0, 0, FORWARD), Work(1, 0, FORWARD), Work(1, 0, BACKWARD)]}
+    with pytest.raises(DeadlockError):
+        simulate(1, 1, 2, unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), worker_orders=backwards))
+
+
+def test_strategy_is_called_once_per_work_item():
+    calls = []
+
+    def counting(w):
+        calls.append(w)
+        return ComputeAndWeightWorkers(w.stage, w.stage)
+
+    simulate(4, 4, 8, counting)
+    assert len(calls) == len(set(calls)) == 4 * 8 * 2
+
+
+# ---------------------------------------------------------------------- results
+def test_result_reports_and_bounds():
+    sim = simulate(4, 4, 8, gpipe)
+    assert "latency 33" in repr(sim)
+    assert "peak activations per worker 8,7,4,1" in sim.summary()
+    assert sim.lower_bound == 24  # the busiest worker's 8 forwards and 8 backwards
+    assert sim.lower_bounds["shape"] == max(4 * 8 * UNIT / 4, 4 * UNIT)
+    assert sim.bubble_fraction == pytest.approx(1 - 4 * 8 * UNIT / (33 * 4))
+    columns = sim.worker_stats()
+    for name in unisched.metrics.STAT_COLUMNS:
+        assert len(columns[name]) == 4
+    assert columns["utilization"] == pytest.approx([24 / 33] * 4)
+    assert columns["activation_transmissions"] == [8, 16, 16, 8]
+
+
+def test_memory_curves_in_bytes():
+    costs = Costs(activation_bytes=[10, 20], weight_bytes=[100, 200])
+    sim = simulate(2, 2, 2, gpipe, costs=costs)
+    peak = sim.worker_stats()["peak_memory_bytes"]
+    assert peak == [100 + 2 * 10, 200 + 1 * 20]
+
+
+def test_work_text_form_round_trips():
+    for work in [Work(0, 2, FORWARD), Work(11, 0, BACKWARD_WEIGHT)]:
+        assert Work.parse(str(work)) == work
+    assert str(Work(0, 2, FORWARD)) == "2F0"
+    assert Work(batch=1, stage=2, direction=Direction.BACKWARD) == Work(1, 2, BACKWARD)
+    assert math.isclose(simulate(1, 1, 1, gpipe).latency, UNIT)

@@ -147,7 +147,7 @@ class _Memory:
         if not claims:
             return None
         retry = t
-        for w, amount, _ in claims:
+        for w, amount in claims:
             need = self._level(w, t) + amount - self.p.limit[w]
             if need <= _EPS:
                 continue
@@ -167,12 +167,16 @@ class _Memory:
     def on_scheduled(self, item: int, begin: float, finish: float):
         """Book ``item``'s claims and releases; yield parked items to retry."""
         p = self.p
-        for w, amount, _releaser in p.claims[item] or ():
+        for w, amount in p.claims[item] or ():
             self.live[w] += amount
-            self.holding[w][item] = amount
+            self.holding[w][item] = self.holding[w].get(item, 0.0) + amount
         for w, amount, owner in p.releases_of[item] or ():
             heappush(self.releases[w], (finish, amount))
-            self.holding[w].pop(owner, None)
+            left = self.holding[w].get(owner, 0.0) - amount
+            if left > _EPS:
+                self.holding[w][owner] = left
+            else:
+                self.holding[w].pop(owner, None)
             parked = self.parked[w]
             for compute_worker in list(parked):
                 queue = parked[compute_worker]

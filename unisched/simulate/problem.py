@@ -338,9 +338,11 @@ def _memory(shape: Shape, memory_limit, dirs, compute, stage, sizes, input_grad_
             share = float(amount[s] * shares[d])
             mine.append((holder, share, releaser))
             releases_of[releaser] = ((holder, share, f),)
-        claims[f] = tuple(mine)
-        for holder in {h for h, _, _ in mine}:
-            need = sum(a for h, a, _ in mine if h == holder)
+        per_holder: dict[int, float] = {}
+        for holder, share, _ in mine:
+            per_holder[holder] = per_holder.get(holder, 0.0) + share
+        claims[f] = tuple(per_holder.items())
+        for holder, need in per_holder.items():
             if need > limits[holder] + 1e-9:
                 raise ShapeError(
                     f"memory_limit {limits[holder]:g} of worker {holder} cannot hold even one stash of stage {s} "

@@ -1,0 +1,218 @@
+"""CP-SAT for the order of work when the mapping is fixed.
+
+One start variable and one interval per work item; no two items of a worker
+overlap; an item starts after its inputs end, plus the transfer time when
+they ran on another worker; a borrowed stage's weights arrive ``fetch`` after
+the step starts and its gradient goes back ``fetch`` after its last backward.
+Activation memory is a cumulative constraint per worker over "live"
+intervals, from a forward's start to its backward's end on the backward's
+worker, which CP-SAT propagates far better than a reservoir.
+
+Micro-batches with identical mappings are interchangeable, so the model
+fixes their order at the first stage (sound); ``fifo=True`` also keeps them
+first-in-first-out at every stage, a restriction that shrinks the search but
+may cut off the optimum, so a FIFO answer is never called proven.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from unisched.plan.problem import PlanInputError, TimedProblem, Ticks
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+
+
+@dataclass(frozen=True)
+class Solved:
+    """What a CP-SAT run found: start ticks, objective and bound (ticks), status."""
+
+    status: str
+    starts: np.ndarray | None
+    compute: np.ndarray | None
+    weight: np.ndarray | None
+    objective: int | None
+    bound: int
+    wall: float
+
+    @property
+    def optimal(self) -> bool:
+        return self.status == "OPTIMAL"
+
+    @property
+    def found(self) -> bool:
+        return self.starts is not None
+
+
+def solve_order(
+    timed: TimedProblem,
+    compute: np.ndarray,
+    weight: np.ndarray,
+    *,
+    time_limit: float,
+    hint_starts: np.ndarray | None = None,
+    fifo: bool = False,
+    num_workers: int = 2,
+    seed: int = 0,
+) -> Solved:
+    """Best order for the mapping ``compute`` / ``weight`` (arrays over item ids)."""
+    compute = np.asarray(compute, dtype=np.int64)
+    weight = np.asarray(weight, dtype=np.int64)
+    begin = time.perf_counter()
+    model = cp_model.CpModel()
+    n = len(compute)
+    duration = timed.duration[np.arange(n), compute]
+    tails = _tails(timed, compute, weight)
+    release = _releases(timed, compute, weight)
+    edges = timed.data_edges()
+    delay = [
+        int(timed.comm[compute[u], compute[v], s]) if compute[u] != compute[v] else 0 for u, v, s in edges
+    ]
+    horizon = int(duration.sum() + sum(delay) + release.max(initial=0) + tails.max(initial=0) + 1)
+    if hint_starts is not None:
+        horizon = min(horizon, int(max(np.max(hint_starts + duration + tails), 0)) + 1) if len(hint_starts) else horizon
+
+    start = [model.new_int_var(int(release[i]), horizon, f"s{i}") for i in range(n)]
+    end = [start[i] + int(duration[i]) for i in range(n)]
+    intervals = [model.new_fixed_size_interval_var(start[i], int(duration[i]), f"x{i}") for i in range(n)]
+    makespan = model.new_int_var(0, horizon, "makespan")
+
+    for w in range(timed.shape.num_workers):
+        mine = [intervals[i] for i in np.flatnonzero(compute == w)]
+        if len(mine) > 1:
+            model.add_no_overlap(mine)
+    for (u, v, _), d in zip(edges, delay):
+        model.add(start[v] >= end[u] + d)
+    for i in range(n):
+        model.add(makespan >= end[i] + int(tails[i]))
+
+    _memory(model, timed, compute, start, end, horizon)
+    _symmetry(model, timed, compute, weight, start, fifo)
+
+    if hint_starts is not None:
+        for i in range(n):
+            model.add_hint(start[i], int(hint_starts[i]))
+        model.add_hint(makespan, int(np.max(np.asarray(hint_starts) + duration + tails)))
+    model.minimize(makespan)
+    solver = _solver(time_limit, num_workers, seed)
+    status = solver.solve(model)
+    wall = time.perf_counter() - begin
+    name = solver.status_name(status)
+    if status == cp_model.INFEASIBLE:
+        return Solved(name, None, compute, weight, None, horizon, wall)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return Solved(name, None, compute, weight, None, int(solver.best_objective_bound), wall)
+    starts = np.array([solver.value(s) for s in start], dtype=np.int64)
+    return Solved(name, starts, compute, weight, int(solver.objective_value), int(solver.best_objective_bound), wall)
+
+
+def _solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
+    solver.parameters.num_workers = max(1, int(num_workers))
+    solver.parameters.random_seed = seed
+    return solver
+
+
+def _releases(timed: TimedProblem, compute, weight) -> np.ndarray:
+    """Ticks before which an item cannot start: its borrowed weights' arrival."""
+    stage = timed.stage
+    borrowed = compute != weight
+    release = np.zeros(len(compute), dtype=np.int64)
+    release[borrowed] = timed.fetch[weight[borrowed], compute[borrowed], stage[borrowed]]
+    return release
+
+
+def _tails(timed: TimedProblem, compute, weight) -> np.ndarray:
+    """Ticks the step lasts after an item: gradient return, then the all-reduce of replicated stages."""
+    problem = timed.problem
+    costs = problem.costs
+    W, S, B = problem.shape
+    last = timed.direction == problem.last_backward
+    tails = np.zeros(len(compute), dtype=np.int64)
+    returning = last & (compute != weight)
+    tails[returning] = timed.fetch[compute[returning], weight[returning], timed.stage[returning]]
+    wbytes = costs.per_stage("weight_bytes", S)
+    for s in range(S):
+        rows = last & (timed.stage == s)
+        replicas = np.unique(weight[rows])
+        if len(replicas) < 2:
+            continue
+        k = len(replicas)
+        link = costs.link(int(replicas[0]), int(replicas[1]))
+        allreduce = 2 * (k - 1) * link.latency + 2 * (k - 1) / k * wbytes[s] / link.bandwidth
+        tails[rows] += timed.ticks(allreduce)
+    return tails
+
+
+def memory_demands(timed: TimedProblem) -> tuple[dict, int, Ticks]:
+    """Integer demand of each backward's share of its stash, and the limit, in one unit."""
+    problem = timed.problem
+    sizes = problem.stash_sizes
+    share = problem.costs.input_grad_frees
+    shares = {BACKWARD: 1.0, BACKWARD_INPUT: share, BACKWARD_WEIGHT: 1.0 - share}
+    values = [sizes[s] * shares[d] for s in range(len(sizes)) for d in problem.dirs[1:]]
+    unit = Ticks.for_times(values + [problem.memory_limit or 0.0])
+    demands = {(s, d): unit(sizes[s] * shares[d]) for s in range(len(sizes)) for d in problem.dirs[1:]}
+    capacity = int(np.floor(problem.memory_limit * unit.scale + 1e-6))
+    return demands, capacity, unit
+
+
+def _memory(model, timed: TimedProblem, compute, start, end, horizon) -> None:
+    problem = timed.problem
+    if problem.memory_limit is None:
+        return
+    demands, capacity, _ = memory_demands(timed)
+    W, S, B = problem.shape
+    per_worker: dict[int, tuple[list, list]] = {w: ([], []) for w in range(W)}
+    for b in range(B):
+        for s in range(S):
+            f = problem.item(b, s, FORWARD)
+            for d in problem.dirs[1:]:
+                r = problem.item(b, s, d)
+                demand = demands[(s, d)]
+                if demand == 0:
+                    continue
+                size = model.new_int_var(0, horizon, f"live{r}")
+                live = model.new_interval_var(start[f], size, end[r], f"l{r}")
+                intervals, amounts = per_worker[int(compute[r])]
+                intervals.append(live)
+                amounts.append(demand)
+    for w, (intervals, amounts) in per_worker.items():
+        if intervals and sum(amounts) > capacity:
+            model.add_cumulative(intervals, amounts, capacity)
+
+
+def _symmetry(model, timed: TimedProblem, compute, weight, start, fifo: bool) -> None:
+    """Order interchangeable micro-batches (same workers for every item)."""
+    problem = timed.problem
+    W, S, B = problem.shape
+    per_batch = S * len(problem.dirs)
+    groups: dict[bytes, list[int]] = {}
+    for b in range(B):
+        rows = slice(b * per_batch, (b + 1) * per_batch)
+        groups.setdefault(compute[rows].tobytes() + weight[rows].tobytes(), []).append(b)
+    for batches in groups.values():
+        for a, b in zip(batches, batches[1:]):
+            model.add(start[problem.item(a, 0, FORWARD)] <= start[problem.item(b, 0, FORWARD)])
+            if fifo:
+                for s in range(S):
+                    for d in problem.dirs:
+                        model.add(start[problem.item(a, s, d)] <= start[problem.item(b, s, d)])
+
+
+def check_mapping_memory(timed: TimedProblem, compute: np.ndarray) -> None:
+    """A mapping that keeps more of one micro-batch's stashes on a worker than its limit can never run."""
+    problem = timed.problem
+    if problem.memory_limit is None:
+        return
+    need, worker = problem.min_memory_mapped(compute)
+    if need > problem.memory_limit + 1e-9:
+        raise PlanInputError(
+            f"infeasible: this mapping keeps {need:g} of one micro-batch's stashes on worker {worker}, so the "
+            f"memory limit needs at least {need:g} (got {problem.memory_limit:g}); raise --memory-limit or "
+            "choose another strategy"
+        )

@@ -1,0 +1,264 @@
+"""What the planner is asked: a shape, costs and limits, and the integer form
+of its times that CP-SAT works in.
+
+Communication flags are encoded into the simulator's :class:`~unisched.Costs`
+so that the simulator's replay of a plan and the CP-SAT model agree:
+
+- ``--comm T``: every activation, gradient or stash that changes worker takes
+  ``T`` (``latency = T``, zero activation bytes, so activations do not occupy
+  the link and memory limits stay in activation units);
+- ``--fetch T``: a stage's weights reach a worker that is not their weight
+  worker ``T`` after the step starts (``weight_bytes = T - comm`` at bandwidth
+  1, ``prefetch_depth`` large enough that every fetch is issued at time 0,
+  cached for the step); the accumulated gradient goes back in ``T`` after the
+  worker's last backward of that stage.
+
+The one thing the model leaves out is contention on a link (a fetch and an
+activation queueing on the same pair of workers); the latency a plan reports
+is always the simulator's replay, which includes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Sequence
+
+import numpy as np
+
+from unisched.errors import ShapeError
+from unisched.simulate.costs import Costs
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Shape, directions
+
+PREFETCH_AT_START = 1_000_000
+"""A prefetch depth no step reaches: every weight fetch is issued at time 0."""
+
+
+class PlanInputError(ShapeError):
+    """A planning problem that cannot be solved as asked (limits too tight, bad flags)."""
+
+
+def encode_costs(
+    *,
+    forward: float | Sequence[float] = 1.0,
+    backward: float | Sequence[float] = 2.0,
+    backward_input: float | Sequence[float] | None = None,
+    backward_weight: float | Sequence[float] | None = None,
+    comm: float = 0.0,
+    fetch: float = 0.0,
+    base: Costs | None = None,
+) -> Costs:
+    """The simulator's Costs for the planner's flags (see the module docstring)."""
+    if comm < 0 or fetch < 0:
+        raise PlanInputError(f"--comm and --fetch must be >= 0, got comm={comm:g}, fetch={fetch:g}")
+    if base is not None:
+        return base
+    if fetch and fetch < comm:
+        raise PlanInputError(
+            f"--fetch {fetch:g} is shorter than --comm {comm:g}; the simulator's link model (latency plus size "
+            "over bandwidth) cannot make a weight fetch faster than an activation transfer: give --fetch >= --comm "
+            "or a costs file"
+        )
+    return Costs(
+        forward=forward,
+        backward=backward,
+        backward_input=backward_input,
+        backward_weight=backward_weight,
+        latency=float(comm),
+        bandwidth=1.0 if fetch else math.inf,
+        activation_bytes=0.0,
+        weight_bytes=float(fetch - comm) if fetch else 0.0,
+        prefetch_depth=PREFETCH_AT_START,
+        cache_weights=True,
+    )
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """One planning question: shape, costs and the limits a plan must respect.
+
+    ``memory_limit`` is in activation units (stashes), or in bytes when the
+    costs give ``activation_bytes``, as in :func:`unisched.simulate`.
+    ``max_stages_per_worker`` caps how many stages' weights a worker holds:
+    those it is weight worker of plus those it fetches to compute.
+    """
+
+    shape: Shape
+    costs: Costs = field(default_factory=Costs)
+    memory_limit: float | None = None
+    max_stages_per_worker: int | None = None
+    split_backward: bool = False
+
+    def __post_init__(self):
+        Shape(*self.shape).check()
+        object.__setattr__(self, "shape", Shape(*self.shape))
+        if self.memory_limit is not None and not (self.memory_limit >= 0 and math.isfinite(self.memory_limit)):
+            raise PlanInputError(f"--memory-limit must be a non-negative number, got {self.memory_limit!r}")
+        K = self.max_stages_per_worker
+        if K is not None and (isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1):
+            raise PlanInputError(f"--max-stages-per-worker must be a positive integer, got {K!r}")
+        self.check_feasible()
+
+    # ------------------------------------------------------------------ items
+    @property
+    def dirs(self) -> tuple[Direction, ...]:
+        return directions(self.split_backward)
+
+    @property
+    def num_items(self) -> int:
+        W, S, B = self.shape
+        return B * S * len(self.dirs)
+
+    def item(self, batch: int, stage: int, direction: Direction) -> int:
+        """The simulator's item id: ``(batch * S + stage) * D + k``."""
+        D = len(self.dirs)
+        return (batch * self.shape.num_stages + stage) * D + self.dirs.index(Direction(direction))
+
+    def item_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        W, S, B = self.shape
+        D = len(self.dirs)
+        ids = np.arange(self.num_items)
+        return ids // (S * D), (ids // D) % S, np.asarray(self.dirs, dtype=np.int64)[ids % D]
+
+    @property
+    def last_backward(self) -> Direction:
+        return BACKWARD_WEIGHT if self.split_backward else BACKWARD
+
+    @property
+    def stash_sizes(self) -> np.ndarray:
+        """Memory one stash of each stage takes, in the unit of ``memory_limit``."""
+        S = self.shape.num_stages
+        return self.costs.per_stage("activation_bytes", S) if self.costs.has_sizes else np.ones(S)
+
+    # ------------------------------------------------------------------ feasibility
+    def check_feasible(self) -> None:
+        """Reject limits no mapping can meet, saying the least that would do."""
+        W, S, B = self.shape
+        K = self.max_stages_per_worker
+        if K is not None and K * W < S:
+            need = -(-S // W)
+            raise PlanInputError(
+                f"infeasible: {W} workers holding at most {K} stage(s) each cannot hold {S} stages; "
+                f"--max-stages-per-worker needs at least {need}"
+            )
+        if self.memory_limit is None:
+            return
+        need = self.min_memory_free()
+        if self.memory_limit + 1e-9 < need:
+            raise PlanInputError(
+                f"infeasible: memory limit {self.memory_limit:g} is too small; every micro-batch holds all its "
+                f"{S} stashes at once after its last forward, so some worker needs at least {need:g}; "
+                f"raise --memory-limit to {need:g} or more"
+            )
+
+    def min_memory_free(self) -> float:
+        """The least memory limit any mapping can run with.
+
+        After the last forward of a micro-batch, all its stashes are live; at
+        best they are spread over the workers a stage at a time (each worker
+        taking at most ``max_stages_per_worker`` stages).
+        """
+        W, S, B = self.shape
+        sizes = np.sort(self.stash_sizes)[::-1]
+        per_worker = -(-S // W)
+        return float(max(sizes[:per_worker].sum(), sizes.max()))
+
+    def min_memory_mapped(self, compute: np.ndarray) -> tuple[float, int]:
+        """The least memory limit a fixed mapping runs with, and the worker that needs it:
+        the most stashes of one micro-batch kept on one worker."""
+        batch, stage, direction = self.item_arrays()
+        keep = direction == (BACKWARD_INPUT if self.split_backward else BACKWARD)
+        sizes = self.stash_sizes
+        W, S, B = self.shape
+        table = np.zeros((B, W))
+        np.add.at(table, (batch[keep], compute[keep]), sizes[stage[keep]])
+        worst = np.unravel_index(np.argmax(table), table.shape)
+        return float(table.max()), int(worst[1])
+
+
+@dataclass(frozen=True)
+class Ticks:
+    """CP-SAT works on integers: times are multiplied by ``scale`` and rounded.
+
+    The scale is the smallest that makes every given time a whole number (up
+    to a resolution of 1/1000 of the shortest time); plans always report the
+    simulator's replay in the original unit.
+    """
+
+    scale: int
+
+    @classmethod
+    def for_times(cls, times: Sequence[float]) -> "Ticks":
+        positive = [float(t) for t in times if t > 0]
+        if not positive:
+            return cls(1)
+        scale = 1
+        for t in positive:
+            fraction = Fraction(t).limit_denominator(1000)
+            if abs(float(fraction) - t) > 1e-9 * max(1.0, t):
+                return cls(max(1, int(round(1000 / min(positive)))))
+            scale = scale * fraction.denominator // math.gcd(scale, fraction.denominator)
+        return cls(min(scale, 10**6))
+
+    def __call__(self, time: float) -> int:
+        return int(round(float(time) * self.scale))
+
+    def time(self, ticks: float) -> float:
+        return float(ticks) / self.scale
+
+
+@dataclass(frozen=True)
+class TimedProblem:
+    """Everything the CP-SAT models need, in ticks, per item, worker and stage."""
+
+    problem: PlanProblem
+    ticks: Ticks
+    duration: np.ndarray  # (items, workers)
+    comm: np.ndarray  # (src worker, dst worker, stage): activation/gradient of that stage
+    fetch: np.ndarray  # (owner, worker, stage): weights to a borrowing worker, or gradient back
+    batch: np.ndarray
+    stage: np.ndarray
+    direction: np.ndarray
+
+    @classmethod
+    def build(cls, problem: PlanProblem) -> "TimedProblem":
+        W, S, B = problem.shape
+        costs = problem.costs
+        batch, stage, direction = problem.item_arrays()
+        base = costs.durations(S)
+        speeds = costs.speeds(W)
+        seconds = np.stack([base[Direction(d)][s] / speeds for s, d in zip(stage, direction)])
+        act = costs.per_stage("activation_bytes", S)
+        wbytes = costs.per_stage("weight_bytes", S)
+        comm = np.zeros((W, W, S))
+        fetch = np.zeros((W, W, S))
+        for a in range(W):
+            for b in range(W):
+                if a != b:
+                    comm[a, b] = [costs.transfer_time(a, b, x) for x in act]
+                    fetch[a, b] = [costs.transfer_time(a, b, x) for x in wbytes]
+        ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel()]))
+        to_ticks = np.vectorize(ticks, otypes=[np.int64])
+        return cls(problem, ticks, to_ticks(seconds), to_ticks(comm), to_ticks(fetch), batch, stage, direction)
+
+    @property
+    def shape(self) -> Shape:
+        return self.problem.shape
+
+    def data_edges(self) -> list[tuple[int, int, int]]:
+        """Every dependency (src item, dst item, stage whose data moves)."""
+        W, S, B = self.shape
+        split = self.problem.split_backward
+        back = BACKWARD_INPUT if split else BACKWARD
+        item = self.problem.item
+        edges = []
+        for b in range(B):
+            for s in range(S):
+                if s + 1 < S:
+                    edges.append((item(b, s, FORWARD), item(b, s + 1, FORWARD), s + 1))
+                    edges.append((item(b, s + 1, back), item(b, s, back), s + 1))
+                edges.append((item(b, s, FORWARD), item(b, s, back), s))
+                if split:
+                    edges.append((item(b, s, BACKWARD_INPUT), item(b, s, BACKWARD_WEIGHT), s))
+        return edges

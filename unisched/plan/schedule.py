@@ -1,0 +1,78 @@
+"""A schedule as the planner hands it on: each item's workers and each worker's
+order, and the strategy the simulator replays it as."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from unisched.simulate import simulate
+from unisched.simulate.simulation import Simulation
+from unisched.strategy import Strategy
+from unisched.work import ComputeAndWeightWorkers, Direction, Work
+
+from unisched.plan.problem import PlanProblem
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Workers per item (the simulator's item ids) and each worker's sequence of item ids."""
+
+    problem: PlanProblem
+    compute: np.ndarray
+    weight: np.ndarray
+    orders: Mapping[int, Sequence[int]]
+    name: str = "cpsat"
+
+    @classmethod
+    def from_starts(cls, problem: PlanProblem, compute, weight, starts, name: str = "cpsat") -> "Schedule":
+        """Orders read off start times (ties by item id, which keeps dependencies in order)."""
+        compute = np.asarray(compute, dtype=np.int64)
+        starts = np.asarray(starts, dtype=float)
+        orders = {}
+        for w in range(problem.shape.num_workers):
+            rows = np.flatnonzero(compute == w)
+            orders[w] = rows[np.lexsort((rows, starts[rows]))].tolist()
+        return cls(problem, compute, np.asarray(weight, dtype=np.int64), orders, name)
+
+    def work(self, item: int) -> Work:
+        batch, stage, direction = self.problem.item_arrays()
+        return Work(int(batch[item]), int(stage[item]), Direction(int(direction[item])))
+
+    def worker_orders(self) -> dict[int, list[Work]]:
+        batch, stage, direction = self.problem.item_arrays()
+        return {
+            w: [Work(int(batch[i]), int(stage[i]), Direction(int(direction[i]))) for i in order]
+            for w, order in self.orders.items()
+        }
+
+    def strategy(self, description: str = "") -> Strategy:
+        problem = self.problem
+        lookup = {self.work(i): ComputeAndWeightWorkers(int(c), int(w))
+                  for i, (c, w) in enumerate(zip(self.compute, self.weight))}
+        compute, weight = self.compute, self.weight
+        S, D = problem.shape.num_stages, len(problem.dirs)
+        position = np.zeros(4, dtype=np.int64)
+        position[list(problem.dirs)] = np.arange(D)
+
+        def map_arrays(batch, stage, direction):
+            ids = (np.asarray(batch) * S + np.asarray(stage)) * D + position[np.asarray(direction)]
+            return compute[ids], weight[ids]
+
+        return Strategy(
+            mapping=lookup.__getitem__,
+            name=self.name,
+            description=description or "a plan: fixed workers and a fixed order of work on each worker",
+            memory_limit=problem.memory_limit,
+            split_backward=problem.split_backward,
+            worker_orders=self.worker_orders(),
+            shape=problem.shape,
+            map_arrays=map_arrays,
+        )
+
+    def simulate(self) -> Simulation:
+        W, S, B = self.problem.shape
+        return simulate(W, S, B, self.strategy(), costs=self.problem.costs, memory_limit=self.problem.memory_limit,
+                        split_backward=self.problem.split_backward)

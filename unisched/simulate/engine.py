@@ -37,9 +37,9 @@ _EPS = 1e-9
 def run(p: Problem):
     """Schedule every item of ``p``; return (start, end, transfer rows)."""
     n, num_workers = p.num_items, p.num_workers
-    worker, duration, rank = p.worker, p.duration, p.rank
-    succ_ptr, succ_idx, succ_kind = p.succ_ptr, p.succ_idx, p.succ_kind
-    remaining = list(p.num_deps)
+    worker, duration, rank = p.worker, p.duration.tolist(), p.rank.tolist()
+    succ_ptr, succ_idx, succ_kind = p.succ_ptr.tolist(), p.succ_idx.tolist(), p.succ_kind.tolist()
+    remaining = p.num_deps.tolist()
     ready = [0.0] * n
     trigger_time = [-INF] * n
     trigger_rank = [0] * n
@@ -52,7 +52,7 @@ def run(p: Problem):
     memory = _Memory(p) if p.claims is not None else None
     comm = _Communication(p) if p.comm else None
 
-    for item, virtual in p.sources:
+    for item, virtual in p.sources.T.tolist():
         trigger_rank[item] = rank[virtual]
         heappush(heap, (0.0, rank[virtual], item))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -48,16 +49,19 @@ class Problem:
     direction: np.ndarray
     worker_array: np.ndarray
     weight_worker_array: np.ndarray
-    worker: list
-    weight_worker: list
-    duration: list
-    rank: list
-    edges: np.ndarray  # (3, E): src, dst, kind
-    succ_ptr: list
-    succ_idx: list
-    succ_kind: list
-    num_deps: list
-    sources: list
+    duration: np.ndarray
+    rank: np.ndarray
+    edges: np.ndarray
+    """(3, E): src, dst, kind of every dependency, for deriving transfers."""
+    succ_ptr: np.ndarray
+    succ_idx: np.ndarray
+    succ_kind: np.ndarray
+    """The dependencies the engine follows, by source (CSR).  Without
+    communication costs a stash edge never binds (the backward already waits
+    for it through the chain of backwards), so it is left out."""
+    num_deps: np.ndarray
+    sources: np.ndarray
+    """(2, K): the items ready at time 0, and the virtual items that trigger them."""
     limit: list | None
     claims: list | None
     releases_of: list | None
@@ -70,7 +74,15 @@ class Problem:
 
     @property
     def num_items(self) -> int:
-        return len(self.worker)
+        return len(self.worker_array)
+
+    @cached_property
+    def worker(self) -> list:
+        return self.worker_array.tolist()
+
+    @cached_property
+    def weight_worker(self) -> list:
+        return self.weight_worker_array.tolist()
 
     @property
     def num_workers(self) -> int:
@@ -151,12 +163,12 @@ def build(
     edges = _edges(S, B, dirs, stage_graph, split_backward)
     if strategy.worker_orders is not None:
         edges = np.concatenate([edges, _sequence_edges(strategy.worker_orders, compute, shape, dirs)], axis=1)
-    order = np.argsort(edges[0], kind="stable")
-    edges = edges[:, order]
-    succ_ptr = np.searchsorted(edges[0], np.arange(n + 1))
-    num_deps = np.bincount(edges[1], minlength=n)
+    followed = edges if costs.has_communication else edges[:, edges[2] != EDGE_STASH]
+    followed = followed[:, np.argsort(followed[0], kind="stable")]
+    succ_ptr = np.searchsorted(followed[0], np.arange(n + 1))
+    num_deps = np.bincount(followed[1], minlength=n)
     first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
-    sources = [(int(i), n + int(batch[i])) for i in first]
+    sources = np.stack([first, n + batch[first]])
 
     act_bytes = costs.per_stage("activation_bytes", S)
     weight_bytes = costs.per_stage("weight_bytes", S)
@@ -178,15 +190,13 @@ def build(
         direction=direction,
         worker_array=compute,
         weight_worker_array=weight,
-        worker=compute.tolist(),
-        weight_worker=weight.tolist(),
-        duration=duration.tolist(),
-        rank=rank.tolist(),
+        duration=duration,
+        rank=rank,
         edges=edges,
-        succ_ptr=succ_ptr.tolist(),
-        succ_idx=edges[1].tolist(),
-        succ_kind=edges[2].tolist(),
-        num_deps=num_deps.tolist(),
+        succ_ptr=succ_ptr,
+        succ_idx=followed[1],
+        succ_kind=followed[2],
+        num_deps=num_deps,
         sources=sources,
         limit=limit,
         claims=claims,
@@ -268,7 +278,7 @@ def _edges(S: int, B: int, dirs, graph: StageGraph, split_backward: bool) -> np.
     if split_backward:
         everything = np.arange(S)
         add(everything, BACKWARD_INPUT, everything, BACKWARD_WEIGHT, EDGE_PRIMARY)
-    return np.concatenate(pieces, axis=1).astype(np.int64)
+    return np.concatenate(pieces, axis=1).astype(np.int64, copy=False)
 
 
 def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarray:

@@ -12,10 +12,10 @@ import networkx as nx
 import numpy as np
 
 from unisched.errors import ShapeError
-from unisched.simulate import engine
+from unisched.simulate import engine, fast
 from unisched.simulate.costs import DEFAULT_COSTS, Costs
 from unisched.simulate.priorities import OldestBatchFirst
-from unisched.simulate.problem import build
+from unisched.simulate.problem import EDGE_PRIMARY, build
 from unisched.simulate.transfers import transfers
 from unisched.strategy import Strategy, as_strategy
 from unisched.timeline import Timeline
@@ -61,8 +61,7 @@ def simulate(
     graph = graph if isinstance(graph, StageGraph) else StageGraph(num_stages, graph)
 
     problem = build(shape, strategy, priority, costs, limit, split, graph)
-    start, end, booked = engine.run(problem)
-    start, end = np.asarray(start), np.asarray(end)
+    start, end, booked = _run(problem)
     timeline = Timeline(
         *shape,
         batch=problem.batch,
@@ -81,6 +80,30 @@ def simulate(
         label=strategy.name,
     )
     return Simulation(timeline, strategy, costs, limit, priority, graph)
+
+
+def _run(problem):
+    """The compiled greedy where it applies, else the general engine.
+
+    The general engine also runs when the compiled one leaves items
+    unscheduled, to explain the deadlock."""
+    if problem.claims is None and not problem.comm and fast.compiled_greedy is not None:
+        start, end = fast.compiled_greedy(
+            problem.worker_array,
+            problem.duration,
+            problem.rank,
+            problem.succ_ptr,
+            problem.succ_idx,
+            problem.succ_kind == EDGE_PRIMARY,
+            problem.num_deps,
+            problem.sources[0],
+            problem.rank[problem.sources[1]],
+            problem.num_workers,
+        )
+        if start.min(initial=0.0) >= 0:
+            return start, end, None
+    start, end, booked = engine.run(problem)
+    return np.asarray(start), np.asarray(end), booked
 
 
 def shape_lower_bound(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward: bool = False,

@@ -105,12 +105,13 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     """A ring all-reduce per stage held by several weight workers, once every
     replica has its stage's gradient (its own backwards and returned ones)."""
     last_backward = p.direction == (BACKWARD_WEIGHT if p.split_backward else BACKWARD)
+    W = p.shape.num_workers
+    held = np.unique(p.stage[last_backward] * W + p.weight_worker_array[last_backward])
+    replicated = np.flatnonzero(np.bincount(held // W, minlength=p.shape.num_stages) > 1)
     rows = []
-    for s in range(p.shape.num_stages):
+    for s in replicated:
         on_stage = last_backward & (p.stage == s)
-        replicas = np.unique(p.weight_worker_array[on_stage])
-        if len(replicas) < 2:
-            continue
+        replicas = held[held // W == s] % W
         returned = (moved["kind"] == _CODE["weight_gradient"]) & (moved["stage"] == s)
         ready = max(end[on_stage].max(), moved["end"][returned].max(initial=0.0))
         n = len(replicas)

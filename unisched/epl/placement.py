@@ -1,0 +1,242 @@
+"""Placement, as EPL derives it, and the unified-scheme strategy it compiles to.
+
+EPL's rules: one model replica needs the sum of its TaskGraphs' device
+counts (or, with ``cluster.colocate_split_and_replicate``, all TaskGraphs
+share the same devices); the data-parallel degree is the world size divided
+by that.  Each TaskGraph is one stage of the scheme, and the ``num_micro_batch``
+micro-batches of every replica are the scheme's batches: micro-batch b
+belongs to replica ``b // num_micro_batch``.
+
+A TaskGraph spanning k > 1 devices is a *group*: its work item on a
+micro-batch is done by all k devices together (shares of the batch for
+``replicate``, shards of the weights for ``split``).  The scheme's mapping
+names the group's first device as the compute worker; ``params["groups"]``
+lists every group and ``params["split_groups"]`` the tensor-parallel ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from unisched.epl.config import Config
+from unisched.epl.scopes import SPLIT, ScopeError, TaskGraph
+from unisched.simulate import BackwardFirst, Costs, OldestStageFirst, simulate
+from unisched.strategy import Strategy
+from unisched.work import ComputeAndWeightWorkers, Shape, Work
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What the placement needs to know of one TaskGraph."""
+
+    index: int
+    kind: str
+    device_count: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which devices run which TaskGraph of which replica.
+
+    ``groups[r][s]`` is the tuple of ranks that run TaskGraph s for replica r.
+    """
+
+    world_size: int
+    stages: tuple[StageInfo, ...]
+    devices_per_replica: int
+    data_parallel: int
+    num_micro_batch: int
+    colocate: bool
+    groups: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_batches(self) -> int:
+        return self.data_parallel * self.num_micro_batch
+
+    def replica_of(self, batch: int) -> int:
+        return batch // self.num_micro_batch
+
+    def group(self, replica: int, stage: int) -> tuple[int, ...]:
+        return self.groups[replica][stage]
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """``(replica, stage)`` pairs whose group contains ``rank``."""
+        return [(r, s) for r in range(self.data_parallel) for s in range(self.num_stages) if rank in self.groups[r][s]]
+
+    def describe(self) -> str:
+        lines = [
+            f"{self.world_size} devices: {self.data_parallel} replica(s) x {self.devices_per_replica} device(s)"
+            f"{' (TaskGraphs colocated)' if self.colocate else ''}, {self.num_micro_batch} micro-batch(es) each"
+        ]
+        for info in self.stages:
+            ranks = "; ".join(",".join(map(str, self.groups[r][info.index])) for r in range(self.data_parallel))
+            lines.append(f"  TaskGraph {info.index} {info.name!r}: {info.kind}({info.device_count}) on ranks {ranks}")
+        return "\n".join(lines)
+
+
+def place(taskgraphs: Sequence[TaskGraph | StageInfo], config: Config, world_size: int) -> Placement:
+    """EPL's placement of ``taskgraphs`` on ``world_size`` devices."""
+    if not taskgraphs:
+        raise ScopeError(
+            "no TaskGraph was annotated: build the model inside epl.replicate(...)/epl.split(...) "
+            "or call epl.set_default_strategy first"
+        )
+    stages = tuple(StageInfo(t.index, t.kind, t.device_count, t.name) for t in taskgraphs)
+    colocate = bool(config.cluster.colocate_split_and_replicate)
+    counts = [s.device_count for s in stages]
+    if colocate:
+        if len(set(counts)) > 1:
+            listed = ", ".join(f"{s.name}: {s.device_count}" for s in stages)
+            raise ScopeError(
+                f"cluster.colocate_split_and_replicate places every TaskGraph on the same devices, so their "
+                f"device counts must be equal; got {listed}"
+            )
+        per_replica = counts[0]
+    else:
+        per_replica = sum(counts)
+    if world_size % per_replica:
+        raise ScopeError(
+            f"the world size {world_size} is not divisible by the {per_replica} devices one model replica needs "
+            f"({' + '.join(map(str, counts)) if not colocate else counts[0]}); "
+            "change the device counts or the number of processes"
+        )
+    data_parallel = world_size // per_replica
+    groups = []
+    for r in range(data_parallel):
+        base = r * per_replica
+        offsets = [0] * len(stages) if colocate else list(np.cumsum([0] + counts[:-1]))
+        groups.append(tuple(tuple(range(base + int(o), base + int(o) + c)) for o, c in zip(offsets, counts)))
+    return Placement(
+        world_size=world_size,
+        stages=stages,
+        devices_per_replica=per_replica,
+        data_parallel=data_parallel,
+        num_micro_batch=config.pipeline.num_micro_batch,
+        colocate=colocate,
+        groups=tuple(groups),
+    )
+
+
+def compile_strategy(placement: Placement, config: Config) -> Strategy:
+    """The unified-scheme strategy of a placement and the config's memory features.
+
+    - compute worker: the first device of the group running (replica, stage);
+    - weight worker: that same device (replicas, all-reduced at the end), or
+      with ``zero.level: v1`` the group of replica ``stage mod D`` (FSDP-style
+      sharding of the weights of truth over the D replicas), or with
+      ``offload.level: v0`` a host worker numbered ``world_size`` that only
+      stores weights;
+    - priority: ``PreferBackward`` = 1F1B (:class:`BackwardFirst` plus a limit
+      of ``min(M, S - s)`` stashes per stage), ``PreferForward`` = GPipe's
+      fill-drain (:class:`OldestStageFirst`, no limit).
+    """
+    P = placement
+    S, B, D, M = P.num_stages, P.num_batches, P.data_parallel, P.num_micro_batch
+    zero = config.zero.level == "v1"
+    offload = config.offload.level == "v0"
+    host = P.world_size if offload else None
+    W = P.world_size + (1 if offload else 0)
+    leaders = np.array([[P.groups[r][s][0] for s in range(S)] for r in range(D)], dtype=np.int64)
+    weight_table = leaders.copy()
+    if zero:
+        weight_table = np.array([[leaders[s % D, s] for s in range(S)] for _ in range(D)], dtype=np.int64)
+    if host is not None:
+        weight_table[:] = host
+
+    def mapping(work: Work) -> ComputeAndWeightWorkers:
+        replica = work.batch // M
+        return ComputeAndWeightWorkers(int(leaders[replica, work.stage]), int(weight_table[replica, work.stage]))
+
+    def map_arrays(batch, stage, direction):
+        replica = np.asarray(batch) // M
+        return leaders[replica, stage], weight_table[replica, stage]
+
+    prefer_backward = config.pipeline.strategy == "PreferBackward"
+    priority = BackwardFirst(S, B) if prefer_backward else OldestStageFirst(S, B)
+    limit = None
+    if prefer_backward:
+        per_worker = np.zeros(W)
+        for r in range(D):
+            for s in range(S):
+                per_worker[leaders[r, s]] += min(M, S - s)
+        per_worker[per_worker == 0] = M
+        limit = per_worker.tolist()
+
+    kinds = {info.index: info.kind for info in P.stages}
+    groups = {s: [P.groups[r][s] for r in range(D)] for s in range(S)}
+    memory = [name for name, on in (("recompute", config.gradient_checkpoint.type == "auto"),
+                                    ("zero-v1", zero), ("offload-v0", offload)) if on]
+    name = "EPL " + "+".join(
+        f"{info.kind}({info.device_count})" for info in P.stages
+    ) + (f" x{D}" if D > 1 else "") + ("" if not memory else " [" + ",".join(memory) + "]")
+    description = (
+        f"{P.describe()}\n{'1F1B (PreferBackward)' if prefer_backward else 'GPipe fill-drain (PreferForward)'}"
+    )
+    return Strategy(
+        mapping=mapping,
+        name=name,
+        description=description,
+        priority=priority,
+        memory_limit=limit,
+        shape=Shape(W, S, B),
+        map_arrays=map_arrays,
+        params={
+            "data_parallel": D,
+            "num_micro_batch": M,
+            "devices_per_replica": P.devices_per_replica,
+            "colocate": P.colocate,
+            "taskgraphs": [f"{info.name}:{info.kind}({info.device_count})" for info in P.stages],
+            "groups": groups,
+            "split_groups": {s: g for s, g in groups.items() if kinds[s] == SPLIT},
+            "recompute": config.gradient_checkpoint.type == "auto",
+            "zero": config.zero.level,
+            "offload": config.offload.level,
+            "host_worker": host,
+        },
+    )
+
+
+def stage_costs(
+    placement: Placement,
+    config: Config,
+    base: Costs | None = None,
+    collective: float | Sequence[float] = 0.0,
+) -> Costs:
+    """Costs of the compiled strategy's work items from single-device costs.
+
+    A group of k devices does a stage's item in 1/k of the time (plus, for a
+    split stage, ``collective`` per item for its all-reduces); recompute
+    (``gradient_checkpoint.type: auto``) adds a forward to every backward.
+    """
+    base = base if base is not None else Costs()
+    S = placement.num_stages
+    forward = base.per_stage("forward", S).copy()
+    backward = base.per_stage("backward", S).copy()
+    extra = np.broadcast_to(np.asarray(collective, dtype=float), (S,)).copy()
+    for info in placement.stages:
+        k = info.device_count
+        forward[info.index] /= k
+        backward[info.index] /= k
+        if info.kind == SPLIT:
+            forward[info.index] += extra[info.index]
+            backward[info.index] += extra[info.index]
+    if config.gradient_checkpoint.type == "auto":
+        backward = backward + forward
+    return replace(base, forward=forward.tolist(), backward=backward.tolist(),
+                   backward_input=None, backward_weight=None)
+
+
+def simulate_placement(placement: Placement, config: Config, costs: Costs | None = None, **options):
+    """Simulate the compiled strategy with :func:`stage_costs` (a ``unisched.Simulation``)."""
+    strategy = compile_strategy(placement, config)
+    W, S, B = strategy.shape
+    return simulate(W, S, B, strategy, costs=stage_costs(placement, config, costs), **options)
+

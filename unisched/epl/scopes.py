@@ -1,0 +1,227 @@
+"""Annotation scopes: ``replicate`` and ``split`` group the modules built
+inside them into TaskGraphs.
+
+As in EPL, the user only annotates where modules are *built*; every process
+runs the same script.  A scope learns what was built inside it through
+torch's global registration hooks (a module registering a parameter, buffer
+or submodule), so plain ``nn.Module`` code needs no changes.  The TaskGraphs
+then form a chain: TaskGraph i+1 is fed by TaskGraph i's output, and the
+modules built in one scope are applied in the order they were built.
+
+EPL's API is process-global (``epl.init()`` then bare ``with`` blocks), so the
+state lives in one :class:`Env` per process; ``epl.init`` starts a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from unisched.epl.config import Config, ConfigError
+from unisched.errors import UniSchedError
+
+
+class ScopeError(UniSchedError):
+    """A misuse of ``replicate``/``split`` scopes (nesting, bad device counts, shared modules)."""
+
+
+REPLICATE = "replicate"
+SPLIT = "split"
+
+
+@dataclass(eq=False)
+class TaskGraph:
+    """The modules built under one strategy annotation: one stage of the model."""
+
+    index: int
+    kind: str
+    device_count: int
+    name: str
+    is_default: bool = False
+    modules: list[nn.Module] = field(default_factory=list)
+
+    def add(self, module: nn.Module) -> None:
+        if all(m is not module for m in self.modules):
+            self.modules.append(module)
+
+    def top_modules(self) -> list[nn.Module]:
+        """The built modules that are not inside another one built here, in build order."""
+        inner = {id(sub) for m in self.modules for sub in m.modules() if sub is not m}
+        return [m for m in self.modules if id(m) not in inner]
+
+    def __repr__(self) -> str:
+        default = ", default" if self.is_default else ""
+        return f"TaskGraph({self.index}, {self.kind}({self.device_count}), name={self.name!r}{default})"
+
+
+class Scope:
+    """``replicate(n)`` or ``split(n)``: a context manager that opens a TaskGraph,
+    or an argument to :func:`set_default_strategy`."""
+
+    def __init__(self, kind: str, device_count: int | None, name: str | None):
+        if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 1:
+            raise ScopeError(
+                f"epl.{kind}(device_count=...) needs a positive integer number of devices per model replica, "
+                f"got {device_count!r}"
+            )
+        if name is not None and not isinstance(name, str):
+            raise ScopeError(f"epl.{kind}(name=...) must be a string, got {name!r}")
+        self.kind = kind
+        self.device_count = device_count
+        self.name = name
+
+    def __enter__(self) -> "Scope":
+        Env.get().enter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Env.get().exit(self)
+
+    def __repr__(self) -> str:
+        name = f", name={self.name!r}" if self.name else ""
+        return f"epl.{self.kind}({self.device_count}{name})"
+
+
+def replicate(device_count: int | None = None, name: str | None = None) -> Scope:
+    """Data parallelism: one model replica of this part spans ``device_count``
+    devices, each taking an equal share of the micro-batch."""
+    return Scope(REPLICATE, device_count, name)
+
+
+def split(device_count: int | None = None, name: str | None = None) -> Scope:
+    """Tensor parallelism: this part is split over ``device_count`` devices that
+    work on each micro-batch together."""
+    return Scope(SPLIT, device_count, name)
+
+
+def set_default_strategy(strategy: Scope) -> None:
+    """Annotate everything built outside scopes with ``strategy`` from now on."""
+    if not isinstance(strategy, Scope):
+        raise ScopeError(
+            f"epl.set_default_strategy takes epl.replicate(...) or epl.split(...), got {strategy!r}"
+        )
+    Env.get().set_default(strategy)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What EPL's ``Env.get().cluster`` reports."""
+
+    total_gpu_num: int
+
+
+class Env:
+    """The per-process state of the annotations: config, TaskGraphs, open scope."""
+
+    _current: "Env | None" = None
+
+    def __init__(self, config: Config | None = None):
+        if config is not None and not isinstance(config, Config):
+            raise ConfigError(f"epl.init takes an epl.Config, got {type(config).__name__}")
+        self.config = config if config is not None else Config()
+        self.taskgraphs: list[TaskGraph] = []
+        self.scope: Scope | None = None
+        self.default: Scope | None = None
+        self._default_open: TaskGraph | None = None
+        self._capturing = True
+        self._handles = []
+
+    @classmethod
+    def get(cls) -> "Env":
+        if cls._current is None:
+            cls.start(None)
+        return cls._current
+
+    @classmethod
+    def start(cls, config: Config | None) -> "Env":
+        env = cls(config)
+        if cls._current is not None:
+            cls._current.close()
+        env._handles = [
+            torch_module.register_module_parameter_registration_hook(env._on_register),
+            torch_module.register_module_buffer_registration_hook(env._on_register),
+            torch_module.register_module_module_registration_hook(env._on_register),
+        ]
+        cls._current = env
+        return env
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(world_size())
+
+    # ------------------------------------------------------------------ scopes
+    def enter(self, scope: Scope) -> None:
+        if self.scope is not None:
+            raise ScopeError(
+                f"cannot open {scope!r} inside {self.scope!r}: EPL annotations do not nest; "
+                "close the outer scope first"
+            )
+        self.scope = scope
+        self._default_open = None
+        self.taskgraphs.append(self._new_taskgraph(scope, is_default=False))
+
+    def exit(self, scope: Scope) -> None:
+        if self.scope is not scope:
+            raise ScopeError(f"{scope!r} was closed but it is not the open scope ({self.scope!r})")
+        self.scope = None
+
+    def set_default(self, scope: Scope) -> None:
+        if self.scope is not None:
+            raise ScopeError(f"call epl.set_default_strategy outside annotation scopes (inside {self.scope!r})")
+        self.default = scope
+        self._default_open = None
+
+    def _new_taskgraph(self, scope: Scope, is_default: bool) -> TaskGraph:
+        index = len(self.taskgraphs)
+        return TaskGraph(index, scope.kind, scope.device_count, scope.name or f"taskgraph_{index}", is_default)
+
+    def _on_register(self, module: nn.Module, name: str, value) -> None:
+        if not self._capturing:
+            return
+        if self.scope is not None:
+            self.taskgraphs[-1].add(module)
+        elif self.default is not None:
+            if self._default_open is None:
+                self._default_open = self._new_taskgraph(self.default, is_default=True)
+                self.taskgraphs.append(self._default_open)
+            self._default_open.add(module)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Build modules without adding them to any TaskGraph (the library's own)."""
+        previous, self._capturing = self._capturing, False
+        try:
+            yield
+        finally:
+            self._capturing = previous
+
+
+def init(config: Config | None = None) -> Env:
+    """Start a new model: forget earlier TaskGraphs and use ``config``."""
+    return Env.start(config)
+
+
+def world_size() -> int:
+    """Devices taking part: torch.distributed's world, else ``WORLD_SIZE``, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ScopeError(f"environment variable WORLD_SIZE={raw!r} must be a positive integer") from None
+    if value < 1:
+        raise ScopeError(f"environment variable WORLD_SIZE={raw!r} must be a positive integer")
+    return value

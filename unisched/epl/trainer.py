@@ -1,0 +1,417 @@
+"""``epl.Trainer``: runs the annotated model on the placement EPL derives.
+
+Every process runs the same script, builds the whole model (same seed, so
+the same initial weights) and then keeps the parts its rank runs.  One step:
+
+1. the global batch (the same on every rank) is cut into ``D * M``
+   micro-batches; replica r takes micro-batches ``r*M .. r*M + M - 1``;
+2. each micro-batch flows through the TaskGraphs of its replica.  Inside a
+   group, ``replicate(k)`` gives each device 1/k of the rows and ``split(k)``
+   gives every device all rows and a shard of the weights
+   (:mod:`unisched.epl.tensor_parallel`).  TaskGraphs on the same devices
+   (colocated) hand tensors over with a gather or scatter on the group;
+   TaskGraphs on different devices send the whole tensor from the first
+   device of one group to the first device of the next (point-to-point),
+   which shares it with its group;
+3. after the backward passes of all micro-batches, each parameter's gradient
+   is summed over the devices that hold a copy of it and saw other rows (the
+   data-parallel replicas, and the members of a ``replicate(k)`` group), and
+   the optimizer steps.
+
+Every micro-batch's loss is weighted by its share of the global batch, so the
+gradients are those of the mean loss over the global batch, as in
+``unisched.Trainer``.  The runtime runs all forwards, then all backwards
+(GPipe's order); the compiled strategy (``trainer.strategy``) is what the
+simulator schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from unisched.epl.placement import Placement, compile_strategy, place
+from unisched.epl.scopes import REPLICATE, SPLIT, Env, ScopeError, TaskGraph, world_size
+from unisched.epl.tensor_parallel import (
+    CLASS,
+    Group,
+    SplitError,
+    gather,
+    scatter,
+    shard_dims,
+    sharded_cross_entropy,
+    split_module,
+    split_plan,
+)
+from unisched.strategy import Strategy
+
+FULL, ROWS, CLASSES = "full", "rows", "classes"
+"""Layouts of a tensor in a group: whole on every device, 1/k of the rows
+each, or 1/k of the classes each (a class-sharded classifier's logits)."""
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class _Stash:
+    """What a micro-batch's forward leaves for its backward on this rank."""
+
+    leaf: torch.Tensor | None
+    output: torch.Tensor
+    layout: str
+    loss: torch.Tensor | None
+
+
+class Trainer:
+    """Train the model annotated since the last ``epl.init``.
+
+    ``loss_fn(outputs, targets)`` must average over the rows it is given;
+    ``optimizer`` is a function from parameters to a torch optimizer.
+    """
+
+    def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory):
+        self.env = Env.get()
+        self.config = self.env.config
+        taskgraphs = _checked(self.env.taskgraphs)
+        self.placement: Placement = place(taskgraphs, self.config, world_size())
+        self.strategy: Strategy = compile_strategy(self.placement, self.config)
+        self.loss_fn = loss_fn
+        self.rank = dist.get_rank() if _distributed() else 0
+        with self.env.paused():
+            self.stages = [_stage_module(t) for t in taskgraphs]
+        self.class_sharded = _is_cross_entropy(loss_fn) and taskgraphs[-1].kind == SPLIT
+        self.plans = {
+            t.index: split_plan(self.stages[t.index], classifier=self.class_sharded and t.index == len(taskgraphs) - 1)
+            for t in taskgraphs
+            if t.kind == SPLIT
+        }
+        self._process_groups = _make_process_groups(self.placement)
+        self.replica, self.segment = self._my_segment()
+        for s in self.segment:
+            group = self.group(self.replica, s)
+            if self.placement.stages[s].kind == SPLIT:
+                with self.env.paused():
+                    self.stages[s] = split_module(self.stages[s], group, self.plans[s])
+        parameters = [p for s in self.segment for p in self.stages[s].parameters()]
+        self.optimizer = optimizer(parameters)
+        self.recompute = self.config.gradient_checkpoint.type == "auto"
+
+    # ------------------------------------------------------------------ layout of the run
+    def group(self, replica: int, stage: int) -> Group:
+        ranks = self.placement.group(replica, stage)
+        index = ranks.index(self.rank) if self.rank in ranks else 0
+        return Group(self._process_groups.get(ranks), ranks, index)
+
+    def _my_segment(self) -> tuple[int, list[int]]:
+        mine = self.placement.stages_of(self.rank)
+        if not mine:
+            raise ScopeError(f"rank {self.rank} runs no TaskGraph under this placement:\n{self.placement.describe()}")
+        replica = mine[0][0]
+        return replica, [s for r, s in mine if r == replica]
+
+    def _segments(self) -> list[list[int]]:
+        S = self.placement.num_stages
+        return [list(range(S))] if self.placement.colocate else [[s] for s in range(S)]
+
+    def _layout_in(self, stage: int) -> str:
+        info = self.placement.stages[stage]
+        return ROWS if info.kind == REPLICATE and info.device_count > 1 else FULL
+
+    def _layout_out(self, stage: int) -> str:
+        if stage == self.placement.num_stages - 1 and self.class_sharded and any(
+            p.style == CLASS for p in self.plans.get(stage, [])
+        ):
+            return CLASSES
+        return self._layout_in(stage)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch; returns its mean loss."""
+        P = self.placement
+        rows = len(inputs)
+        if rows % P.num_batches:
+            raise ScopeError(
+                f"the global batch has {rows} rows, which cannot be cut into {P.data_parallel} replica(s) x "
+                f"{P.num_micro_batch} micro-batch(es); use a multiple of {P.num_batches}"
+            )
+        size = rows // P.num_batches
+        for info in P.stages:
+            if info.kind == REPLICATE and size % info.device_count:
+                raise ScopeError(
+                    f"TaskGraph {info.index} ({info.name!r}) shares each micro-batch of {size} rows over "
+                    f"{info.device_count} devices; make the global batch a multiple of "
+                    f"{P.num_batches * info.device_count}"
+                )
+        segments = self._segments()
+        position = next(i for i, seg in enumerate(segments) if seg == self.segment)
+        micro = [slice((self.replica * P.num_micro_batch + m) * size, (self.replica * P.num_micro_batch + m + 1) * size)
+                 for m in range(P.num_micro_batch)]
+        pending: list = []
+        stashes = [self._forward(inputs[rows_], targets[rows_], position, segments, rows, pending) for rows_ in micro]
+        contribution = torch.zeros(())
+        for stash in stashes:
+            self._backward(stash, position, segments, pending)
+            if stash.loss is not None and (stash.layout == ROWS or self.group(self.replica, self.segment[-1]).index == 0):
+                contribution += stash.loss.detach()
+        for work in pending:
+            work.wait()
+        self._reduce_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if _distributed():
+            dist.all_reduce(contribution)
+        return float(contribution)
+
+    def _forward(self, x, target, position, segments, global_rows, pending) -> _Stash:
+        first, last = self.segment[0], self.segment[-1]
+        group = self.group(self.replica, first)
+        if position == 0:
+            leaf = None
+        else:
+            source = self.placement.group(self.replica, segments[position - 1][-1])[0]
+            x = _share(_recv(source) if group.index == 0 else None, group)
+            leaf = x.requires_grad_(True) if x.is_floating_point() else None
+        layout = FULL
+        for s in self.segment:
+            group = self.group(self.replica, s)
+            x = _convert(x, layout, self._layout_in(s), group)
+            x = checkpoint(self.stages[s], x, use_reentrant=False) if self.recompute else self.stages[s](x)
+            layout = self._layout_out(s)
+        loss = None
+        if position == len(segments) - 1:
+            loss = self._loss(x, target, layout, group) * (len(target) / global_rows)
+        elif group.index == 0 or layout == ROWS:
+            whole = _all_gather_rows(x.detach(), group) if layout == ROWS else x.detach()
+            if group.index == 0:
+                destination = self.placement.group(self.replica, segments[position + 1][0])[0]
+                pending.extend(_send(whole, destination))
+        return _Stash(leaf, x, layout, loss)
+
+    def _loss(self, output, target, layout, group) -> torch.Tensor:
+        if layout == ROWS:
+            return self.loss_fn(output, _own_rows(target, group))
+        if layout == CLASSES:
+            classifier = _last_linear(self.stages[self.segment[-1]])
+            return sharded_cross_entropy(output, target, group, classifier.class_offset)
+        return self.loss_fn(output, target)
+
+    def _backward(self, stash: _Stash, position, segments, pending) -> None:
+        group = self.group(self.replica, self.segment[-1])
+        if stash.loss is not None:
+            stash.loss.backward()
+        else:
+            source = self.placement.group(self.replica, segments[position + 1][0])[0]
+            grad = _share(_recv(source) if group.index == 0 else None, group)
+            torch.autograd.backward(stash.output, _own_rows(grad, group) if stash.layout == ROWS else grad)
+        if stash.leaf is not None and self.group(self.replica, self.segment[0]).index == 0:
+            destination = self.placement.group(self.replica, segments[position - 1][-1])[0]
+            pending.extend(_send(stash.leaf.grad, destination))
+
+    def _reduce_gradients(self) -> None:
+        for s in self.segment:
+            ranks = _gradient_ranks(self.placement, s, self.rank)
+            if len(ranks) == 1:
+                continue
+            process_group = self._process_groups[ranks]
+            for parameter in self.stages[s].parameters():
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                dist.all_reduce(parameter.grad, group=process_group)
+
+    # ------------------------------------------------------------------ results
+    def gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{"<taskgraph index>.<param name>": whole tensor}`` on every rank,
+        from replica 0; split parameters are put back together."""
+        state: dict[str, torch.Tensor] = {}
+        for s, module in enumerate(self.stages):
+            owners = self.placement.group(0, s)
+            dims = shard_dims(self.plans[s]) if s in self.plans else {}
+            converted = s in self.segment
+            for name, parameter in module.named_parameters():
+                if name in dims:
+                    dim = dims[name]
+                    shape = list(_full_shape(parameter, dim, len(owners), converted))
+                    shape[dim] //= len(owners)
+                    parts = []
+                    for owner in owners:
+                        part = parameter.detach().clone() if self.rank == owner else torch.empty(shape, dtype=parameter.dtype)
+                        if _distributed():
+                            dist.broadcast(part, src=owner)
+                        parts.append(part)
+                    state[f"{s}.{name}"] = torch.cat(parts, dim=dim)
+                else:
+                    whole = parameter.detach().clone()
+                    if _distributed():
+                        dist.broadcast(whole, src=owners[0])
+                    state[f"{s}.{name}"] = whole
+        return state
+
+    def simulate(self, costs=None, **options):
+        """Simulate this trainer's compiled strategy (see :func:`unisched.epl.simulate`)."""
+        from unisched.epl.placement import simulate_placement
+
+        return simulate_placement(self.placement, self.config, costs, **options)
+
+
+# ---------------------------------------------------------------------- model assembly
+def _checked(taskgraphs: list[TaskGraph]) -> list[TaskGraph]:
+    if not taskgraphs:
+        raise ScopeError(
+            "no TaskGraph was annotated since epl.init(): build the model inside epl.replicate(...) or "
+            "epl.split(...), or call epl.set_default_strategy(...) first"
+        )
+    owner: dict[int, TaskGraph] = {}
+    for t in taskgraphs:
+        if not t.modules:
+            raise ScopeError(
+                f"TaskGraph {t.index} ({t.name!r}) holds no module with parameters or submodules; "
+                "build its modules inside the scope or remove the scope"
+            )
+        for top in t.top_modules():
+            for sub in top.modules():
+                if id(sub) in owner and owner[id(sub)] is not t:
+                    raise ScopeError(
+                        f"a {type(sub).__name__} built in TaskGraph {owner[id(sub)].index} "
+                        f"({owner[id(sub)].name!r}) is also used in TaskGraph {t.index} ({t.name!r}); "
+                        "a module belongs to one TaskGraph"
+                    )
+                owner[id(sub)] = t
+    return taskgraphs
+
+
+def _stage_module(taskgraph: TaskGraph) -> nn.Module:
+    """The TaskGraph as one module: its top modules applied in build order."""
+    tops = taskgraph.top_modules()
+    return tops[0] if len(tops) == 1 else nn.Sequential(*tops)
+
+
+def _is_cross_entropy(loss_fn) -> bool:
+    if loss_fn is F.cross_entropy:
+        return True
+    return (
+        isinstance(loss_fn, nn.CrossEntropyLoss)
+        and loss_fn.reduction == "mean"
+        and loss_fn.weight is None
+        and loss_fn.label_smoothing == 0.0
+    )
+
+
+def _last_linear(module: nn.Module):
+    last = None
+    for sub in module.modules():
+        if hasattr(sub, "class_offset"):
+            last = sub
+    if last is None:
+        raise SplitError("the last TaskGraph has no class-sharded classifier")
+    return last
+
+
+def _gradient_ranks(placement: Placement, stage: int, rank: int) -> tuple[int, ...]:
+    """The ranks whose copies of ``stage``'s parameters (or of our shard) saw other rows."""
+    info = placement.stages[stage]
+    groups = [placement.group(r, stage) for r in range(placement.data_parallel)]
+    if info.kind == REPLICATE:
+        return tuple(sorted(rank_ for g in groups for rank_ in g))
+    index = next(g.index(rank) for g in groups if rank in g)
+    return tuple(g[index] for g in groups)
+
+
+def _make_process_groups(placement: Placement) -> dict[tuple[int, ...], object]:
+    """Every subgroup any rank needs, created in the same order on all ranks."""
+    wanted: set[tuple[int, ...]] = set()
+    for s in range(placement.num_stages):
+        for r in range(placement.data_parallel):
+            group = placement.group(r, s)
+            wanted.add(group)
+            for rank in group:
+                wanted.add(_gradient_ranks(placement, s, rank))
+    wanted = {g for g in wanted if len(g) > 1}
+    if not wanted or not _distributed():
+        return {}
+    return {ranks: dist.new_group(list(ranks)) for ranks in sorted(wanted)}
+
+
+def _full_shape(parameter: torch.Tensor, dim: int, parts: int, sharded_here: bool) -> torch.Size:
+    if not sharded_here:
+        return parameter.shape
+    shape = list(parameter.shape)
+    shape[dim] *= parts
+    return torch.Size(shape)
+
+
+# ---------------------------------------------------------------------- moving tensors
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _convert(x: torch.Tensor, have: str, want: str, group: Group) -> torch.Tensor:
+    if have == want or group.size == 1:
+        return x
+    if have == FULL and want == ROWS:
+        return scatter(x, group, 0) if x.requires_grad else _own_rows(x, group)
+    if have == ROWS and want == FULL:
+        return gather(x, group, 0)
+    raise SplitError(f"cannot hand a tensor laid out as {have!r} to a TaskGraph that needs {want!r}")
+
+
+def _own_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x.chunk(group.size, dim=0)[group.index] if group.size > 1 else x
+
+
+def _all_gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x.contiguous(), group=group.process_group)
+    return torch.cat(parts)
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_MAX_DIMS = 8
+
+
+def _header(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() > _MAX_DIMS or x.dtype not in _DTYPES:
+        raise SplitError(f"cannot send a {x.dtype} tensor of {x.dim()} dimensions between TaskGraphs")
+    header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    return header
+
+
+def _empty_like_header(header: torch.Tensor) -> torch.Tensor:
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    return torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype)
+
+
+def _send(x: torch.Tensor, destination: int) -> list:
+    """Shape then data, without waiting: the works are waited on at the step's end."""
+    payload = x.detach().contiguous()
+    return [dist.isend(_header(payload), destination), dist.isend(payload, destination)]
+
+
+def _recv(source: int) -> torch.Tensor:
+    header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
+    dist.recv(header, source)
+    x = _empty_like_header(header)
+    dist.recv(x, source)
+    return x
+
+
+def _share(x: torch.Tensor | None, group: Group) -> torch.Tensor:
+    """The group's first device has ``x``; every device of the group gets it."""
+    if group.size == 1:
+        return x
+    leader = group.ranks[0]
+    header = _header(x) if x is not None else torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
+    dist.broadcast(header, leader, group=group.process_group)
+    if x is None:
+        x = _empty_like_header(header)
+    dist.broadcast(x, leader, group=group.process_group)
+    return x

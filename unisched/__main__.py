@@ -1,0 +1,5 @@
+import sys
+
+from unisched.cli import main
+
+sys.exit(main())

@@ -1,0 +1,362 @@
+"""The ``unisched`` command.
+
+    unisched                      a demo: strategies compared on a small shape
+    unisched strategies           the strategy registry
+    unisched simulate ...         one strategy: diagram, stats, files
+    unisched compare ...          several strategies side by side, best first
+    unisched plan ...             search for the best schedule (OR-Tools CP-SAT)
+    unisched run ...              run a schedule for real under torchrun
+
+Every verb takes ``--help``; ``--json`` prints one JSON object and nothing
+else on stdout.  Errors are one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from typing import Callable, Sequence
+
+from unisched.errors import UniSchedError
+
+DEMO_SHAPE = (4, 4, 8)
+DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
+
+_EXTERNAL_VERBS = {
+    # verb -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+    "plan": ("unisched.plan.command", "search for the best schedule and prove how good it is (OR-Tools CP-SAT)"),
+    "run": ("unisched.execute.command", "run a strategy or plan for real on torch.distributed (torchrun)"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:
+        argv = ["simulate"]
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except (UniSchedError, ValueError, FileNotFoundError) as error:
+        message = str(error).strip() or type(error).__name__
+        print(f"unisched: error: {message}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. piped into head
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="unisched",
+        description="Every distributed training strategy as a pair of functions: simulate, compare, plan, run.",
+        epilog="With no arguments: a demo comparing strategies on a small shape.",
+    )
+    verbs = parser.add_subparsers(title="verbs", metavar="VERB")
+
+    strategies = verbs.add_parser("strategies", help="list the registered strategies and their parameters")
+    strategies.add_argument("--json", action="store_true", help="print the registry as JSON")
+    strategies.set_defaults(handler=cmd_strategies)
+
+    simulate = verbs.add_parser(
+        "simulate",
+        help="simulate one strategy: diagram, stats, files",
+        description="Simulate one strategy and show its pipeline diagram and per-worker stats. "
+        "Without --strategy, compare a few strategies on a small shape (the demo).",
+    )
+    simulate.add_argument("--strategy", help="registered strategy name (see `unisched strategies`)")
+    _add_problem_arguments(simulate)
+    simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
+    simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
+    simulate.add_argument("--width", type=int, default=100, help="terminal diagram width (default 100)")
+    simulate.add_argument("--no-color", action="store_true", help="plain text diagram")
+    simulate.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    simulate.set_defaults(handler=cmd_simulate)
+
+    compare = verbs.add_parser(
+        "compare",
+        help="compare strategies side by side, best first",
+        description="Simulate several strategies on one shape and rank them by latency.",
+    )
+    compare.add_argument(
+        "--strategies", help="comma-separated names (default: every registered strategy that fits the shape)"
+    )
+    _add_problem_arguments(compare)
+    compare.add_argument("--json", action="store_true", help="print the table as JSON")
+    compare.set_defaults(handler=cmd_compare)
+
+    for verb, (module, text) in _EXTERNAL_VERBS.items():
+        sub = verbs.add_parser(verb, help=text, description=text)
+        try:
+            command = importlib.import_module(module)
+        except ImportError as error:
+            sub.set_defaults(handler=_unavailable(verb, error))
+            continue
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.run)
+    return parser
+
+
+def _unavailable(verb: str, error: ImportError) -> Callable:
+    def handler(_args) -> int:
+        raise UniSchedError(f"`unisched {verb}` is unavailable here: {error}")
+
+    return handler
+
+
+def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    shape = parser.add_argument_group("shape")
+    shape.add_argument("--workers", "-W", type=int, help=f"workers (default {DEMO_SHAPE[0]})")
+    shape.add_argument("--stages", "-S", type=int, help=f"pipeline stages (default {DEMO_SHAPE[1]})")
+    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {DEMO_SHAPE[2]})")
+    shape.add_argument(
+        "--param", action="append", default=[], metavar="K=V", help="strategy parameter, repeatable (e.g. group_size=2)"
+    )
+    costs = parser.add_argument_group("costs (default: forward 1, backward 2, free communication)")
+    costs.add_argument("--forward", type=float, help="forward time per stage")
+    costs.add_argument("--backward", type=float, help="backward time per stage")
+    costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
+    costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
+    costs.add_argument("--costs", help="JSON costs file (fields of unisched.Costs)")
+    parser.add_argument(
+        "--memory-limit", help="activations a worker may hold: one number, or one per worker separated by commas"
+    )
+
+
+# ---------------------------------------------------------------------- verbs
+def cmd_strategies(args) -> int:
+    from unisched import policies
+
+    catalog = [policies.describe(name) for name in policies.names()]
+    if args.json:
+        print(json.dumps(catalog, indent=2, default=str))
+        return 0
+    for entry in catalog:
+        print(f"{entry['name']:<22}{entry['description']}")
+        if entry.get("constraints"):
+            print(f"{'':<22}needs: {entry['constraints']}")
+        for param in entry.get("params", []):
+            print(f"{'':<22}--param {param['name']}=… (default {param['default']}): {param['help']}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    if not args.strategy:
+        return _demo(args)
+    sim = _simulate(args, args.strategy, _params(args.param))
+    if args.out:
+        sim.save(args.out)
+    if args.json:
+        print(json.dumps(_result_json(sim), default=_json_default))
+        return 0
+    print(sim.to_text(width=args.width, color=False if args.no_color else None))
+    print()
+    print(_stats_table(sim))
+    print()
+    print(sim.summary())
+    if args.out:
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from unisched import policies
+
+    shape = _shape(args)
+    params = _params(args.param)
+    if args.strategies:
+        candidates = [(name.strip(), params) for name in args.strategies.split(",") if name.strip()]
+    else:
+        candidates = list(policies.variants(*shape))
+    rows, skipped = _compare(args, candidates)
+    if args.json:
+        print(json.dumps({"shape": list(shape), "results": rows, "skipped": skipped}, default=_json_default))
+        return 0
+    print(f"W={shape[0]} S={shape[1]} B={shape[2]}: {len(rows)} strategies, best first\n")
+    print(_table(rows, COMPARE_COLUMNS))
+    for name, reason in skipped:
+        print(f"skipped {name}: {reason}")
+    return 0
+
+
+COMPARE_COLUMNS = (
+    ("strategy", "strategy", "{}"),
+    ("latency", "latency", "{:g}"),
+    ("bubble", "bubble_fraction", "{:.1%}"),
+    ("rho", "throughput", "{:.4f}"),
+    ("peak act", "peak_activations", "{:g}"),
+    ("weights held", "weight_storage", "{:g}"),
+    ("transfers", "transfers", "{:d}"),
+    ("bytes moved", "bytes_moved", "{:.3g}"),
+    ("vs bound", "gap", "+{:.1%}"),
+)
+
+
+def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]]]:
+    rows, skipped = [], []
+    for name, params in candidates:
+        label = name + ("(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+        try:
+            sim = _simulate(args, name, params)
+        except UniSchedError as error:
+            skipped.append((label, str(error).splitlines()[0]))
+            continue
+        stats = sim.worker_stats()
+        rows.append(
+            {
+                "strategy": label,
+                "latency": sim.latency,
+                "bubble_fraction": sim.bubble_fraction,
+                "throughput": sim.throughput,
+                "peak_activations": max(stats["max_activation_storage"]),
+                "weight_storage": max(stats["weight_storage"]),
+                "transfers": int(len(sim.transfers)),
+                "bytes_moved": float(sum(stats["bytes_sent"])),
+                "lower_bound": sim.lower_bound,
+                "gap": sim.gap,
+            }
+        )
+    rows.sort(key=lambda r: (r["latency"], r["peak_activations"], r["transfers"]))
+    return rows, skipped
+
+
+def _demo(args) -> int:
+    """`unisched` / `unisched simulate` with no strategy: a few strategies on a small shape."""
+    from unisched import policies
+
+    shape = _shape(args)
+    print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
+          f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
+    candidates = []
+    for name in DEMO_STRATEGIES:
+        if name not in policies.names():
+            continue
+        try:
+            sim = _simulate(args, name, {})
+        except UniSchedError as error:
+            print(f"{name}: {str(error).splitlines()[0]}\n")
+            continue
+        candidates.append((name, {}))
+        if not args.json:
+            print(f"── {name}: {sim.strategy.description}")
+            print(sim.to_text(width=args.width, color=False if args.no_color else None))
+            print()
+    rows, skipped = _compare(args, candidates)
+    if args.json:
+        print(json.dumps({"shape": list(shape), "results": rows}, default=_json_default))
+        return 0
+    print(_table(rows, COMPARE_COLUMNS))
+    print("\nTry: unisched simulate --strategy gpipe --out gpipe.png   |   unisched compare   |   unisched plan")
+    return 0
+
+
+# ---------------------------------------------------------------------- helpers
+def _shape(args) -> tuple[int, int, int]:
+    W = args.workers or DEMO_SHAPE[0]
+    S = args.stages or (W if args.workers else DEMO_SHAPE[1])
+    B = args.batches or DEMO_SHAPE[2]
+    return W, S, B
+
+
+def _params(items: list[str]) -> dict:
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UniSchedError(f"--param takes K=V, got {item!r}")
+        params[key.strip().replace("-", "_")] = value.strip()
+    return params
+
+
+def _costs(args):
+    from unisched import Costs
+
+    if args.costs:
+        costs = Costs.load(args.costs)
+    else:
+        costs = Costs()
+    changes = {}
+    for flag in ("forward", "backward", "backward_input", "backward_weight"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if value < 0 or not math.isfinite(value):
+                raise UniSchedError(f"--{flag.replace('_', '-')} must be a non-negative number, got {value}")
+            changes[flag] = value
+    if not changes:
+        return costs
+    from dataclasses import replace
+
+    return replace(costs, **changes)
+
+
+def _memory_limit(text: str | None):
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UniSchedError(f"--memory-limit takes a number or comma-separated numbers, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _simulate(args, name: str, params: dict):
+    from unisched import policies, simulate
+    from unisched.simulate.priorities import priority_by_name
+
+    W, S, B = _shape(args)
+    strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
+    split = None
+    if getattr(args, "backward_input", None) is not None or getattr(args, "backward_weight", None) is not None:
+        split = True
+    priority = priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None
+    return simulate(
+        W, S, B, strategy, priority,
+        costs=_costs(args), memory_limit=_memory_limit(args.memory_limit), split_backward=split,
+    )
+
+
+def _result_json(sim) -> dict:
+    return {
+        "strategy": sim.strategy.name,
+        "params": dict(sim.strategy.params),
+        "shape": list(sim.shape),
+        "latency": sim.latency,
+        "throughput": sim.throughput,
+        "bubble_fraction": sim.bubble_fraction,
+        "lower_bound": sim.lower_bound,
+        "lower_bounds": sim.lower_bounds,
+        "worker_stats": sim.worker_stats(),
+    }
+
+
+def _stats_table(sim) -> str:
+    stats = sim.worker_stats()
+    rows = [{"worker": w, **{k: v[w] for k, v in stats.items()}} for w in range(sim.shape.num_workers)]
+    columns = [("worker", "worker", "{}")] + [
+        (name.replace("_", " "), name, "{:.3g}" if name in ("busy_time", "utilization") or "bytes" in name else "{}")
+        for name in stats
+    ]
+    return _table(rows, columns)
+
+
+def _table(rows: list[dict], columns) -> str:
+    header = [title for title, _, _ in columns]
+    body = [[fmt.format(row[key]) for _, key, fmt in columns] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in body]
+    return "\n".join(lines)
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The strategy library: every known strategy as a factory of
+:class:`unisched.Strategy`, and a registry by name.
+
+>>> from unisched import policies, simulate
+>>> strategy = policies.get("one_f_one_b", num_workers=4, num_stages=4, num_batches=8)
+>>> simulate(4, 4, 8, strategy).latency
+33.0
+
+``names()`` lists the strategies, ``describe(name)`` / ``catalog()`` say what
+each is and takes, ``variants(W, S, B)`` enumerates the settings that fit a
+shape, and ``strategy(fn, name)`` wraps a user's own function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from unisched.policies import data_parallel, looped_pp, pipeline, seed, zero_bubble
+from unisched.policies._orders import KeyPriority, unit_time_orders
+from unisched.policies._registry import (
+    Entry,
+    Param,
+    StrategyParameterError,
+    StrategyShapeError,
+    UnknownStrategyError,
+)
+from unisched.policies.data_parallel import ddp, fsdp
+from unisched.policies.looped_pp import fully_sharded_looped, looped, looped_bfs
+from unisched.policies.pipeline import gpipe, interleaved, megatron_interleaved_orders, one_f_one_b
+from unisched.policies.seed import cuckoo, overflow
+from unisched.policies.zero_bubble import dualpipe_v, dualpipe_v_order, zb_h1, zb_h2, zbv
+from unisched.strategy import Strategy, as_strategy
+from unisched.work import Shape
+
+_REGISTRY: dict[str, Entry] = {
+    entry.name: entry
+    for entry in (
+        *data_parallel.STRATEGIES,
+        *pipeline.STRATEGIES,
+        *looped_pp.STRATEGIES,
+        *seed.STRATEGIES,
+        *zero_bubble.STRATEGIES,
+    )
+}
+
+
+def names() -> list[str]:
+    """The registered strategy names, in catalog order."""
+    return list(_REGISTRY)
+
+
+def entry(name: str) -> Entry:
+    """The registry entry of ``name`` (dashes and case are forgiven)."""
+    key = str(name).strip().lower().replace("-", "_")
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise UnknownStrategyError(
+            f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}"
+        ) from None
+
+
+def get(
+    name: str,
+    num_workers: int | None = None,
+    num_stages: int | None = None,
+    num_batches: int | None = None,
+    **params: Any,
+) -> Strategy:
+    """Build strategy ``name`` for a shape; ``params`` may be strings (from a command line)."""
+    missing = [k for k, v in (("num_workers", num_workers), ("num_stages", num_stages),
+                              ("num_batches", num_batches)) if v is None]
+    found = entry(name)
+    if missing:
+        raise StrategyParameterError(
+            f"strategy {found.name!r} needs the shape; give {', '.join(missing)}"
+        )
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    return found.build(shape, params)
+
+
+def describe(name: str) -> dict:
+    """What ``name`` is: description, family, constraints and parameters (name, default, help)."""
+    return entry(name).as_dict()
+
+
+def catalog() -> list[dict]:
+    """``describe`` of every registered strategy."""
+    return [e.as_dict() for e in _REGISTRY.values()]
+
+
+def variants(num_workers: int, num_stages: int, num_batches: int,
+             only: list[str] | None = None) -> Iterator[tuple[str, dict]]:
+    """Each (name, params) of the registry's parameter grids that fits the shape.
+
+    Settings whose constraints fail are skipped; ``only`` restricts the names.
+    """
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    for e in (entry(n) for n in only) if only is not None else _REGISTRY.values():
+        for params in e.grid(shape):
+            if fits(e.name, shape, params):
+                yield e.name, dict(params)
+
+
+def fits(name: str, shape: Shape, params: dict | None = None) -> bool:
+    """Whether ``name`` with ``params`` can serve ``shape`` (its constraints hold)."""
+    try:
+        get(name, *shape, **(params or {}))
+    except (StrategyShapeError, StrategyParameterError):
+        return False
+    return True
+
+
+def strategy(fn: Callable | Strategy, name: str | None = None, description: str = "") -> Strategy:
+    """Wrap a user's function ``Work -> ComputeAndWeightWorkers`` so it shows under its own name."""
+    return as_strategy(fn, name=name, description=description)
+
+
+__all__ = [
+    "Entry",
+    "KeyPriority",
+    "Param",
+    "StrategyParameterError",
+    "StrategyShapeError",
+    "UnknownStrategyError",
+    "catalog",
+    "cuckoo",
+    "ddp",
+    "describe",
+    "dualpipe_v",
+    "dualpipe_v_order",
+    "entry",
+    "fits",
+    "fsdp",
+    "fully_sharded_looped",
+    "get",
+    "gpipe",
+    "interleaved",
+    "looped",
+    "looped_bfs",
+    "megatron_interleaved_orders",
+    "names",
+    "one_f_one_b",
+    "overflow",
+    "strategy",
+    "unit_time_orders",
+    "variants",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+]

@@ -1,0 +1,126 @@
+"""Building fixed per-worker orders for hand-made schedules.
+
+Zero-bubble schedules are not a tie-break: they deliberately postpone weight
+passes and admit extra forwards.  Their papers design them on a unit-time grid
+(every pass takes one slot); :func:`unit_time_orders` replays that design
+rule slot by slot and records what each worker ran.  The simulator then
+follows those orders exactly under any costs.
+
+Also here: :class:`KeyPriority`, a priority given as array columns, for
+strategies whose tie-break is not one of the built-in ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from unisched.errors import DeadlockError
+from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work, dependencies, directions
+
+
+class KeyPriority:
+    """A priority whose key columns come from ``keys(batch, stage, direction)``
+    on arrays; smaller keys go first (applied to the trigger item, like the
+    built-in priorities)."""
+
+    def __init__(self, keys: Callable[[np.ndarray, np.ndarray, np.ndarray], Sequence[np.ndarray]], description: str):
+        self._keys = keys
+        self.description = description
+
+    def sort_keys(self, batch, stage, direction) -> Sequence[np.ndarray]:
+        return self._keys(np.asarray(batch), np.asarray(stage), np.asarray(direction))
+
+    def __call__(self, work: Work) -> tuple:
+        columns = self.sort_keys(np.array([work.batch]), np.array([work.stage]), np.array([int(work.direction)]))
+        return tuple(int(np.asarray(c)[0]) for c in columns)
+
+    def __repr__(self) -> str:
+        return f"KeyPriority({self.description!r})"
+
+
+@dataclass
+class Progress:
+    """What a design rule may look at when a worker is free: per worker, how
+    many forwards it started and how many input- and weight-gradient passes
+    it finished, and the weight passes it still owes (oldest first)."""
+
+    forwards: list[int]
+    inputs_done: list[int]
+    weights_done: list[int]
+    owed_weights: list[list[Work]] = field(default_factory=list)
+
+
+Rule = Callable[[int, list[Work], Progress], Work | None]
+"""``rule(worker, ready, progress)``: the item the free worker runs now, or None to wait."""
+
+
+def unit_time_orders(
+    num_workers: int,
+    num_stages: int,
+    num_batches: int,
+    compute: Callable[[Work], int],
+    rule: Rule,
+    *,
+    split_backward: bool = True,
+    name: str = "schedule",
+) -> dict[int, list[Work]]:
+    """Run ``rule`` on a grid where every pass takes one slot; return each worker's order."""
+    dirs = directions(split_backward)
+    items = [Work(b, s, d) for b in range(num_batches) for s in range(num_stages) for d in dirs]
+    owner = {item: compute(item) for item in items}
+    waiting = {}
+    successors: dict[Work, list[Work]] = {item: [] for item in items}
+    for item in items:
+        deps = dependencies(item, num_stages, split_backward=split_backward)
+        waiting[item] = len(deps)
+        for dep in deps:
+            successors[dep].append(item)
+    ready: list[list[Work]] = [[] for _ in range(num_workers)]
+    for item in items:
+        if not waiting[item]:
+            ready[owner[item]].append(item)
+    left = {w: sum(1 for item in items if owner[item] == w) for w in range(num_workers)}
+    orders: dict[int, list[Work]] = {w: [] for w in range(num_workers)}
+    progress = Progress([0] * num_workers, [0] * num_workers, [0] * num_workers,
+                        [[] for _ in range(num_workers)])
+    slot, remaining, idle_slots = 0, len(items), 0
+    while remaining:
+        finished = []
+        for w in range(num_workers):
+            choice = rule(w, list(ready[w]), progress) if ready[w] else None
+            if choice is None:
+                continue
+            ready[w].remove(choice)
+            orders[w].append(choice)
+            finished.append((w, choice))
+        for w, choice in finished:
+            _record(progress, w, choice)
+            left[w] -= 1
+            for nxt in successors[choice]:
+                waiting[nxt] -= 1
+                if not waiting[nxt]:
+                    ready[owner[nxt]].append(nxt)
+        remaining -= len(finished)
+        idle_slots = 0 if finished else idle_slots + 1
+        if idle_slots > 1:
+            stuck = {w: f"{left[w]} item(s) left; ready: {', '.join(map(str, ready[w])) or 'none'}"
+                     for w in range(num_workers) if left[w]}
+            raise DeadlockError(f"{name}: its design rule leaves every worker waiting at slot {slot}", stuck)
+        slot += 1
+    return orders
+
+
+def _record(progress: Progress, worker: int, item: Work) -> None:
+    direction = Direction(item.direction)
+    if direction is FORWARD:
+        progress.forwards[worker] += 1
+    elif direction is BACKWARD_INPUT:
+        progress.inputs_done[worker] += 1
+        progress.owed_weights[worker].append(Work(item.batch, item.stage, BACKWARD_WEIGHT))
+    else:
+        progress.weights_done[worker] += 1
+        if direction is BACKWARD_WEIGHT:
+            progress.owed_weights[worker].remove(item)

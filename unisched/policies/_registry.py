@@ -1,0 +1,132 @@
+"""What the registry knows about a strategy: its factory, one line that says
+what it is, its parameters (with defaults and help), and which parameter
+settings are worth trying on a given shape.
+
+Every factory has the signature ``factory(num_workers, num_stages,
+num_batches, **params) -> Strategy`` and checks its own constraints, raising
+:class:`StrategyShapeError` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from unisched.errors import ShapeError, UniSchedError
+from unisched.strategy import Strategy
+from unisched.work import Shape
+
+
+class UnknownStrategyError(UniSchedError, ValueError):
+    """A strategy name the registry does not know."""
+
+
+class StrategyParameterError(UniSchedError, ValueError):
+    """A parameter a strategy does not take, or a value it cannot use."""
+
+
+class StrategyShapeError(ShapeError):
+    """A shape (workers, stages, micro-batches) a strategy cannot serve."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a strategy factory, as the CLI and catalog show it."""
+
+    name: str
+    default: Any
+    help: str
+    type: Callable[[Any], Any] = int
+    choices: tuple | None = None
+
+    def coerce(self, strategy: str, value: Any) -> Any:
+        """Turn a value (possibly a string from the command line) into this parameter's type."""
+        if value is None:
+            return None
+        try:
+            if self.type is bool and isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                value = lowered in ("true", "1", "yes")
+            elif self.type is int and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            elif self.type is int and isinstance(value, bool):
+                raise ValueError(value)
+            elif self.type is int and not isinstance(value, (int, str)):
+                raise ValueError(value)
+            else:
+                value = self.type(value)
+        except (TypeError, ValueError):
+            raise StrategyParameterError(
+                f"strategy {strategy!r}: parameter {self.name!r} must be {_TYPE_WORDS.get(self.type, 'valid')}, "
+                f"got {value!r}"
+            ) from None
+        if self.choices is not None and value not in self.choices:
+            raise StrategyParameterError(
+                f"strategy {strategy!r}: parameter {self.name!r} must be one of "
+                f"{', '.join(map(str, self.choices))}; got {value!r}"
+            )
+        return value
+
+    def as_dict(self) -> dict:
+        data = {"name": self.name, "default": self.default, "help": self.help,
+                "type": getattr(self.type, "__name__", str(self.type))}
+        if self.choices is not None:
+            data["choices"] = list(self.choices)
+        return data
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+Grid = Callable[[Shape], Iterable[Mapping[str, Any]]]
+
+
+def _defaults_only(shape: Shape) -> Iterable[Mapping[str, Any]]:
+    yield {}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered strategy: the factory plus what the catalog says about it."""
+
+    name: str
+    factory: Callable[..., Strategy]
+    description: str
+    family: str
+    constraints: str
+    params: tuple[Param, ...] = ()
+    grid: Grid = field(default=_defaults_only)
+    """Parameter settings worth trying on a shape (each may still not fit it)."""
+
+    def param(self, name: str) -> Param:
+        for param in self.params:
+            if param.name == name:
+                return param
+        valid = ", ".join(p.name for p in self.params) or "none"
+        raise StrategyParameterError(
+            f"strategy {self.name!r} has no parameter {name!r}; its parameters are: {valid}"
+        )
+
+    def build(self, shape: Shape, params: Mapping[str, Any]) -> Strategy:
+        values = {name: self.param(name).coerce(self.name, value) for name, value in params.items()}
+        return self.factory(*shape, **values)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "description": self.description,
+            "constraints": self.constraints,
+            "params": [p.as_dict() for p in self.params],
+        }
+
+
+def require(condition: bool, strategy: str, message: str) -> None:
+    """Raise a StrategyShapeError naming the strategy when a constraint fails."""
+    if not condition:
+        raise StrategyShapeError(f"strategy {strategy!r}: {message}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

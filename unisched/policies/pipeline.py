@@ -1,0 +1,166 @@
+"""Pipeline parallelism: stage s lives on one worker and every micro-batch
+flows through the workers in turn.
+
+GPipe, 1F1B and the interleaved (virtual-stage) pipeline share that idea and
+differ only in what the unified scheme adds to a mapping: GPipe is the bare
+mapping; 1F1B is the same mapping with backward-first priority and a memory
+limit of S - s stashes on stage s's worker (the limit is what forces the
+one-forward-one-backward rhythm); the interleaved pipeline gives each worker
+v stages s, s + W, ... and follows Megatron-LM's fixed per-worker order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from unisched.policies._registry import Entry, Param, require
+from unisched.simulate.priorities import BackwardFirst, priority_by_name
+from unisched.strategy import Strategy
+from unisched.work import BACKWARD, FORWARD, ComputeAndWeightWorkers, Shape, Work
+
+GPIPE_PRIORITIES = ("oldest_batch_first", "oldest_stage_first")
+
+
+def gpipe(num_workers: int, num_stages: int, num_batches: int, priority: str = "oldest_batch_first") -> Strategy:
+    """Stage s on worker s, holding its own weights."""
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    _one_stage_per_worker("gpipe", shape)
+    return Strategy(
+        _by_stage,
+        name="gpipe",
+        description=GPIPE.description,
+        priority=priority_by_name(priority, num_stages, num_batches),
+        shape=shape,
+        params={"priority": priority},
+        map_arrays=_by_stage_arrays,
+    )
+
+
+def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
+    """GPipe's mapping, backward first, and at most S - s stashes on stage s's worker."""
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    _one_stage_per_worker("one_f_one_b", shape)
+    return Strategy(
+        _by_stage,
+        name="one_f_one_b",
+        description=ONE_F_ONE_B.description,
+        priority=BackwardFirst(num_stages, num_batches),
+        memory_limit=[float(num_stages - s) for s in range(num_workers)],
+        shape=shape,
+        map_arrays=_by_stage_arrays,
+    )
+
+
+def interleaved(num_workers: int, num_stages: int, num_batches: int, virtual_stages: int | None = None) -> Strategy:
+    """v = S / W stages per worker (stage s on worker s mod W), in Megatron-LM's interleaved 1F1B order."""
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    v = num_stages // num_workers
+    require(num_stages % num_workers == 0 and v >= 1, "interleaved",
+            f"needs S = v * W stages (v virtual stages per worker), got S={num_stages}, W={num_workers}; "
+            f"use a number of stages that is a multiple of {num_workers}")
+    if virtual_stages is not None:
+        require(virtual_stages == v, "interleaved",
+                f"virtual_stages={virtual_stages} with W={num_workers} workers needs S={virtual_stages * num_workers} "
+                f"stages, got S={num_stages}; change the stages or drop virtual_stages")
+    require(num_batches % num_workers == 0, "interleaved",
+            f"Megatron's interleaved order takes micro-batches in rounds of W={num_workers}; got B={num_batches}, "
+            f"use a multiple of {num_workers}")
+
+    def mapping(work: Work) -> ComputeAndWeightWorkers:
+        worker = work.stage % num_workers
+        return ComputeAndWeightWorkers(worker, worker)
+
+    def map_arrays(batch, stage, direction):
+        worker = np.asarray(stage) % num_workers
+        return worker, worker
+
+    return Strategy(
+        mapping,
+        name="interleaved",
+        description=INTERLEAVED.description,
+        worker_orders=megatron_interleaved_orders(num_workers, v, num_batches),
+        shape=shape,
+        params={"virtual_stages": v},
+        map_arrays=map_arrays,
+    )
+
+
+def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int) -> dict[int, list[Work]]:
+    """Each worker's sequence in Megatron-LM's interleaved 1F1B.
+
+    Forwards go in rounds of W micro-batches per model chunk (chunk 0 for
+    micro-batches 0..W-1, then chunk 1 for the same, ...), backwards the
+    same way from the last chunk down; rank r first runs (W - r - 1) * 2 +
+    (v - 1) * W warm-up forwards (W - r - 1 when v = 1: plain 1F1B), then
+    alternates one forward and one backward, then drains its backwards.
+    """
+    p, v, m = num_workers, virtual, num_batches
+    total = m * v
+
+    def item(rank: int, k: int, direction) -> Work:
+        chunk = (k // p) % v
+        if direction is BACKWARD:
+            chunk = v - 1 - chunk
+        batch = (k // (p * v)) * p + k % p
+        return Work(batch, chunk * p + rank, direction)
+
+    orders = {}
+    for rank in range(p):
+        warmup = min(p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p, total)
+        order = [item(rank, k, FORWARD) for k in range(warmup)]
+        for k in range(total - warmup):
+            order.append(item(rank, warmup + k, FORWARD))
+            order.append(item(rank, k, BACKWARD))
+        order.extend(item(rank, k, BACKWARD) for k in range(total - warmup, total))
+        orders[rank] = order
+    return orders
+
+
+def _by_stage(work: Work) -> ComputeAndWeightWorkers:
+    return ComputeAndWeightWorkers(work.stage, work.stage)
+
+
+def _by_stage_arrays(batch, stage, direction):
+    stage = np.asarray(stage)
+    return stage, stage
+
+
+def _one_stage_per_worker(name: str, shape: Shape) -> None:
+    require(shape.num_workers == shape.num_stages, name,
+            f"needs one stage per worker (W = S), got W={shape.num_workers}, S={shape.num_stages}; "
+            f"set the number of workers to {shape.num_stages} (or use 'looped' or 'interleaved' for S > W)")
+
+
+def _gpipe_grid(shape: Shape):
+    for priority in GPIPE_PRIORITIES:
+        yield {"priority": priority}
+
+
+GPIPE = Entry(
+    name="gpipe",
+    factory=gpipe,
+    description="pipeline parallel: stage s on worker s, micro-batches flow through the workers",
+    family="pipeline",
+    constraints="W = S",
+    params=(Param("priority", "oldest_batch_first",
+                  "tie-break: oldest_batch_first (the seed's default) or oldest_stage_first (fill-drain)",
+                  str, GPIPE_PRIORITIES),),
+    grid=_gpipe_grid,
+)
+ONE_F_ONE_B = Entry(
+    name="one_f_one_b",
+    factory=one_f_one_b,
+    description="1F1B: GPipe's mapping + backward-first priority + at most S - s stashes on stage s's worker",
+    family="pipeline",
+    constraints="W = S",
+)
+INTERLEAVED = Entry(
+    name="interleaved",
+    factory=interleaved,
+    description="interleaved 1F1B (Megatron): v = S/W stages per worker, stage s on worker s mod W, fixed order",
+    family="pipeline",
+    constraints="S = v W, B a multiple of W",
+    params=(Param("virtual_stages", None, "stages per worker v; must equal S / W (default: S / W)"),),
+)
+
+STRATEGIES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)

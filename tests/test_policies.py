@@ -1,0 +1,328 @@
+"""The strategy library against the known figures of each strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unisched
+from unisched import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Costs, UniSchedError, Work, simulate
+from unisched import policies
+from unisched.policies import StrategyParameterError, StrategyShapeError, UnknownStrategyError
+
+UNIT = Costs(forward=1, backward=2)
+SPLIT = Costs(forward=1, backward_input=1, backward_weight=1)
+T_F = T_B = T_W = 1.0
+
+
+def run(name, W, S, B, costs=UNIT, **params):
+    return simulate(W, S, B, policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params), costs=costs)
+
+
+def spans_idle(timeline) -> np.ndarray:
+    """Per worker: idle time between its first start and its last end."""
+    idle = []
+    for w in range(timeline.num_workers):
+        rows = timeline.worker == w
+        idle.append(timeline.end[rows].max() - timeline.start[rows].min() - timeline.busy_time[w])
+    return np.array(idle)
+
+
+# ---------------------------------------------------------------------- the seed's figures
+@pytest.mark.parametrize(
+    "name, W, params, latency, peaks",
+    [
+        ("ddp", 8, {}, 12, [4] * 8),
+        ("fsdp", 8, {}, 12, [4] * 8),
+        ("gpipe", 4, {"priority": "oldest_stage_first"}, 33, [8, 8, 8, 8]),
+        ("gpipe", 4, {"priority": "oldest_batch_first"}, 33, [8, 7, 4, 1]),
+        ("looped", 4, {"group_size": 2}, 28, [6, 3, 6, 3]),
+    ],
+)
+def test_seed_figures_through_the_registry(name, W, params, latency, peaks):
+    sim = run(name, W, 4, 8, **params)
+    assert sim.latency == latency
+    assert sim.throughput == pytest.approx(64 / (latency * W))
+    assert sim.worker_stats()["max_activation_storage"] == peaks
+
+
+def test_fsdp_fetches_the_stages_it_does_not_hold():
+    assert run("fsdp", 8, 4, 8).worker_stats()["weight_transmissions"] == [6, 6, 6, 6, 8, 8, 8, 8]
+
+
+def test_fully_sharded_looped_keeps_each_stage_on_one_worker():
+    stats = run("fully_sharded_looped", 4, 4, 8, group_size=2).worker_stats()
+    assert sum(stats["weight_storage"]) == 4
+    assert sum(stats["weight_transmissions"]) > 0
+
+
+@pytest.mark.parametrize("S, G", [(4, 2), (2, 4), (4, 1)])
+def test_looped_latency_formula_holds_when_groups_have_S_workers(S, G):
+    B = 8
+    sim = run("looped", S * G, S, B, group_size=S)
+    assert sim.latency == 3 * (S + B / G - 1)
+
+
+# ---------------------------------------------------------------------- pipelines
+@pytest.mark.parametrize("name", ["gpipe", "one_f_one_b"])
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 4), (3, 9), (6, 12)])
+def test_pipeline_bubble_fraction(name, p, m):
+    sim = run(name, p, p, m)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (5, 5), (6, 12)])
+def test_one_f_one_b_holds_p_minus_s_activations_on_stage_s(p, m):
+    sim = run("one_f_one_b", p, p, m)
+    assert sim.worker_stats()["max_activation_storage"] == [p - s for s in range(p)]
+    gpipe = run("gpipe", p, p, m)
+    assert sim.latency == gpipe.latency
+
+
+def test_one_f_one_b_alternates_after_warm_up():
+    sim = run("one_f_one_b", 4, 4, 8)
+    order = sim.timeline.worker_order(0)
+    assert [Work(b, 0, FORWARD) for b in range(4)] == order[:4]
+    assert order[4:8] == [Work(0, 0, BACKWARD), Work(4, 0, FORWARD), Work(1, 0, BACKWARD), Work(5, 0, FORWARD)]
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 12), (2, 4), (8, 16)])
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_interleaved_bubble_shrinks_by_v(p, m, v):
+    costs = Costs(forward=1 / v, backward=2 / v)  # the same work per worker for every v
+    sim = run("interleaved", p, v * p, m, costs=costs)
+    idle = sim.latency - sim.timeline.busy_time
+    assert idle.max() == pytest.approx((p - 1) * (1 + 2) / v)
+    assert np.allclose(sim.timeline.busy_time, 3 * m)
+
+
+def test_interleaved_with_one_chunk_is_one_f_one_b():
+    a, b = run("interleaved", 4, 4, 8), run("one_f_one_b", 4, 4, 8)
+    assert a.latency == b.latency
+    assert a.worker_stats()["max_activation_storage"] == b.worker_stats()["max_activation_storage"]
+
+
+def test_looped_bfs_runs_each_stage_for_every_batch_in_turn():
+    sim = run("looped_bfs", 2, 4, 3)
+    order = [str(w) for w in sim.timeline.worker_order(0)]
+    assert order == ["0F0", "0F1", "0F2", "2F0", "2F1", "2F2", "2B0", "2B1", "2B2", "0B0", "0B1", "0B2"]
+
+
+# ---------------------------------------------------------------------- zero bubble
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 12), (6, 12), (3, 9)])
+def test_zero_bubble_h1_bubble_and_memory(p, m):
+    zb = run("zb_h1", p, p, m, costs=SPLIT)
+    bubble = zb.latency - zb.timeline.busy_time.max()
+    assert bubble == pytest.approx((p - 1) * (T_F + T_B - T_W))
+    one_f_one_b = run("one_f_one_b", p, p, m, costs=Costs(forward=T_F, backward=T_B + T_W))
+    assert one_f_one_b.latency - one_f_one_b.timeline.busy_time.max() == pytest.approx((p - 1) * (T_F + T_B + T_W))
+    peak = zb.worker_stats()["max_activation_storage"]
+    assert max(peak) <= max(one_f_one_b.worker_stats()["max_activation_storage"])
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 12), (6, 12), (3, 9)])
+def test_zero_bubble_h2_bubble_and_memory(p, m):
+    zb = run("zb_h2", p, p, m, costs=SPLIT)
+    # no worker idles between its first and its last pass ...
+    assert spans_idle(zb.timeline) == pytest.approx((p - 1) * (T_F + T_B - 2 * T_W))
+    # ... so the step is the work plus the pipeline's fill, which no schedule avoids
+    assert zb.latency == pytest.approx(zb.timeline.busy_time.max() + (p - 1) * T_F)
+    one_f_one_b = run("one_f_one_b", p, p, m)
+    ratio = max(zb.worker_stats()["max_activation_storage"]) / max(one_f_one_b.worker_stats()["max_activation_storage"])
+    assert ratio == pytest.approx((2 * p - 1) / p)
+    assert 1.5 <= ratio < 2
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (2, 4), (3, 9), (6, 12)])
+def test_zbv_reaches_the_fill_bound_at_one_f_one_b_memory(p, m):
+    sim = run("zbv", p, 2 * p, m, costs=SPLIT)
+    # the last worker cannot start before p - 1 forwards have run: nothing beats busy + (p - 1) T_F
+    assert sim.latency == pytest.approx(sim.timeline.busy_time.max() + (p - 1) * T_F)
+    if p % 2 == 0:
+        assert spans_idle(sim.timeline) == pytest.approx(0)
+    # two half-size stages per worker: 2p half stashes are 1F1B's p full ones
+    assert max(sim.worker_stats()["max_activation_storage"]) <= 2 * p
+
+
+def test_zero_bubble_strategies_follow_their_fixed_orders():
+    for name, shape in [("zb_h1", (4, 4, 8)), ("zb_h2", (4, 4, 8)), ("zbv", (3, 6, 6)), ("dualpipe_v", (3, 6, 6))]:
+        strategy = policies.get(name, *shape)
+        assert strategy.split_backward
+        sim = simulate(*shape, strategy, costs=Costs(forward=1, backward_input=1.5, backward_weight=0.5))
+        for worker, order in strategy.worker_orders.items():
+            assert sim.timeline.worker_order(worker) == list(order)
+
+
+def test_dualpipe_v_order_covers_every_pass_of_its_two_stages():
+    p, m = 4, 10
+    for rank in range(p):
+        order = policies.dualpipe_v_order(p, rank, m)
+        stages = {rank, 2 * p - 1 - rank}
+        expected = {Work(b, s, d) for b in range(m) for s in stages for d in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
+        assert len(order) == len(expected) and set(order) == expected
+
+
+# ---------------------------------------------------------------------- the seed's new pipelines
+def test_cuckoo_moves_the_chosen_backwards_to_the_mirror_worker():
+    strategy = policies.get("cuckoo", 6, 6, 12, stage_cutoff=2, batch_cutoff=3)
+    for work in unisched.all_work(6, 12):
+        compute, weight = strategy(work)
+        moved = work.direction == BACKWARD and work.stage < 2 and work.batch < 3
+        assert compute == (5 - work.stage if moved else work.stage)
+        assert weight == work.stage
+    defaults = policies.get("cuckoo", 6, 6, 12)
+    assert defaults.params == {"stage_cutoff": 5, "batch_cutoff": 4}
+
+
+def test_overflow_moves_early_stashes_to_the_extra_workers():
+    sim = run("overflow", 6, 4, 8)
+    peaks = sim.worker_stats()["max_activation_storage"]
+    assert peaks[:2] == [0, 0] and min(peaks[4:]) > 0
+    assert sim.latency == run("gpipe", 4, 4, 8).latency
+
+
+# ---------------------------------------------------------------------- every strategy
+SHAPES = [(4, 4, 8), (4, 8, 8), (8, 4, 8), (2, 4, 4), (3, 6, 6), (6, 4, 6), (4, 4, 4)]
+
+
+def test_every_strategy_fits_some_shape_here():
+    fitted = {name for shape in SHAPES for name, _ in policies.variants(*shape)}
+    assert fitted == set(policies.names())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_variant_simulates(shape):
+    W, S, B = shape
+    for name, params in policies.variants(*shape):
+        strategy = policies.get(name, *shape, **params)
+        costs = SPLIT if strategy.split_backward else UNIT
+        sim = simulate(W, S, B, strategy, costs=costs)
+        items = S * B * (3 if strategy.split_backward else 2)
+        assert len(sim.timeline) == items, name
+        assert sim.latency >= sim.lower_bound - 1e-9, name
+        assert sim.strategy.name == name and sim.strategy.description
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_map_arrays_agrees_with_mapping(shape):
+    W, S, B = shape
+    for name, params in policies.variants(*shape):
+        strategy = policies.get(name, *shape, **params)
+        assert strategy.map_arrays is not None, name
+        works = list(unisched.all_work(S, B, split_backward=strategy.split_backward))
+        batch, stage, direction = (np.array(column) for column in zip(*works))
+        compute, weight = strategy.map_arrays(batch, stage, direction.astype(np.int64))
+        expected = np.array([tuple(strategy(w)) for w in works])
+        assert np.array_equal(compute, expected[:, 0]), name
+        assert np.array_equal(weight, expected[:, 1]), name
+
+
+@settings(max_examples=30, deadline=None)
+@given(W=st.integers(1, 8), S=st.integers(1, 8), B=st.integers(1, 10))
+def test_map_arrays_agrees_with_mapping_on_random_shapes(W, S, B):
+    for name, params in policies.variants(W, S, B, only=["ddp", "fsdp", "gpipe", "looped", "fully_sharded_looped",
+                                                         "looped_bfs", "cuckoo", "overflow"]):
+        strategy = policies.get(name, W, S, B, **params)
+        works = list(unisched.all_work(S, B))
+        batch, stage, direction = (np.array(column, dtype=np.int64) for column in zip(*works))
+        compute, weight = strategy.map_arrays(batch, stage, direction)
+        assert [tuple(p) for p in zip(compute.tolist(), weight.tolist())] == [tuple(strategy(w)) for w in works]
+
+
+# ---------------------------------------------------------------------- registry and errors
+@pytest.mark.parametrize(
+    "name, shape, params, words",
+    [
+        ("ddp", (4, 4, 8), {}, ["W = B", "micro-batches to 4"]),
+        ("fsdp", (4, 4, 8), {}, ["W = B"]),
+        ("gpipe", (4, 8, 8), {}, ["W = S", "workers to 8"]),
+        ("one_f_one_b", (2, 4, 8), {}, ["W = S"]),
+        ("looped", (6, 4, 8), {"group_size": 4}, ["divisor of 6", "1, 2, 3, 6"]),
+        ("looped", (8, 2, 8), {"group_size": 4}, ["at least 4 stages"]),
+        ("interleaved", (4, 6, 8), {}, ["multiple of 4"]),
+        ("interleaved", (4, 8, 6), {}, ["B=6", "multiple of 4"]),
+        ("interleaved", (4, 8, 8), {"virtual_stages": 3}, ["S=12"]),
+        ("looped_bfs", (4, 6, 8), {}, ["multiple of W"]),
+        ("cuckoo", (4, 6, 8), {}, ["W = S"]),
+        ("overflow", (4, 4, 8), {}, ["W > S"]),
+        ("overflow", (6, 4, 8), {"stages": 5}, ["1..4"]),
+        ("zb_h1", (4, 8, 8), {}, ["W = S"]),
+        ("zbv", (4, 4, 8), {}, ["S must be 2W"]),
+        ("dualpipe_v", (4, 8, 6), {}, ["at least 2W = 8"]),
+    ],
+)
+def test_constraint_errors_say_what_to_change(name, shape, params, words):
+    with pytest.raises(StrategyShapeError) as error:
+        policies.get(name, *shape, **params)
+    assert isinstance(error.value, UniSchedError)
+    message = str(error.value)
+    assert repr(name) in message
+    for word in words:
+        assert word in message
+
+
+def test_unknown_strategy_lists_the_choices():
+    with pytest.raises(UnknownStrategyError) as error:
+        policies.get("pipedream", 4, 4, 8)
+    assert isinstance(error.value, UniSchedError)
+    for name in policies.names():
+        assert name in str(error.value)
+
+
+def test_bad_parameters_list_the_valid_ones():
+    with pytest.raises(StrategyParameterError, match="its parameters are: group_size"):
+        policies.get("looped", 4, 4, 8, groups=2)
+    with pytest.raises(StrategyParameterError, match="oldest_batch_first, oldest_stage_first"):
+        policies.get("gpipe", 4, 4, 8, priority="newest")
+    with pytest.raises(StrategyParameterError, match="must be an integer"):
+        policies.get("looped", 4, 4, 8, group_size="two")
+    with pytest.raises(StrategyParameterError, match="num_batches"):
+        policies.get("gpipe", num_workers=4, num_stages=4)
+
+
+def test_parameters_from_a_command_line_are_coerced():
+    assert policies.get("looped", 4, 4, 8, group_size="2").params == {"group_size": 2}
+    assert policies.get("Looped-PP".replace("-PP", ""), 4, 4, 8).params == {"group_size": 4}
+
+
+def test_catalog_describes_every_strategy_and_parameter():
+    catalog = policies.catalog()
+    assert [e["name"] for e in catalog] == policies.names()
+    for e in catalog:
+        assert e["description"] and e["constraints"] and e["family"]
+        assert policies.describe(e["name"]) == e
+        for param in e["params"]:
+            assert set(param) >= {"name", "default", "help"} and param["help"]
+
+
+def test_variants_respect_constraints_and_only():
+    found = list(policies.variants(8, 4, 8))
+    assert ("ddp", {}) in found and all(name != "gpipe" for name, _ in found)
+    assert {p["group_size"] for n, p in found if n == "looped"} == {1, 2, 4}
+    assert [n for n, _ in policies.variants(4, 4, 8, only=["zb_h1", "ddp"])] == ["zb_h1"]
+
+
+def test_a_user_function_keeps_its_name():
+    def my_pipeline(work):
+        return unisched.ComputeAndWeightWorkers(work.stage, work.stage)
+
+    named = policies.strategy(my_pipeline)
+    assert named.name == "my_pipeline"
+    renamed = policies.strategy(lambda w: (w.stage, w.stage), name="mine", description="my own")
+    sim = simulate(4, 4, 8, renamed)
+    assert sim.strategy.name == "mine" and sim.timeline.label == "mine"
+    assert sim.latency == run("gpipe", 4, 4, 8).latency
+
+
+def test_a_strategy_is_still_a_plain_function():
+    strategy = policies.get("fsdp", 4, 2, 4)
+    assert strategy(Work(3, 1, BACKWARD)) == (3, 1)
+    assert unisched.policies is policies
+
+
+def test_the_simulation_call_overrides_the_strategy_limit():
+    strategy = policies.get("one_f_one_b", 4, 4, 8)
+    assert simulate(4, 4, 8, strategy, memory_limit=8).worker_stats()["max_activation_storage"] != [4, 3, 2, 1]
+    assert BACKWARD_WEIGHT not in set(simulate(4, 4, 8, strategy).timeline.direction.tolist())

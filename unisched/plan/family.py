@@ -1,0 +1,178 @@
+"""Family search: every registered strategy and parameter setting that fits
+the shape, simulated with the plan's costs and limits.
+
+A member that cannot run (memory too small for its mapping, a deadlock, more
+stages on a worker than allowed) is dropped with the reason.  The kept ones
+are ranked by latency, and the Pareto front of latency, peak activation
+memory and traffic is marked.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Iterable, TextIO
+
+import numpy as np
+
+from unisched.errors import UniSchedError
+from unisched.simulate import simulate
+from unisched.simulate.simulation import Simulation
+from unisched.strategy import Strategy
+
+from unisched.plan.problem import PlanProblem
+
+
+@dataclass(eq=False)
+class Member:
+    """One strategy setting and what simulating it gave (or why it was dropped)."""
+
+    label: str
+    strategy: Strategy | None
+    simulation: Simulation | None = None
+    reason: str = ""
+    pareto: bool = False
+
+    @property
+    def feasible(self) -> bool:
+        return self.simulation is not None and not self.reason
+
+    @property
+    def latency(self) -> float:
+        return self.simulation.latency if self.simulation is not None else float("inf")
+
+    def measures(self) -> dict:
+        return measures(self.simulation)
+
+
+@dataclass(eq=False)
+class FamilyResult:
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> list[Member]:
+        return sorted((m for m in self.members if m.feasible), key=lambda m: m.latency)
+
+    @property
+    def dropped(self) -> list[Member]:
+        return [m for m in self.members if not m.feasible]
+
+    @property
+    def best(self) -> Member | None:
+        kept = self.feasible
+        return kept[0] if kept else None
+
+
+def measures(sim: Simulation) -> dict:
+    """Latency, bubble, peak activations per worker (max) and number of transfers."""
+    stats = sim.worker_stats()
+    transfers = sim.timeline.transfers
+    return {
+        "latency": float(sim.latency),
+        "bubble": float(sim.bubble_fraction),
+        "peak_activations": float(max(stats["max_activation_storage"], default=0)),
+        "traffic": int(len(transfers)),
+    }
+
+
+def registry_members(problem: PlanProblem, only: str | None = None) -> Iterable[tuple[str, Strategy | None, str]]:
+    """(label, strategy, reason) for every registered setting that fits the shape."""
+    from unisched import policies
+
+    W, S, B = problem.shape
+    if only is not None:
+        entry = policies.entry(only)
+        yield entry.name, policies.get(entry.name, W, S, B), ""
+        return
+    for name, params in policies.variants(W, S, B):
+        label = name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+        try:
+            yield label, policies.get(name, W, S, B, **params), ""
+        except UniSchedError as error:
+            yield label, None, str(error)
+
+
+def search_family(
+    problem: PlanProblem,
+    members: Iterable[tuple[str, Strategy | None, str]] | None = None,
+    *,
+    progress: TextIO | None = None,
+) -> FamilyResult:
+    """Simulate each member with the problem's costs and limits; drop the ones that cannot run."""
+    candidates = list(members if members is not None else registry_members(problem))
+    result = FamilyResult()
+    for index, (label, strategy, reason) in enumerate(candidates):
+        if progress is not None:
+            _progress(progress, index, len(candidates), label)
+        member = Member(label, strategy, reason=reason)
+        if strategy is not None and not reason:
+            _evaluate(problem, member)
+        result.members.append(member)
+    if progress is not None:
+        _progress(progress, len(candidates), len(candidates), "done")
+        progress.write("\n")
+        progress.flush()
+    _mark_pareto(result.feasible)
+    return result
+
+
+def _evaluate(problem: PlanProblem, member: Member) -> None:
+    strategy = member.strategy
+    W, S, B = problem.shape
+    if strategy.worker_orders is not None and strategy.split_backward != problem.split_backward:
+        member.reason = (
+            "its fixed order needs " + ("a split backward (--backward-input/--backward-weight)"
+                                        if strategy.split_backward else "an unsplit backward")
+        )
+        return
+    limit = _limit(problem.memory_limit, strategy.memory_limit)
+    try:
+        sim = simulate(W, S, B, strategy, costs=problem.costs, memory_limit=limit,
+                       split_backward=problem.split_backward)
+    except UniSchedError as error:
+        member.reason = str(error).splitlines()[0]
+        return
+    K = problem.max_stages_per_worker
+    if K is not None:
+        held = stages_held(sim)
+        worst = int(np.argmax(held))
+        if held[worst] > K:
+            member.reason = f"worker {worst} holds the weights of {held[worst]} stages, more than {K}"
+            return
+    member.simulation = sim
+
+
+def stages_held(sim: Simulation) -> np.ndarray:
+    """Stages whose weights each worker holds: those it owns and those it computes."""
+    t = sim.timeline
+    held = np.zeros((t.num_workers, t.num_stages), dtype=bool)
+    held[t.worker, t.stage] = True
+    held[t.weight_worker, t.stage] = True
+    return held.sum(axis=1)
+
+
+def _limit(user: float | None, own) -> float | None:
+    if user is None:
+        return own
+    if own is None:
+        return user
+    return np.minimum(np.asarray(own, dtype=float), user).tolist() if np.ndim(own) else min(float(own), user)
+
+
+def _mark_pareto(members: list[Member]) -> None:
+    points = [(m.latency, m.measures()["peak_activations"], m.measures()["traffic"]) for m in members]
+    for m, p in zip(members, points):
+        m.pareto = not any(q != p and all(a <= b for a, b in zip(q, p)) for q in points)
+
+
+def _progress(stream: TextIO, done: int, total: int, label: str) -> None:
+    width = 24
+    filled = int(width * done / max(total, 1))
+    stream.write(f"\rfamily search [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:<40}")
+    stream.flush()
+
+
+def default_progress(json_output: bool) -> TextIO | None:
+    """A progress bar on an interactive terminal, never with --json."""
+    return sys.stderr if not json_output and sys.stderr.isatty() else None
+

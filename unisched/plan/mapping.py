@@ -1,0 +1,319 @@
+"""CP-SAT for the mapping itself: which worker computes each (stage, batch),
+which worker holds each stage's weights, and in what order.
+
+Every (stage, batch) has one optional interval per worker for each of its
+passes; one presence literal per (stage, batch, worker) is shared by the
+forward and its backward(s), so a stash never moves.  A stage has one weight
+worker; a worker computing a stage it does not hold waits ``fetch`` for the
+weights and sends the gradient back ``fetch`` after its last backward.  A
+worker may hold at most ``max_stages_per_worker`` stages (its own and
+fetched ones).  Activations and gradients take ``comm`` only when consecutive
+stages of a batch run on different workers.  Redundant cumulatives (all work
+with capacity W; all live activations with capacity W*M) tighten the bound.
+
+The search starts from a complete feasible hint (the best schedule found so
+far, relabelled to fit the symmetry breaking); when the model is large, a
+large-neighbourhood search frees a few micro-batches at a time and keeps the
+rest of the incumbent's mapping.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from unisched.plan.order import Solved, _solver, memory_demands
+from unisched.plan.problem import TimedProblem
+from unisched.work import FORWARD
+
+WHOLE_MODEL_LIMIT = 160
+"""Above this many (stage, batch) pairs the whole model is too slow to improve: use LNS."""
+
+
+@dataclass(frozen=True)
+class Incumbent:
+    """A complete solution of the mapping model, in ticks."""
+
+    compute: np.ndarray
+    weight: np.ndarray
+    starts: np.ndarray
+    makespan: int
+
+
+def solve_mapping(
+    timed: TimedProblem,
+    *,
+    time_limit: float,
+    hint: Incumbent | None = None,
+    num_workers: int = 2,
+    seed: int = 0,
+    lns: bool | None = None,
+) -> Solved:
+    """Search mappings and orders together; LNS when the model is large (or ``lns=True``)."""
+    W, S, B = timed.shape
+    if lns is None:
+        lns = S * B > WHOLE_MODEL_LIMIT and hint is not None
+    if not lns or hint is None:
+        return _solve(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed)
+    return _lns(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed)
+
+
+def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int) -> Solved:
+    """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
+    begin = time.perf_counter()
+    deadline = begin + time_limit
+    rng = random.Random(seed)
+    W, S, B = timed.shape
+    best = hint
+    bound = 0
+    window = max(2, min(B, WHOLE_MODEL_LIMIT // (2 * S)))
+    round_limit = max(1.0, min(8.0, time_limit / 6))
+    whole = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, num_workers=num_workers,
+                   seed=seed, bound_only=True)
+    bound = max(bound, whole.bound)
+    if whole.found and whole.objective < best.makespan:
+        best = Incumbent(whole.compute, whole.weight, whole.starts, whole.objective)
+    while time.perf_counter() < deadline - 0.2 and best.makespan > bound:
+        first = rng.randrange(B)
+        free = {(first + k) % B for k in range(window)} if rng.random() < 0.5 else set(rng.sample(range(B), window))
+        left = deadline - time.perf_counter()
+        result = _solve(timed, time_limit=min(round_limit, left), hint=best, num_workers=num_workers,
+                        seed=rng.randrange(1 << 30), free_batches=free)
+        if result.found and result.objective < best.makespan:
+            best = Incumbent(result.compute, result.weight, result.starts, result.objective)
+    status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
+    return Solved(status, best.starts, best.compute, best.weight, best.makespan, bound, time.perf_counter() - begin)
+
+
+def _solve(
+    timed: TimedProblem,
+    *,
+    time_limit: float,
+    hint: Incumbent | None,
+    num_workers: int,
+    seed: int,
+    free_batches: set[int] | None = None,
+    bound_only: bool = False,
+) -> Solved:
+    begin = time.perf_counter()
+    problem = timed.problem
+    W, S, B = problem.shape
+    dirs = problem.dirs
+    model = cp_model.CpModel()
+    if hint is not None:
+        hint = canonical(timed, hint) if free_batches is None else hint
+    duration = timed.duration  # (items, workers)
+    comm = timed.comm.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
+    fetch = timed.fetch.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
+    uniform = bool(np.all(duration == duration[:, :1]))
+    horizon = int(duration.max(axis=1).sum() + 2 * B * S * comm.max(initial=0) + 2 * fetch.max(initial=0) + 1)
+    if hint is not None:
+        horizon = min(horizon, int(hint.makespan))
+
+    x = {(s, b, w): model.new_bool_var(f"x{s},{b},{w}") for s in range(S) for b in range(B) for w in range(W)}
+    owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}
+    held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
+    for s in range(S):
+        model.add_exactly_one(owner[s, w] for w in range(W))
+        for b in range(B):
+            model.add_exactly_one(x[s, b, w] for w in range(W))
+            for w in range(W):
+                model.add_implication(x[s, b, w], held[w, s])
+        for w in range(W):
+            model.add_implication(owner[s, w], held[w, s])
+            model.add_bool_or([owner[s, w]] + [x[s, b, w] for b in range(B)]).only_enforce_if(held[w, s])
+    if problem.max_stages_per_worker is not None and problem.max_stages_per_worker < S:
+        for w in range(W):
+            model.add(sum(held[w, s] for s in range(S)) <= problem.max_stages_per_worker)
+
+    n = problem.num_items
+    start = [model.new_int_var(0, horizon, f"s{i}") for i in range(n)]
+    end = []
+    per_worker: list[list] = [[] for _ in range(W)]
+    main = []
+    for i in range(n):
+        b, s = int(timed.batch[i]), int(timed.stage[i])
+        if uniform:
+            end.append(start[i] + int(duration[i, 0]))
+            main.append(model.new_fixed_size_interval_var(start[i], int(duration[i, 0]), f"m{i}"))
+        else:
+            e = model.new_int_var(0, horizon, f"e{i}")
+            model.add(e == start[i] + sum(int(duration[i, w]) * x[s, b, w] for w in range(W)))
+            end.append(e)
+        for w in range(W):
+            per_worker[w].append(model.new_optional_fixed_size_interval_var(
+                start[i], int(duration[i, w]), x[s, b, w], f"o{i},{w}"))
+    for w in range(W):
+        model.add_no_overlap(per_worker[w])
+    if uniform:
+        model.add_cumulative(main, [1] * n, W)
+
+    makespan = model.new_int_var(0, horizon, "makespan")
+    for i in range(n):
+        model.add(makespan >= end[i])
+
+    same = {}
+    for b in range(B):
+        for s in range(S - 1):
+            z = [model.new_bool_var(f"z{s},{b},{w}") for w in range(W)]
+            for w in range(W):
+                model.add_implication(z[w], x[s, b, w])
+                model.add_implication(z[w], x[s + 1, b, w])
+            same[s, b] = z
+    for u, v, s in timed.data_edges():
+        su, sv = int(timed.stage[u]), int(timed.stage[v])
+        if su == sv:
+            model.add(start[v] >= end[u])
+        else:
+            lower = min(su, sv)
+            c = int(comm[s])
+            model.add(start[v] >= end[u] + c - c * sum(same[lower, int(timed.batch[u])]))
+
+    last = problem.last_backward
+    for s in range(S):
+        if not fetch[s]:
+            continue
+        for b in range(B):
+            f = problem.item(b, s, FORWARD)
+            r = problem.item(b, s, last)
+            for w in range(W):
+                model.add(start[f] >= int(fetch[s])).only_enforce_if([x[s, b, w], owner[s, w].Not()])
+                model.add(makespan >= end[r] + int(fetch[s])).only_enforce_if([x[s, b, w], owner[s, w].Not()])
+
+    _memory(model, timed, x, start, end, horizon)
+
+    for b in range(B - 1):
+        model.add(start[problem.item(b, 0, FORWARD)] <= start[problem.item(b + 1, 0, FORWARD)])
+    symmetric_workers = uniform and problem.costs.worker_speed is None and not problem.costs.links
+    if symmetric_workers and free_batches is None:
+        model.add(x[0, 0, 0] == 1)
+
+    if hint is not None:
+        _add_hint(model, timed, hint, x, owner, held, same, start, makespan)
+        if free_batches is not None:
+            for b in range(B):
+                if b in free_batches:
+                    continue
+                for s in range(S):
+                    model.add(x[s, b, int(hint.compute[problem.item(b, s, FORWARD)])] == 1)
+            for s in range(S):
+                model.add(owner[s, int(hint.weight[problem.item(0, s, FORWARD)])] == 1)
+    model.minimize(makespan)
+    solver = _solver(time_limit, num_workers, seed)
+    if bound_only:
+        solver.parameters.stop_after_first_solution = False
+    status = solver.solve(model)
+    wall = time.perf_counter() - begin
+    name = solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        bound = int(solver.best_objective_bound) if status != cp_model.INFEASIBLE else horizon
+        return Solved(name, None, None, None, None, bound if free_batches is None else 0, wall)
+    compute = np.empty(n, dtype=np.int64)
+    weight = np.empty(n, dtype=np.int64)
+    owners = [next(w for w in range(W) if solver.boolean_value(owner[s, w])) for s in range(S)]
+    for i in range(n):
+        s, b = int(timed.stage[i]), int(timed.batch[i])
+        compute[i] = next(w for w in range(W) if solver.boolean_value(x[s, b, w]))
+        weight[i] = owners[s]
+    starts = np.array([solver.value(v) for v in start], dtype=np.int64)
+    bound = int(solver.best_objective_bound) if free_batches is None else 0
+    return Solved(name, starts, compute, weight, int(solver.objective_value), bound, wall)
+
+
+def _memory(model, timed: TimedProblem, x, start, end, horizon) -> None:
+    problem = timed.problem
+    if problem.memory_limit is None:
+        return
+    demands, capacity, _ = memory_demands(timed)
+    W, S, B = problem.shape
+    per_worker: list[tuple[list, list]] = [([], []) for _ in range(W)]
+    everything, amounts = [], []
+    for b in range(B):
+        for s in range(S):
+            f = problem.item(b, s, FORWARD)
+            for d in problem.dirs[1:]:
+                r = problem.item(b, s, d)
+                demand = demands[(s, d)]
+                if not demand:
+                    continue
+                size = model.new_int_var(0, horizon, f"live{r}")
+                everything.append(model.new_interval_var(start[f], size, end[r], f"l{r}"))
+                amounts.append(demand)
+                for w in range(W):
+                    per_worker[w][0].append(model.new_optional_interval_var(
+                        start[f], size, end[r], x[s, b, w], f"l{r},{w}"))
+                    per_worker[w][1].append(demand)
+    for intervals, demand in per_worker:
+        if sum(demand) > capacity:
+            model.add_cumulative(intervals, demand, capacity)
+    if sum(amounts) > capacity * W:
+        model.add_cumulative(everything, amounts, capacity * W)
+
+
+def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
+    """Relabel micro-batches (by first-stage start) and workers (batch 0's first
+    stage on worker 0) so the hint satisfies the model's symmetry breaking."""
+    problem = timed.problem
+    W, S, B = problem.shape
+    per_batch = S * len(problem.dirs)
+    firsts = [hint.starts[problem.item(b, 0, FORWARD)] for b in range(B)]
+    order = sorted(range(B), key=lambda b: (firsts[b], b))
+    rows = np.concatenate([np.arange(b * per_batch, (b + 1) * per_batch) for b in order])
+    compute, weight, starts = hint.compute[rows], hint.weight[rows], hint.starts[rows]
+    symmetric = bool(np.all(timed.duration == timed.duration[:, :1])) and timed.problem.costs.worker_speed is None \
+        and not timed.problem.costs.links
+    if symmetric:
+        first = int(compute[problem.item(0, 0, FORWARD)])
+        swap = np.arange(W)
+        swap[[0, first]] = swap[[first, 0]]
+        compute, weight = swap[compute], swap[weight]
+    return Incumbent(compute, weight, starts, hint.makespan)
+
+
+def _add_hint(model, timed: TimedProblem, hint: Incumbent, x, owner, held, same, start, makespan) -> None:
+    problem = timed.problem
+    W, S, B = problem.shape
+    where = {}
+    for b in range(B):
+        for s in range(S):
+            where[s, b] = int(hint.compute[problem.item(b, s, FORWARD)])
+            for w in range(W):
+                model.add_hint(x[s, b, w], where[s, b] == w)
+    owners = [int(hint.weight[problem.item(0, s, FORWARD)]) for s in range(S)]
+    for s in range(S):
+        for w in range(W):
+            model.add_hint(owner[s, w], owners[s] == w)
+            model.add_hint(held[w, s], owners[s] == w or any(where[s, b] == w for b in range(B)))
+    for (s, b), z in same.items():
+        for w in range(W):
+            model.add_hint(z[w], where[s, b] == w and where[s + 1, b] == w)
+    for i, v in enumerate(start):
+        model.add_hint(v, int(hint.starts[i]))
+    model.add_hint(makespan, int(hint.makespan))
+
+
+def incumbent_from(timed: TimedProblem, compute, weight, starts) -> Incumbent | None:
+    """A hint for the mapping model, if the schedule fits its structure (a forward and its
+    backwards on one worker, one weight worker per stage) and its timing rules."""
+    problem = timed.problem
+    W, S, B = problem.shape
+    compute = np.asarray(compute, dtype=np.int64)
+    weight = np.asarray(weight, dtype=np.int64)
+    per_pair = compute.reshape(B, S, len(problem.dirs))
+    if np.any(per_pair != per_pair[:, :, :1]):
+        return None
+    owners = weight.reshape(B, S, len(problem.dirs))
+    if np.any(owners != owners[:1, :, :1]):
+        return None
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = starts + timed.duration[np.arange(len(compute)), compute]
+    fetch = timed.fetch.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
+    borrowed = compute != weight
+    last = timed.direction == problem.last_backward
+    tails = np.where(borrowed & last, fetch[timed.stage], 0)
+    makespan = int(np.max(ends + tails))
+    return Incumbent(compute, weight, starts, makespan)

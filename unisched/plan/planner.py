@@ -1,0 +1,266 @@
+"""``plan``: the answer to "which schedule should I run?", with proof of how good it is.
+
+Three phases share one time limit:
+
+1. family search: every registered strategy setting, simulated (fast);
+2. CP-SAT order: the best mappings found keep their workers, CP-SAT picks the
+   order of work on each worker (hinted with the simulated schedule);
+3. CP-SAT mapping: workers and order together, warm-started from the best so
+   far (skipped with ``strategy=``, which keeps that strategy's mapping).
+
+Every candidate is replayed by the simulator with fixed orders, and the
+plan is the candidate with the shortest replay, so it is never worse than the
+best family member simulated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, TextIO
+
+import numpy as np
+
+from unisched.errors import UniSchedError
+from unisched.simulate.costs import Costs
+from unisched.simulate.simulation import Simulation
+from unisched.strategy import Strategy
+from unisched.work import Shape
+
+from unisched.plan.bounds import mapping_bounds, shape_bounds
+from unisched.plan.family import FamilyResult, Member, measures, registry_members, search_family
+from unisched.plan.mapping import incumbent_from, solve_mapping
+from unisched.plan.order import Solved, check_mapping_memory, solve_order
+from unisched.plan.planfile import Plan
+from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.plan.schedule import Schedule
+
+ORDER_SHARE = 0.3
+"""Share of the time limit given to CP-SAT orders of the best family mappings."""
+ORDERED_MAPPINGS = 3
+
+
+@dataclass(eq=False)
+class Candidate:
+    label: str
+    source: str
+    schedule: Schedule
+    replay: Simulation
+    model_latency: float | None = None
+    proven: bool = False
+    pareto: bool = False
+
+    @property
+    def latency(self) -> float:
+        return float(self.replay.latency)
+
+
+def plan(
+    num_workers: int,
+    num_stages: int,
+    num_batches: int,
+    costs: Costs | None = None,
+    *,
+    memory_limit: float | None = None,
+    max_stages_per_worker: int | None = None,
+    strategy: str | None = None,
+    time_limit: float = 30.0,
+    split_backward: bool = False,
+    members: Iterable[tuple[str, Strategy | None, str]] | None = None,
+    progress: TextIO | None = None,
+    search_workers: int = 2,
+    seed: int = 0,
+) -> Plan:
+    """Plan one training step of ``num_batches`` micro-batches over ``num_stages``
+    stages on ``num_workers`` workers within ``time_limit`` seconds.
+
+    ``strategy`` keeps that registered strategy's mapping and optimizes only
+    the order of work; ``members`` replaces the registry with your own
+    ``(label, Strategy, "")`` candidates.  Raises a ``UniSchedError`` saying
+    what is needed when the limits make every schedule impossible.
+    """
+    begin = time.perf_counter()
+    deadline = begin + float(time_limit)
+    problem = PlanProblem(Shape(num_workers, num_stages, num_batches), costs or Costs(), memory_limit,
+                          max_stages_per_worker, split_backward)
+    timed = TimedProblem.build(problem)
+    if members is None:
+        members = registry_members(problem, only=strategy)
+    family = search_family(problem, members, progress=progress)
+
+    candidates: list[Candidate] = []
+    for member in family.feasible:
+        candidate = _replayed(problem, member.label, "family", _schedule_of(problem, member))
+        if candidate is not None:
+            candidate.pareto = member.pareto
+            candidates.append(candidate)
+
+    fixed = strategy is not None
+    ordered = _ordering_targets(problem, timed, family, fixed)
+    order_budget = (deadline - time.perf_counter()) * (1.0 if fixed else ORDER_SHARE)
+    order_results: list[tuple[str, Solved]] = []
+    for label, compute, weight, hint in ordered:
+        left = deadline - time.perf_counter()
+        budget = min(left, order_budget / max(len(ordered), 1))
+        if budget <= 0.05:
+            break
+        solved = solve_order(timed, compute, weight, time_limit=budget, hint_starts=hint,
+                             num_workers=search_workers, seed=seed)
+        order_results.append((label, solved))
+        if solved.found:
+            schedule = Schedule.from_starts(problem, compute, weight, solved.starts, name=f"{label}+cpsat")
+            candidate = _replayed(problem, f"{label} + cpsat order", "cpsat-order", schedule,
+                                  timed.ticks.time(solved.objective), solved.optimal)
+            if candidate is not None:
+                candidates.append(candidate)
+
+    mapping_solved: Solved | None = None
+    if not fixed and deadline - time.perf_counter() > 0.5:
+        hint = _best_incumbent(timed, candidates)
+        mapping_solved = solve_mapping(timed, time_limit=deadline - time.perf_counter(), hint=hint,
+                                       num_workers=search_workers, seed=seed)
+        if mapping_solved.found:
+            schedule = Schedule.from_starts(problem, mapping_solved.compute, mapping_solved.weight,
+                                            mapping_solved.starts, name="cpsat")
+            candidate = _replayed(problem, "cpsat mapping", "cpsat-mapping", schedule,
+                                  timed.ticks.time(mapping_solved.objective), mapping_solved.optimal)
+            if candidate is not None:
+                candidates.append(candidate)
+
+    if not candidates:
+        raise UniSchedError(_nothing_found(problem, family, order_results, strategy, time_limit))
+    best = min(enumerate(candidates), key=lambda ic: (round(ic[1].latency, 9), not ic[1].proven, ic[0]))[1]
+
+    if fixed:
+        bounds = mapping_bounds(problem, best.schedule.compute)
+        proven = [s for _, s in order_results if s.found]
+        if proven:
+            bounds["cpsat"] = timed.ticks.time(max(s.bound for s in proven))
+    else:
+        bounds = shape_bounds(problem)
+        if mapping_solved is not None and mapping_solved.found and mapping_solved.bound > 0:
+            bounds["cpsat"] = timed.ticks.time(mapping_solved.bound)
+    lower = max(bounds.values())
+    optimal = best.latency <= lower + 1e-9 or (
+        best.proven and best.model_latency is not None and abs(best.latency - best.model_latency) < 1e-9
+    )
+    if optimal:
+        lower = max(lower, best.latency) if best.proven else lower
+    rows = [_row(c, lower, c is best and optimal) for c in sorted(candidates, key=lambda c: c.latency)]
+    dropped = [{"strategy": m.label, "reason": m.reason} for m in family.dropped]
+    return Plan(
+        schedule=best.schedule,
+        strategy_name=best.label,
+        latency=best.latency,
+        lower_bound=float(lower),
+        bounds=bounds,
+        optimal=bool(optimal),
+        model_latency=best.model_latency,
+        candidates=rows,
+        dropped=dropped,
+        elapsed=time.perf_counter() - begin,
+    )
+
+
+def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
+    """A family member's simulated run as fixed workers and orders."""
+    t = member.simulation.timeline
+    rows = _rows_of(problem, t)
+    return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
+
+
+def _replayed(problem: PlanProblem, label: str, source: str, schedule: Schedule,
+              model_latency: float | None = None, proven: bool = False) -> Candidate | None:
+    try:
+        replay = schedule.simulate()
+    except UniSchedError:
+        return None
+    return Candidate(label, source, schedule, replay, model_latency, proven)
+
+
+def _ordering_targets(problem: PlanProblem, timed: TimedProblem, family: FamilyResult, fixed: bool):
+    """(label, compute, weight, hint ticks) for the mappings whose order CP-SAT improves."""
+    targets = []
+    seen = set()
+    members = family.members if fixed else family.feasible
+    for member in members:
+        if member.strategy is None or len(targets) >= (1 if fixed else ORDERED_MAPPINGS):
+            continue
+        if member.simulation is not None:
+            t = member.simulation.timeline
+            rows = _rows_of(problem, t)
+            compute, weight = t.worker[rows], t.weight_worker[rows]
+            hint = np.array([timed.ticks(x) for x in t.start[rows]], dtype=np.int64)
+        elif fixed:
+            compute, weight = _map(problem, member.strategy)
+            hint = None
+        else:
+            continue
+        key = compute.tobytes() + weight.tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        if fixed:
+            check_mapping_memory(timed, compute)
+        else:
+            try:
+                check_mapping_memory(timed, compute)
+            except UniSchedError:
+                continue
+        targets.append((member.label, compute, weight, hint))
+    return targets
+
+
+def _rows_of(problem: PlanProblem, t) -> np.ndarray:
+    """Timeline row of each of the problem's item ids."""
+    rows = np.empty(problem.num_items, dtype=np.int64)
+    offsets = np.zeros(4, dtype=np.int64)
+    offsets[list(problem.dirs)] = np.arange(len(problem.dirs))
+    ids = (t.batch * problem.shape.num_stages + t.stage) * len(problem.dirs) + offsets[t.direction]
+    rows[ids] = np.arange(len(t))
+    return rows
+
+
+def _map(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
+    from unisched.work import Direction, Work
+
+    batch, stage, direction = problem.item_arrays()
+    if strategy.map_arrays is not None:
+        compute, weight = strategy.map_arrays(batch, stage, direction)
+        return np.asarray(compute, dtype=np.int64), np.asarray(weight, dtype=np.int64)
+    pairs = [strategy(Work(int(b), int(s), Direction(int(d)))) for b, s, d in zip(batch, stage, direction)]
+    return np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int64)
+
+
+def _best_incumbent(timed: TimedProblem, candidates: list[Candidate]):
+    """The shortest candidate that fits the mapping model, as its warm start."""
+    for candidate in sorted(candidates, key=lambda c: c.latency):
+        t = candidate.replay.timeline
+        starts = np.array([timed.ticks(x) for x in t.start[_rows_of(timed.problem, t)]], dtype=np.int64)
+        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts)
+        if incumbent is not None:
+            return incumbent
+    return None
+
+
+def _row(candidate: Candidate, lower: float, optimal: bool) -> dict:
+    row = {"strategy": candidate.label, "source": candidate.source}
+    row.update(measures(candidate.replay))
+    row["gap"] = (candidate.latency - lower) / lower if lower > 0 else 0.0
+    row["optimal"] = bool(optimal)
+    row["pareto"] = bool(candidate.pareto)
+    row["model_latency"] = candidate.model_latency
+    return row
+
+
+def _nothing_found(problem: PlanProblem, family: FamilyResult, order_results, strategy, time_limit) -> str:
+    W, S, B = problem.shape
+    reasons = "; ".join(f"{m.label}: {m.reason}" for m in family.dropped[:4])
+    statuses = ", ".join(f"{label}: {s.status}" for label, s in order_results)
+    what = f"strategy {strategy!r}" if strategy else "any strategy"
+    return (
+        f"no schedule found for {what} on W={W}, S={S}, B={B} within {time_limit:g} s"
+        + (f" (dropped: {reasons})" if reasons else "")
+        + (f" (CP-SAT: {statuses})" if statuses else "")
+        + "; raise --time-limit or --memory-limit, or allow more stages per worker"
+    )

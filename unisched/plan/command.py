@@ -1,0 +1,194 @@
+"""``unisched plan``: the planner on the command line.
+
+With no arguments it plans an embedded problem (4 workers, 4 stages, 8
+micro-batches, 2 activations of memory per worker), where no named strategy
+comes close to the bound and a CP-SAT mapping does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from unisched.errors import UniSchedError
+from unisched.simulate.costs import Costs
+
+from unisched.plan.family import default_progress
+from unisched.plan.planfile import Plan, _finite
+from unisched.plan.planner import plan
+from unisched.plan.problem import PlanInputError, encode_costs
+
+DEFAULT_SHAPE = (4, 4, 8)
+DEFAULT_MEMORY_LIMIT = 2.0
+DEFAULT_TIME_LIMIT = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Search the registered strategies with the simulator, then improve on them with OR-Tools CP-SAT "
+        "(the order of work for a fixed mapping, then the mapping itself), and report how close the best "
+        "plan is to a lower bound. With no arguments: a demo problem "
+        f"(W={DEFAULT_SHAPE[0]}, S={DEFAULT_SHAPE[1]}, B={DEFAULT_SHAPE[2]}, memory limit {DEFAULT_MEMORY_LIMIT:g})."
+    )
+    shape = parser.add_argument_group("shape")
+    shape.add_argument("--workers", "-W", type=int, help=f"workers (default {DEFAULT_SHAPE[0]})")
+    shape.add_argument("--stages", "-S", type=int, help=f"pipeline stages (default {DEFAULT_SHAPE[1]})")
+    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {DEFAULT_SHAPE[2]})")
+    costs = parser.add_argument_group("costs (default: forward 1, backward 2, free communication)")
+    costs.add_argument("--forward", type=float, help="forward time of a stage")
+    costs.add_argument("--backward", type=float, help="backward time of a stage")
+    costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
+    costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
+    costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from calibration")
+    costs.add_argument("--comm", type=float, default=0.0, help="time to move an activation or gradient between workers")
+    costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--memory-limit", type=float,
+                        help="activations a worker may hold (bytes when the costs file gives activation_bytes)")
+    limits.add_argument("--max-stages-per-worker", type=int, help="how many stages' weights a worker may hold")
+    search = parser.add_argument_group("search")
+    search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work")
+    search.add_argument("--time-limit", type=float, default=None,
+                        help=f"seconds for the whole search (default {DEFAULT_TIME_LIMIT:g})")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", help="write the best plan to this JSON file (load it with unisched.load_plan)")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    output.add_argument("--width", type=int, default=100, help="diagram width (default 100)")
+    output.add_argument("--no-color", action="store_true", help="plain text diagram")
+
+
+def run(args: argparse.Namespace) -> int:
+    demo = _is_demo(args)
+    W, S, B = (args.workers or DEFAULT_SHAPE[0], args.stages or DEFAULT_SHAPE[1], args.batches or DEFAULT_SHAPE[2])
+    memory_limit = DEFAULT_MEMORY_LIMIT if demo else args.memory_limit
+    time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
+    if time_limit <= 0:
+        raise PlanInputError(f"--time-limit must be positive, got {time_limit:g}")
+    costs, split = _costs(args)
+    result = plan(
+        W, S, B, costs,
+        memory_limit=memory_limit,
+        max_stages_per_worker=args.max_stages_per_worker,
+        strategy=args.strategy,
+        time_limit=time_limit,
+        split_backward=split,
+        progress=default_progress(args.json),
+    )
+    if args.out:
+        result.save(args.out)
+    if args.json:
+        print(json.dumps(_finite(summary(result)), indent=1))
+        return 0
+    print(report(result, width=args.width, color=False if args.no_color else None))
+    if args.out:
+        print(f"\nwrote {args.out} (replay it: unisched.load_plan({args.out!r}).simulate())")
+    return 0
+
+
+def summary(result: Plan) -> dict:
+    """The --json object."""
+    return {
+        "latency": result.latency,
+        "optimal": result.optimal,
+        "lower_bound": result.lower_bound,
+        "gap": result.gap,
+        "strategy": result.strategy_name,
+        "bounds": dict(result.bounds),
+        "elapsed": result.elapsed,
+        "plan": result.to_dict(),
+    }
+
+
+def report(result: Plan, width: int = 100, color: bool | None = None) -> str:
+    W, S, B = result.shape
+    problem = result.problem
+    lines = [
+        f"plan: W={W} S={S} B={B}" + (f", memory limit {problem.memory_limit:g}" if problem.memory_limit else "")
+        + (f", at most {problem.max_stages_per_worker} stages per worker" if problem.max_stages_per_worker else "")
+        + (f" ({result.elapsed:.1f} s)" if result.elapsed is not None else ""),
+        "",
+        f"{'#':>2}  {'strategy':<44} {'source':<13} {'latency':>8} {'bubble':>7} {'peak act':>8} "
+        f"{'traffic':>7} {'gap':>7}  optimal",
+    ]
+    for rank, row in enumerate(result.candidates[:12], start=1):
+        lines.append(
+            f"{rank:>2}  {row['strategy'][:44]:<44} {row['source']:<13} {row['latency']:>8g} {row['bubble']:>7.1%} "
+            f"{row['peak_activations']:>8g} {row['traffic']:>7} {row['gap']:>7.1%}  "
+            f"{'yes' if row['optimal'] else ''}{' (pareto)' if row.get('pareto') else ''}"
+        )
+    if len(result.candidates) > 12:
+        lines.append(f"    ... {len(result.candidates) - 12} more")
+    if result.dropped:
+        lines.append("dropped: " + "; ".join(f"{d['strategy']} ({d['reason'][:70]})" for d in result.dropped[:6])
+                     + (f"; ... {len(result.dropped) - 6} more" if len(result.dropped) > 6 else ""))
+    bounds = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in result.bounds.items())
+    lines += [
+        "",
+        f"lower bounds: {bounds}",
+        f"best: {result.strategy_name}: latency {result.latency:g}, "
+        + ("proven optimal" if result.optimal else f"{result.gap:.1%} above the lower bound {result.lower_bound:g}"),
+        "",
+        _diagram(result, width, color),
+    ]
+    return "\n".join(lines)
+
+
+def _diagram(result: Plan, width: int, color: bool | None) -> str:
+    sim = result.simulate()
+    try:
+        return sim.timeline.to_text(width=width, color=color)
+    except ImportError:
+        rows = []
+        for w, works in result.worker_orders().items():
+            rows.append(f"worker {w}: " + " ".join(str(x) for x in works))
+        return "\n".join(rows)
+
+
+def _is_demo(args: argparse.Namespace) -> bool:
+    given = (args.workers, args.stages, args.batches, args.forward, args.backward, args.backward_input,
+             args.backward_weight, args.costs, args.memory_limit, args.max_stages_per_worker, args.strategy)
+    return all(value is None for value in given) and not args.comm and not args.fetch
+
+
+def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
+    split = args.backward_input is not None or args.backward_weight is not None
+    if args.costs:
+        clashing = [flag for flag, value in (("--forward", args.forward), ("--backward", args.backward),
+                                              ("--backward-input", args.backward_input),
+                                              ("--backward-weight", args.backward_weight),
+                                              ("--comm", args.comm or None), ("--fetch", args.fetch or None))
+                    if value is not None]
+        if clashing:
+            raise PlanInputError(f"--costs {args.costs} gives every cost; drop {', '.join(clashing)} or the file")
+        return Costs.load(args.costs), split
+    backward = args.backward if args.backward is not None else 2.0
+    if split:
+        b_in = args.backward_input if args.backward_input is not None else backward - (args.backward_weight or 0.0)
+        b_w = args.backward_weight if args.backward_weight is not None else backward - b_in
+    else:
+        b_in = b_w = None
+    costs = encode_costs(
+        forward=args.forward if args.forward is not None else 1.0,
+        backward=backward,
+        backward_input=b_in,
+        backward_weight=b_w,
+        comm=args.comm,
+        fetch=args.fetch,
+    )
+    return costs, split
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unisched plan")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UniSchedError as error:
+        print(f"unisched plan: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -475,3 +475,37 @@ def test_compiled_greedy_matches_the_engine(W, S, B, split, durations, seed):
     for runner in runners:
         start, end = runner(*args)
         assert np.array_equal(start, reference_start) and np.array_equal(end, reference_end)
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def test_gang_items_keep_their_whole_group_busy():
+    """Stage 1 split over workers 1 and 2: its items start when both are free."""
+    strategy = unisched.Strategy(
+        lambda w: ComputeAndWeightWorkers(min(w.stage, 1) if w.stage < 2 else 2, w.stage),
+        name="split middle",
+        gang=lambda w: (1, 2) if w.stage == 1 else None,
+    )
+    sim = simulate(3, 3, 4, strategy)
+    t = sim.timeline
+    assert_valid_timeline(t)
+    rows, workers = t.occupancy()
+    for w in range(3):
+        mine = np.sort(rows[workers == w])
+        spans = sorted(zip(t.start[mine], t.end[mine]))
+        assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:])), f"worker {w} overlaps"
+    ganged = np.flatnonzero(t.gang >= 0)
+    assert len(ganged) == 4 * 2 and t.gang_members == ((1, 2),)
+    assert t.busy_time[2] == pytest.approx(4 * UNIT + 4 * UNIT)
+
+
+def test_gang_collective_costs_time():
+    base = dict(activation_bytes=8.0, bandwidth=4.0)
+    strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: (0, 1))
+    sim = simulate(2, 1, 1, strategy, costs=Costs(**base))
+    assert sim.latency == pytest.approx(UNIT + 2 * (2 * 1 / 2 * 8.0 / 4.0))
+
+
+def test_gang_must_hold_its_compute_worker():
+    strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: (1, 2))
+    with pytest.raises(StrategyError, match="gang"):
+        simulate(3, 1, 1, strategy)

@@ -45,6 +45,10 @@ class Strategy:
     params: Mapping[str, Any] = field(default_factory=dict)
     map_arrays: ArrayMapping | None = None
     stage_graph: Any = None
+    gang: Callable[[Work], Sequence[int] | None] | None = None
+    """Tensor parallelism: ``gang(work)`` names the workers that run an item
+    jointly (its compute worker among them), or None for one worker.  A gang
+    item starts when all of them are free and keeps all of them busy."""
 
     def __call__(self, work: Work) -> ComputeAndWeightWorkers:
         return self.mapping(work)

@@ -165,8 +165,15 @@ class Timeline:
     split_backward: bool = False
     source: str = "simulated"
     label: str = ""
+    gang: np.ndarray | None = None
+    """Per row: index into ``gang_members`` when a group of workers ran the
+    item jointly (tensor parallelism), else -1.  ``worker`` is then one of them."""
+    gang_members: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
+        gang = np.full(len(self.batch), -1, dtype=np.int64) if self.gang is None else _ints(self.gang)
+        object.__setattr__(self, "gang", gang)
+        object.__setattr__(self, "gang_members", tuple(tuple(int(m) for m in g) for g in self.gang_members))
         sizes = {
             "activation_bytes": self.activation_bytes,
             "weight_bytes": self.weight_bytes,
@@ -246,10 +253,26 @@ class Timeline:
             ends.append(self.transfers.end[tail].max())
         return float(max(ends) - min(self.start.min(initial=0.0), 0.0))
 
+    def occupancy(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row, worker) pairs of every worker each item kept busy: one per
+        item, or every member of its gang.  Renderers and busy times use it."""
+        rows = np.arange(len(self))
+        ganged = np.flatnonzero(self.gang >= 0)
+        if not len(ganged):
+            return rows, self.worker
+        extra_rows, extra_workers = [], []
+        for row in ganged:
+            for member in self.gang_members[self.gang[row]]:
+                if member != self.worker[row]:
+                    extra_rows.append(row)
+                    extra_workers.append(member)
+        return np.concatenate([rows, extra_rows]).astype(np.int64), np.concatenate([self.worker, extra_workers]).astype(np.int64)
+
     @property
     def busy_time(self) -> np.ndarray:
         """Seconds (or time units) each worker spent computing."""
-        return np.bincount(self.worker, weights=self.end - self.start, minlength=self.num_workers)
+        rows, workers = self.occupancy()
+        return np.bincount(workers, weights=(self.end - self.start)[rows], minlength=self.num_workers)
 
     @property
     def throughput(self) -> float:

@@ -18,6 +18,10 @@ it waits, either until a release already scheduled there (pushed back with
 that time) or, when none is, parked until a backward on that worker is
 scheduled.  When nothing can run and work remains, that is a deadlock.
 
+A gang item (tensor parallelism) needs all its workers free at once; it
+never waits in a late heap but is pushed back to the time its busiest member
+frees up.
+
 The engine works on integer item ids and flat lists prepared by
 :mod:`unisched.simulate.problem`; it knows nothing of strategies or Work.
 """
@@ -51,6 +55,8 @@ def run(p: Problem):
 
     memory = _Memory(p) if p.claims is not None else None
     comm = _Communication(p) if p.comm else None
+    gang_of = p.gang.tolist()
+    gangs = p.gang_members
 
     for item, virtual in p.sources.T.tolist():
         trigger_rank[item] = rank[virtual]
@@ -69,7 +75,12 @@ def run(p: Problem):
                 heappush(heap, (t, queue[0][0], -1 - w))
         else:
             w = worker[item]
-            if t < free[w]:  # the worker got busier: wait among its late items
+            if gang_of[item] >= 0:  # a gang starts when all its workers are free
+                gang_free = max(free[m] for m in gangs[gang_of[item]])
+                if t < gang_free:
+                    heappush(heap, (gang_free, key, item))
+                    continue
+            elif t < free[w]:  # the worker got busier: wait among its late items
                 queue = late[w]
                 heappush(queue, (key, item))
                 if queue[0][1] == item:
@@ -87,10 +98,11 @@ def run(p: Problem):
         finish = begin + duration[item]
         start[item] = begin
         end[item] = finish
-        free[w] = finish
         scheduled += 1
-        if late[w]:
-            heappush(heap, (finish, late[w][0][0], -1 - w))
+        for m in gangs[gang_of[item]] if gang_of[item] >= 0 else (w,):
+            free[m] = finish
+            if late[m]:
+                heappush(heap, (finish, late[m][0][0], -1 - m))
         if memory is not None:
             for retry_item, retry_time in memory.on_scheduled(item, begin, finish):
                 heappush(heap, (max(retry_time, ready[retry_item]), trigger_rank[retry_item], retry_item))

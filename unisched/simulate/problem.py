@@ -71,6 +71,9 @@ class Problem:
     weight_bytes: list
     returns_gradient: list
     gradient_returns: dict
+    gang: np.ndarray
+    """Per item: index into ``gang_members``, or -1 for an item run by one worker."""
+    gang_members: tuple[tuple[int, ...], ...]
 
     @property
     def num_items(self) -> int:
@@ -145,12 +148,20 @@ def build(
     batch, stage, direction = ids // (S * D), (ids // D) % S, np.asarray(dirs, dtype=np.int64)[ids % D]
 
     compute, weight = _map(strategy, shape, batch, stage, direction)
+    gang, gang_members = _gangs(strategy, shape, batch, stage, direction, compute)
     speeds = costs.speeds(W)
     base = costs.durations(S)
     duration = np.empty(n)
     for d in dirs:
         rows = direction == d
         duration[rows] = base[d][stage[rows]] / speeds[compute[rows]]
+    act_bytes = costs.per_stage("activation_bytes", S)
+    for g, members in enumerate(gang_members):
+        rows = gang == g
+        duration[rows] = (
+            duration[rows] * speeds[compute[rows]] / speeds[list(members)].min()
+            + _ring_allreduce_time(costs, members, act_bytes[stage[rows]])
+        )
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
     rank = ranks(
@@ -170,7 +181,6 @@ def build(
     first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
     sources = np.stack([first, n + batch[first]])
 
-    act_bytes = costs.per_stage("activation_bytes", S)
     weight_bytes = costs.per_stage("weight_bytes", S)
     limit, claims, releases_of = _memory(
         shape, memory_limit, dirs, compute, stage, act_bytes if costs.has_sizes else None, costs.input_grad_frees
@@ -207,6 +217,8 @@ def build(
         weight_bytes=weight_bytes.tolist(),
         returns_gradient=returns_gradient.tolist(),
         gradient_returns=gradient_returns,
+        gang=gang,
+        gang_members=gang_members,
     )
 
 
@@ -240,6 +252,35 @@ def _map(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.
             f"{weight[i]}, but workers are numbered 0..{W - 1}; give the strategy the shape it is simulated with"
         )
     return compute, weight
+
+
+def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
+    """Which items run on a group of workers jointly (tensor parallelism)."""
+    gang = np.full(len(batch), -1, dtype=np.int64)
+    members: dict[tuple[int, ...], int] = {}
+    if strategy.gang is None:
+        return gang, ()
+    W = shape.num_workers
+    for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
+        work = Work(b, s, Direction(d))
+        group = strategy.gang(work)
+        if group is None or len(group) <= 1:
+            continue
+        group = tuple(sorted({_worker_id(m, work, "gang", strategy, W) for m in group}))
+        if any(not 0 <= m < W for m in group) or compute[i] not in group:
+            raise StrategyError(
+                f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
+                f"compute worker {compute[i]} and only workers 0..{W - 1}"
+            )
+        gang[i] = members.setdefault(group, len(members))
+    return gang, tuple(members)
+
+
+def _ring_allreduce_time(costs: Costs, members, nbytes: np.ndarray) -> np.ndarray:
+    """A tensor-parallel stage all-reduces its activations once per pass (ring model)."""
+    k = len(members)
+    latency, bandwidth = costs.link(members[0], members[1]).latency, costs.link(members[0], members[1]).bandwidth
+    return 2 * (k - 1) * latency + 2 * (k - 1) / k * nbytes / bandwidth
 
 
 def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:

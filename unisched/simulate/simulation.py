@@ -78,6 +78,8 @@ def simulate(
         split_backward=split,
         source="simulated",
         label=strategy.name,
+        gang=problem.gang,
+        gang_members=problem.gang_members,
     )
     return Simulation(timeline, strategy, costs, limit, priority, graph)
 
@@ -87,7 +89,7 @@ def _run(problem):
 
     The general engine also runs when the compiled one leaves items
     unscheduled, to explain the deadlock."""
-    if problem.claims is None and not problem.comm and fast.compiled_greedy is not None:
+    if problem.claims is None and not problem.comm and not problem.gang_members and fast.compiled_greedy is not None:
         start, end = fast.compiled_greedy(
             problem.worker_array,
             problem.duration,

@@ -18,7 +18,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from unisched.errors import DeadlockError
-from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work, dependencies, directions
+from unisched.work import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    Direction,
+    StageGraph,
+    Work,
+    dependencies,
+    directions,
+)
 
 
 class KeyPriority:
@@ -71,10 +80,11 @@ def unit_time_orders(
     dirs = directions(split_backward)
     items = [Work(b, s, d) for b in range(num_batches) for s in range(num_stages) for d in dirs]
     owner = {item: compute(item) for item in items}
+    chain = StageGraph(num_stages)
     waiting = {}
     successors: dict[Work, list[Work]] = {item: [] for item in items}
     for item in items:
-        deps = dependencies(item, num_stages, split_backward=split_backward)
+        deps = dependencies(item, num_stages, split_backward=split_backward, stage_graph=chain)
         waiting[item] = len(deps)
         for dep in deps:
             successors[dep].append(item)

@@ -1,0 +1,221 @@
+"""The planner: proven optima, replay equality, limits, time limits, plan files and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import pytest
+
+import unisched
+from unisched import Costs, Strategy, simulate
+from unisched.plan import PlanFileError, PlanInputError, encode_costs, load_plan, plan, shape_bounds
+from unisched.plan.command import add_arguments, run
+from unisched.plan.family import stages_held
+from unisched.plan.order import solve_order
+from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.work import ComputeAndWeightWorkers, Shape
+
+
+def gpipe_member(W: int, S: int, B: int):
+    strategy = Strategy(lambda w: ComputeAndWeightWorkers(w.stage, w.stage), name="inline-gpipe")
+    return [("inline-gpipe", strategy, "")]
+
+
+# ---------------------------------------------------------------------- proven optima
+@pytest.mark.parametrize("memory_limit, optimum", [(None, 33), (2, 51)])
+def test_gpipe_order_is_proven_optimal(memory_limit, optimum):
+    result = plan(4, 4, 8, memory_limit=memory_limit, strategy="gpipe", time_limit=10)
+    assert result.latency == optimum
+    assert result.optimal
+    assert result.lower_bound == optimum
+
+
+def test_gpipe_order_with_communication_matches_the_fixed_stage_optimum():
+    problem = PlanProblem(Shape(4, 4, 16), encode_costs(comm=1, fetch=2), memory_limit=4, max_stages_per_worker=2)
+    timed = TimedProblem.build(problem)
+    solved = solve_order(timed, timed.stage, timed.stage, time_limit=10)
+    assert solved.optimal and solved.objective == 84
+
+
+def test_free_mapping_beats_every_named_strategy_under_a_memory_limit():
+    result = plan(4, 4, 8, memory_limit=2, time_limit=6)
+    family = [row["latency"] for row in result.candidates if row["source"] == "family"]
+    assert result.latency <= min(family)
+    assert result.latency < 51
+    assert result.lower_bound == pytest.approx(30.0)
+
+
+def test_memory_time_bound_is_the_papers_figure():
+    bounds = shape_bounds(PlanProblem(Shape(4, 4, 8), Costs(), memory_limit=2))
+    assert bounds["memory_time"] == pytest.approx(30.0)
+    assert bounds["work"] == pytest.approx(24.0)
+    assert bounds["critical_path"] == pytest.approx(12.0)
+
+
+# ---------------------------------------------------------------------- replay and limits
+def test_plan_replays_to_its_latency_and_respects_the_limits(tmp_path):
+    costs = encode_costs(comm=1, fetch=2)
+    result = plan(4, 4, 8, costs, memory_limit=3, max_stages_per_worker=2, time_limit=6)
+    sim = result.simulate()
+    assert sim.latency == result.latency
+    assert max(sim.worker_stats()["max_activation_storage"]) <= 3
+    assert stages_held(sim).max() <= 2
+    assert all(sim.timeline.worker_order(w) == order for w, order in result.worker_orders().items())
+
+    path = tmp_path / "plan.json"
+    result.save(path)
+    again = load_plan(path)
+    assert again.shape == result.shape and again.costs == result.costs
+    assert again.simulate().latency == result.latency
+    assert unisched.load_plan(path).latency == result.latency
+    W, S, B = result.shape
+    replay = simulate(W, S, B, again.strategy(), costs=again.costs)
+    assert replay.latency == result.latency
+
+
+def test_plan_with_a_split_backward_replays():
+    costs = encode_costs(backward_input=1.0, backward_weight=1.0)
+    result = plan(4, 4, 6, costs, strategy="zb_h1", split_backward=True, time_limit=5)
+    assert result.simulate().latency == result.latency
+    family = [row["latency"] for row in result.candidates if row["source"] == "family"]
+    assert result.latency <= min(family)
+
+
+def test_time_limit_is_honoured():
+    begin = time.perf_counter()
+    result = plan(4, 4, 24, encode_costs(comm=1, fetch=2), memory_limit=4, max_stages_per_worker=2, time_limit=3)
+    elapsed = time.perf_counter() - begin
+    assert elapsed < 3 + 4.0
+    assert result.simulate().latency == result.latency
+
+
+def test_inline_members_replace_the_registry():
+    result = plan(4, 4, 8, memory_limit=2, members=gpipe_member(4, 4, 8), strategy="inline-gpipe", time_limit=5)
+    assert result.latency == 51 and result.optimal
+
+
+# ---------------------------------------------------------------------- bad input
+def test_impossible_memory_limit_is_a_clear_error():
+    with pytest.raises(PlanInputError, match="infeasible: .*needs at least 1"):
+        plan(4, 4, 8, memory_limit=0.5, time_limit=5)
+
+
+def test_memory_limit_too_small_for_a_mapping_names_the_worker():
+    with pytest.raises(PlanInputError, match="infeasible: .*worker 0.*needs at least 4"):
+        plan(4, 4, 4, memory_limit=2, strategy="ddp", time_limit=5)
+
+
+def test_too_few_weight_slots_is_a_clear_error():
+    with pytest.raises(PlanInputError, match="max-stages-per-worker needs at least 2"):
+        plan(2, 4, 4, max_stages_per_worker=1, time_limit=5)
+
+
+def test_fetch_shorter_than_comm_is_rejected():
+    with pytest.raises(PlanInputError, match="--fetch"):
+        encode_costs(comm=2, fetch=1)
+
+
+@pytest.fixture
+def saved_plan(tmp_path):
+    result = plan(2, 2, 4, strategy="gpipe", time_limit=5)
+    path = tmp_path / "plan.json"
+    result.save(path)
+    return path
+
+
+def test_malformed_plan_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanFileError, match="not valid JSON"):
+        load_plan(path)
+    path.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(PlanFileError, match="not a unisched plan file"):
+        load_plan(path)
+
+
+def test_plan_file_of_another_version(saved_plan):
+    data = json.loads(saved_plan.read_text())
+    data["version"] = 99
+    saved_plan.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="version 99"):
+        load_plan(saved_plan)
+
+
+def test_plan_file_for_another_shape(saved_plan):
+    with pytest.raises(PlanFileError, match="is for W=2, S=2, B=4"):
+        load_plan(saved_plan, shape=(4, 4, 8))
+    data = json.loads(saved_plan.read_text())
+    data["shape"]["num_batches"] = 5
+    saved_plan.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="another shape"):
+        load_plan(saved_plan)
+
+
+def test_plan_file_with_a_missing_field(saved_plan):
+    data = json.loads(saved_plan.read_text())
+    del data["orders"]
+    saved_plan.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="malformed"):
+        load_plan(saved_plan)
+
+
+def test_plan_file_with_an_order_that_contradicts_the_mapping(saved_plan):
+    data = json.loads(saved_plan.read_text())
+    data["orders"]["0"], data["orders"]["1"] = data["orders"]["1"], data["orders"]["0"]
+    saved_plan.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="worker 0's order"):
+        load_plan(saved_plan)
+
+
+# ---------------------------------------------------------------------- command line
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_json_and_out(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    code = run(parse(["--workers", "4", "--stages", "4", "--batches", "8", "--memory-limit", "2",
+                      "--strategy", "gpipe", "--time-limit", "5", "--json", "--out", str(out)]))
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["latency"] == 51 and data["optimal"] is True
+    assert data["lower_bound"] == 51 and data["strategy"].startswith("gpipe")
+    assert data["plan"]["version"] == 1
+    assert load_plan(out).simulate().latency == 51
+
+
+def test_cli_report_shows_table_bounds_and_diagram(capsys):
+    code = run(parse(["-W", "2", "-S", "2", "-B", "4", "--comm", "1", "--fetch", "2", "--time-limit", "3",
+                      "--no-color"]))
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "lower bounds:" in text and "best:" in text and "w0|" in text
+
+
+def test_cli_costs_file_clashes_with_flags(tmp_path):
+    path = tmp_path / "costs.json"
+    Costs(forward=1, backward=2).save(path)
+    with pytest.raises(PlanInputError, match="--comm"):
+        run(parse(["--costs", str(path), "--comm", "1"]))
+
+
+def test_cli_costs_file_is_used(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    Costs(forward=[1, 2], backward=[2, 4]).save(path)
+    assert run(parse(["-W", "2", "-S", "2", "-B", "4", "--costs", str(path), "--strategy", "gpipe",
+                      "--time-limit", "3", "--json"])) == 0
+    data = json.loads(capsys.readouterr().out)
+    result = load_plan_from(data)
+    assert result.simulate().latency == data["latency"]
+    assert np.allclose(result.costs.per_stage("forward", 2), [1, 2])
+
+
+def load_plan_from(data: dict):
+    from unisched.plan.planfile import plan_from_dict
+
+    return plan_from_dict(data["plan"])

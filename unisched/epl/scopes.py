@@ -4,7 +4,8 @@ inside them into TaskGraphs.
 As in EPL, the user only annotates where modules are *built*; every process
 runs the same script.  A scope learns what was built inside it through
 torch's global registration hooks (a module registering a parameter, buffer
-or submodule), so plain ``nn.Module`` code needs no changes.  The TaskGraphs
+or submodule), so plain ``nn.Module`` code needs no changes.  Loss modules
+are left out: the trainer applies the loss.  The TaskGraphs
 then form a chain: TaskGraph i+1 is fed by TaskGraph i's output, and the
 modules built in one scope are applied in the order they were built.
 
@@ -21,6 +22,7 @@ from typing import Iterator
 
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.modules.loss import _Loss
 
 from unisched.epl.config import Config, ConfigError
 from unisched.errors import UniSchedError
@@ -44,15 +46,25 @@ class TaskGraph:
     name: str
     is_default: bool = False
     modules: list[nn.Module] = field(default_factory=list)
+    _module: nn.Module | None = field(default=None, repr=False)
 
     def add(self, module: nn.Module) -> None:
         if all(m is not module for m in self.modules):
             self.modules.append(module)
+            self._module = None
 
     def top_modules(self) -> list[nn.Module]:
         """The built modules that are not inside another one built here, in build order."""
         inner = {id(sub) for m in self.modules for sub in m.modules() if sub is not m}
         return [m for m in self.modules if id(m) not in inner]
+
+    def module(self) -> nn.Module:
+        """The TaskGraph as one module: its top modules applied in build order."""
+        if self._module is None:
+            tops = self.top_modules()
+            with Env.get().paused():
+                self._module = tops[0] if len(tops) == 1 else nn.Sequential(*tops)
+        return self._module
 
     def __repr__(self) -> str:
         default = ", default" if self.is_default else ""
@@ -186,7 +198,7 @@ class Env:
         return TaskGraph(index, scope.kind, scope.device_count, scope.name or f"taskgraph_{index}", is_default)
 
     def _on_register(self, module: nn.Module, name: str, value) -> None:
-        if not self._capturing:
+        if not self._capturing or isinstance(module, _Loss):
             return
         if self.scope is not None:
             self.taskgraphs[-1].add(module)

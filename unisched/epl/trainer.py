@@ -83,8 +83,7 @@ class Trainer:
         self.strategy: Strategy = compile_strategy(self.placement, self.config)
         self.loss_fn = loss_fn
         self.rank = dist.get_rank() if _distributed() else 0
-        with self.env.paused():
-            self.stages = [_stage_module(t) for t in taskgraphs]
+        self.stages = [t.module() for t in taskgraphs]
         self.class_sharded = _is_cross_entropy(loss_fn) and taskgraphs[-1].kind == SPLIT
         self.plans = {
             t.index: split_plan(self.stages[t.index], classifier=self.class_sharded and t.index == len(taskgraphs) - 1)
@@ -185,7 +184,8 @@ class Trainer:
             layout = self._layout_out(s)
         loss = None
         if position == len(segments) - 1:
-            loss = self._loss(x, target, layout, group) * (len(target) / global_rows)
+            share = len(target) / (group.size if layout == ROWS else 1)
+            loss = self._loss(x, target, layout, group) * (share / global_rows)
         elif group.index == 0 or layout == ROWS:
             whole = _all_gather_rows(x.detach(), group) if layout == ROWS else x.detach()
             if group.index == 0:
@@ -283,12 +283,6 @@ def _checked(taskgraphs: list[TaskGraph]) -> list[TaskGraph]:
                     )
                 owner[id(sub)] = t
     return taskgraphs
-
-
-def _stage_module(taskgraph: TaskGraph) -> nn.Module:
-    """The TaskGraph as one module: its top modules applied in build order."""
-    tops = taskgraph.top_modules()
-    return tops[0] if len(tops) == 1 else nn.Sequential(*tops)
 
 
 def _is_cross_entropy(loss_fn) -> bool:

@@ -1,0 +1,291 @@
+"""The seeds' EPL snippets, trained with ``epl.Trainer`` on 2 and 4 gloo
+processes, against the same model trained in one process.
+
+Each ``model()`` placeholder of the seeds is replaced by a small torch
+module.  One launch per world size runs every scenario in turn (starting
+processes is the slow part); the tests then read each scenario's result.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from unisched import epl
+
+TOLERANCE = 1e-5
+STEPS = 2
+
+
+# ---------------------------------------------------------------------- the seeds' models
+class TinyResNet(nn.Module):
+    """The "ResNet" of the large-scale classification snippet: one residual block."""
+
+    def __init__(self, features: int = 8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, features))
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        return self.head(torch.relu(h + self.block(h)))
+
+
+class AttentionAndGating(nn.Module):
+    """Self-attention over a short sequence, then a softmax gate per expert;
+    the output carries the hidden state and the gate side by side."""
+
+    def __init__(self, dim: int, experts: int):
+        super().__init__()
+        self.dim = dim
+        self.attention = nn.MultiheadAttention(dim, num_heads=2, batch_first=True)
+        self.gate = nn.Linear(dim, experts)
+
+    def forward(self, x):
+        h = x + self.attention(x, x, x, need_weights=False)[0]
+        pooled = h.mean(dim=1)
+        return torch.cat([pooled, torch.softmax(self.gate(pooled), dim=-1)], dim=-1)
+
+
+class Experts(nn.Module):
+    """MOE_Variable_Define: the experts' feed-forward weights (split over devices)."""
+
+    def __init__(self, dim: int, hidden: int, experts: int):
+        super().__init__()
+        self.dim = dim
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(experts)
+        )
+
+    def forward(self, x):
+        hidden, gates = x[:, : self.dim], x[:, self.dim :]
+        outputs = torch.stack([expert(hidden) for expert in self.experts], dim=-1)
+        return hidden + (outputs * gates.unsqueeze(1)).sum(dim=-1)
+
+
+def mlp(*sizes: int, last_activation: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2 or last_activation:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------- scenarios
+def data_parallel(world):
+    """Seed: ``with epl.replicate(device_count=1): model()``."""
+    epl.init()
+    with epl.replicate(device_count=1):
+        mlp(6, 16, 3)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
+def pipeline(world):
+    """Seed: two stages, ``pipeline.num_micro_batch`` 4 (on 4 ranks: 2-way DP over the pipeline)."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    with epl.replicate(device_count=1, name="stage_0"):
+        mlp(6, 12, 12, last_activation=True)
+    with epl.replicate(device_count=1, name="stage_1"):
+        mlp(12, 8, 3)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    return x, y, nn.CrossEntropyLoss()
+
+
+def resnet_classifier(world):
+    """Seed: ``replicate(n)`` ResNet + ``split(n)`` classifier, colocated."""
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(2):
+        TinyResNet(8)
+    with epl.split(2):
+        nn.Linear(8, 12)
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 12, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
+def moe(world):
+    """Seed: MoE with ``set_default_strategy(replicate(total))`` and split experts."""
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    total = epl.Env.get().cluster.total_gpu_num
+    epl.set_default_strategy(epl.replicate(total))
+    AttentionAndGating(8, 3)
+    with epl.split(total):
+        Experts(8, 16, 3)
+    nn.Linear(8, 5)
+    x, y = torch.randn(8, 4, 8), torch.randint(0, 5, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
+def replicate_then_split_apart(world):
+    """replicate(2) and split(2) on different devices, with recompute and GPipe order."""
+    epl.init(epl.Config({"gradient_checkpoint.type": "auto", "pipeline.strategy": "PreferForward",
+                         "pipeline.num_micro_batch": 2}))
+    with epl.replicate(2, name="features"):
+        mlp(6, 8, last_activation=True)
+    with epl.split(2, name="head"):
+        mlp(8, 16, 8, 4)
+    x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
+def regression_apart(world):
+    """A non cross-entropy loss: the split classifier's output is gathered whole."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    with epl.split(2):
+        mlp(5, 8, 4)
+    with epl.replicate(2):
+        mlp(4, 6, 2)
+    x, y = torch.randn(8, 5), torch.randn(8, 2)
+    return x, y, nn.MSELoss()
+
+
+SCENARIOS = {
+    2: [data_parallel, resnet_classifier, moe],
+    4: [data_parallel, pipeline, resnet_classifier, moe, replicate_then_split_apart, regression_apart],
+}
+
+
+def run_scenario(build, world) -> dict:
+    torch.manual_seed(0)
+    inputs, targets, loss_fn = build(world)
+    env = epl.Env.get()
+    with env.paused():
+        reference = nn.ModuleList(copy.deepcopy(t.module()) for t in env.taskgraphs)
+    initial = copy.deepcopy(reference.state_dict())
+    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.SGD(params, lr=0.2))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    losses, reference_losses = [], []
+    for step in range(STEPS):
+        losses.append(trainer.step(inputs, targets))
+        output = inputs
+        for module in reference:
+            output = module(output)
+        loss = loss_fn(output, targets)
+        reference_optimizer.zero_grad()
+        loss.backward()
+        reference_optimizer.step()
+        reference_losses.append(loss.item())
+    state = trainer.gather_state_dict()
+    expected = reference.state_dict()
+    return {
+        "keys": sorted(state),
+        "expected_keys": sorted(expected),
+        "max_diff": max((state[k] - expected[k]).abs().max().item() for k in expected if k in state),
+        "losses": losses,
+        "reference_losses": reference_losses,
+        "moved": max((expected[k] - initial[k]).abs().max().item() for k in expected),
+        "strategy": trainer.strategy.name,
+        "data_parallel": trainer.placement.data_parallel,
+        "split_groups": {int(k): [list(g) for g in v] for k, v in trainer.strategy.params["split_groups"].items()},
+        "sharded": {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
+    }
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for build in SCENARIOS[world]:
+            try:
+                results[build.__name__] = run_scenario(build, world)
+            except Exception:
+                results[build.__name__] = {"error": traceback.format_exc()}
+                raise
+    finally:
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def launch(world: int, timeout: float = 150.0) -> list[dict]:
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = [
+            context.Process(target=_worker, args=(rank, world, os.path.join(tmp, "store"), tmp))
+            for rank in range(world)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+        results = []
+        for rank in range(world):
+            path = os.path.join(tmp, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                pytest.fail(f"rank {rank} of {world} left no results (crashed or timed out after {timeout}s)")
+            results.append(torch.load(path))
+        return results
+
+
+@pytest.fixture(scope="module")
+def two():
+    return launch(2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return launch(4)
+
+
+def check(results: list[dict], name: str) -> dict:
+    for rank, by_name in enumerate(results):
+        result = by_name.get(name, {"error": "not run (an earlier scenario failed)"})
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+        assert result["keys"] == result["expected_keys"]
+        assert result["max_diff"] < TOLERANCE, f"rank {rank}: weights differ by {result['max_diff']}"
+        assert result["losses"] == pytest.approx(result["reference_losses"], abs=TOLERANCE)
+        assert result["moved"] > 1e-3, "training did not change the weights"
+    return results[0][name]
+
+
+@pytest.mark.parametrize("name", [build.__name__ for build in SCENARIOS[2]])
+def test_two_ranks_match_one_process(two, name):
+    check(two, name)
+
+
+@pytest.mark.parametrize("name", [build.__name__ for build in SCENARIOS[4]])
+def test_four_ranks_match_one_process(four, name):
+    check(four, name)
+
+
+def test_pipeline_on_four_ranks_is_two_way_data_parallel(four):
+    result = check(four, "pipeline")
+    assert result["data_parallel"] == 2
+    assert result["split_groups"] == {}
+
+
+def test_classifier_is_sharded_over_classes(two, four):
+    assert check(two, "resnet_classifier")["sharded"]["weight"] == [6, 8]
+    result = check(four, "resnet_classifier")
+    assert result["data_parallel"] == 2
+    assert result["split_groups"] == {1: [[0, 1], [2, 3]]}
+    assert [r["resnet_classifier"]["sharded"]["bias"] for r in four] == [[6]] * 4
+
+
+def test_moe_experts_split_over_every_rank(four):
+    result = check(four, "moe")
+    assert result["split_groups"] == {1: [[0, 1, 2, 3]]}
+    assert result["strategy"].startswith("EPL replicate(4)+split(4)+replicate(4)")
+
+
+def test_split_apart_uses_the_other_devices(four):
+    result = check(four, "replicate_then_split_apart")
+    assert result["split_groups"] == {1: [[2, 3]]}
+    assert four[0]["replicate_then_split_apart"]["sharded"]["0.weight"] == [16, 8]
+    assert [four[r]["replicate_then_split_apart"]["sharded"]["0.weight"] for r in (2, 3)] == [[8, 8]] * 2
+    assert [four[r]["replicate_then_split_apart"]["sharded"]["2.weight"] for r in (2, 3)] == [[8, 8]] * 2

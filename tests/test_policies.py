@@ -326,3 +326,14 @@ def test_the_simulation_call_overrides_the_strategy_limit():
     strategy = policies.get("one_f_one_b", 4, 4, 8)
     assert simulate(4, 4, 8, strategy, memory_limit=8).worker_stats()["max_activation_storage"] != [4, 3, 2, 1]
     assert BACKWARD_WEIGHT not in set(simulate(4, 4, 8, strategy).timeline.direction.tolist())
+
+
+@pytest.mark.parametrize("name", ["zb_h1", "zb_h2", "zbv", "dualpipe_v"])
+def test_constraint_checks_without_building_agree_with_building(name):
+    for shape in [(4, 4, 8), (4, 8, 8), (4, 8, 6), (3, 6, 3), (2, 2, 1), (5, 10, 10)]:
+        try:
+            policies.get(name, *shape)
+            buildable = True
+        except StrategyShapeError:
+            buildable = False
+        assert policies.fits(name, unisched.Shape(*shape)) == buildable, shape

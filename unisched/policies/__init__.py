@@ -98,17 +98,13 @@ def variants(num_workers: int, num_stages: int, num_batches: int,
     shape = Shape(num_workers, num_stages, num_batches).check()
     for e in (entry(n) for n in only) if only is not None else _REGISTRY.values():
         for params in e.grid(shape):
-            if fits(e.name, shape, params):
+            if e.fits(shape, params):
                 yield e.name, dict(params)
 
 
 def fits(name: str, shape: Shape, params: dict | None = None) -> bool:
     """Whether ``name`` with ``params`` can serve ``shape`` (its constraints hold)."""
-    try:
-        get(name, *shape, **(params or {}))
-    except (StrategyShapeError, StrategyParameterError):
-        return False
-    return True
+    return entry(name).fits(Shape(*shape).check(), params or {})
 
 
 def strategy(fn: Callable | Strategy, name: str | None = None, description: str = "") -> Strategy:

@@ -98,6 +98,9 @@ class Entry:
     params: tuple[Param, ...] = ()
     grid: Grid = field(default=_defaults_only)
     """Parameter settings worth trying on a shape (each may still not fit it)."""
+    check: Callable[[Shape], None] | None = None
+    """Checks the constraints alone, for strategies that are costly to build
+    (those that design a fixed order); parameterless strategies only."""
 
     def param(self, name: str) -> Param:
         for param in self.params:
@@ -111,6 +114,16 @@ class Entry:
     def build(self, shape: Shape, params: Mapping[str, Any]) -> Strategy:
         values = {name: self.param(name).coerce(self.name, value) for name, value in params.items()}
         return self.factory(*shape, **values)
+
+    def fits(self, shape: Shape, params: Mapping[str, Any]) -> bool:
+        try:
+            if self.check is not None and not params:
+                self.check(shape)
+            else:
+                self.build(shape, params)
+        except (StrategyShapeError, StrategyParameterError):
+            return False
+        return True
 
     def as_dict(self) -> dict:
         return {

@@ -66,9 +66,7 @@ def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
 def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """V-shaped placement in DualPipeV's eight-phase order, its overlapped
     forward-backward pairs run one after the other."""
-    shape = _v_shape("dualpipe_v", num_workers, num_stages, num_batches)
-    require(num_batches >= 2 * num_workers, "dualpipe_v",
-            f"needs at least 2W = {2 * num_workers} micro-batches, got B={num_batches}")
+    shape = _dualpipe_v_shape(Shape(num_workers, num_stages, num_batches))
     mapping, map_arrays, _ = _v_mapping(num_workers)
     orders = {rank: dualpipe_v_order(num_workers, rank, num_batches) for rank in range(num_workers)}
     return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, mapping, map_arrays, orders)
@@ -191,6 +189,13 @@ def _v_mapping(p: int):
     return mapping, map_arrays, worker_of
 
 
+def _dualpipe_v_shape(shape: Shape) -> Shape:
+    _v_shape("dualpipe_v", *shape)
+    require(shape.num_batches >= 2 * shape.num_workers, "dualpipe_v",
+            f"needs at least 2W = {2 * shape.num_workers} micro-batches, got B={shape.num_batches}")
+    return shape
+
+
 def _pipeline_shape(name: str, W: int, S: int, B: int) -> Shape:
     shape = Shape(W, S, B).check()
     require(W == S, name, f"needs one stage per worker (W = S), got W={W}, S={S}; set the number of workers to {S}")
@@ -211,6 +216,7 @@ ZB_H1 = Entry(
     description="zero bubble H1: split backward, W passes delayed into the cool-down, 1F1B's activation memory",
     family="zero bubble",
     constraints="W = S",
+    check=lambda shape: _pipeline_shape("zb_h1", *shape),
 )
 ZB_H2 = Entry(
     name="zb_h2",
@@ -218,6 +224,7 @@ ZB_H2 = Entry(
     description="zero bubble H2: split backward, extra warm-up forwards, about twice 1F1B's activation memory",
     family="zero bubble",
     constraints="W = S",
+    check=lambda shape: _pipeline_shape("zb_h2", *shape),
 )
 ZBV = Entry(
     name="zbv",
@@ -225,6 +232,7 @@ ZBV = Entry(
     description="zero bubble V: stages s and 2W-1-s on worker s, split backward, 1F1B's activation memory",
     family="zero bubble",
     constraints="S = 2W",
+    check=lambda shape: _v_shape("zbv", *shape),
 )
 DUALPIPE_V = Entry(
     name="dualpipe_v",
@@ -232,6 +240,7 @@ DUALPIPE_V = Entry(
     description="DualPipeV: V placement in DeepSeek's phase order; its overlapped F&B pairs run back to back",
     family="zero bubble",
     constraints="S = 2W, B >= 2W",
+    check=_dualpipe_v_shape,
 )
 
 STRATEGIES = (ZB_H1, ZB_H2, ZBV, DUALPIPE_V)

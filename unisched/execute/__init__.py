@@ -1,0 +1,27 @@
+"""Run any schedule for real on torch.distributed: compile it into per-rank
+instruction lists, interpret them with non-blocking point-to-point transfers,
+and record what ran when as a measured Timeline.
+
+    trainer = unisched.Trainer(stages, simulation, loss_fn, optimizer)
+    loss = trainer.step(inputs, targets)
+    state = trainer.gather_state_dict()
+"""
+
+from unisched.execute.faults import CommunicationError, ExecutionError, NonFiniteLossError
+from unisched.execute.measure import calibrate_costs
+from unisched.execute.program import Action, Message, Program, ProgramError, compile_program, parse_action
+from unisched.execute.runtime import Trainer
+
+__all__ = [
+    "Action",
+    "CommunicationError",
+    "ExecutionError",
+    "Message",
+    "NonFiniteLossError",
+    "Program",
+    "ProgramError",
+    "Trainer",
+    "calibrate_costs",
+    "compile_program",
+    "parse_action",
+]

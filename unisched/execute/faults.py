@@ -1,0 +1,117 @@
+"""Stopping every rank, in bounded time, with the cause in the message.
+
+Three mechanisms together:
+
+- every process group the trainer makes has a timeout, so a receive from a
+  rank that never sends ends in an error instead of a hang;
+- a rank that fails writes the cause on a *fault board* (a key in the
+  process group's store) before it raises, so the ranks that then lose it
+  (its process exits and gloo reports the closed connection, or the timeout
+  fires) report that cause rather than a bare connection error;
+- a watchdog thread per trainer interrupts a step that runs past the step
+  timeout in Python code (a stage that loops forever), after writing that on
+  the board.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+from typing import Callable
+
+from unisched.errors import UniSchedError
+
+
+class ExecutionError(UniSchedError, RuntimeError):
+    """A training step failed; the message names the rank, the action and the cause."""
+
+
+class NonFiniteLossError(ExecutionError, FloatingPointError):
+    """The loss of some micro-batch was NaN or infinite; no weights were changed."""
+
+
+class CommunicationError(ExecutionError):
+    """A transfer with another rank failed (it died, raised, or timed out)."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+
+class FaultBoard:
+    """The first cause of failure, shared through the store every rank reaches."""
+
+    KEY = "fault"
+
+    def __init__(self, store, prefix: str):
+        self._store = store
+        self._prefix = prefix
+
+    @property
+    def _key(self) -> str:
+        return f"{self._prefix}/{self.KEY}"
+
+    def post(self, message: str) -> str:
+        """Record ``message`` unless a cause is already there; return the cause on the board."""
+        if self._store is None:
+            return message
+        try:
+            value = self._store.compare_set(self._key, "", message)
+            return value.decode() if isinstance(value, bytes) else str(value)
+        except Exception:
+            return message
+
+    def read(self, wait: float = 0.5) -> str | None:
+        """The recorded cause, waiting up to ``wait`` seconds for a failing rank to post it."""
+        if self._store is None:
+            return None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self._store.check([self._key]):
+                    value = self._store.get(self._key)
+                    return value.decode() if isinstance(value, bytes) else str(value)
+            except Exception:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+class Watchdog:
+    """Interrupts the main thread when an armed step outlives its deadline."""
+
+    def __init__(self, timeout: float, on_expire: Callable[[], None]):
+        self.timeout = timeout
+        self._on_expire = on_expire
+        self._lock = threading.Condition()
+        self._deadline: float | None = None
+        self.fired = False
+        self._thread = threading.Thread(target=self._loop, name="unisched-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        with self._lock:
+            self._deadline = time.monotonic() + self.timeout
+            self.fired = False
+            self._lock.notify()
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._deadline is None:
+                    self._lock.wait()
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._lock.wait(remaining)
+                    continue
+                self._deadline = None
+                self.fired = True
+            self._on_expire()
+            if threading.main_thread().is_alive():
+                _thread.interrupt_main()

@@ -1,0 +1,115 @@
+"""Run a function on N local processes with a process group, with a hard time limit.
+
+The store lives in the launching process, so a worker that dies does not
+take the fault board with it; every worker is killed when the time limit
+passes, so a caller (a test, a benchmark) can never hang.  For real runs use
+torchrun (see ``examples/train.py`` and ``unisched run``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from unisched.execute.faults import ExecutionError
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    group_timeout: float = 30.0,
+) -> list[RankResult]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes;
+    one :class:`RankResult` per rank (its return value, or the error text and exit code)."""
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=group_timeout))
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [
+        context.Process(target=_worker, args=(fn, rank, world_size, port, backend, group_timeout, results, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    out = {r: RankResult(r) for r in range(world_size)}
+    received = set()
+    while len(received) < world_size and time.monotonic() < deadline:
+        try:
+            rank, value, error = results.get(timeout=0.2)
+            out[rank].value, out[rank].error = value, error
+            received.add(rank)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+    for rank, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+            if out[rank].error is None and rank not in received:
+                out[rank].error = f"killed after the launch time limit of {timeout:g} s"
+        out[rank].exitcode = p.exitcode
+        if rank not in received and out[rank].error is None:
+            out[rank].error = f"exited with code {p.exitcode} without a result"
+    del store
+    return [out[r] for r in range(world_size)]
+
+
+def _worker(fn, rank, world_size, port, backend, group_timeout, results, args):
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=group_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=group_timeout))
+        value = fn(rank, world_size, *args)
+        results.put((rank, value, None))
+    except BaseException as error:
+        results.put((rank, None, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            results.close()
+            results.join_thread()
+        except Exception:
+            pass
+    # leave without waiting for peers in process-group teardown
+    import os
+
+    os._exit(0)
+
+
+def check(results: list[RankResult]) -> list[Any]:
+    """The ranks' values, or an :class:`ExecutionError` listing every rank that failed."""
+    failed = [r for r in results if r.error is not None]
+    if failed:
+        raise ExecutionError("\n".join(f"rank {r.rank}: {r.error}" for r in failed))
+    return [r.value for r in results]

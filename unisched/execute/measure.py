@@ -1,0 +1,204 @@
+"""Measured timelines and cost calibration.
+
+Each rank notes when every work item started and ended (``perf_counter`` on
+CPU, CUDA events on a GPU), when it posted each send and when each receive
+completed; rank 0 gathers the notes into a :class:`unisched.Timeline` with
+``source="measured"``, the same type the simulator makes, so a real step is
+drawn, saved and compared exactly like a simulated one.
+
+:func:`calibrate_costs` turns measured timelines into :class:`unisched.Costs`
+(per-stage forward and backward times, activation and weight sizes, and a
+per-message latency), so the simulator can predict the real step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from unisched.errors import ShapeError
+from unisched.simulate.costs import Costs
+from unisched.timeline import Timeline, TransferRecord, WorkRecord
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
+
+class Clock:
+    """Host time in seconds; on a GPU, marks are CUDA events resolved after a sync."""
+
+    def __init__(self, device=None):
+        self.cuda = device is not None and getattr(device, "type", str(device)).startswith("cuda")
+        self._origin_event = None
+        self._origin_host = 0.0
+
+    def begin(self) -> float:
+        now = time.perf_counter()
+        if self.cuda:
+            import torch
+
+            self._origin_event = torch.cuda.Event(enable_timing=True)
+            self._origin_event.record()
+            self._origin_host = now
+        return now
+
+    def mark(self):
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def resolve(self, mark) -> float:
+        if self.cuda and not isinstance(mark, float):
+            return self._origin_host + self._origin_event.elapsed_time(mark) / 1000.0
+        return float(mark)
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+@dataclass
+class RankNotes:
+    """What one rank saw during one step (times already resolved to seconds)."""
+
+    rank: int
+    begin: float
+    items: list[tuple[Work, float, float]] = field(default_factory=list)
+    sends: dict[int, float] = field(default_factory=dict)
+    receives: dict[int, tuple[float, float]] = field(default_factory=dict)
+    reduces: list[tuple[tuple[int, ...], float, float, float]] = field(default_factory=list)
+    end: float = 0.0
+
+
+def assemble(program, notes: Sequence[RankNotes], activation_bytes, weight_bytes, offsets=None, label="") -> Timeline:
+    """One measured Timeline from every rank's notes, times from the earliest step start."""
+    offsets = offsets or [0.0] * len(notes)
+    origin = min(n.begin - offsets[n.rank] for n in notes)
+
+    def at(rank: int, t: float) -> float:
+        return t - offsets[rank] - origin
+
+    records = []
+    for n in notes:
+        for work, start, end in n.items:
+            records.append(WorkRecord(work, n.rank, program.weight_worker[work], at(n.rank, start), at(n.rank, end)))
+    sent = {}
+    for n in notes:
+        for index, t in n.sends.items():
+            sent[index] = at(n.rank, t)
+    transfers = []
+    for n in notes:
+        for index, (wait_start, wait_end) in n.receives.items():
+            msg = program.messages[index]
+            start = sent.get(index, at(n.rank, wait_start))
+            end = max(at(n.rank, wait_end), start)
+            transfers.append(
+                TransferRecord(msg.kind, msg.src, msg.dst, start, end, _message_bytes(msg, activation_bytes, weight_bytes), _served_work(program, msg))
+            )
+        for group, nbytes, start, end in n.reduces:
+            nxt = group[(group.index(n.rank) + 1) % len(group)]
+            transfers.append(TransferRecord("allreduce", n.rank, nxt, at(n.rank, start), at(n.rank, end), nbytes, None))
+    return Timeline.from_records(
+        (program.num_ranks, program.num_stages, program.num_batches),
+        records,
+        transfers,
+        activation_bytes=np.asarray(activation_bytes, dtype=float),
+        weight_bytes=np.asarray(weight_bytes, dtype=float),
+        split_backward=program.split_backward,
+        source="measured",
+        label=label,
+    )
+
+
+def _message_bytes(msg, activation_bytes, weight_bytes) -> float:
+    if msg.letter in "wr":
+        return float(weight_bytes[msg.stage])
+    kind, stage = msg.key[0], msg.key[1]
+    return float(activation_bytes[stage if kind == "x" else min(stage + 1, len(activation_bytes) - 1)])
+
+
+def _served_work(program, msg) -> Work | None:
+    """The work item a message feeds (as the simulator labels transfers)."""
+    if msg.letter in "FBI":
+        return Work(msg.batch, msg.stage, Direction.from_letter(msg.letter))
+    if msg.letter in "XV":
+        direction = BACKWARD_INPUT if program.split_backward else BACKWARD
+        if msg.letter == "V" or program.compute_worker[Work(msg.batch, msg.stage, direction)] != msg.dst:
+            direction = BACKWARD_WEIGHT
+        return Work(msg.batch, msg.stage, direction)
+    return None
+
+
+# ---------------------------------------------------------------------- calibration
+def calibrate_costs(
+    timelines: Timeline | Iterable[Timeline],
+    *,
+    activation_bytes: float | Sequence[float] | None = None,
+    weight_bytes: float | Sequence[float] | None = None,
+    communication: bool = True,
+) -> Costs:
+    """Fit :class:`unisched.Costs` to measured timelines.
+
+    Per stage and direction, the median measured duration; activation and
+    weight sizes from the timelines unless given; with ``communication``, a
+    per-message latency: the median time from a send's post to the end of a
+    receive that had to wait for it.  Give a ``Trainer`` instead of timelines
+    with :meth:`Trainer.calibrate`, which runs the profiling steps first.
+    The latency is an estimate: a transfer's end is when its receiver got
+    it, which is later than its arrival when the receiver was busy, so the
+    lower quartile of the spans is used.
+    """
+    if isinstance(timelines, Timeline):
+        timelines = [timelines]
+    timelines = [t for t in timelines if t is not None]
+    if not timelines:
+        raise ShapeError("calibrate_costs needs at least one measured Timeline (trainer.last_timeline on rank 0)")
+    first = timelines[0]
+    S = first.num_stages
+    if any(t.num_stages != S for t in timelines):
+        raise ShapeError("calibrate_costs got timelines with different numbers of stages; calibrate one model at a time")
+    durations: dict[Direction, list[list[float]]] = {d: [[] for _ in range(S)] for d in Direction}
+    for t in timelines:
+        for s, d, start, end in zip(t.stage, t.direction, t.start, t.end):
+            durations[Direction(int(d))][int(s)].append(float(end - start))
+
+    def medians(direction: Direction) -> list[float] | None:
+        rows = durations[direction]
+        if not all(rows):
+            return None
+        return [float(np.median(r)) for r in rows]
+
+    forward = medians(FORWARD)
+    if forward is None:
+        raise ShapeError("the measured timelines have no forward of some stage; calibrate from complete steps")
+    split = first.split_backward
+    fields = {"forward": forward}
+    if split:
+        fields["backward_input"] = medians(BACKWARD_INPUT)
+        fields["backward_weight"] = medians(BACKWARD_WEIGHT)
+        fields["backward"] = [i + w for i, w in zip(fields["backward_input"], fields["backward_weight"])]
+    else:
+        fields["backward"] = medians(BACKWARD)
+    fields["activation_bytes"] = list(first.activation_bytes) if activation_bytes is None else activation_bytes
+    fields["weight_bytes"] = list(first.weight_bytes) if weight_bytes is None else weight_bytes
+    if communication:
+        fields["latency"] = _message_latency(timelines)
+    return Costs(**fields)
+
+
+def _message_latency(timelines: Sequence[Timeline]) -> float:
+    spans = []
+    for t in timelines:
+        tr = t.transfers
+        moved = tr.of_kind("activation", "gradient", "stash") & (tr.src != tr.dst)
+        spans.extend((tr.end[moved] - tr.start[moved]).tolist())
+    return float(np.percentile(spans, 25)) if spans else 0.0
+
+
+__all__ = ["Clock", "RankNotes", "assemble", "calibrate_costs"]

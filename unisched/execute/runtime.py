@@ -1,0 +1,600 @@
+"""The runtime: one process per worker interprets its rank's program.
+
+``Trainer(stages, schedule, loss_fn, optimizer)`` compiles the schedule
+(:mod:`unisched.execute.program`), checks on every rank that all ranks agree
+(world size, number of stages, parameter shapes) before any transfer, then
+each ``step`` walks the rank's instruction list:
+
+- receives are posted early with non-blocking ``irecv`` and awaited just
+  before the item that reads them, so transfers overlap compute; sends are
+  posted with ``isend`` right after the item that produces them;
+- a forward whose backward runs on the same rank keeps its autograd graph;
+  otherwise it runs without one and its input travels (the *stash*) to the
+  backward's rank, which recomputes the forward from it before going back;
+- a rank that computes a stage it holds no weights of fetches them at the
+  start of the step and returns the stage's accumulated gradient after its
+  last backward of that stage;
+- at the end the per-micro-batch losses are all-reduced (a NaN stops every
+  rank with the same error, before any weight changes), replicas all-reduce
+  their gradients in one process group per replica set (created once), and
+  the weight workers step their optimizers.
+
+Backends are chosen automatically: NCCL when CUDA is present, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from unisched.errors import ShapeError
+from unisched.execute.faults import (
+    CommunicationError,
+    ExecutionError,
+    FaultBoard,
+    NonFiniteLossError,
+    Watchdog,
+)
+from unisched.execute.measure import Clock, RankNotes, assemble
+from unisched.execute.program import Action, Program, ProgramError, compile_program
+from unisched.timeline import Timeline
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Work
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class Trainer:
+    """Train ``stages`` under ``schedule`` on torch.distributed, one process per worker.
+
+    ``stages``: one ``nn.Module`` per pipeline stage, built the same way on
+    every rank; each takes one tensor and returns one.  ``schedule``: a
+    :class:`unisched.Simulation` (or anything with ``.simulate()`` returning
+    one, or a Timeline) for W = world size workers.  ``loss_fn(output,
+    target)`` returns a scalar.  ``optimizer``: a callable ``params ->
+    torch.optim.Optimizer``, run on the weight workers of each stage.
+    ``timeout`` (seconds) bounds every wait and every step.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        schedule: Any,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        optimizer: Callable[[list], torch.optim.Optimizer],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        lookahead: int = 1,
+        record: bool = True,
+        device: torch.device | str | None = None,
+    ):
+        self.timeline_in, self.label = _schedule_timeline(schedule)
+        _ensure_process_group(timeout)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = float(timeout)
+        self.record = record
+        self.loss_fn = loss_fn
+        self.device = _pick_device(device)
+        self.stages = list(stages)
+
+        error, program = None, None
+        try:
+            _check_stages(self.stages)
+            program = compile_program(
+                self.timeline_in, num_stages=len(self.stages), world_size=self.world_size, lookahead=lookahead
+            )
+        except (ProgramError, ShapeError, TypeError) as caught:
+            error = caught
+        delta = datetime.timedelta(seconds=self.timeout)
+        self._control = dist.new_group(backend="gloo", timeout=delta)
+        self._agree(error)
+        self.program: Program = program
+        self._p2p = dist.new_group(timeout=delta)
+        self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
+        self._board = FaultBoard(_default_store(), f"unisched/{self._control.group_name}")
+        self._offsets = self._clock_offsets()
+
+        for stage in self.stages:
+            stage.to(self.device)
+        S = program.num_stages
+        self._params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
+        self._owned = [s for s in range(S) if self.rank in program.replicas[s]]
+        owned_params = [p for s in self._owned for p in self._params[s]]
+        self.optimizer = optimizer(owned_params) if owned_params else None
+        self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
+
+        self._actions = program.actions[self.rank]
+        self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
+        self._fetch = {m.stage: m for m in program.messages if m.dst == self.rank and m.letter == "w"}
+        self._back = BACKWARD_INPUT if program.split_backward else BACKWARD
+        self._meta: tuple | None = None
+        self._failed: str | None = None
+        self._step_no = 0
+        self._state: _StepState | None = None
+        self._watchdog = Watchdog(self.timeout, self._on_timeout)
+        self.last_timeline: Timeline | None = None
+        self.last_loss: float | None = None
+        self.last_step_seconds: float = 0.0
+
+    # ------------------------------------------------------------------ public
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step on the full batch; returns the mean micro-batch loss on every rank."""
+        if self._failed is not None:
+            raise ExecutionError(f"rank {self.rank}: this Trainer stopped after a failed step ({self._failed}); "
+                                 f"start new processes to train again")
+        B = self.program.num_batches
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        for name, tensor in (("inputs", inputs), ("targets", targets)):
+            if tensor.dim() == 0 or tensor.shape[0] % B:
+                raise ShapeError(
+                    f"{name} has {tensor.shape[0] if tensor.dim() else 0} rows, which the schedule's {B} micro-batches "
+                    f"do not divide; pass a batch whose first dimension is a multiple of {B}"
+                )
+        micro_in, micro_t = inputs.chunk(B), targets.chunk(B)
+        signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
+        if self._meta is None or self._meta[0] != signature:
+            self._meta = (signature, self._infer_shapes(micro_in[0]))
+        state = _StepState(self, micro_in, micro_t)
+        self._state = state
+        self._step_no += 1
+        self._watchdog.arm()
+        try:
+            loss = self._run(state)
+        except NonFiniteLossError:
+            raise
+        except BaseException as error:
+            raise self._failure(error, state) from error
+        finally:
+            self._watchdog.disarm()
+            self._state = None
+        return loss
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{"<stage>.<name>": tensor}``: every stage's weights of truth, on every rank (CPU tensors)."""
+        out = {}
+        for s, stage in enumerate(self.stages):
+            owner = self.program.replicas[s][0]
+            for name, tensor in stage.state_dict().items():
+                buffer = tensor.detach().clone()
+                dist.broadcast(buffer, src=owner, group=self._p2p)
+                out[f"{s}.{name}"] = buffer.cpu()
+        return out
+
+    def calibrate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3, **options):
+        """Run ``steps`` profiling steps (they train) and fit Costs to all but the first; same Costs on every rank."""
+        from unisched.execute.measure import calibrate_costs
+
+        record, self.record = self.record, True
+        timelines = []
+        try:
+            for _ in range(max(steps, 2)):
+                self.step(inputs, targets)
+                timelines.append(self.last_timeline)
+        finally:
+            self.record = record
+        box = [calibrate_costs(timelines[1:], **options) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+    def __repr__(self) -> str:
+        return (f"<Trainer {self.label} rank {self.rank}/{self.world_size}: S={self.program.num_stages} "
+                f"B={self.program.num_batches}, {len(self._actions)} actions>")
+
+    # ------------------------------------------------------------------ set-up checks
+    def _agree(self, error: Exception | None) -> None:
+        """Every rank learns every rank's verdict, so all raise together instead of hanging."""
+        fingerprint = [[tuple(p.shape) for p in stage.parameters()] for stage in self.stages]
+        verdicts: list = [None] * self.world_size
+        dist.all_gather_object(verdicts, (str(error) if error else None, fingerprint), group=self._control)
+        for rank, (message, _) in enumerate(verdicts):
+            if message is not None:
+                if rank == self.rank:
+                    raise error
+                raise ProgramError(f"rank {rank} cannot run this schedule: {message}")
+        for rank, (_, other) in enumerate(verdicts):
+            if other != fingerprint:
+                stage = next((s for s, (a, b) in enumerate(zip(other, fingerprint)) if a != b), min(len(other), len(fingerprint)))
+                raise ProgramError(
+                    f"rank {rank}'s stage {stage} has parameters of other shapes than rank {self.rank}'s; "
+                    f"build the stages the same way on every rank"
+                )
+
+    def _clock_offsets(self) -> list[float]:
+        """Per-rank clock offsets: zero on one host (perf_counter is shared), barrier-aligned across hosts."""
+        dist.barrier(group=self._control)
+        now = time.perf_counter()
+        seen: list = [None] * self.world_size
+        dist.all_gather_object(seen, (socket.gethostname(), now), group=self._control)
+        if len({host for host, _ in seen}) == 1:
+            return [0.0] * self.world_size
+        return [t for _, t in seen]
+
+    def _infer_shapes(self, sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+        """Input shape and dtype of every stage for one micro-batch (to size receive buffers)."""
+        metas = []
+        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            x = sample
+            for stage in self.stages:
+                metas.append((x.shape, x.dtype))
+                x = stage(x)
+                if not isinstance(x, torch.Tensor):
+                    raise ShapeError(f"stage {len(metas) - 1} returned {type(x).__name__}; each stage must return one tensor")
+        return metas
+
+    # ------------------------------------------------------------------ the step
+    def _run(self, st: "_StepState") -> float:
+        for stage in self.stages:
+            stage.zero_grad(set_to_none=True)
+        st.begin = st.clock.begin()
+        for action in self._actions:
+            st.current = action
+            op = action.op
+            if action.is_compute:
+                self._compute(st, action)
+            elif action.is_recv:
+                self._post_recv(st, action)
+            elif action.is_send:
+                self._post_send(st, action)
+        st.current = None
+        return self._finish(st)
+
+    def _compute(self, st: "_StepState", action: Action) -> None:
+        s, b = action.stage, action.batch
+        if s in self._fetch:
+            self._load_weights(st, s)
+        start = st.clock.mark() if self.record else None
+        if action.op == "F":
+            self._forward(st, s, b)
+        elif action.op == "W":
+            self._weight_pass(st, s, b)
+        else:
+            self._backward(st, s, b, input_only=action.op == "I")
+        if self.record:
+            st.items.append((action.work, start, st.clock.mark()))
+
+    def _forward(self, st, s: int, b: int) -> None:
+        x = st.micro_in[b] if s == 0 else st.take(("x", s, b))
+        if self.program.compute_worker[Work(b, s, self._back)] == self.rank:
+            if s > 0:
+                x = x.detach().requires_grad_(x.is_floating_point())
+            y = self.stages[s](x)
+            st.graphs[(s, b)] = (x, y)
+        else:
+            with torch.no_grad():
+                y = self.stages[s](x)
+        if s + 1 < self.program.num_stages:
+            st.put(("x", s + 1, b), y.detach())
+
+    def _backward(self, st, s: int, b: int, input_only: bool) -> None:
+        x, y = st.graphs.pop((s, b), (None, None))
+        if y is None:
+            x, y = self._recompute(st, s, b, needs_input_grad=True)
+        root, grad = self._root(st, s, b, y, record_loss=True)
+        if not input_only:
+            torch.autograd.backward(root, grad)
+            if s > 0:
+                st.put(("g", s - 1, b), x.grad)
+            return
+        keep = self.program.compute_worker[Work(b, s, BACKWARD_WEIGHT)] == self.rank
+        if s > 0 and x.requires_grad:
+            (dx,) = torch.autograd.grad(root, x, grad, retain_graph=keep)
+            st.put(("g", s - 1, b), dx)
+        if keep:
+            st.weight_graphs[(s, b)] = (root, grad)
+
+    def _weight_pass(self, st, s: int, b: int) -> None:
+        root, grad = st.weight_graphs.pop((s, b), (None, None))
+        if root is None:
+            _, y = self._recompute(st, s, b, needs_input_grad=False)
+            root, grad = self._root(st, s, b, y, record_loss=False)
+        params = self._params[s]
+        if params:
+            torch.autograd.backward(root, grad, inputs=params)
+
+    def _recompute(self, st, s: int, b: int, needs_input_grad: bool):
+        """The forward again, from the stashed input, this time keeping the graph."""
+        x = st.micro_in[b] if s == 0 else st.take(("x", s, b))
+        x = x.detach()
+        if needs_input_grad and s > 0 and x.is_floating_point():
+            x.requires_grad_(True)
+        return x, self.stages[s](x)
+
+    def _root(self, st, s: int, b: int, y: torch.Tensor, record_loss: bool):
+        """What to differentiate: the micro-batch's share of the mean loss at the last stage, else the output."""
+        if s == self.program.num_stages - 1:
+            loss = self.loss_fn(y, st.micro_t[b])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {b}")
+            if record_loss:
+                st.losses[b] = loss.detach().reshape(())
+            return loss.reshape(()) / self.program.num_batches, None
+        return y, st.take(("g", s, b))
+
+    # ------------------------------------------------------------------ transfers
+    def _post_recv(self, st, action: Action) -> None:
+        msg = self.program.messages[action.message]
+        if msg.letter in "wr":
+            buffer = _flat_like(self._params[msg.stage], self.device)
+        else:
+            kind, stage = msg.key[0], msg.key[1]
+            shape, dtype = self._meta[1][stage if kind == "x" else stage + 1]
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buffer, src=msg.src, group=self._p2p, tag=msg.seq)
+        st.pending[msg.index] = (work, buffer, action)
+
+    def _post_send(self, st, action: Action) -> None:
+        msg = self.program.messages[action.message]
+        if msg.letter == "w":
+            tensor = _flatten([p.detach() for p in self._params[msg.stage]], self.device)
+        elif msg.letter == "r":
+            tensor = _flatten([_grad(p) for p in self._params[msg.stage]], self.device)
+        else:
+            tensor = st.take(msg.key).contiguous()
+        if self.record:
+            st.sends[msg.index] = time.perf_counter()
+        st.outgoing.append((dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), tensor, action, msg.dst))
+
+    def _wait(self, st, index: int) -> torch.Tensor:
+        work, buffer, action = st.pending.pop(index)
+        msg = self.program.messages[index]
+        start = time.perf_counter()
+        try:
+            work.wait()
+        except Exception as error:
+            raise CommunicationError(
+                f"rank {self.rank} waited at {action} for {msg.kind} from rank {msg.src}, which failed, died or "
+                f"timed out ({_first_line(error)})",
+                peer=msg.src,
+            ) from error
+        if self.record:
+            st.receives[index] = (start, time.perf_counter())
+        return buffer
+
+    def _load_weights(self, st, s: int) -> None:
+        msg = self._fetch[s]
+        if msg.index not in st.pending:
+            return
+        flat = self._wait(st, msg.index)
+        with torch.no_grad():
+            for p, chunk in zip(self._params[s], _split(flat, self._params[s])):
+                p.copy_(chunk)
+
+    # ------------------------------------------------------------------ end of step
+    def _finish(self, st) -> float:
+        for index in list(st.pending):
+            flat = self._wait(st, index)
+            msg = self.program.messages[index]
+            if msg.letter == "r":
+                st.returned.append((msg.stage, flat))
+        for work, _, action, peer in st.outgoing:
+            try:
+                work.wait()
+            except Exception as error:
+                raise CommunicationError(
+                    f"rank {self.rank}'s send {action} to rank {peer} failed ({_first_line(error)})", peer=peer
+                ) from error
+        st.outgoing.clear()
+
+        B = self.program.num_batches
+        losses = torch.zeros(B, dtype=torch.float64)
+        for b, loss in st.losses.items():
+            losses[b] = float(loss)
+        dist.all_reduce(losses, group=self._control)
+        bad = [b for b in range(B) if not math.isfinite(float(losses[b]))]
+        if bad:
+            for stage in self.stages:
+                stage.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"the loss of micro-batch {bad[0]} is {float(losses[bad[0]])} (computed on rank "
+                f"{self.program.loss_rank(bad[0])}) in step {self._step_no}; no weights were changed. "
+                f"Lower the learning rate or check the inputs of that micro-batch"
+            )
+
+        with torch.no_grad():
+            for s, flat in st.returned:
+                for p, chunk in zip(self._params[s], _split(flat, self._params[s])):
+                    p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
+            for group, pg in self._replica_groups.items():
+                if self.rank not in group:
+                    continue
+                params = [p for s in self._owned if self.program.replicas[s] == group for p in self._params[s]]
+                start = time.perf_counter()
+                flat = _flatten([_grad(p) for p in params], self.device)
+                dist.all_reduce(flat, group=pg)
+                for p, chunk in zip(params, _split(flat, params)):
+                    p.grad = chunk.clone()
+                if self.record:
+                    st.reduces.append((group, float(flat.numel() * flat.element_size()), start, time.perf_counter()))
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for stage in self.stages:
+            stage.zero_grad(set_to_none=True)
+        st.clock.sync()
+        st.end = time.perf_counter()
+        self.last_step_seconds = st.end - st.begin
+        self.last_loss = float(losses.mean())
+        if self.record:
+            self._gather_timeline(st)
+        return self.last_loss
+
+    def _gather_timeline(self, st) -> None:
+        notes = RankNotes(
+            self.rank,
+            st.begin,
+            [(w, st.clock.resolve(a), st.clock.resolve(z)) for w, a, z in st.items],
+            st.sends,
+            st.receives,
+            st.reduces,
+            st.end,
+        )
+        everyone = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(notes, everyone, dst=0, group=self._control)
+        if self.rank == 0:
+            S = self.program.num_stages
+            activation_bytes = [
+                float(math.prod(shape) * torch.empty((), dtype=dtype).element_size()) for shape, dtype in self._meta[1]
+            ]
+            self.last_timeline = assemble(
+                self.program, everyone, activation_bytes[:S], self.weight_bytes, self._offsets, label=self.label
+            )
+
+    # ------------------------------------------------------------------ faults
+    def _failure(self, error: BaseException, st: "_StepState") -> ExecutionError:
+        """Turn whatever stopped this rank into an error naming the first cause, and post it."""
+        where = f" at {st.current}" if st.current is not None else ""
+        if isinstance(error, KeyboardInterrupt) and self._watchdog.fired:
+            mine = f"rank {self.rank} ran past the step timeout of {self.timeout:g} s{where} in step {self._step_no}"
+        elif isinstance(error, CommunicationError):
+            cause = self._board.read(wait=2.0)
+            if cause is not None:
+                self._failed = cause
+                return ExecutionError(f"rank {self.rank} stopped{where} in step {self._step_no} because {cause}")
+            mine = str(error)
+        elif isinstance(error, KeyboardInterrupt):
+            self._failed = "interrupted"
+            raise error
+        else:
+            mine = f"rank {self.rank} raised {type(error).__name__}: {error}{where} in step {self._step_no}"
+        cause = self._board.post(mine)
+        self._failed = cause
+        if cause != mine:
+            return ExecutionError(f"rank {self.rank} stopped{where} in step {self._step_no} because {cause}")
+        return ExecutionError(mine)
+
+    def _on_timeout(self) -> None:
+        st = self._state
+        where = f" at {st.current}" if st is not None and st.current is not None else ""
+        self._board.post(f"rank {self.rank} ran past the step timeout of {self.timeout:g} s{where} in step {self._step_no}")
+
+
+class _StepState:
+    """Everything one step holds: values by key, graphs, posted transfers, notes."""
+
+    def __init__(self, trainer: Trainer, micro_in, micro_t):
+        self.trainer = trainer
+        self.micro_in, self.micro_t = micro_in, micro_t
+        self.uses = dict(trainer.program.uses[trainer.rank])
+        self.values: dict[tuple, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.weight_graphs: dict[tuple[int, int], tuple] = {}
+        self.pending: dict[int, tuple] = {}
+        self.outgoing: list = []
+        self.returned: list = []
+        self.losses: dict[int, torch.Tensor] = {}
+        self.clock = Clock(trainer.device)
+        self.items: list = []
+        self.sends: dict[int, float] = {}
+        self.receives: dict[int, tuple[float, float]] = {}
+        self.reduces: list = []
+        self.current: Action | None = None
+        self.begin = self.end = 0.0
+
+    def put(self, key: tuple, value: torch.Tensor) -> None:
+        if self.uses.get(key, 0) > 0:
+            self.values[key] = value
+
+    def take(self, key: tuple) -> torch.Tensor:
+        """The value for ``key`` (waiting for its message if it comes from another rank); freed after its last use."""
+        value = self.values.get(key)
+        if value is None:
+            msg = self.trainer._inbound.get(key)
+            if msg is None or msg.index not in self.pending:
+                raise ExecutionError(f"rank {self.trainer.rank} has no {key} at {self.current}; the program is inconsistent")
+            value = self.trainer._wait(self, msg.index)
+            self.values[key] = value
+        left = self.uses.get(key, 1) - 1
+        self.uses[key] = left
+        if left <= 0:
+            self.values.pop(key, None)
+        return value
+
+
+# ---------------------------------------------------------------------- helpers
+def _schedule_timeline(schedule) -> tuple[Timeline, str]:
+    """Accept a Simulation, anything with ``.simulate()`` (a plan), or a Timeline."""
+    if hasattr(schedule, "simulate") and not hasattr(schedule, "timeline"):
+        schedule = schedule.simulate()
+    if isinstance(schedule, Timeline):
+        return schedule, schedule.label
+    timeline = getattr(schedule, "timeline", None)
+    if not isinstance(timeline, Timeline):
+        raise TypeError(
+            f"schedule must be a unisched.Simulation, a plan with .simulate(), or a Timeline; got {type(schedule).__name__}"
+        )
+    graph = getattr(schedule, "stage_graph", None)
+    if graph is not None and not getattr(graph, "is_chain", True):
+        raise ProgramError("the executor runs chains of stages (each stage feeds the next); this schedule has a stage DAG")
+    strategy = getattr(schedule, "strategy", None)
+    return timeline, getattr(strategy, "name", "") or timeline.label
+
+
+def _ensure_process_group(timeout: float) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ExecutionError(
+            "no process group: launch with torchrun (e.g. torchrun --nproc-per-node 4 train.py) or call "
+            "torch.distributed.init_process_group before building the Trainer"
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _pick_device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _check_stages(stages) -> None:
+    for s, stage in enumerate(stages):
+        if not isinstance(stage, nn.Module):
+            raise TypeError(f"stage {s} is a {type(stage).__name__}; Trainer needs one torch.nn.Module per stage")
+        dtypes = {p.dtype for p in stage.parameters()}
+        if len(dtypes) > 1:
+            raise ShapeError(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage")
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _flatten(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, device=device)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _flat_like(params: list[torch.Tensor], device) -> torch.Tensor:
+    if not params:
+        return torch.zeros(0, device=device)
+    return torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+
+
+def _split(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    chunks = flat.split([p.numel() for p in params]) if params else []
+    return [c.view_as(p) for c, p in zip(chunks, params)]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__

@@ -38,6 +38,8 @@ from unisched.plan.schedule import Schedule
 ORDER_SHARE = 0.3
 """Share of the time limit given to CP-SAT orders of the best family mappings."""
 ORDERED_MAPPINGS = 3
+REPLAY_MARGIN = 0.03
+"""Share of the time limit kept for replaying the candidates at the end."""
 
 
 @dataclass(eq=False)
@@ -80,7 +82,7 @@ def plan(
     what is needed when the limits make every schedule impossible.
     """
     begin = time.perf_counter()
-    deadline = begin + float(time_limit)
+    deadline = begin + float(time_limit) * (1 - REPLAY_MARGIN)
     problem = PlanProblem(Shape(num_workers, num_stages, num_batches), costs or Costs(), memory_limit,
                           max_stages_per_worker, split_backward)
     timed = TimedProblem.build(problem)

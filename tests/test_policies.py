@@ -205,6 +205,19 @@ def test_every_variant_simulates(shape):
         assert sim.strategy.name == name and sim.strategy.description
 
 
+def test_every_variant_of_every_small_shape_simulates_with_its_own_orders():
+    count = 0
+    for W in range(1, 5):
+        for S in range(1, 7):
+            for B in range(1, 7):
+                for name, params in policies.variants(W, S, B):
+                    strategy = policies.get(name, W, S, B, **params)
+                    sim = simulate(W, S, B, strategy)
+                    assert len(sim.timeline) == S * B * (3 if strategy.split_backward else 2), (name, W, S, B)
+                    count += 1
+    assert count > 500
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_map_arrays_agrees_with_mapping(shape):
     W, S, B = shape

@@ -1,0 +1,391 @@
+"""EPL's behaviour in one process: Config, scopes and TaskGraphs, placement,
+and the strategy it compiles to."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import unisched
+from unisched import epl
+from unisched.epl.config import ConfigError
+from unisched.epl.scopes import ScopeError
+
+
+@pytest.fixture(autouse=True)
+def fresh_env(monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("EPL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    epl.init()
+    yield
+    epl.init()
+
+
+# ---------------------------------------------------------------------- Config
+def test_config_defaults():
+    config = epl.Config()
+    assert config.pipeline.num_micro_batch == 1
+    assert config.pipeline.strategy == "PreferBackward"
+    assert config.cluster.colocate_split_and_replicate is False
+    assert config.gradient_checkpoint.type == ""
+    assert config.zero.level == ""
+    assert config.offload.level == ""
+    assert config["pipeline.num_micro_batch"] == 1
+
+
+def test_config_dict_and_nested_dict_agree():
+    flat = epl.Config({"pipeline.num_micro_batch": 4, "zero.level": "v1"})
+    nested = epl.Config({"pipeline": {"num_micro_batch": 4}, "zero": {"level": "v1"}})
+    assert flat == nested
+    assert flat.pipeline.num_micro_batch == 4 and flat.zero.level == "v1"
+
+
+def test_environment_gives_values_and_the_dict_wins():
+    environ = {"EPL_PIPELINE_NUM_MICRO_BATCH": "8", "EPL_CLUSTER_COLOCATE_SPLIT_AND_REPLICATE": "true",
+               "EPL_OFFLOAD_LEVEL": "v0", "EPL_UNRELATED_THING": "x"}
+    from_env = epl.Config(environ=environ)
+    assert from_env.pipeline.num_micro_batch == 8
+    assert from_env.cluster.colocate_split_and_replicate is True
+    assert from_env.offload.level == "v0"
+    both = epl.Config({"pipeline.num_micro_batch": 2}, environ=environ)
+    assert both.pipeline.num_micro_batch == 2
+    assert both.offload.level == "v0"
+
+
+def test_environment_is_read_from_os_environ(monkeypatch):
+    monkeypatch.setenv("EPL_PIPELINE_STRATEGY", "PreferForward")
+    assert epl.Config().pipeline.strategy == "PreferForward"
+
+
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        ({"pipeline.num_micro_batches": 4}, "pipeline.num_micro_batches"),
+        ({"pipelines.num_micro_batch": 4}, "pipelines.num_micro_batch"),
+        ({"pipeline.num_micro_batch": "4"}, "pipeline.num_micro_batch"),
+        ({"pipeline.num_micro_batch": 0}, "pipeline.num_micro_batch"),
+        ({"pipeline.num_micro_batch": True}, "pipeline.num_micro_batch"),
+        ({"pipeline.strategy": "PreferSideways"}, "pipeline.strategy"),
+        ({"cluster.colocate_split_and_replicate": 1}, "cluster.colocate_split_and_replicate"),
+        ({"zero.level": "v3"}, "zero.level"),
+        ({"gradient_checkpoint.type": "collection"}, "gradient_checkpoint.type"),
+        ({"offload.level": None}, "offload.level"),
+    ],
+)
+def test_bad_config_names_the_key(values, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        epl.Config(values)
+
+
+@pytest.mark.parametrize(
+    "variable, raw",
+    [
+        ("EPL_PIPELINE_NUM_MICRO_BATCH", "four"),
+        ("EPL_PIPELINE_NUM_MICRO_BATCH", "-1"),
+        ("EPL_CLUSTER_COLOCATE_SPLIT_AND_REPLICATE", "maybe"),
+        ("EPL_ZERO_LEVEL", "v2"),
+        ("EPL_PIPELINE_NUM_MICRO_BATCHES", "4"),
+    ],
+)
+def test_bad_environment_names_the_variable(variable, raw):
+    with pytest.raises(ConfigError, match=variable):
+        epl.Config(environ={variable: raw})
+
+
+def test_config_is_read_only():
+    with pytest.raises(ConfigError, match="read-only"):
+        epl.Config().pipeline.num_micro_batch = 3
+    with pytest.raises(ConfigError, match="unknown EPL config key"):
+        epl.Config()["pipeline.nope"]
+
+
+def test_init_rejects_a_plain_dict():
+    with pytest.raises(ConfigError, match="epl.Config"):
+        epl.init({"pipeline.num_micro_batch": 2})
+
+
+# ---------------------------------------------------------------------- scopes and TaskGraphs
+def test_each_scope_is_one_taskgraph_with_its_modules():
+    with epl.replicate(device_count=1, name="stage_0"):
+        first = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with epl.replicate(device_count=2):
+        second = nn.Linear(4, 2)
+        third = nn.Linear(2, 2)
+    graphs = epl.Env.get().taskgraphs
+    assert [(t.index, t.kind, t.device_count, t.name) for t in graphs] == [
+        (0, "replicate", 1, "stage_0"),
+        (1, "replicate", 2, "taskgraph_1"),
+    ]
+    assert graphs[0].top_modules() == [first]
+    assert graphs[1].top_modules() == [second, third]
+    assert [m for m in graphs[1].module()] == [second, third]
+
+
+def test_modules_outside_scopes_are_not_captured_without_a_default():
+    nn.Linear(3, 3)
+    with epl.split(2):
+        inside = nn.Linear(3, 4)
+    nn.Linear(4, 4)
+    graphs = epl.Env.get().taskgraphs
+    assert len(graphs) == 1 and graphs[0].top_modules() == [inside]
+
+
+def test_nesting_is_an_error_and_names_both_scopes():
+    with epl.replicate(1, name="outer"):
+        with pytest.raises(ScopeError, match=r"epl\.split\(2\).*epl\.replicate\(1, name='outer'\)"):
+            with epl.split(2):
+                pass
+    with epl.replicate(1):
+        with pytest.raises(ScopeError, match="outside annotation scopes"):
+            epl.set_default_strategy(epl.replicate(1))
+
+
+def test_default_strategy_takes_what_is_built_outside_scopes():
+    nn.Linear(2, 2)  # before the default: not annotated
+    epl.set_default_strategy(epl.replicate(4))
+    gating = nn.Linear(4, 4)
+    with epl.split(4):
+        experts = nn.Linear(4, 8)
+    combine = nn.Linear(8, 2)
+    loss = nn.CrossEntropyLoss()
+    graphs = epl.Env.get().taskgraphs
+    assert [(t.index, t.kind, t.device_count, t.is_default) for t in graphs] == [
+        (0, "replicate", 4, True),
+        (1, "split", 4, False),
+        (2, "replicate", 4, True),
+    ]
+    assert [t.top_modules() for t in graphs] == [[gating], [experts], [combine]]
+    assert all(loss not in t.modules for t in graphs)
+
+
+def test_init_again_starts_a_new_model():
+    with epl.replicate(1):
+        nn.Linear(2, 2)
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    assert epl.Env.get().taskgraphs == []
+    assert epl.Env.get().config.pipeline.num_micro_batch == 2
+    nn.Linear(2, 2)
+    assert epl.Env.get().taskgraphs == []
+
+
+@pytest.mark.parametrize("count", [None, 0, -2, 1.5, True])
+def test_device_count_must_be_a_positive_integer(count):
+    with pytest.raises(ScopeError, match="device_count"):
+        epl.replicate(count)
+    with pytest.raises(ScopeError, match="device_count"):
+        epl.split(count)
+
+
+def test_set_default_strategy_needs_a_scope():
+    with pytest.raises(ScopeError, match="set_default_strategy"):
+        epl.set_default_strategy("replicate")
+
+
+def test_total_gpu_num_is_the_world_size(monkeypatch):
+    assert epl.Env.get().cluster.total_gpu_num == 1
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert epl.Env.get().cluster.total_gpu_num == 8
+
+
+# ---------------------------------------------------------------------- placement
+def _two_stages(config=None, counts=(1, 1)):
+    epl.init(config)
+    with epl.replicate(device_count=counts[0], name="stage_0"):
+        nn.Linear(4, 4)
+    with epl.replicate(device_count=counts[1], name="stage_1"):
+        nn.Linear(4, 2)
+
+
+def test_data_parallel_degree_is_world_over_devices_per_replica():
+    _two_stages(epl.Config({"pipeline.num_micro_batch": 4}))
+    placement = epl.placement(world_size=8)
+    assert placement.devices_per_replica == 2
+    assert placement.data_parallel == 4
+    assert placement.groups == tuple(((2 * r,), (2 * r + 1,)) for r in range(4))
+    assert placement.num_batches == 16
+
+
+def test_not_divisible_names_both_numbers():
+    _two_stages(counts=(1, 2))
+    with pytest.raises(ScopeError, match=r"world size 8 .* 3 devices"):
+        epl.placement(world_size=8)
+
+
+def test_colocate_puts_taskgraphs_on_the_same_devices():
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(4):
+        nn.Linear(4, 4)
+    with epl.split(4):
+        nn.Linear(4, 8)
+    placement = epl.placement(world_size=8)
+    assert placement.devices_per_replica == 4 and placement.data_parallel == 2
+    assert placement.groups == (((0, 1, 2, 3),) * 2, ((4, 5, 6, 7),) * 2)
+    apart = epl.Config()
+    separate = epl.place(epl.Env.get().taskgraphs, apart, 8)
+    assert separate.data_parallel == 1
+    assert separate.groups == (((0, 1, 2, 3), (4, 5, 6, 7)),)
+
+
+def test_colocate_needs_equal_device_counts():
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(2, name="body"):
+        nn.Linear(4, 4)
+    with epl.split(4, name="head"):
+        nn.Linear(4, 8)
+    with pytest.raises(ScopeError, match="body: 2, head: 4"):
+        epl.placement(world_size=4)
+
+
+def test_no_taskgraph_is_an_error():
+    with pytest.raises(ScopeError, match="no TaskGraph"):
+        epl.strategy(world_size=2)
+
+
+# ---------------------------------------------------------------------- the compiled strategy
+def _pipeline(stages: int, micro: int, strategy: str):
+    epl.init(epl.Config({"pipeline.num_micro_batch": micro, "pipeline.strategy": strategy}))
+    for s in range(stages):
+        with epl.replicate(1, name=f"stage_{s}"):
+            nn.Linear(2, 2)
+
+
+def test_prefer_forward_is_gpipe_fill_drain():
+    _pipeline(4, 8, "PreferForward")
+    strategy = epl.strategy(world_size=4)
+    assert isinstance(strategy, unisched.Strategy)
+    assert strategy.shape == unisched.Shape(4, 4, 8)
+    assert strategy(unisched.Work(5, 2, unisched.BACKWARD)) == (2, 2)
+    simulation = unisched.simulate(4, 4, 8, strategy)
+    assert simulation.latency == 33
+    assert simulation.worker_stats()["max_activation_storage"] == [8, 8, 8, 8]
+
+
+def test_prefer_backward_is_one_f_one_b():
+    _pipeline(4, 8, "PreferBackward")
+    strategy = epl.strategy(world_size=4)
+    assert strategy.memory_limit == [4, 3, 2, 1]
+    simulation = unisched.simulate(4, 4, 8, strategy)
+    assert simulation.worker_stats()["max_activation_storage"] == [4, 3, 2, 1]
+    gpipe = unisched.simulate(4, 4, 8, strategy.with_(priority=unisched.OldestStageFirst(4, 8), memory_limit=None))
+    assert simulation.latency == gpipe.latency == 33
+
+
+def test_data_parallel_over_a_pipeline_maps_batches_to_replicas():
+    _two_stages(epl.Config({"pipeline.num_micro_batch": 4}))
+    strategy = epl.strategy(world_size=4)
+    table = {(b, s): strategy(unisched.Work(b, s, unisched.FORWARD)) for b in range(8) for s in range(2)}
+    assert {table[b, 0].compute_worker for b in range(4)} == {0}
+    assert {table[b, 1].compute_worker for b in range(4, 8)} == {3}
+    assert all(pair.compute_worker == pair.weight_worker for pair in table.values())
+    simulation = epl.simulate(world_size=4)
+    assert simulation.shape == unisched.Shape(4, 2, 8)
+    assert simulation.timeline.worker_stats()["weight_storage"] == [1, 1, 1, 1]
+
+
+def test_map_arrays_agrees_with_mapping():
+    _two_stages(epl.Config({"pipeline.num_micro_batch": 3, "zero.level": "v1"}))
+    strategy = epl.strategy(world_size=6)
+    W, S, B = strategy.shape
+    batch, stage = np.meshgrid(np.arange(B), np.arange(S), indexing="ij")
+    compute, weight = strategy.map_arrays(batch.ravel(), stage.ravel(), np.zeros(B * S, dtype=int))
+    pairs = [strategy(unisched.Work(int(b), int(s))) for b, s in zip(batch.ravel(), stage.ravel())]
+    assert list(compute) == [p.compute_worker for p in pairs]
+    assert list(weight) == [p.weight_worker for p in pairs]
+
+
+def test_zero_v1_shards_weights_over_replicas():
+    _two_stages(epl.Config({"zero.level": "v1"}))
+    strategy = epl.strategy(world_size=4)
+    simulation = unisched.simulate(*strategy.shape, strategy)
+    assert simulation.worker_stats()["weight_storage"] == [1, 0, 0, 1]
+    assert sum(simulation.worker_stats()["weight_transmissions"]) > 0
+    assert strategy.params["zero"] == "v1"
+
+
+def test_offload_v0_adds_a_host_weight_worker():
+    _two_stages(epl.Config({"offload.level": "v0"}))
+    strategy = epl.strategy(world_size=2)
+    assert strategy.shape == unisched.Shape(3, 2, 1)
+    assert strategy.params["host_worker"] == 2
+    simulation = unisched.simulate(*strategy.shape, strategy)
+    assert simulation.worker_stats()["weight_storage"] == [0, 0, 2]
+    assert simulation.timeline.busy_time[2] == 0
+
+
+def test_recompute_costs_a_forward_per_backward():
+    _two_stages(epl.Config({"pipeline.num_micro_batch": 4}))
+    plain = epl.simulate(world_size=2)
+    _two_stages(epl.Config({"pipeline.num_micro_batch": 4, "gradient_checkpoint.type": "auto"}))
+    costs = epl.stage_costs(epl.placement(world_size=2), epl.Env.get().config)
+    assert costs.backward == [3.0, 3.0]
+    recomputed = epl.simulate(world_size=2)
+    assert recomputed.latency > plain.latency
+    assert recomputed.strategy.params["recompute"] is True
+
+
+def test_split_groups_are_in_the_strategy_params_and_costs():
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(2):
+        nn.Linear(4, 4)
+    with epl.split(2):
+        nn.Linear(4, 8)
+    strategy = epl.strategy(world_size=4)
+    assert strategy.params["split_groups"] == {1: [(0, 1), (2, 3)]}
+    assert strategy.params["groups"][0] == [(0, 1), (2, 3)]
+    costs = epl.stage_costs(epl.placement(world_size=4), epl.Env.get().config, collective=0.25)
+    assert costs.forward == [0.5, 0.75]
+    assert costs.backward == [1.0, 1.25]
+
+
+# ---------------------------------------------------------------------- the trainer in one process
+def test_one_process_trainer_matches_plain_training():
+    torch.manual_seed(0)
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2, "gradient_checkpoint.type": "auto"}))
+    with epl.replicate(device_count=1):
+        model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    reference = copy.deepcopy(model)
+    trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    for _ in range(2):
+        loss = trainer.step(x, y)
+        optimizer.zero_grad()
+        expected = nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        assert loss == pytest.approx(expected.item(), abs=1e-6)
+    state = trainer.gather_state_dict()
+    assert sorted(state) == ["0.0.bias", "0.0.weight", "0.2.bias", "0.2.weight"]
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[f"0.{name}"], value, atol=1e-6, rtol=0)
+
+
+def test_batch_that_does_not_divide_is_an_error():
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    with epl.replicate(1):
+        nn.Linear(3, 1)
+    trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ScopeError, match="6 rows.*multiple of 4"):
+        trainer.step(torch.randn(6, 3), torch.randn(6, 1))
+
+
+def test_a_module_in_two_taskgraphs_is_an_error():
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    with epl.replicate(1, name="a"):
+        shared = nn.Linear(2, 2)
+    with epl.replicate(1, name="b"):
+        nn.Sequential(shared, nn.ReLU())
+    with pytest.raises(ScopeError, match=r"TaskGraph 0 \('a'\) is also used in TaskGraph 1 \('b'\)"):
+        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_an_empty_scope_is_an_error():
+    with epl.replicate(1, name="empty"):
+        pass
+    with pytest.raises(ScopeError, match="'empty'"):
+        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))

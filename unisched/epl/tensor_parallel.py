@@ -250,7 +250,7 @@ def sharded_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, grou
 # ---------------------------------------------------------------------- splitting a module
 ELEMENTWISE = (
     nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Identity, nn.LeakyReLU, nn.ELU, nn.Softplus, nn.Mish,
-    nn.Hardtanh, nn.ReLU6,
+    nn.Hardtanh, nn.ReLU6, nn.Dropout,
 )
 
 

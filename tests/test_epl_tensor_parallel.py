@@ -1,0 +1,179 @@
+"""Split layers equal their unsplit versions: plans in one process, numbers
+on 2 gloo processes (one launch runs every check)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from unisched.epl.tensor_parallel import (
+    CLASS,
+    COLUMN,
+    COLUMN_PAIRED,
+    ROW,
+    ColumnParallelLinear,
+    Group,
+    RowParallelLinear,
+    Sharding,
+    SplitError,
+    shard_dims,
+    sharded_cross_entropy,
+    split_module,
+    split_plan,
+)
+
+TOLERANCE = 1e-5
+
+
+# ---------------------------------------------------------------------- plans
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.ffn = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.0), nn.Linear(8, 4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x + self.ffn(self.norm(x)))
+
+
+def test_pairs_through_elementwise_layers_only():
+    plan = split_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4), nn.Linear(4, 4)))
+    assert plan == [Sharding("0", COLUMN_PAIRED), Sharding("2", ROW), Sharding("4", COLUMN)]
+
+
+def test_last_unpaired_linear_is_the_class_sharded_classifier():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 10))
+    assert split_plan(model, classifier=True) == [
+        Sharding("0.0", COLUMN_PAIRED), Sharding("0.2", ROW), Sharding("2", CLASS),
+    ]
+    paired_last = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))
+    assert [s.style for s in split_plan(paired_last, classifier=True)] == [COLUMN_PAIRED, ROW]
+    assert split_plan(nn.Linear(4, 10), classifier=True) == [Sharding("", CLASS)]
+
+
+def test_linear_layers_outside_sequentials_gather_their_output():
+    plan = split_plan(Block())
+    assert plan == [Sharding("ffn.0", COLUMN_PAIRED), Sharding("ffn.3", ROW), Sharding("proj", COLUMN)]
+    assert shard_dims(plan) == {
+        "ffn.0.weight": 0, "ffn.0.bias": 0, "ffn.3.weight": 1, "proj.weight": 0, "proj.bias": 0,
+    }
+
+
+def test_a_group_of_one_leaves_numbers_unchanged():
+    torch.manual_seed(0)
+    model = Block()
+    reference = Block()
+    reference.load_state_dict(model.state_dict())
+    split = split_module(model, Group.single(), split_plan(model))
+    assert isinstance(split.ffn[0], ColumnParallelLinear) and isinstance(split.ffn[3], RowParallelLinear)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(split(x), reference(x))
+
+
+def test_features_that_do_not_divide_are_an_error():
+    group = Group(None, (0, 1, 2), 0)
+    with pytest.raises(SplitError, match=r"layer '0' has 8 output features.*3 devices"):
+        split_module(nn.Sequential(nn.Linear(4, 8)), group, [Sharding("0", COLUMN)])
+
+
+# ---------------------------------------------------------------------- numbers on two processes
+def check_column_row_pair(group: Group) -> float:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 5))
+    reference = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 5))
+    reference.load_state_dict(model.state_dict())
+    plan = split_plan(model)
+    split_module(model, group, plan)
+    x = torch.randn(4, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = model(x), reference(x_ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    diffs = [(out - expected).abs().max(), (x.grad - x_ref.grad).abs().max()]
+    dims = shard_dims(plan)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        whole = q.grad.chunk(group.size, dim=dims[name])[group.index] if name in dims else q.grad
+        diffs.append((p.grad - whole).abs().max())
+    return float(max(diffs))
+
+
+def check_gathered_column(group: Group) -> float:
+    torch.manual_seed(2)
+    linear = nn.Linear(3, 6)
+    layer = ColumnParallelLinear(linear, group, gather_output=True)
+    x = torch.randn(5, 3, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = layer(x), linear(x_ref)
+    out.sum().backward()
+    expected.sum().backward()
+    weight_grad = linear.weight.grad.chunk(group.size)[group.index]
+    return float(max((out - expected).abs().max(), (x.grad - x_ref.grad).abs().max(),
+                     (layer.weight.grad - weight_grad).abs().max()))
+
+
+def check_sharded_cross_entropy(group: Group) -> float:
+    torch.manual_seed(3)
+    logits = torch.randn(6, 10) * 4
+    target = torch.randint(0, 10, (6,))
+    shard = logits.chunk(group.size, dim=1)[group.index].clone().requires_grad_(True)
+    whole = logits.clone().requires_grad_(True)
+    loss = sharded_cross_entropy(shard, target, group, group.index * 5)
+    expected = F.cross_entropy(whole, target)
+    loss.backward()
+    expected.backward()
+    return float(max((loss - expected).abs(), (shard.grad - whole.grad.chunk(group.size, dim=1)[group.index]).abs().max()))
+
+
+CHECKS = [check_column_row_pair, check_gathered_column, check_sharded_cross_entropy]
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = Group(dist.new_group([0, 1]), (0, 1), rank)
+    results = {}
+    try:
+        for check in CHECKS:
+            try:
+                results[check.__name__] = check(group)
+            except Exception:
+                results[check.__name__] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = [context.Process(target=_worker, args=(r, os.path.join(tmp, "store"), tmp)) for r in range(2)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(90)
+            if process.is_alive():
+                process.terminate()
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:
+            pytest.fail(f"a rank left no results: {missing}")
+        return [torch.load(p) for p in paths]
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+def test_split_layers_equal_unsplit_on_two_ranks(two_ranks, check):
+    for rank, results in enumerate(two_ranks):
+        value = results[check]
+        assert not isinstance(value, str), f"rank {rank}: {value}"
+        assert value < TOLERANCE, f"rank {rank}: differs by {value}"

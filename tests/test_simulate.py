@@ -509,3 +509,13 @@ def test_gang_must_hold_its_compute_worker():
     strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: (1, 2))
     with pytest.raises(StrategyError, match="gang"):
         simulate(3, 1, 1, strategy)
+
+
+def test_fixed_orders_follow_the_backward_form_asked_for():
+    order = {0: [Work(0, 0, FORWARD), Work(0, 0, BACKWARD)]}
+    strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), worker_orders=order)
+    split = simulate(1, 1, 1, strategy, split_backward=True)
+    assert split.timeline.worker_order(0) == [Work(0, 0, FORWARD), Work(0, 0, BACKWARD_INPUT), Work(0, 0, BACKWARD_WEIGHT)]
+    split_order = {0: [Work(0, 0, FORWARD), Work(0, 0, BACKWARD_INPUT), Work(0, 0, BACKWARD_WEIGHT)]}
+    joined = simulate(1, 1, 1, strategy.with_(worker_orders=split_order, split_backward=True), split_backward=False)
+    assert joined.timeline.worker_order(0) == order[0]

@@ -74,6 +74,9 @@ _LAZY = {
     "load_plan": "unisched.plan",
     "Plan": "unisched.plan",
     "policies": "unisched.policies",
+    "StrategyShapeError": "unisched.policies",
+    "StrategyParameterError": "unisched.policies",
+    "UnknownStrategyError": "unisched.policies",
     "epl": "unisched.epl",
 }
 

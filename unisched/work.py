@@ -14,6 +14,7 @@ traffic) follows from that pair and the dependencies defined here.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Iterator, NamedTuple
 
 import networkx as nx
@@ -160,7 +161,7 @@ def dependencies(
     workers.  With a split backward, I(s) needs I(s+1) (or F(S-1) at the last
     stage) and F(s); W(s) needs I(s).
     """
-    graph = _as_stage_graph(num_stages, stage_graph)
+    graph = as_stage_graph(num_stages, stage_graph)
     b, s, d = work.batch, work.stage, Direction(work.direction)
     if d is FORWARD:
         return tuple(Work(b, p, FORWARD) for p in graph.predecessors[s])
@@ -190,7 +191,15 @@ def is_last_item(work: Work, split_backward: bool = False) -> bool:
     return work.direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
 
 
-def _as_stage_graph(num_stages: int, stage_graph: StageGraph | nx.DiGraph | None) -> StageGraph:
+def as_stage_graph(num_stages: int, stage_graph: StageGraph | nx.DiGraph | None) -> StageGraph:
     if isinstance(stage_graph, StageGraph):
         return stage_graph
+    if stage_graph is None:
+        return chain(num_stages)
     return StageGraph(num_stages, stage_graph)
+
+
+@functools.lru_cache(maxsize=64)
+def chain(num_stages: int) -> StageGraph:
+    """The chain 0 -> 1 -> ... -> S-1, built once per length."""
+    return StageGraph(num_stages)

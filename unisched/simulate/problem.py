@@ -334,8 +334,7 @@ def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarr
         raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
     for w, order in orders.items():
         ids = []
-        for work in order:
-            work = Work(*work)
+        for work in _in_directions(order, dirs):
             d = Direction(work.direction)
             if d not in k or not (0 <= work.batch < B and 0 <= work.stage < S):
                 raise StrategyError(f"worker {w}'s order has {work!r}, which is not a work item of this shape")
@@ -359,6 +358,25 @@ def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarr
             f"{compute[item]}; every item must appear in its worker's order"
         )
     return np.array([src, dst, [EDGE_SEQUENCE] * len(src)], dtype=np.int64).reshape(3, -1)
+
+
+def _in_directions(order, dirs):
+    """An order written for the other backward form, adapted: with a split
+    backward each B becomes I then W in its place; without, I becomes B and
+    W is dropped."""
+    split = BACKWARD_INPUT in dirs
+    for work in order:
+        work = Work(*work)
+        d = Direction(work.direction)
+        if split and d is BACKWARD:
+            yield Work(work.batch, work.stage, BACKWARD_INPUT)
+            yield Work(work.batch, work.stage, BACKWARD_WEIGHT)
+        elif not split and d is BACKWARD_INPUT:
+            yield Work(work.batch, work.stage, BACKWARD)
+        elif not split and d is BACKWARD_WEIGHT:
+            continue
+        else:
+            yield work
 
 
 # ---------------------------------------------------------------------- memory

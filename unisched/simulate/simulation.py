@@ -19,7 +19,7 @@ from unisched.simulate.problem import EDGE_PRIMARY, build
 from unisched.simulate.transfers import transfers
 from unisched.strategy import Strategy, as_strategy
 from unisched.timeline import Timeline
-from unisched.work import Shape, StageGraph, Work, directions
+from unisched.work import Shape, StageGraph, Work, as_stage_graph, directions
 
 
 def simulate(
@@ -58,7 +58,7 @@ def simulate(
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
     split = strategy.split_backward if split_backward is None else bool(split_backward)
     graph = stage_graph if stage_graph is not None else strategy.stage_graph
-    graph = graph if isinstance(graph, StageGraph) else StageGraph(num_stages, graph)
+    graph = as_stage_graph(num_stages, graph)
 
     problem = build(shape, strategy, priority, costs, limit, split, graph)
     start, end, booked = _run(problem)
@@ -116,7 +116,7 @@ def shape_lower_bound(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward
     speeds = costs.speeds(W)
     per_stage = sum(durations[d] for d in directions(split_backward))
     work_bound = B * per_stage.sum() / speeds.sum()
-    graph = stage_graph or StageGraph(S)
+    graph = as_stage_graph(S, stage_graph)
     forward, backward = durations[directions(split_backward)[0]], durations[directions(split_backward)[1]]
     path_bound = _longest_path(graph, forward, backward) / speeds.max()
     return float(max(work_bound, path_bound))

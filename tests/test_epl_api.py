@@ -389,3 +389,22 @@ def test_an_empty_scope_is_an_error():
         pass
     with pytest.raises(ScopeError, match="'empty'"):
         epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_groups_are_gangs_in_the_simulation():
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    with epl.replicate(2):
+        nn.Linear(4, 4)
+    with epl.split(2):
+        nn.Linear(4, 8)
+    strategy = epl.strategy(world_size=8)
+    assert strategy.gang(unisched.Work(3, 1, unisched.BACKWARD)) == (6, 7)
+    simulation = epl.simulate(world_size=8)
+    timeline = simulation.timeline
+    assert set(timeline.gang_members) == {(0, 1), (2, 3), (4, 5), (6, 7)}
+    assert np.all(timeline.gang >= 0)
+    busy = timeline.busy_time
+    assert busy[0] == busy[1] and busy[2] == busy[3] and busy[0] > 0
+    _pipeline(2, 2, "PreferBackward")
+    one_device_each = epl.simulate(world_size=4)
+    assert simulation.latency == pytest.approx(one_device_each.latency / 2)

@@ -9,9 +9,10 @@ belongs to replica ``b // num_micro_batch``.
 
 A TaskGraph spanning k > 1 devices is a *group*: its work item on a
 micro-batch is done by all k devices together (shares of the batch for
-``replicate``, shards of the weights for ``split``).  The scheme's mapping
-names the group's first device as the compute worker; ``params["groups"]``
-lists every group and ``params["split_groups"]`` the tensor-parallel ones.
+``replicate``, shards of the weights for ``split``), a gang in the
+simulator's terms (``Strategy.gang``: all k busy at once).  The mapping names
+the group's first device as the compute worker; ``params["groups"]`` lists
+every group and ``params["split_groups"]`` the tensor-parallel ones.
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
         replica = np.asarray(batch) // M
         return leaders[replica, stage], weight_table[replica, stage]
 
+    def gang(work: Work) -> tuple[int, ...] | None:
+        group = P.groups[work.batch // M][work.stage]
+        return group if len(group) > 1 else None
+
     prefer_backward = config.pipeline.strategy == "PreferBackward"
     priority = BackwardFirst(S, B) if prefer_backward else OldestStageFirst(S, B)
     limit = None
@@ -188,6 +193,7 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
         memory_limit=limit,
         shape=Shape(W, S, B),
         map_arrays=map_arrays,
+        gang=gang if any(info.device_count > 1 for info in P.stages) else None,
         params={
             "data_parallel": D,
             "num_micro_batch": M,

@@ -1,0 +1,425 @@
+"""Renderers: terminal text, HTML, matplotlib figure, Chrome trace, save()."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+
+import matplotlib.figure
+import numpy as np
+import pytest
+
+from unisched import (
+    BACKWARD,
+    FORWARD,
+    ComputeAndWeightWorkers,
+    Costs,
+    Timeline,
+    TransferRecord,
+    UniSchedError,
+    Work,
+    WorkRecord,
+    simulate,
+)
+from unisched.render import FORMATS, save
+from unisched.render._common import lanes, time_grid
+from unisched.render.figure import figure
+from unisched.render.html import choose_mode, to_html
+from unisched.render.text import stats_table, to_text, visible_len
+from unisched.render.trace import to_chrome_trace
+
+
+# ---------------------------------------------------------------------- timelines
+def gpipe_strategy(w: Work) -> ComputeAndWeightWorkers:
+    return ComputeAndWeightWorkers(w.stage, w.stage)
+
+
+def gpipe(W=4, S=4, B=8, **kw):
+    return simulate(W, S, B, gpipe_strategy, **kw).timeline
+
+
+def ddp(W=4, S=4):
+    return simulate(W, S, W, lambda w: ComputeAndWeightWorkers(w.batch, w.batch)).timeline
+
+
+def fsdp(W=4, S=4):
+    return simulate(W, S, W, lambda w: ComputeAndWeightWorkers(w.batch, w.stage % W)).timeline
+
+
+def split():
+    return gpipe(split_backward=True)
+
+
+def with_costs():
+    return gpipe(costs=Costs(activation_bytes=1e6, bandwidth=1e7, latency=0.1))
+
+
+def measured(W=3, S=3, B=4, seed=0, overlap=False):
+    """A recorded-looking run: float seconds, irregular durations, transfers."""
+    rng = np.random.default_rng(seed)
+    records, free = [], [0.0] * W
+    for b in range(B):
+        for s in range(S):
+            start = free[s] + rng.uniform(0, 0.002)
+            end = start + rng.uniform(0.004, 0.012)
+            records.append(WorkRecord(Work(b, s, FORWARD), s, s, start, end))
+            free[s] = end if not overlap else start + 0.001  # overlap: the next one starts early
+    for b in range(B):
+        for s in reversed(range(S)):
+            start = free[s]
+            end = start + rng.uniform(0.008, 0.02)
+            records.append(WorkRecord(Work(b, s, BACKWARD), s, s, start, end))
+            free[s] = end
+    transfers = [
+        TransferRecord("activation", r.worker, r.worker + 1, r.end, r.end + 0.001, 4e6,
+                       Work(r.work.batch, r.work.stage + 1, FORWARD))
+        for r in records
+        if r.work.direction == FORWARD and r.work.stage < S - 1
+    ]
+    return Timeline.from_records((W, S, B), records, transfers, source="measured", label="measured",
+                                 activation_bytes=4e6)
+
+
+CASES = {
+    "gpipe": gpipe,
+    "ddp": ddp,
+    "fsdp": fsdp,
+    "split": split,
+    "costs": with_costs,
+    "measured": measured,
+    "wide": lambda: gpipe(8, 8, 16),
+}
+
+
+@pytest.fixture(scope="module")
+def big():
+    return gpipe(64, 64, 128)
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    return request.param, CASES[request.param]()
+
+
+def worker_lines(text: str, W: int) -> dict[int, int]:
+    counts = Counter()
+    for line in text.splitlines():
+        for w in range(W):
+            if line.startswith(f"w{w} ") or line.startswith(f"w{w}|"):
+                counts[w] += 1
+    return counts
+
+
+# ---------------------------------------------------------------------- shared helpers
+def test_time_grid_unit_costs_is_one():
+    grid = time_grid(gpipe())
+    assert grid.quantum == 1 and grid.columns == 33
+
+
+def test_time_grid_divides_every_time_with_costs():
+    t = with_costs()
+    grid = time_grid(t)
+    assert grid.quantum is not None and grid.quantum < 1
+    for values in (t.start, t.end):
+        steps = (values - grid.origin) / grid.quantum
+        assert np.allclose(steps, np.round(steps), atol=1e-6)
+
+
+def test_time_grid_irregular_times_fall_back():
+    assert time_grid(measured()).quantum is None
+
+
+def test_lanes_split_overlaps_only():
+    assert lanes(np.array([0.0, 1.0, 2.0]), np.array([1.0, 2.0, 3.0])).tolist() == [0, 0, 0]
+    lane = lanes(np.array([0.0, 0.5, 1.0, 2.0]), np.array([1.0, 1.5, 2.0, 3.0]))
+    assert lane.tolist() == [0, 1, 0, 0]
+
+
+# ---------------------------------------------------------------------- text
+@pytest.mark.parametrize("width", [40, 80, 100, 160])
+@pytest.mark.parametrize("color", [False, True])
+def test_text_lines_fit_width(case, width, color):
+    name, t = case
+    text = to_text(t, width=width, color=color, stats=True)
+    for line in text.splitlines():
+        assert visible_len(line) <= width, (name, line)
+    rows = worker_lines(text, t.num_workers)
+    assert sorted(rows) == list(range(t.num_workers)), name
+    assert len(set(rows.values())) == 1  # every band has every worker
+
+
+def test_text_big_fits_and_is_compressed(big):
+    start = time.perf_counter()
+    text = to_text(big, width=100, color=True)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0
+    assert all(visible_len(line) <= 100 for line in text.splitlines())
+    assert "compressed" in text
+    assert worker_lines(text, 64)[63] == 1
+
+
+def test_text_labels_and_grid():
+    text = to_text(gpipe(), width=100, color=False)
+    assert "F0" in text and "B3" in text
+    assert "latency 33" in text
+    split_text = to_text(split(), width=100, color=False)
+    assert "I2" in split_text and "W2" in split_text
+
+
+def test_text_wraps_into_bands_when_wide():
+    text = to_text(gpipe(8, 8, 16), width=100, color=False)
+    assert worker_lines(text, 8)[0] > 1  # wrapped into several bands
+    # The continuation of an item that crosses a band boundary keeps its label.
+    bands = [line for line in text.splitlines() if line.startswith("w0|")]
+    assert all(band[3] in "FB." for band in bands)
+
+
+def test_text_color_control(capsys):
+    t = gpipe()
+    assert "\x1b[" in to_text(t, color=True)
+    assert "\x1b[" not in to_text(t, color=False)
+    # color=None follows the terminal; under pytest stdout is captured, not a TTY.
+    assert "\x1b[" not in to_text(t)
+    assert "\x1b[" not in t.to_text()
+
+
+def test_text_too_narrow_is_an_error():
+    with pytest.raises(ValueError, match="width"):
+        to_text(gpipe(), width=10)
+
+
+def test_stats_table_columns():
+    table = stats_table(gpipe())
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["worker", "busy", "util"]
+    assert len(lines) == 1 + 4
+    assert "sent" not in lines[0]  # no bytes moved: byte columns hidden
+    assert "sent" in stats_table(with_costs()).splitlines()[0]
+    many = stats_table(gpipe(40, 40, 40))
+    assert [line.split()[0] for line in many.splitlines()[1:]] == ["min", "mean", "max"]
+
+
+# ---------------------------------------------------------------------- html
+def test_html_grid_has_one_row_per_worker_and_one_cell_per_item():
+    t = gpipe()
+    page = to_html(t)
+    assert 'data-mode="grid"' in page
+    assert page.count('class="us-worker"') == t.num_workers
+    assert page.count('class="us-item"') == len(t)
+    assert ">F3</td>" in page and ">B0</td>" in page
+    assert page.count('class="us-stat-row"') == t.num_workers
+    lambda_page = to_html(ddp())  # the strategy's name is "<lambda>": escaped
+    assert "&lt;lambda&gt;" in lambda_page and "<lambda>" not in lambda_page
+    for word in ("latency", "throughput", "bubble"):
+        assert word in page
+
+
+def test_html_grid_columns_follow_the_quantum():
+    t = gpipe()  # unit costs: 33 columns, a backward spans 2
+    page = to_html(t)
+    assert page.count('colspan="2" style="background') == (t.direction == BACKWARD).sum()
+    costs_page = to_html(with_costs())
+    assert 'data-mode="grid"' in costs_page
+    assert costs_page.count('class="us-worker"') == 4
+
+
+def test_html_colours_by_batch():
+    page = to_html(ddp())
+    from unisched.render._common import batch_color
+
+    for b in range(4):
+        assert f"background:{batch_color(b)}" in page
+
+
+def test_html_irregular_times_are_proportional():
+    t = measured()
+    assert choose_mode(t) == "proportional"
+    page = to_html(t)
+    assert page.count('class="us-worker"') == t.num_workers
+    assert page.count('class="us-box"') == len(t)
+
+
+def test_html_overlapping_items_use_lanes():
+    t = measured(overlap=True)
+    assert choose_mode(t) == "proportional"
+    assert to_html(t).count('class="us-box"') == len(t)
+
+
+def test_html_many_workers_fall_back_to_bar_charts(big):
+    start = time.perf_counter()
+    page = to_html(big)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0
+    assert 'data-mode="bars"' in page
+    assert page.count("<svg") >= 2
+    assert "peak activations" in page and "utilization" in page
+    assert 'class="us-worker"' not in page
+    assert "<details>" in page  # per-worker stats folded away
+
+
+def test_html_forced_grid_and_bad_mode():
+    t = gpipe()
+    assert 'data-mode="bars"' in to_html(t, mode="bars")
+    with pytest.raises(ValueError):
+        to_html(t, mode="pie")
+
+
+def test_repr_html_is_the_diagram():
+    t = gpipe()
+    sim = simulate(4, 4, 8, gpipe_strategy)
+    assert 'class="us-worker"' in t._repr_html_()
+    assert sim._repr_html_().count('class="us-worker"') == 4
+
+
+# ---------------------------------------------------------------------- figure
+def test_figure_panels_and_boxes():
+    t = gpipe()
+    fig = figure(t)
+    assert isinstance(fig, matplotlib.figure.Figure)
+    assert len(fig.axes) == 1 + t.num_workers  # Gantt + one memory panel per worker
+    boxes = sum(len(c.get_paths()) for c in fig.axes[0].collections)
+    assert boxes == len(t)
+    assert fig._repr_png_().startswith(b"\x89PNG")
+
+
+def test_figure_options():
+    t = with_costs()
+    assert len(figure(t, memory=False).axes) == 1
+    with_arrows = figure(t, arrows=True)
+    moving = int((t.transfers.src != t.transfers.dst).sum())
+    assert len(with_arrows.axes[0].patches) == moving
+    assert len(figure(measured(overlap=True)).axes) == 4
+
+
+def test_figure_many_workers_uses_a_heat_map(big):
+    fig = figure(big)
+    assert len(fig.axes) == 3  # Gantt, heat map, colour bar
+    assert fig.axes[1].images
+
+
+def test_figure_via_timeline_and_package():
+    import unisched.render as render
+
+    t = ddp()
+    assert isinstance(t.figure(memory=False), matplotlib.figure.Figure)
+    assert isinstance(render.figure(t, memory=False), matplotlib.figure.Figure)
+
+
+# ---------------------------------------------------------------------- trace
+def _check_trace(t: Timeline, trace: dict) -> list[dict]:
+    trace = json.loads(json.dumps(trace))  # plain JSON
+    events = trace["traceEvents"]
+    for event in events:
+        assert {"name", "ph", "pid"} <= set(event)
+    complete = [e for e in events if e["ph"] == "X"]
+    for e in complete:
+        assert e["dur"] >= 0 and e["ts"] >= 0 and "tid" in e
+    compute = [e for e in complete if e["cat"] == "compute"]
+    assert len(compute) == len(t)
+    transfers = [e for e in complete if e["cat"] == "transfer"]
+    assert len(transfers) == len(t.transfers)
+    # Slices on one track never overlap (the viewers cannot nest them).
+    tracks = defaultdict(list)
+    for e in complete:
+        tracks[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    for spans in tracks.values():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert start >= end - 1e-6
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {name for _, name in names} == {f"worker {w}" for w in range(t.num_workers)}
+    threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {f"worker {w}" for w in set(t.worker.tolist())} <= threads
+    assert any(e["ph"] == "C" for e in events)
+    return compute
+
+
+def test_trace_simulated_one_event_per_item():
+    t = with_costs()
+    compute = _check_trace(t, to_chrome_trace(t))
+    by_work = {e["args"]["work"]: e for e in compute}
+    for record in t.records:
+        event = by_work[str(record.work)]
+        assert event["name"] == f"{'FBIW'[record.work.direction]}{record.work.stage}"
+        assert event["ts"] == pytest.approx(record.start * 1000)  # 1 unit = 1 ms
+        assert event["dur"] == pytest.approx((record.end - record.start) * 1000)
+        assert event["pid"] == record.worker + 1
+    counters = {e["name"] for e in to_chrome_trace(t)["traceEvents"] if e["ph"] == "C"}
+    assert counters == {"activations", "memory"}
+
+
+def test_trace_measured_is_in_microseconds():
+    t = measured()
+    compute = _check_trace(t, to_chrome_trace(t))
+    first = min(compute, key=lambda e: e["ts"])
+    assert first["ts"] == 0
+    durations = sorted(e["dur"] for e in compute)
+    assert durations[0] > 1000  # >= 4 ms items, in microseconds
+    assert to_chrome_trace(t)["otherData"]["source"] == "measured"
+
+
+def test_trace_overlaps_go_to_extra_lanes():
+    t = measured(overlap=True)
+    compute = _check_trace(t, to_chrome_trace(t))
+    assert len({e["tid"] for e in compute}) > 1
+
+
+@pytest.mark.parametrize("make", [gpipe, split, fsdp])
+def test_trace_structure(make):
+    t = make()
+    _check_trace(t, t.to_chrome_trace())
+
+
+# ---------------------------------------------------------------------- save
+@pytest.mark.parametrize("ext", sorted(FORMATS))
+def test_save_every_format(tmp_path, ext):
+    t = with_costs()
+    path = tmp_path / f"diagram{ext}"
+    save(t, path)
+    data = path.read_bytes()
+    assert data
+    if ext == ".png":
+        assert data.startswith(b"\x89PNG")
+    elif ext == ".pdf":
+        assert data.startswith(b"%PDF")
+    elif ext == ".svg":
+        assert b"<svg" in data[:2000]
+    elif ext == ".json":
+        events = json.loads(data)["traceEvents"]
+        assert sum(e["ph"] == "X" and e["cat"] == "compute" for e in events) == len(t)
+    elif ext == ".html":
+        assert data.startswith(b"<!DOCTYPE html>") and data.count(b'class="us-worker"') == 4
+    elif ext == ".txt":
+        text = data.decode()
+        assert "\x1b[" not in text and "F0" in text and "worker" in text
+        assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_save_through_timeline_and_simulation(tmp_path):
+    sim = simulate(4, 4, 8, gpipe_strategy)
+    sim.save(tmp_path / "a.PNG")
+    sim.timeline.save(str(tmp_path / "b.json"))
+    save(sim, tmp_path / "c.txt")
+    assert (tmp_path / "a.PNG").read_bytes().startswith(b"\x89PNG")
+    assert json.loads((tmp_path / "b.json").read_text())["traceEvents"]
+    assert "F0" in (tmp_path / "c.txt").read_text()
+
+
+@pytest.mark.parametrize("name", ["diagram.gif", "diagram", "trace.jsonl"])
+def test_save_unknown_extension(tmp_path, name):
+    with pytest.raises(UniSchedError) as error:
+        save(gpipe(), tmp_path / name)
+    message = str(error.value)
+    for ext in FORMATS:
+        assert ext in message
+    assert not (tmp_path / name).exists()
+
+
+# ---------------------------------------------------------------------- empty
+def test_empty_timeline_renders():
+    t = Timeline.from_records((2, 1, 1), [])
+    assert "no work items" in to_text(t, color=False)
+    assert "no work items" in to_html(t)
+    assert not [e for e in to_chrome_trace(t)["traceEvents"] if e["ph"] == "X"]
+    figure(t)

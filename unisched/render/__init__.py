@@ -1,0 +1,77 @@
+"""Drawing a Timeline: terminal text, HTML, matplotlib figures, Chrome traces.
+
+Every renderer takes any :class:`~unisched.Timeline`, simulated or measured.
+``save(timeline, path)`` picks one by the file's extension.  matplotlib is
+imported only when a figure is asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unisched.errors import UniSchedError
+
+FORMATS = {
+    ".html": "HTML diagram and stats (open in a browser)",
+    ".png": "matplotlib figure",
+    ".svg": "matplotlib figure",
+    ".pdf": "matplotlib figure",
+    ".json": "Chrome trace event format (Perfetto, chrome://tracing)",
+    ".txt": "terminal diagram without colour, with the stats table",
+}
+"""Extension -> what :func:`save` writes there."""
+
+__all__ = ["FORMATS", "figure", "save", "stats_table", "to_chrome_trace", "to_html", "to_text"]
+
+
+def save(timeline, path, **options) -> Path:
+    """Write ``timeline`` to ``path``, the format chosen by the extension
+    (see :data:`FORMATS`).  ``options`` go to the renderer (e.g. ``dpi`` or
+    ``arrows=True`` for a figure, ``width`` for text).  Returns the path."""
+    from unisched.timeline import Timeline
+
+    timeline = getattr(timeline, "timeline", timeline)  # a Simulation draws its Timeline
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"save() needs a Timeline or Simulation, got {type(timeline).__name__}")
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        supported = ", ".join(FORMATS)
+        shown = f"extension {suffix!r}" if suffix else "no extension"
+        raise UniSchedError(f"cannot save {path.name!r}: {shown} is not supported; use one of {supported}")
+    if suffix == ".html":
+        from unisched.render.html import to_html_document
+
+        path.write_text(to_html_document(timeline, **options), encoding="utf-8")
+    elif suffix == ".json":
+        import json
+
+        from unisched.render.trace import to_chrome_trace
+
+        path.write_text(json.dumps(to_chrome_trace(timeline, **options), separators=(",", ":")), encoding="utf-8")
+    elif suffix == ".txt":
+        from unisched.render.text import to_text
+
+        options.setdefault("stats", True)
+        path.write_text(to_text(timeline, color=False, **options) + "\n", encoding="utf-8")
+    else:
+        from unisched.render.figure import figure, save_figure
+
+        dpi = options.pop("dpi", None)
+        save_figure(figure(timeline, **options), path, dpi=dpi)
+    return path
+
+
+def __getattr__(name: str):
+    import importlib
+
+    homes = {
+        "to_text": "unisched.render.text",
+        "stats_table": "unisched.render.text",
+        "to_html": "unisched.render.html",
+        "figure": "unisched.render.figure",
+        "to_chrome_trace": "unisched.render.trace",
+    }
+    if name in homes:
+        return getattr(importlib.import_module(homes[name]), name)
+    raise AttributeError(f"module 'unisched.render' has no attribute {name!r}")

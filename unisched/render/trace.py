@@ -1,0 +1,172 @@
+"""Chrome trace event format: open a Timeline in Perfetto (ui.perfetto.dev) or
+chrome://tracing.
+
+Layout of the trace:
+
+- one *process* per worker, pid N + 1, named ``worker N`` (``process_name``
+  and ``process_sort_index`` metadata events, so workers appear in order;
+  ids start at 1 because some viewers treat pid / tid 0 as special);
+- in it, thread 1 (named ``worker N``) holds one complete event
+  (``"ph": "X"``) per work item the worker computed, named like ``F3``
+  (direction letter + stage), category ``compute``, with the batch, stage,
+  direction and weight worker in ``args``;
+- further threads ``send`` hold the transfers the worker sends (category
+  ``transfer``, named e.g. ``activation -> w2``); items or transfers that
+  overlap in time on one worker are spread over extra lanes (``worker N
+  (2)``, ``send (2)``), because the viewers do not nest overlapping slices;
+- counter events (``"ph": "C"``) per worker: ``activations`` (stashed inputs,
+  in units) and, when sizes are known, ``memory`` in bytes.
+
+Times: simulated timelines are in abstract units, written as 1 unit = 1 ms;
+measured ones are in seconds, written in microseconds as the format wants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from unisched.render._common import DIRECTION_NAMES, LETTERS, lanes, time_origin
+from unisched.timeline import TRANSFER_KINDS, Timeline
+
+COMPUTE_TID = 1
+"""Thread id of a worker's compute track (overlap lanes follow: 2, 3, ...)."""
+SEND_TID = 1001
+"""Thread ids of the send lanes start here."""
+
+
+def pid_of(worker: int) -> int:
+    """Process id of a worker's tracks."""
+    return worker + 1
+
+
+def time_scale(timeline: Timeline) -> float:
+    """Microseconds per time unit of the timeline."""
+    return 1e6 if timeline.source == "measured" else 1e3
+
+
+def to_chrome_trace(timeline: Timeline) -> dict:
+    """The trace as a JSON-ready dict ``{"traceEvents": [...], ...}``."""
+    scale = time_scale(timeline)
+    origin = time_origin(timeline)
+    W = timeline.num_workers
+    events: list[dict] = []
+
+    def us(t) -> np.ndarray:
+        # Rounded to the nanosecond so that back-to-back slices touch exactly.
+        return np.round((np.asarray(t, dtype=float) - origin) * scale, 3)
+
+    for w in range(W):
+        pid = pid_of(w)
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": COMPUTE_TID, "args": {"name": f"worker {w}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": COMPUTE_TID, "args": {"sort_index": w}})
+
+    # ---- work items
+    ts, te = us(timeline.start), us(timeline.end)
+    lane = np.zeros(len(timeline), dtype=np.int64)
+    for w in np.unique(timeline.worker).tolist():
+        rows = np.flatnonzero(timeline.worker == w)
+        lane[rows] = lanes(ts[rows], te[rows])
+    named: set[tuple[int, int]] = set()
+    for i in range(len(timeline)):
+        w, l = int(timeline.worker[i]), int(lane[i])
+        tid = COMPUTE_TID + l
+        if (w, tid) not in named:
+            named.add((w, tid))
+            events += _thread_name(pid_of(w), tid, f"worker {w}" + (f" ({l + 1})" if l else ""))
+        letter = LETTERS[int(timeline.direction[i])]
+        stage, batch, ww = int(timeline.stage[i]), int(timeline.batch[i]), int(timeline.weight_worker[i])
+        events.append(
+            {
+                "name": f"{letter}{stage}",
+                "cat": "compute",
+                "ph": "X",
+                "pid": pid_of(w),
+                "tid": tid,
+                "ts": float(ts[i]),
+                "dur": float(max(te[i] - ts[i], 0.0)),
+                "args": {
+                    "batch": batch,
+                    "stage": stage,
+                    "direction": DIRECTION_NAMES[letter],
+                    "weight_worker": ww,
+                    "work": f"{stage}{letter}{batch}",
+                },
+            }
+        )
+
+    # ---- transfers, on the sender's send lanes
+    tr = timeline.transfers
+    if len(tr):
+        ss, se = us(tr.start), us(tr.end)
+        lane = np.zeros(len(tr), dtype=np.int64)
+        for w in np.unique(tr.src).tolist():
+            rows = np.flatnonzero(tr.src == w)
+            lane[rows] = lanes(ss[rows], se[rows])
+        for i in range(len(tr)):
+            src, dst, l = int(tr.src[i]), int(tr.dst[i]), int(lane[i])
+            tid = SEND_TID + l
+            if (src, tid) not in named:
+                named.add((src, tid))
+                events += _thread_name(pid_of(src), tid, "send" + (f" ({l + 1})" if l else ""))
+            kind = TRANSFER_KINDS[int(tr.kind[i])]
+            args = {"kind": kind, "src": src, "dst": dst, "bytes": float(tr.nbytes[i])}
+            if tr.batch[i] >= 0:
+                letter = LETTERS[int(tr.direction[i])]
+                args["for"] = f"{int(tr.stage[i])}{letter}{int(tr.batch[i])}"
+            events.append(
+                {
+                    "name": f"{kind} -> w{dst}",
+                    "cat": "transfer",
+                    "ph": "X",
+                    "pid": pid_of(src),
+                    "tid": tid,
+                    "ts": float(ss[i]),
+                    "dur": float(max(se[i] - ss[i], 0.0)),
+                    "args": args,
+                }
+            )
+
+    # ---- memory counters
+    events += _counters(timeline, "activations", "units", "activations", "stashed", us)
+    if np.any(timeline.activation_bytes > 0) or np.any(timeline.weight_bytes > 0):
+        events += _counters(timeline, "total", "bytes", "memory", "bytes", us)
+
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "unisched",
+            "label": timeline.label,
+            "source": timeline.source,
+            "time_unit": "1 unit = 1 ms" if timeline.source != "measured" else "seconds",
+            "num_workers": W,
+            "num_stages": timeline.num_stages,
+            "num_batches": timeline.num_batches,
+            "latency": float(timeline.latency),
+            "bubble_fraction": float(timeline.bubble_fraction),
+        },
+    }
+
+
+def _thread_name(pid: int, tid: int, name: str) -> list[dict]:
+    return [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}},
+        {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}},
+    ]
+
+
+def _counters(timeline: Timeline, kind: str, unit: str, name: str, series: str, us) -> list[dict]:
+    out = []
+    for w, curve in enumerate(timeline.memory(kind, unit)):
+        times = us(curve.times)
+        values = curve.values
+        previous = None
+        for t, v in zip(times.tolist(), values.tolist()):
+            if t < 0:
+                t = 0.0
+            v = int(v) if float(v).is_integer() else float(v)
+            if v == previous:
+                continue
+            previous = v
+            out.append({"name": name, "ph": "C", "pid": pid_of(w), "tid": COMPUTE_TID, "ts": t, "args": {series: v}})
+    return out

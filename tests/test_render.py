@@ -423,3 +423,22 @@ def test_empty_timeline_renders():
     assert "no work items" in to_html(t)
     assert not [e for e in to_chrome_trace(t)["traceEvents"] if e["ph"] == "X"]
     figure(t)
+
+
+def test_gang_items_are_drawn_on_every_worker_of_the_gang():
+    import unisched
+    from unisched import ComputeAndWeightWorkers
+
+    strategy = unisched.Strategy(
+        lambda w: ComputeAndWeightWorkers(min(w.stage, 1) if w.stage < 2 else 2, w.stage),
+        gang=lambda w: (1, 2) if w.stage == 1 else None,
+    )
+    timeline = unisched.simulate(3, 3, 2, strategy).timeline
+    events = [e for e in timeline.to_chrome_trace()["traceEvents"] if e.get("ph") == "X" and e.get("tid") == 1]
+    per_pid = {}
+    for event in events:
+        per_pid[event["pid"]] = per_pid.get(event["pid"], 0) + 1
+    stage_1_items = 2 * 2
+    assert per_pid[2] == stage_1_items and per_pid[3] == stage_1_items + 2 * 2
+    rows = {line.split("|")[0]: line for line in timeline.to_text(color=False).splitlines() if "|" in line}
+    assert "F1" in rows["w1"] and "F1" in rows["w2"]

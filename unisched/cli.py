@@ -151,9 +151,7 @@ def cmd_simulate(args) -> int:
     if args.json:
         print(json.dumps(_result_json(sim), default=_json_default))
         return 0
-    print(sim.to_text(width=args.width, color=False if args.no_color else None))
-    print()
-    print(_stats_table(sim))
+    print(sim.to_text(width=args.width, color=False if args.no_color else None, stats=True))
     print()
     print(sim.summary())
     if args.out:
@@ -330,16 +328,6 @@ def _result_json(sim) -> dict:
         "lower_bounds": sim.lower_bounds,
         "worker_stats": sim.worker_stats(),
     }
-
-
-def _stats_table(sim) -> str:
-    stats = sim.worker_stats()
-    rows = [{"worker": w, **{k: v[w] for k, v in stats.items()}} for w in range(sim.shape.num_workers)]
-    columns = [("worker", "worker", "{}")] + [
-        (name.replace("_", " "), name, "{:.3g}" if name in ("busy_time", "utilization") or "bytes" in name else "{}")
-        for name in stats
-    ]
-    return _table(rows, columns)
 
 
 def _table(rows: list[dict], columns) -> str:

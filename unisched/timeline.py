@@ -13,7 +13,7 @@ give the familiar row view.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -251,7 +251,14 @@ class Timeline:
         tail = self.transfers.of_kind("weight_gradient", "allreduce")
         if tail.any():
             ends.append(self.transfers.end[tail].max())
-        return float(max(ends) - min(self.start.min(initial=0.0), 0.0))
+        return float(max(ends) - self.origin)
+
+    @property
+    def origin(self) -> float:
+        """When the step began: time 0 for a simulation, the first item's start
+        for a measured run (whose clock may count from anywhere)."""
+        first = float(self.start.min(initial=0.0))
+        return first if self.source == "measured" else min(first, 0.0)
 
     def occupancy(self) -> tuple[np.ndarray, np.ndarray]:
         """(row, worker) pairs of every worker each item kept busy: one per
@@ -267,6 +274,15 @@ class Timeline:
                     extra_rows.append(row)
                     extra_workers.append(member)
         return np.concatenate([rows, extra_rows]).astype(np.int64), np.concatenate([self.worker, extra_workers]).astype(np.int64)
+
+    def per_worker(self) -> "Timeline":
+        """This timeline with every gang item repeated on each of its workers
+        (and no gangs): what the renderers draw, one row per worker busy."""
+        if not np.any(self.gang >= 0):
+            return self
+        rows, workers = self.occupancy()
+        columns = {name: getattr(self, name)[rows] for name in ("batch", "stage", "direction", "weight_worker", "start", "end")}
+        return replace(self, worker=workers, gang=None, gang_members=(), **columns)
 
     @property
     def busy_time(self) -> np.ndarray:
@@ -298,15 +314,15 @@ class Timeline:
         return worker_stats(self)
 
     # ------------------------------------------------------------------ rendering
-    def to_text(self, width: int = 100, color: bool | None = None) -> str:
+    def to_text(self, width: int = 100, color: bool | None = None, **options) -> str:
         from unisched.render.text import to_text
 
-        return to_text(self, width=width, color=color)
+        return to_text(self, width=width, color=color, **options)
 
-    def to_html(self) -> str:
+    def to_html(self, **options) -> str:
         from unisched.render.html import to_html
 
-        return to_html(self)
+        return to_html(self, **options)
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -321,11 +337,11 @@ class Timeline:
 
         return to_chrome_trace(self)
 
-    def save(self, path) -> None:
+    def save(self, path, **options) -> None:
         """Write the diagram by extension: .html, .png, .svg, .pdf, .json (Chrome trace), .txt."""
         from unisched.render import save
 
-        save(self, path)
+        save(self, path, **options)
 
     def __repr__(self) -> str:
         return (

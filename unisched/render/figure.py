@@ -93,6 +93,7 @@ def figure(
     in boxes (default: where they fit).  ``max_arrows``: above this many
     transfers, arrows are drawn as plain lines.
     """
+    timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     W = timeline.num_workers
     grid = time_grid(timeline, max_columns=1)
     origin, span = grid.origin, grid.span

@@ -87,6 +87,7 @@ def to_html(
     """
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     scope = f"unisched-{next(_ids)}"
     mode = mode or choose_mode(timeline, max_workers, max_columns)
     parts = [_STYLE.format(s=scope), f'<div class="{scope} unisched-diagram" data-mode="{mode}">']

@@ -137,6 +137,7 @@ def to_text(
     """
     if width < MIN_WIDTH:
         raise ValueError(f"width must be at least {MIN_WIDTH} columns, got {width}")
+    timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     color = use_color(color)
     lines = textwrap.wrap(headline(timeline), width, subsequent_indent="  ") or [""]
     if not len(timeline):

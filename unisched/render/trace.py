@@ -46,6 +46,7 @@ def time_scale(timeline: Timeline) -> float:
 
 def to_chrome_trace(timeline: Timeline) -> dict:
     """The trace as a JSON-ready dict ``{"traceEvents": [...], ...}``."""
+    timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     scale = time_scale(timeline)
     origin = time_origin(timeline)
     W = timeline.num_workers

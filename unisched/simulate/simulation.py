@@ -217,14 +217,20 @@ class Simulation:
     def _repr_html_(self) -> str:
         return self.timeline.to_html()
 
-    def to_text(self, width: int = 100, color: bool | None = None) -> str:
-        return self.timeline.to_text(width=width, color=color)
+    def to_text(self, width: int = 100, color: bool | None = None, **options) -> str:
+        return self.timeline.to_text(width=width, color=color, **options)
+
+    def to_html(self, **options) -> str:
+        return self.timeline.to_html(**options)
+
+    def to_chrome_trace(self) -> dict:
+        return self.timeline.to_chrome_trace()
 
     def figure(self, **options):
         return self.timeline.figure(**options)
 
-    def save(self, path) -> None:
-        self.timeline.save(path)
+    def save(self, path, **options) -> None:
+        self.timeline.save(path, **options)
 
 
 def _compact(values: list) -> str:

@@ -194,10 +194,10 @@ class Trainer:
         fingerprint = [[tuple(p.shape) for p in stage.parameters()] for stage in self.stages]
         verdicts: list = [None] * self.world_size
         dist.all_gather_object(verdicts, (str(error) if error else None, fingerprint), group=self._control)
+        if error is not None:
+            raise error
         for rank, (message, _) in enumerate(verdicts):
             if message is not None:
-                if rank == self.rank:
-                    raise error
                 raise ProgramError(f"rank {rank} cannot run this schedule: {message}")
         for rank, (_, other) in enumerate(verdicts):
             if other != fingerprint:

@@ -1,0 +1,372 @@
+"""The executor: compiled programs, and real multi-process training on gloo
+that must match one process to 1e-5 under every strategy."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import unisched
+from unisched import ComputeAndWeightWorkers, DeadlockError, Direction, Work, policies, simulate
+from unisched.execute import NonFiniteLossError, ProgramError, Trainer, calibrate_costs, compile_program, parse_action
+from unisched.execute.launch import run_local
+from unisched.timeline import Timeline, WorkRecord
+
+WIDTH = 8
+ROWS = 16
+
+
+# ---------------------------------------------------------------------- model and reference
+def make_stages(num_stages: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(num_stages)]
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def single_process(num_stages: int, steps: int = 2) -> dict[str, torch.Tensor]:
+    stages = make_stages(num_stages)
+    model = nn.Sequential(*stages)
+    opt = optimizer(list(model.parameters()))
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {f"{s}.{k}": v.clone() for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
+
+
+def seed_cuckoo(num_workers: int, num_stages: int, num_batches: int):
+    """The seed notebook's Cuckoo, as a user writes it: F and B of early
+    (stage, batch) pairs run on different workers."""
+
+    def cuckoo(work: Work) -> ComputeAndWeightWorkers:
+        if work.direction == Direction.BACKWARD and work.stage < num_stages // 2 + 1 and work.batch < num_batches // 2 - 1:
+            return ComputeAndWeightWorkers(num_workers - work.stage - 1, work.stage)
+        return ComputeAndWeightWorkers(work.stage, work.stage)
+
+    return cuckoo
+
+
+# (name, S, B, params); W = 4 throughout
+CASES = [
+    ("ddp", 4, 4, {}),
+    ("fsdp", 4, 4, {}),
+    ("gpipe", 4, 4, {}),
+    ("one_f_one_b", 4, 8, {}),
+    ("looped", 4, 8, {"group_size": 2}),
+    ("fully_sharded_looped", 4, 8, {"group_size": 2}),
+    ("interleaved", 8, 8, {}),
+    ("zb_h1", 4, 8, {}),
+    ("zb_h2", 4, 8, {}),
+    ("overflow", 2, 4, {}),
+    ("seed_cuckoo", 4, 8, {}),
+]
+
+
+def schedule_for(name: str, S: int, B: int, params: dict):
+    if name == "seed_cuckoo":
+        return simulate(4, S, B, seed_cuckoo(4, S, B))
+    return simulate(4, S, B, policies.get(name, num_workers=4, num_stages=S, num_batches=B, **params))
+
+
+# ---------------------------------------------------------------------- compiled programs
+@pytest.mark.parametrize("name,S,B,params", CASES)
+def test_every_action_prints_and_parses_back(name, S, B, params):
+    program = compile_program(schedule_for(name, S, B, params).timeline, num_stages=S, world_size=4)
+    for actions in program.actions:
+        for action in actions:
+            back = parse_action(str(action))
+            assert (back.op, back.stage, back.batch, back.peer, back.group) == (
+                action.op, action.stage, action.batch, action.peer, action.group)
+    assert str(program).count("rank ") == 4
+
+
+def test_cuckoo_program_stashes_inputs_and_fetches_weights():
+    program = compile_program(simulate(4, 4, 8, seed_cuckoo(4, 4, 8)).timeline)
+    text = str(program)
+    # stage 1's backward of batch 0 runs on worker 2: worker 1 sends it the stash and
+    # worker 2 fetches stage 1's weights from worker 1 and returns the gradient
+    assert "1X0>2" in text.splitlines()[1] and "1X0<1" in text.splitlines()[2]
+    assert "1w<1" in text.splitlines()[2] and "1r>1" in text.splitlines()[2]
+    assert program.replicas == [(0,), (1,), (2,), (3,)]
+
+
+def test_deadlocking_orders_are_reported_with_ranks_and_actions():
+    # worker 0 wants 0B0 before it sends 1F1's input; worker 1 wants 1F1 before it sends 0B0's gradient
+    orders = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1B1", "1F0", "1B0"]}
+    records = [
+        WorkRecord(Work.parse(text), worker, worker, float(t), float(t + 1))
+        for worker, texts in orders.items()
+        for t, text in enumerate(texts)
+    ]
+    timeline = Timeline.from_records((2, 2, 2), records)
+    with pytest.raises(DeadlockError) as caught:
+        compile_program(timeline, num_stages=2, world_size=2)
+    message = str(caught.value)
+    assert "rank 0 is stuck at 0B0" in message and "rank 1 is stuck at 1F1" in message
+    assert set(caught.value.blocked) == {0, 1}
+
+
+def test_local_order_violation_names_rank_and_action():
+    records = [WorkRecord(Work(0, 0, Direction.BACKWARD), 0, 0, 0.0, 1.0), WorkRecord(Work(0, 0, Direction.FORWARD), 0, 0, 1.0, 2.0)]
+    with pytest.raises(ProgramError, match=r"rank 0 runs 0B0 .* before its forward"):
+        compile_program(Timeline.from_records((1, 1, 1), records))
+
+
+def test_world_size_and_stage_count_mismatches_say_what_to_change():
+    timeline = simulate(4, 4, 4, policies.get("gpipe", num_workers=4, num_stages=4, num_batches=4)).timeline
+    with pytest.raises(ProgramError, match=r"4 workers but the world has 2 ranks.*--nproc-per-node 4"):
+        compile_program(timeline, world_size=2)
+    with pytest.raises(ProgramError, match=r"4 stages but 3 stage modules"):
+        compile_program(timeline, num_stages=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.booleans(), st.randoms(use_true_random=False)
+)
+def test_any_mapping_compiles_to_matched_fifo_messages(W, S, B, split, rng):
+    """For random user mappings: every message is sent once and received once,
+    each receiver posts a pair's messages in the order the sender sends them
+    (what NCCL needs), and validation passes on the simulator's orders."""
+    table = {w: (rng.randrange(W), rng.randrange(W)) for w in unisched.all_work(S, B, split_backward=split)}
+    program = compile_program(simulate(W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]), split_backward=split).timeline)
+    sends = [a.message for acts in program.actions for a in acts if a.is_send]
+    recvs = [a.message for acts in program.actions for a in acts if a.is_recv]
+    assert sorted(sends) == sorted(recvs) == list(range(len(program.messages)))
+    for rank, acts in enumerate(program.actions):
+        sent_order = [program.messages[a.message] for a in acts if a.is_send]
+        for peer in range(W):
+            seqs = [m.seq for m in sent_order if m.dst == peer]
+            assert seqs == sorted(seqs) == list(range(len(seqs)))
+            posted = [program.messages[a.message].seq for a in acts if a.is_recv and a.peer == peer]
+            assert posted == list(range(len(posted)))
+
+
+def test_calibrate_costs_fits_per_stage_medians():
+    records = []
+    durations = {(0, Direction.FORWARD): 0.010, (1, Direction.FORWARD): 0.020,
+                 (0, Direction.BACKWARD): 0.030, (1, Direction.BACKWARD): 0.050}
+    t = 0.0
+    for b in range(3):
+        for (s, d), base in durations.items():
+            wobble = (b - 1) * 0.001
+            records.append(WorkRecord(Work(b, s, d), s, s, t, t + base + wobble))
+            t += 1.0
+    timeline = Timeline.from_records((2, 2, 3), records, activation_bytes=[64, 32], weight_bytes=[100, 200], source="measured")
+    costs = calibrate_costs(timeline, communication=False)
+    assert np.allclose(costs.forward, [0.010, 0.020]) and np.allclose(costs.backward, [0.030, 0.050])
+    assert list(costs.activation_bytes) == [64, 32] and list(costs.weight_bytes) == [100, 200]
+    assert simulate(2, 2, 3, lambda w: ComputeAndWeightWorkers(w.stage, w.stage), costs=costs).latency > 0.1
+
+
+# ---------------------------------------------------------------------- real runs on gloo
+def _train_every_case(rank: int, world: int):
+    x, y = batch()
+    out = {}
+    for name, S, B, params in CASES:
+        trainer = Trainer(make_stages(S), schedule_for(name, S, B, params), nn.functional.mse_loss, optimizer, timeout=30)
+        for step in range(2):
+            trainer.step(*batch(step))
+        state = trainer.gather_state_dict()
+        row = {"state": {k: v.numpy() for k, v in state.items()}, "loss": trainer.last_loss}
+        if rank == 0:
+            t = trainer.last_timeline
+            row["timeline"] = {
+                "source": t.source,
+                "items": len(t),
+                "orders": [[str(w) for w in t.worker_order(r)] for r in range(world)],
+                "planned": [[str(w) for w in trainer.program.compute_order(r)] for r in range(world)],
+                "ordered": bool(np.all(t.end >= t.start)),
+                "overlaps": _overlaps(t),
+            }
+        out[name] = row
+    return out
+
+
+def _overlaps(t: Timeline) -> int:
+    count = 0
+    for w in range(t.num_workers):
+        rows = np.flatnonzero(t.worker == w)
+        rows = rows[np.argsort(t.start[rows])]
+        count += int(np.sum(t.start[rows[1:]] < t.end[rows[:-1]] - 1e-9))
+    return count
+
+
+@pytest.fixture(scope="module")
+def trained():
+    results = run_local(_train_every_case, 4, timeout=300)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
+@pytest.mark.parametrize("name,S,B,params", CASES)
+def test_two_steps_match_single_process_training(trained, name, S, B, params):
+    reference = single_process(S)
+    initial = {f"{s}.{k}": v for s, stage in enumerate(make_stages(S)) for k, v in stage.state_dict().items()}
+    assert max(float((reference[k] - initial[k]).abs().max()) for k in reference) > 1e-2, "training must move weights"
+    for rank, rows in enumerate(trained):
+        state = rows[name]["state"]
+        assert set(state) == set(reference)
+        for key, expected in reference.items():
+            assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{name}: rank {rank} differs in {key}"
+    losses = {rows[name]["loss"] for rows in trained}
+    assert len(losses) == 1
+
+
+@pytest.mark.parametrize("name,S,B,params", CASES)
+def test_measured_timeline_follows_the_schedule(trained, name, S, B, params):
+    t = trained[0][name]["timeline"]
+    dirs = 3 if name.startswith("zb") else 2
+    assert t["source"] == "measured" and t["items"] == S * B * dirs
+    assert t["orders"] == t["planned"]
+    assert t["ordered"] and t["overlaps"] == 0
+
+
+# ---------------------------------------------------------------------- bad input and faults
+def _consistent_errors(rank: int, world: int):
+    """Errors every rank detects the same way: all ranks raise, none hangs."""
+    seen = {}
+    gpipe4 = simulate(4, 4, 4, policies.get("gpipe", num_workers=4, num_stages=4, num_batches=4))
+    gpipe2 = simulate(2, 2, 2, policies.get("gpipe", num_workers=2, num_stages=2, num_batches=2))
+    for label, make in (
+        ("world", lambda: Trainer(make_stages(4), gpipe4, nn.functional.mse_loss, optimizer, timeout=10)),
+        ("stages", lambda: Trainer(make_stages(3), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)),
+        ("one_rank_stages", lambda: Trainer(make_stages(2 + rank), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)),
+    ):
+        try:
+            make()
+            seen[label] = None
+        except ProgramError as error:
+            seen[label] = str(error)
+    trainer = Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)
+    x, y = batch()
+    x[12, 0] = float("nan")
+    try:
+        trainer.step(x, y)
+        seen["nan"] = None
+    except NonFiniteLossError as error:
+        seen["nan"] = str(error)
+    seen["after_nan"] = trainer.step(*batch())
+    return seen
+
+
+def test_bad_input_stops_every_rank_with_the_cause():
+    start = time.monotonic()
+    results = run_local(_consistent_errors, 2, timeout=90)
+    assert time.monotonic() - start < 90
+    for r in results:
+        assert r.error is None, r.error
+        seen = r.value
+        assert "4 workers but the world has 2 ranks" in seen["world"]
+        assert "2 stages but 3 stage modules" in seen["stages"]
+        assert "micro-batch 1 is nan" in seen["nan"] and "no weights were changed" in seen["nan"]
+        assert np.isfinite(seen["after_nan"])
+    assert "rank 1 cannot run this schedule" in results[0].value["one_rank_stages"]
+    assert "2 stages but 3 stage modules" in results[1].value["one_rank_stages"]
+
+
+class Faulty(nn.Module):
+    """A stage that misbehaves on one rank in the second step."""
+
+    def __init__(self, inner: nn.Module, rank: int, bad_rank: int, how: str):
+        super().__init__()
+        self.inner, self.rank, self.bad_rank, self.how = inner, rank, bad_rank, how
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.rank == self.bad_rank and self.calls > 6:
+            if self.how == "raise":
+                raise ValueError("stage exploded")
+            if self.how == "die":
+                os._exit(7)
+            if self.how == "hang":
+                while True:
+                    pass
+        return self.inner(x)
+
+
+def _faulty_run(rank: int, world: int, how: str, linger: float):
+    stages = make_stages(3)
+    stages[1] = Faulty(stages[1], rank, 1, how)
+    schedule = simulate(3, 3, 6, policies.get("gpipe", num_workers=3, num_stages=3, num_batches=6))
+    trainer = Trainer(stages, schedule, nn.functional.mse_loss, optimizer, timeout=4)
+    x, y = batch()
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            trainer.step(x[:12], y[:12])
+        return {"error": None}
+    except unisched.execute.ExecutionError as error:
+        took = time.monotonic() - start
+        if linger:
+            time.sleep(linger)
+        return {"error": str(error), "seconds": took}
+
+
+@pytest.mark.parametrize("how", ["raise", "die", "hang"])
+def test_a_failing_rank_stops_every_rank_in_bounded_time(how):
+    start = time.monotonic()
+    results = run_local(_faulty_run, 3, how, 0.0, timeout=60)
+    assert time.monotonic() - start < 60
+    survivors = [r for r in results if r.rank != 1 or how != "die"]
+    for r in survivors:
+        assert r.error is None, r.error
+        assert r.value["error"] is not None and "rank 1" in r.value["error"], r.value
+    if how == "die":
+        assert results[1].exitcode == 7
+    elif how == "raise":
+        assert "rank 1 raised ValueError: stage exploded at 1F" in results[1].value["error"]
+        assert all("because rank 1 raised ValueError" in r.value["error"] for r in results if r.rank != 1)
+    else:
+        assert "ran past the step timeout of 4 s at 1F" in results[1].value["error"]
+
+
+def test_a_rank_that_raises_and_lingers_releases_the_others_by_timeout():
+    results = run_local(_faulty_run, 3, "raise", 8.0, timeout=60)
+    for r in results:
+        assert r.error is None, r.error
+        assert "rank 1" in r.value["error"]
+        assert r.value["seconds"] < 4 + 5, r.value
+
+
+# ---------------------------------------------------------------------- NCCL
+def _nccl_case(rank: int, world: int):
+    torch.cuda.set_device(rank)
+    out = {}
+    for name in ("gpipe", "ddp"):
+        schedule = simulate(2, 2, 2, policies.get(name, num_workers=2, num_stages=2, num_batches=2))
+        trainer = Trainer(make_stages(2), schedule, nn.functional.mse_loss, optimizer, timeout=60)
+        for step in range(2):
+            trainer.step(*batch(step))
+        out[name] = {k: v.numpy() for k, v in trainer.gather_state_dict().items()}
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_matches_single_process():
+    results = run_local(_nccl_case, 2, backend="nccl", timeout=300)
+    reference = single_process(2)
+    for r in results:
+        assert r.error is None, r.error
+        for name, state in r.value.items():
+            for key, expected in reference.items():
+                assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{name} {key}"

@@ -92,9 +92,9 @@ def data_parallel(world):
     return x, y, nn.CrossEntropyLoss()
 
 
-def pipeline(world):
+def pipeline(world, **more):
     """Seed: two stages, ``pipeline.num_micro_batch`` 4 (on 4 ranks: 2-way DP over the pipeline)."""
-    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4, **more}))
     with epl.replicate(device_count=1, name="stage_0"):
         mlp(6, 12, 12, last_activation=True)
     with epl.replicate(device_count=1, name="stage_1"):
@@ -150,20 +150,35 @@ def regression_apart(world):
     return x, y, nn.MSELoss()
 
 
+def pipeline_zero(world):
+    """The pipeline snippet with ``zero.level: v1``: weights of truth sharded over the replicas."""
+    return pipeline(world, **{"zero.level": "v1"})
+
+
 SCENARIOS = {
-    2: [data_parallel, resnet_classifier, moe],
-    4: [data_parallel, pipeline, resnet_classifier, moe, replicate_then_split_apart, regression_apart],
+    2: [("data_parallel", data_parallel, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
+        ("moe", moe, "auto")],
+    4: [
+        ("data_parallel", data_parallel, "auto"),
+        ("pipeline", pipeline, "auto"),
+        ("pipeline_on_groups", pipeline, "groups"),
+        ("pipeline_zero", pipeline_zero, "schedule"),
+        ("resnet_classifier", resnet_classifier, "auto"),
+        ("moe", moe, "auto"),
+        ("replicate_then_split_apart", replicate_then_split_apart, "auto"),
+        ("regression_apart", regression_apart, "auto"),
+    ],
 }
 
 
-def run_scenario(build, world) -> dict:
+def run_scenario(build, world, runtime="auto") -> dict:
     torch.manual_seed(0)
     inputs, targets, loss_fn = build(world)
     env = epl.Env.get()
     with env.paused():
         reference = nn.ModuleList(copy.deepcopy(t.module()) for t in env.taskgraphs)
     initial = copy.deepcopy(reference.state_dict())
-    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.SGD(params, lr=0.2))
+    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.SGD(params, lr=0.2), runtime=runtime)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
     losses, reference_losses = [], []
     for step in range(STEPS):
@@ -189,6 +204,7 @@ def run_scenario(build, world) -> dict:
         "data_parallel": trainer.placement.data_parallel,
         "split_groups": {int(k): [list(g) for g in v] for k, v in trainer.strategy.params["split_groups"].items()},
         "sharded": {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
+        "runtime": trainer.runtime,
     }
 
 
@@ -197,11 +213,11 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = {}
     try:
-        for build in SCENARIOS[world]:
+        for name, build, runtime in SCENARIOS[world]:
             try:
-                results[build.__name__] = run_scenario(build, world)
+                results[name] = run_scenario(build, world, runtime)
             except Exception:
-                results[build.__name__] = {"error": traceback.format_exc()}
+                results[name] = {"error": traceback.format_exc()}
                 raise
     finally:
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
@@ -253,12 +269,12 @@ def check(results: list[dict], name: str) -> dict:
     return results[0][name]
 
 
-@pytest.mark.parametrize("name", [build.__name__ for build in SCENARIOS[2]])
+@pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS[2]])
 def test_two_ranks_match_one_process(two, name):
     check(two, name)
 
 
-@pytest.mark.parametrize("name", [build.__name__ for build in SCENARIOS[4]])
+@pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS[4]])
 def test_four_ranks_match_one_process(four, name):
     check(four, name)
 
@@ -267,6 +283,9 @@ def test_pipeline_on_four_ranks_is_two_way_data_parallel(four):
     result = check(four, "pipeline")
     assert result["data_parallel"] == 2
     assert result["split_groups"] == {}
+    assert result["runtime"] == "schedule"
+    assert check(four, "pipeline_on_groups")["runtime"] == "groups"
+    assert check(four, "pipeline_zero")["strategy"].endswith("[zero-v1]")
 
 
 def test_classifier_is_sharded_over_classes(two, four):

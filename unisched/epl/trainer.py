@@ -73,9 +73,18 @@ class Trainer:
 
     ``loss_fn(outputs, targets)`` must average over the rows it is given;
     ``optimizer`` is a function from parameters to a torch optimizer.
+
+    ``runtime`` picks who runs the step: ``"schedule"`` hands the stages and
+    the simulated compiled strategy to :class:`unisched.Trainer`, which follows
+    the schedule's order item by item (1F1B for ``PreferBackward``, weight
+    fetches for ``zero.level: v1``); ``"groups"`` is this module's runtime,
+    which also runs groups of devices (``replicate(k > 1)``, ``split``) and
+    host offload.  ``"auto"`` takes ``"schedule"`` whenever it can run the
+    placement (every TaskGraph on one device per replica, no offload, a
+    process group set up) and ``"groups"`` otherwise.
     """
 
-    def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory):
+    def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto", **options):
         self.env = Env.get()
         self.config = self.env.config
         taskgraphs = _checked(self.env.taskgraphs)
@@ -84,6 +93,21 @@ class Trainer:
         self.loss_fn = loss_fn
         self.rank = dist.get_rank() if _distributed() else 0
         self.stages = [t.module() for t in taskgraphs]
+        self.recompute = self.config.gradient_checkpoint.type == "auto"
+        self.runtime = _pick_runtime(runtime, self.placement, self.config)
+        self.scheduled = None
+        if self.runtime == SCHEDULE:
+            from unisched.execute import Trainer as ScheduledTrainer
+            from unisched.simulate import simulate
+
+            if self.recompute:
+                for stage in self.stages:
+                    _recompute_forward(stage)
+            self.simulation = simulate(*self.strategy.shape, self.strategy)
+            self.scheduled = ScheduledTrainer(self.stages, self.simulation, loss_fn, optimizer, **options)
+            return
+        if options:
+            raise ScopeError(f"options {sorted(options)} are for runtime='schedule'; this model runs on 'groups'")
         self.class_sharded = _is_cross_entropy(loss_fn) and taskgraphs[-1].kind == SPLIT
         self.plans = {
             t.index: split_plan(self.stages[t.index], classifier=self.class_sharded and t.index == len(taskgraphs) - 1)
@@ -99,7 +123,6 @@ class Trainer:
                     self.stages[s] = split_module(self.stages[s], group, self.plans[s])
         parameters = [p for s in self.segment for p in self.stages[s].parameters()]
         self.optimizer = optimizer(parameters)
-        self.recompute = self.config.gradient_checkpoint.type == "auto"
 
     # ------------------------------------------------------------------ layout of the run
     def group(self, replica: int, stage: int) -> Group:
@@ -132,6 +155,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns its mean loss."""
+        if self.scheduled is not None:
+            return self.scheduled.step(inputs, targets)
         P = self.placement
         rows = len(inputs)
         if rows % P.num_batches:
@@ -228,12 +253,14 @@ class Trainer:
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
         """``{"<taskgraph index>.<param name>": whole tensor}`` on every rank,
         from replica 0; split parameters are put back together."""
+        if self.scheduled is not None:
+            return self.scheduled.gather_state_dict()
         state: dict[str, torch.Tensor] = {}
         for s, module in enumerate(self.stages):
             owners = self.placement.group(0, s)
             dims = shard_dims(self.plans[s]) if s in self.plans else {}
             converted = s in self.segment
-            for name, parameter in module.named_parameters():
+            for name, parameter in module.state_dict().items():
                 if name in dims:
                     dim = dims[name]
                     shape = list(_full_shape(parameter, dim, len(owners), converted))
@@ -260,6 +287,38 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- model assembly
+SCHEDULE, GROUPS = "schedule", "groups"
+
+
+def _pick_runtime(runtime: str, placement: Placement, config) -> str:
+    problems = []
+    if not _distributed():
+        problems.append("no torch.distributed process group is set up")
+    grouped = [info.name for info in placement.stages if info.device_count > 1]
+    if grouped:
+        problems.append(f"TaskGraph(s) {grouped} span several devices per replica")
+    if config.offload.level:
+        problems.append("offload.level needs a host weight worker")
+    if runtime == "auto":
+        return GROUPS if problems else SCHEDULE
+    if runtime == SCHEDULE and problems:
+        raise ScopeError(f"runtime='schedule' cannot run this model: {'; '.join(problems)}; use runtime='groups'")
+    if runtime not in (SCHEDULE, GROUPS):
+        raise ScopeError(f"runtime must be 'auto', 'schedule' or 'groups', got {runtime!r}")
+    return runtime
+
+
+def _recompute_forward(module: nn.Module) -> None:
+    """Make ``module`` keep only its input and recompute its forward in the
+    backward (parameter names stay as they are)."""
+    forward = module.forward
+
+    def recomputed(x):
+        return checkpoint(forward, x, use_reentrant=False) if torch.is_grad_enabled() else forward(x)
+
+    module.forward = recomputed
+
+
 def _checked(taskgraphs: list[TaskGraph]) -> list[TaskGraph]:
     if not taskgraphs:
         raise ScopeError(

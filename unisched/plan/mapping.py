@@ -19,9 +19,11 @@ rest of the incumbent's mapping.
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -34,14 +36,19 @@ WHOLE_MODEL_LIMIT = 160
 """Above this many (stage, batch) pairs the whole model is too slow to improve: use LNS."""
 
 
+Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], float]
+"""(compute, weight, start ticks) -> the latency that counts (the simulator's replay)."""
+
+
 @dataclass(frozen=True)
 class Incumbent:
-    """A complete solution of the mapping model, in ticks."""
+    """A complete solution of the mapping model, in ticks, with its replayed score."""
 
     compute: np.ndarray
     weight: np.ndarray
     starts: np.ndarray
     makespan: int
+    score: float = math.inf
 
 
 def solve_mapping(
@@ -52,41 +59,80 @@ def solve_mapping(
     num_workers: int = 2,
     seed: int = 0,
     lns: bool | None = None,
+    score: Scorer | None = None,
 ) -> Solved:
-    """Search mappings and orders together; LNS when the model is large (or ``lns=True``)."""
+    """Search mappings and orders together; LNS when the model is large (or ``lns=True``).
+
+    The model leaves out link contention, so with ``score`` every solution
+    CP-SAT reports is replayed and the one with the best replay is kept.
+    """
     W, S, B = timed.shape
     if lns is None:
         lns = S * B > WHOLE_MODEL_LIMIT and hint is not None
+    if hint is not None and score is not None:
+        hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
     if not lns or hint is None:
-        return _solve(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed)
-    return _lns(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed)
+        return _solve(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed, score=score)
+    return _lns(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed, score=score)
 
 
-def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int) -> Solved:
+def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int,
+         score: Scorer | None) -> Solved:
     """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
     begin = time.perf_counter()
     deadline = begin + time_limit
     rng = random.Random(seed)
     W, S, B = timed.shape
     best = hint
-    bound = 0
     window = max(2, min(B, WHOLE_MODEL_LIMIT // (2 * S)))
     round_limit = max(1.0, min(8.0, time_limit / 6))
     whole = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, num_workers=num_workers,
-                   seed=seed, bound_only=True)
-    bound = max(bound, whole.bound)
-    if whole.found and whole.objective < best.makespan:
-        best = Incumbent(whole.compute, whole.weight, whole.starts, whole.objective)
+                   seed=seed, score=score)
+    bound = whole.bound
+    best = _better(best, whole)
     while time.perf_counter() < deadline - 0.2 and best.makespan > bound:
         first = rng.randrange(B)
         free = {(first + k) % B for k in range(window)} if rng.random() < 0.5 else set(rng.sample(range(B), window))
         left = deadline - time.perf_counter()
         result = _solve(timed, time_limit=min(round_limit, left), hint=best, num_workers=num_workers,
-                        seed=rng.randrange(1 << 30), free_batches=free)
-        if result.found and result.objective < best.makespan:
-            best = Incumbent(result.compute, result.weight, result.starts, result.objective)
-    status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
-    return Solved(status, best.starts, best.compute, best.weight, best.makespan, bound, time.perf_counter() - begin)
+                        seed=rng.randrange(1 << 30), free_batches=free, score=score)
+        best = _better(best, result)
+    status = "OPTIMAL" if best.makespan <= bound and whole.optimal else "FEASIBLE"
+    return Solved(status, best.starts, best.compute, best.weight, best.makespan, bound,
+                  time.perf_counter() - begin, best.score)
+
+
+def _better(best: Incumbent, result: Solved) -> Incumbent:
+    if not result.found:
+        return best
+    candidate = Incumbent(result.compute, result.weight, result.starts, result.objective,
+                          result.score if result.score is not None else math.inf)
+    if math.isinf(candidate.score) and math.isinf(best.score):
+        return candidate if candidate.makespan < best.makespan else best
+    return candidate if (candidate.score, candidate.makespan) < (best.score, best.makespan) else best
+
+
+class _Collector(cp_model.CpSolverSolutionCallback):
+    """Keeps every solution CP-SAT reports, to be replayed afterwards."""
+
+    def __init__(self, x, owner, start, shape, timed: TimedProblem, limit: int = 64):
+        super().__init__()
+        self.x, self.owner, self.start, self.shape, self.timed = x, owner, start, shape, timed
+        self.limit = limit
+        self.solutions: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
+
+    def on_solution_callback(self) -> None:
+        W, S, B = self.shape
+        owners = [next(w for w in range(W) if self.boolean_value(self.owner[s, w])) for s in range(S)]
+        where = np.array([[next(w for w in range(W) if self.boolean_value(self.x[s, b, w])) for s in range(S)]
+                          for b in range(B)])
+        batch, stage = self.timed.batch, self.timed.stage
+        compute = where[batch, stage].astype(np.int64)
+        weight = np.asarray(owners, dtype=np.int64)[stage]
+        starts = np.array([self.value(v) for v in self.start], dtype=np.int64)
+        self.solutions.append((compute, weight, starts, int(self.objective_value)))
+        if len(self.solutions) > self.limit:
+            del self.solutions[0]
 
 
 def _solve(
@@ -97,7 +143,7 @@ def _solve(
     num_workers: int,
     seed: int,
     free_batches: set[int] | None = None,
-    bound_only: bool = False,
+    score: Scorer | None = None,
 ) -> Solved:
     begin = time.perf_counter()
     problem = timed.problem
@@ -204,24 +250,22 @@ def _solve(
                 model.add(owner[s, int(hint.weight[problem.item(0, s, FORWARD)])] == 1)
     model.minimize(makespan)
     solver = _solver(time_limit, num_workers, seed)
-    if bound_only:
-        solver.parameters.stop_after_first_solution = False
-    status = solver.solve(model)
+    collector = _Collector(x, owner, start, (W, S, B), timed)
+    status = solver.solve(model, collector)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        bound = int(solver.best_objective_bound) if status != cp_model.INFEASIBLE else horizon
-        return Solved(name, None, None, None, None, bound if free_batches is None else 0, wall)
-    compute = np.empty(n, dtype=np.int64)
-    weight = np.empty(n, dtype=np.int64)
-    owners = [next(w for w in range(W) if solver.boolean_value(owner[s, w])) for s in range(S)]
-    for i in range(n):
-        s, b = int(timed.stage[i]), int(timed.batch[i])
-        compute[i] = next(w for w in range(W) if solver.boolean_value(x[s, b, w]))
-        weight[i] = owners[s]
-    starts = np.array([solver.value(v) for v in start], dtype=np.int64)
     bound = int(solver.best_objective_bound) if free_batches is None else 0
-    return Solved(name, starts, compute, weight, int(solver.objective_value), bound, wall)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) or not collector.solutions:
+        if status == cp_model.INFEASIBLE and free_batches is None:
+            bound = horizon
+        return Solved(name, None, None, None, None, bound, wall)
+    solutions = collector.solutions
+    if score is None:
+        compute, weight, starts, objective = solutions[-1]
+        return Solved(name, starts, compute, weight, objective, bound, wall)
+    scored = [(score(c, w, st), obj, c, w, st) for c, w, st, obj in solutions]
+    value, objective, compute, weight, starts = min(scored, key=lambda row: (row[0], row[1]))
+    return Solved(name, starts, compute, weight, objective, bound, wall, value)
 
 
 def _memory(model, timed: TimedProblem, x, start, end, horizon) -> None:

@@ -37,6 +37,8 @@ class Solved:
     objective: int | None
     bound: int
     wall: float
+    score: float | None = None
+    """The replayed latency of this solution, when the search scored its solutions."""
 
     @property
     def optimal(self) -> bool:

@@ -120,12 +120,13 @@ def plan(
     if not fixed and deadline - time.perf_counter() > 0.5:
         hint = _best_incumbent(timed, candidates)
         mapping_solved = solve_mapping(timed, time_limit=deadline - time.perf_counter(), hint=hint,
-                                       num_workers=search_workers, seed=seed)
+                                       num_workers=search_workers, seed=seed, score=_scorer(problem))
         if mapping_solved.found:
             schedule = Schedule.from_starts(problem, mapping_solved.compute, mapping_solved.weight,
                                             mapping_solved.starts, name="cpsat")
             candidate = _replayed(problem, "cpsat mapping", "cpsat-mapping", schedule,
-                                  timed.ticks.time(mapping_solved.objective), mapping_solved.optimal)
+                                  timed.ticks.time(mapping_solved.objective),
+                                  mapping_solved.optimal and mapping_solved.objective <= mapping_solved.bound)
             if candidate is not None:
                 candidates.append(candidate)
 
@@ -232,6 +233,18 @@ def _map(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarr
         return np.asarray(compute, dtype=np.int64), np.asarray(weight, dtype=np.int64)
     pairs = [strategy(Work(int(b), int(s), Direction(int(d)))) for b, s, d in zip(batch, stage, direction)]
     return np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int64)
+
+
+def _scorer(problem: PlanProblem):
+    """The replayed latency of a CP-SAT solution (what a plan reports)."""
+
+    def score(compute, weight, starts) -> float:
+        try:
+            return float(Schedule.from_starts(problem, compute, weight, starts).simulate().latency)
+        except UniSchedError:
+            return float("inf")
+
+    return score
 
 
 def _best_incumbent(timed: TimedProblem, candidates: list[Candidate]):

@@ -3,17 +3,15 @@ on 2 gloo processes (one launch runs every check)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from unisched.execute.launch import run_local
 from unisched.epl.tensor_parallel import (
     CLASS,
     COLUMN,
@@ -137,38 +135,25 @@ def check_sharded_cross_entropy(group: Group) -> float:
 CHECKS = [check_column_row_pair, check_gathered_column, check_sharded_cross_entropy]
 
 
-def _worker(rank: int, store: str, out: str) -> None:
+def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    group = Group(dist.new_group([0, 1]), (0, 1), rank)
+    group = Group(dist.new_group(list(range(world))), tuple(range(world)), rank)
     results = {}
-    try:
-        for check in CHECKS:
-            try:
-                results[check.__name__] = check(group)
-            except Exception:
-                results[check.__name__] = traceback.format_exc()
-    finally:
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    for check in CHECKS:
+        try:
+            results[check.__name__] = check(group)
+        except Exception:
+            results[check.__name__] = traceback.format_exc()
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = [context.Process(target=_worker, args=(r, os.path.join(tmp, "store"), tmp)) for r in range(2)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(90)
-            if process.is_alive():
-                process.terminate()
-        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
-        missing = [p for p in paths if not os.path.exists(p)]
-        if missing:
-            pytest.fail(f"a rank left no results: {missing}")
-        return [torch.load(p) for p in paths]
+    outcome = run_local(_worker, 2, timeout=90)
+    failed = [f"rank {r.rank}: {r.error}" for r in outcome if r.error is not None]
+    if failed:
+        pytest.fail("\n".join(failed))
+    return [r.value for r in outcome]
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])

@@ -9,18 +9,14 @@ processes is the slow part); the tests then read each scenario's result.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 from unisched import epl
+from unisched.execute.launch import run_local
 
 TOLERANCE = 1e-5
 STEPS = 2
@@ -208,44 +204,24 @@ def run_scenario(build, world, runtime="auto") -> dict:
     }
 
 
-def _worker(rank: int, world: int, store: str, out: str) -> None:
+def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = {}
-    try:
-        for name, build, runtime in SCENARIOS[world]:
-            try:
-                results[name] = run_scenario(build, world, runtime)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-                raise
-    finally:
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    for name, build, runtime in SCENARIOS[world]:
+        try:
+            results[name] = run_scenario(build, world, runtime)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            break
+    return results
 
 
 def launch(world: int, timeout: float = 150.0) -> list[dict]:
-    context = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = [
-            context.Process(target=_worker, args=(rank, world, os.path.join(tmp, "store"), tmp))
-            for rank in range(world)
-        ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-        results = []
-        for rank in range(world):
-            path = os.path.join(tmp, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                pytest.fail(f"rank {rank} of {world} left no results (crashed or timed out after {timeout}s)")
-            results.append(torch.load(path))
-        return results
+    outcome = run_local(_worker, world, timeout=timeout)
+    failed = [f"rank {r.rank}: {r.error}" for r in outcome if r.error is not None]
+    if failed:
+        pytest.fail("\n".join(failed))
+    return [r.value for r in outcome]
 
 
 @pytest.fixture(scope="module")

@@ -211,6 +211,22 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, family: FamilyR
             except UniSchedError:
                 continue
         targets.append((member.label, compute, weight, hint))
+    if not fixed:
+        targets += [t for t in _constructed(problem) if t[1].tobytes() + t[2].tobytes() not in seen]
+    return targets
+
+
+def _constructed(problem: PlanProblem):
+    """Mappings built here rather than taken from the registry, as further starting points:
+    stages dealt round-robin (always feasible), and, with as many workers as stages, micro-batches
+    alternating between the pipeline and its reverse (every worker then keeps long-lived stashes of
+    early stages for half the micro-batches and short-lived ones of late stages for the others)."""
+    W, S, B = problem.shape
+    batch, stage, _ = problem.item_arrays()
+    targets = [("stages round-robin", stage % W, stage % W, None)]
+    K = problem.max_stages_per_worker
+    if W == S and W > 1 and B > 1 and (K is None or K >= 2):
+        targets.append(("bidirectional", np.where(batch % 2 == 0, stage, S - 1 - stage), stage.copy(), None))
     return targets
 
 

@@ -51,8 +51,8 @@ def strategies(W: int):
 
 # ---------------------------------------------------------------------- the frontier scan
 def frontier_scan(W: int, S: int, B: int, mapping, priority):
-    """The reference greedy as the seed runs it: O(B) work per scheduled item."""
-    workers = {}
+    """The reference greedy as the seed runs it: every step looks at every
+    batch's frontier item, asking the strategy where its successor would run."""
     free = [0.0] * W
     frontier = {b: (Work(b, -1, FORWARD), 0.0) for b in range(B)}
     times = {}
@@ -60,15 +60,14 @@ def frontier_scan(W: int, S: int, B: int, mapping, priority):
         best = None
         for done, done_at in frontier.values():
             nxt = _successor(done, S)
-            if nxt not in workers:
-                workers[nxt] = mapping(nxt).compute_worker
-            start = max(free[workers[nxt]], done_at)
+            worker = mapping(nxt).compute_worker
+            start = max(free[worker], done_at)
             key = (start, priority(done))
             if best is None or key < best[0]:
-                best = (key, nxt)
-        (start, _), nxt = best
+                best = (key, nxt, worker)
+        (start, _), nxt, worker = best
         finish = start + (1.0 if nxt.direction == FORWARD else 2.0)
-        free[workers[nxt]] = finish
+        free[worker] = finish
         times[nxt] = (start, finish)
         if nxt.direction == BACKWARD and nxt.stage == 0:
             del frontier[nxt.batch]

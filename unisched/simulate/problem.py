@@ -176,7 +176,8 @@ def build(
         edges = np.concatenate([edges, _sequence_edges(strategy.worker_orders, compute, shape, dirs)], axis=1)
     followed = edges if costs.has_communication else edges[:, edges[2] != EDGE_STASH]
     followed = followed[:, np.argsort(followed[0], kind="stable")]
-    succ_ptr = np.searchsorted(followed[0], np.arange(n + 1))
+    succ_ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(followed[0], minlength=n), out=succ_ptr[1:])
     num_deps = np.bincount(followed[1], minlength=n)
     first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
     sources = np.stack([first, n + batch[first]])

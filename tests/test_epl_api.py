@@ -408,3 +408,23 @@ def test_groups_are_gangs_in_the_simulation():
     _pipeline(2, 2, "PreferBackward")
     one_device_each = epl.simulate(world_size=4)
     assert simulation.latency == pytest.approx(one_device_each.latency / 2)
+
+
+@pytest.mark.parametrize("micro, segments", [(1, 1), (4, 1), (4, 2), (2, 4), (8, 3)])
+def test_pass_orders_run_every_pass_once_and_bound_the_stash(micro, segments):
+    from unisched.epl.trainer import pass_order
+
+    for position in range(segments):
+        for strategy, bound in (("PreferBackward", min(micro, segments - position)), ("PreferForward", micro)):
+            order = pass_order(micro, segments, position, strategy)
+            assert sorted(order) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+            held, peak = set(), 0
+            for op, m in order:
+                if op == "F":
+                    held.add(m)
+                else:
+                    assert m in held, f"backward of {m} before its forward"
+                    held.remove(m)
+                peak = max(peak, len(held))
+            assert peak == bound
+            assert [m for op, m in order if op == "B"] == list(range(micro))

@@ -20,9 +20,10 @@ the same initial weights) and then keeps the parts its rank runs.  One step:
 
 Every micro-batch's loss is weighted by its share of the global batch, so the
 gradients are those of the mean loss over the global batch, as in
-``unisched.Trainer``.  The runtime runs all forwards, then all backwards
-(GPipe's order); the compiled strategy (``trainer.strategy``) is what the
-simulator schedules.
+``unisched.Trainer``.  Each pipeline position runs its passes in the order of
+``pipeline.strategy``: 1F1B for ``PreferBackward``, fill-drain for
+``PreferForward`` (:func:`pass_order`).  Sends do not wait; receives do,
+which these orders make deadlock-free.
 """
 
 from __future__ import annotations
@@ -177,9 +178,13 @@ class Trainer:
         micro = [slice((self.replica * P.num_micro_batch + m) * size, (self.replica * P.num_micro_batch + m + 1) * size)
                  for m in range(P.num_micro_batch)]
         pending: list = []
-        stashes = [self._forward(inputs[rows_], targets[rows_], position, segments, rows, pending) for rows_ in micro]
+        stashes: dict[int, _Stash] = {}
         contribution = torch.zeros(())
-        for stash in stashes:
+        for op, m in pass_order(len(micro), len(segments), position, self.config.pipeline.strategy):
+            if op == "F":
+                stashes[m] = self._forward(inputs[micro[m]], targets[micro[m]], position, segments, rows, pending)
+                continue
+            stash = stashes.pop(m)
             self._backward(stash, position, segments, pending)
             if stash.loss is not None and (stash.layout == ROWS or self.group(self.replica, self.segment[-1]).index == 0):
                 contribution += stash.loss.detach()
@@ -288,6 +293,20 @@ class Trainer:
 
 # ---------------------------------------------------------------------- model assembly
 SCHEDULE, GROUPS = "schedule", "groups"
+
+
+def pass_order(num_micro: int, num_segments: int, position: int, strategy: str) -> list[tuple[str, int]]:
+    """The order of forward ("F") and backward ("B") passes of one pipeline
+    position: fill-drain for ``PreferForward``; for ``PreferBackward`` 1F1B,
+    which starts ``min(M, n - position - 1)`` forwards ahead and then
+    alternates, so a position holds at most ``n - position`` micro-batches."""
+    if strategy == "PreferForward":
+        return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
+    ahead = min(num_micro, num_segments - position - 1)
+    order = [("F", m) for m in range(ahead)]
+    for m in range(num_micro - ahead):
+        order += [("F", ahead + m), ("B", m)]
+    return order + [("B", m) for m in range(num_micro - ahead, num_micro)]
 
 
 def _pick_runtime(runtime: str, placement: Placement, config) -> str:

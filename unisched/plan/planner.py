@@ -144,11 +144,14 @@ def plan(
         if mapping_solved is not None and mapping_solved.found and mapping_solved.bound > 0:
             bounds["cpsat"] = timed.ticks.time(mapping_solved.bound)
     lower = max(bounds.values())
-    optimal = best.latency <= lower + 1e-9 or (
-        best.proven and best.model_latency is not None and abs(best.latency - best.model_latency) < 1e-9
-    )
+    # a CP-SAT proof covers what its model searched: the fixed mapping (with strategy=),
+    # or every mapping of the mapping model
+    proof_source = "cpsat-order" if fixed else "cpsat-mapping"
+    proofs = [c.latency for c in candidates if c.source == proof_source and c.proven
+              and c.model_latency is not None and abs(c.latency - c.model_latency) < 1e-9]
+    optimal = best.latency <= lower + 1e-9 or any(best.latency <= p + 1e-9 for p in proofs)
     if optimal:
-        lower = max(lower, best.latency) if best.proven else lower
+        lower = max(lower, best.latency)
     rows = [_row(c, lower, c is best and optimal) for c in sorted(candidates, key=lambda c: c.latency)]
     dropped = [{"strategy": m.label, "reason": m.reason} for m in family.dropped]
     return Plan(

@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from unisched.execute.launch import run_local
 from unisched.epl.tensor_parallel import (
     CLASS,
     COLUMN,
@@ -27,6 +26,7 @@ from unisched.epl.tensor_parallel import (
     split_module,
     split_plan,
 )
+from unisched.execute.launch import run_local
 
 TOLERANCE = 1e-5
 
@@ -129,7 +129,8 @@ def check_sharded_cross_entropy(group: Group) -> float:
     expected = F.cross_entropy(whole, target)
     loss.backward()
     expected.backward()
-    return float(max((loss - expected).abs(), (shard.grad - whole.grad.chunk(group.size, dim=1)[group.index]).abs().max()))
+    expected_shard_grad = whole.grad.chunk(group.size, dim=1)[group.index]
+    return float(max((loss - expected).abs(), (shard.grad - expected_shard_grad).abs().max()))
 
 
 CHECKS = [check_column_row_pair, check_gathered_column, check_sharded_cross_entropy]

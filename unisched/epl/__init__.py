@@ -18,7 +18,17 @@ from __future__ import annotations
 
 from unisched.epl.config import Config, ConfigError
 from unisched.epl.placement import Placement, compile_strategy, place, simulate_placement, stage_costs
-from unisched.epl.scopes import Env, Scope, ScopeError, TaskGraph, init, replicate, set_default_strategy, split, world_size
+from unisched.epl.scopes import (
+    Env,
+    Scope,
+    ScopeError,
+    TaskGraph,
+    init,
+    replicate,
+    set_default_strategy,
+    split,
+    world_size,
+)
 from unisched.epl.tensor_parallel import (
     ClassParallelLinear,
     ColumnParallelLinear,

@@ -186,7 +186,8 @@ class Trainer:
                 continue
             stash = stashes.pop(m)
             self._backward(stash, position, segments, pending)
-            if stash.loss is not None and (stash.layout == ROWS or self.group(self.replica, self.segment[-1]).index == 0):
+            leads = stash.layout == ROWS or self.group(self.replica, self.segment[-1]).index == 0
+            if stash.loss is not None and leads:
                 contribution += stash.loss.detach()
         for work in pending:
             work.wait()
@@ -198,8 +199,7 @@ class Trainer:
         return float(contribution)
 
     def _forward(self, x, target, position, segments, global_rows, pending) -> _Stash:
-        first, last = self.segment[0], self.segment[-1]
-        group = self.group(self.replica, first)
+        group = self.group(self.replica, self.segment[0])
         if position == 0:
             leaf = None
         else:
@@ -272,7 +272,8 @@ class Trainer:
                     shape[dim] //= len(owners)
                     parts = []
                     for owner in owners:
-                        part = parameter.detach().clone() if self.rank == owner else torch.empty(shape, dtype=parameter.dtype)
+                        mine = self.rank == owner
+                        part = parameter.detach().clone() if mine else torch.empty(shape, dtype=parameter.dtype)
                         if _distributed():
                             dist.broadcast(part, src=owner)
                         parts.append(part)

@@ -428,3 +428,26 @@ def test_pass_orders_run_every_pass_once_and_bound_the_stash(micro, segments):
                 peak = max(peak, len(held))
             assert peak == bound
             assert [m for op, m in order if op == "B"] == list(range(micro))
+
+
+def _saved_bytes_in_forward(recompute: bool) -> int:
+    """Bytes autograd keeps for the backward during one training step."""
+    torch.manual_seed(0)
+    epl.init(epl.Config({"gradient_checkpoint.type": "auto" if recompute else ""}))
+    with epl.replicate(1):
+        nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    total = [0]
+
+    def pack(tensor):
+        total[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.step(torch.randn(32, 16), torch.randn(32, 1))
+    return total[0]
+
+
+def test_recompute_keeps_less_for_the_backward():
+    kept, recomputed = _saved_bytes_in_forward(False), _saved_bytes_in_forward(True)
+    assert recomputed < kept / 2

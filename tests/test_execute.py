@@ -176,11 +176,10 @@ def test_calibrate_costs_fits_per_stage_medians():
 
 
 # ---------------------------------------------------------------------- real runs on gloo
-def _train_every_case(rank: int, world: int):
-    x, y = batch()
+def _train_every_case(rank: int, world: int, timelines: dict[str, Timeline]):
     out = {}
     for name, S, B, params in CASES:
-        trainer = Trainer(make_stages(S), schedule_for(name, S, B, params), nn.functional.mse_loss, optimizer, timeout=30)
+        trainer = Trainer(make_stages(S), timelines[name], nn.functional.mse_loss, optimizer, timeout=30)
         for step in range(2):
             trainer.step(*batch(step))
         state = trainer.gather_state_dict()
@@ -210,7 +209,8 @@ def _overlaps(t: Timeline) -> int:
 
 @pytest.fixture(scope="module")
 def trained():
-    results = run_local(_train_every_case, 4, timeout=300)
+    timelines = {name: schedule_for(name, S, B, params).timeline for name, S, B, params in CASES}
+    results = run_local(_train_every_case, 4, timelines, timeout=300)
     for r in results:
         assert r.error is None, f"rank {r.rank}: {r.error}"
     return [r.value for r in results]
@@ -240,11 +240,13 @@ def test_measured_timeline_follows_the_schedule(trained, name, S, B, params):
 
 
 # ---------------------------------------------------------------------- bad input and faults
-def _consistent_errors(rank: int, world: int):
+def gpipe_timeline(W: int, B: int) -> Timeline:
+    return simulate(W, W, B, policies.get("gpipe", num_workers=W, num_stages=W, num_batches=B)).timeline
+
+
+def _consistent_errors(rank: int, world: int, gpipe4: Timeline, gpipe2: Timeline):
     """Errors every rank detects the same way: all ranks raise, none hangs."""
     seen = {}
-    gpipe4 = simulate(4, 4, 4, policies.get("gpipe", num_workers=4, num_stages=4, num_batches=4))
-    gpipe2 = simulate(2, 2, 2, policies.get("gpipe", num_workers=2, num_stages=2, num_batches=2))
     for label, make in (
         ("world", lambda: Trainer(make_stages(4), gpipe4, nn.functional.mse_loss, optimizer, timeout=10)),
         ("stages", lambda: Trainer(make_stages(3), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)),
@@ -269,7 +271,7 @@ def _consistent_errors(rank: int, world: int):
 
 def test_bad_input_stops_every_rank_with_the_cause():
     start = time.monotonic()
-    results = run_local(_consistent_errors, 2, timeout=90)
+    results = run_local(_consistent_errors, 2, gpipe_timeline(4, 4), gpipe_timeline(2, 2), timeout=90)
     assert time.monotonic() - start < 90
     for r in results:
         assert r.error is None, r.error
@@ -303,10 +305,9 @@ class Faulty(nn.Module):
         return self.inner(x)
 
 
-def _faulty_run(rank: int, world: int, how: str, linger: float):
+def _faulty_run(rank: int, world: int, schedule: Timeline, how: str, linger: float):
     stages = make_stages(3)
     stages[1] = Faulty(stages[1], rank, 1, how)
-    schedule = simulate(3, 3, 6, policies.get("gpipe", num_workers=3, num_stages=3, num_batches=6))
     trainer = Trainer(stages, schedule, nn.functional.mse_loss, optimizer, timeout=4)
     x, y = batch()
     start = time.monotonic()
@@ -324,7 +325,7 @@ def _faulty_run(rank: int, world: int, how: str, linger: float):
 @pytest.mark.parametrize("how", ["raise", "die", "hang"])
 def test_a_failing_rank_stops_every_rank_in_bounded_time(how):
     start = time.monotonic()
-    results = run_local(_faulty_run, 3, how, 0.0, timeout=60)
+    results = run_local(_faulty_run, 3, gpipe_timeline(3, 6), how, 0.0, timeout=60)
     assert time.monotonic() - start < 60
     survivors = [r for r in results if r.rank != 1 or how != "die"]
     for r in survivors:
@@ -340,7 +341,7 @@ def test_a_failing_rank_stops_every_rank_in_bounded_time(how):
 
 
 def test_a_rank_that_raises_and_lingers_releases_the_others_by_timeout():
-    results = run_local(_faulty_run, 3, "raise", 8.0, timeout=60)
+    results = run_local(_faulty_run, 3, gpipe_timeline(3, 6), "raise", 6.0, timeout=60)
     for r in results:
         assert r.error is None, r.error
         assert "rank 1" in r.value["error"]
@@ -348,11 +349,10 @@ def test_a_rank_that_raises_and_lingers_releases_the_others_by_timeout():
 
 
 # ---------------------------------------------------------------------- NCCL
-def _nccl_case(rank: int, world: int):
+def _nccl_case(rank: int, world: int, timelines: dict[str, Timeline]):
     torch.cuda.set_device(rank)
     out = {}
-    for name in ("gpipe", "ddp"):
-        schedule = simulate(2, 2, 2, policies.get(name, num_workers=2, num_stages=2, num_batches=2))
+    for name, schedule in timelines.items():
         trainer = Trainer(make_stages(2), schedule, nn.functional.mse_loss, optimizer, timeout=60)
         for step in range(2):
             trainer.step(*batch(step))
@@ -363,7 +363,9 @@ def _nccl_case(rank: int, world: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_matches_single_process():
-    results = run_local(_nccl_case, 2, backend="nccl", timeout=300)
+    timelines = {name: simulate(2, 2, 2, policies.get(name, num_workers=2, num_stages=2, num_batches=2)).timeline
+                 for name in ("gpipe", "ddp")}
+    results = run_local(_nccl_case, 2, timelines, backend="nccl", timeout=300)
     reference = single_process(2)
     for r in results:
         assert r.error is None, r.error

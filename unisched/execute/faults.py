@@ -80,9 +80,10 @@ class FaultBoard:
 
 
 class Watchdog:
-    """Interrupts the main thread when an armed step outlives its deadline."""
+    """Interrupts the main thread when an armed step outlives its deadline
+    and ``on_expire()`` says this rank is the one at fault."""
 
-    def __init__(self, timeout: float, on_expire: Callable[[], None]):
+    def __init__(self, timeout: float, on_expire: Callable[[], bool]):
         self.timeout = timeout
         self._on_expire = on_expire
         self._lock = threading.Condition()
@@ -111,7 +112,6 @@ class Watchdog:
                     self._lock.wait(remaining)
                     continue
                 self._deadline = None
+            if self._on_expire():
                 self.fired = True
-            self._on_expire()
-            if threading.main_thread().is_alive():
                 _thread.interrupt_main()

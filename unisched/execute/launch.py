@@ -88,7 +88,7 @@ def _context():
     of a second instead of each importing torch (seconds on a busy machine)."""
     if "forkserver" in mp.get_all_start_methods():
         context = mp.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "torch.distributed", "unisched.execute"])
+        context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "unisched.execute"])
         return context
     return mp.get_context("spawn")
 

@@ -346,14 +346,16 @@ class Trainer:
         work, buffer, action = st.pending.pop(index)
         msg = self.program.messages[index]
         start = time.perf_counter()
+        st.waiting_on = msg.src
         try:
             work.wait()
         except Exception as error:
             raise CommunicationError(
-                f"rank {self.rank} waited at {action} for {msg.kind} from rank {msg.src}, which failed, died or "
-                f"timed out ({_first_line(error)})",
+                f"rank {self.rank} at {st.current} waited for {action} ({msg.kind} from rank {msg.src}), and rank "
+                f"{msg.src} failed, died or timed out ({_first_line(error)})",
                 peer=msg.src,
             ) from error
+        st.waiting_on = None
         if self.record:
             st.receives[index] = (start, time.perf_counter())
         return buffer
@@ -469,10 +471,15 @@ class Trainer:
             return ExecutionError(f"rank {self.rank} stopped{where} in step {self._step_no} because {cause}")
         return ExecutionError(mine)
 
-    def _on_timeout(self) -> None:
+    def _on_timeout(self) -> bool:
+        """Post this rank as the cause unless it is only waiting for another
+        rank (whose own watchdog, or the transfer's timeout, will speak)."""
         st = self._state
-        where = f" at {st.current}" if st is not None and st.current is not None else ""
+        if st is None or st.waiting_on is not None:
+            return False
+        where = f" at {st.current}" if st.current is not None else ""
         self._board.post(f"rank {self.rank} ran past the step timeout of {self.timeout:g} s{where} in step {self._step_no}")
+        return True
 
 
 class _StepState:
@@ -495,6 +502,7 @@ class _StepState:
         self.receives: dict[int, tuple[float, float]] = {}
         self.reduces: list = []
         self.current: Action | None = None
+        self.waiting_on: int | None = None
         self.begin = self.end = 0.0
 
     def put(self, key: tuple, value: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import unisched
 from unisched import Costs, Strategy, simulate
@@ -16,6 +18,7 @@ from unisched.plan.command import add_arguments, run
 from unisched.plan.family import stages_held
 from unisched.plan.order import solve_order
 from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.plan.schedule import Schedule
 from unisched.work import ComputeAndWeightWorkers, Shape
 
 
@@ -220,3 +223,32 @@ def load_plan_from(data: dict):
     from unisched.plan.planfile import plan_from_dict
 
     return plan_from_dict(data["plan"])
+
+
+# ---------------------------------------------------------------------- the order model is exact
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    W=st.integers(1, 3), S=st.integers(1, 3), B=st.integers(1, 4), comm=st.sampled_from([0.0, 1.0]),
+    memory=st.sampled_from([None, 2.0, 3.0]), data=st.data(),
+)
+def test_order_model_replays_exactly_without_link_contention(W, S, B, comm, memory, data):
+    """With transfers that only delay (no fetches), the simulator's replay of a CP-SAT order
+    is never longer than the model says, and equal when the model is proven optimal."""
+    problem = PlanProblem(Shape(W, S, B), encode_costs(comm=comm), memory_limit=None)
+    timed = TimedProblem.build(problem)
+    pairs = data.draw(st.lists(st.integers(0, W - 1), min_size=S * B, max_size=S * B))
+    compute = np.repeat(np.asarray(pairs, dtype=np.int64), len(problem.dirs))
+    limit = None
+    if memory is not None and problem.min_memory_mapped(compute)[0] <= memory:
+        limit = memory
+    problem = PlanProblem(Shape(W, S, B), encode_costs(comm=comm), memory_limit=limit)
+    timed = TimedProblem.build(problem)
+    solved = solve_order(timed, compute, compute, time_limit=5)
+    assert solved.found
+    replay = Schedule.from_starts(problem, compute, compute, solved.starts).simulate()
+    assert replay.latency <= solved.objective + 1e-9
+    if solved.optimal:
+        assert replay.latency == solved.objective
+    if limit is not None:
+        assert max(replay.worker_stats()["max_activation_storage"]) <= limit

@@ -132,7 +132,9 @@ def plan(
 
     if not candidates:
         raise UniSchedError(_nothing_found(problem, family, order_results, strategy, time_limit))
-    best = min(enumerate(candidates), key=lambda ic: (round(ic[1].latency, 9), not ic[1].proven, ic[0]))[1]
+    # on a tie, a named strategy beats a reordered one, which beats a new mapping
+    rank = {"family": 0, "cpsat-order": 1, "cpsat-mapping": 2}
+    best = min(enumerate(candidates), key=lambda ic: (round(ic[1].latency, 9), rank[ic[1].source], ic[0]))[1]
 
     if fixed:
         bounds = mapping_bounds(problem, best.schedule.compute)

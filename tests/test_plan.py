@@ -252,3 +252,13 @@ def test_order_model_replays_exactly_without_link_contention(W, S, B, comm, memo
         assert replay.latency == solved.objective
     if limit is not None:
         assert max(replay.worker_stats()["max_activation_storage"]) <= limit
+
+
+def test_a_plan_compiles_into_executor_programs(tmp_path):
+    from unisched.execute.program import compile_program
+
+    result = plan(4, 4, 6, encode_costs(comm=1, fetch=2), memory_limit=2, max_stages_per_worker=2, time_limit=3)
+    path = tmp_path / "plan.json"
+    result.save(path)
+    program = compile_program(load_plan(path).simulate().timeline, num_stages=4, world_size=4)
+    assert program is not None

@@ -120,8 +120,7 @@ def report(result: Plan, width: int = 100, color: bool | None = None) -> str:
     if len(result.candidates) > 12:
         lines.append(f"    ... {len(result.candidates) - 12} more")
     if result.dropped:
-        lines.append("dropped: " + "; ".join(f"{d['strategy']} ({d['reason'][:70]})" for d in result.dropped[:6])
-                     + (f"; ... {len(result.dropped) - 6} more" if len(result.dropped) > 6 else ""))
+        lines.append("dropped: " + _dropped(result.dropped))
     bounds = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in result.bounds.items())
     lines += [
         "",
@@ -132,6 +131,15 @@ def report(result: Plan, width: int = 100, color: bool | None = None) -> str:
         _diagram(result, width, color),
     ]
     return "\n".join(lines)
+
+
+def _dropped(dropped) -> str:
+    """Dropped members grouped by the first clause of their reason."""
+    groups: dict[str, list[str]] = {}
+    for row in dropped:
+        reason = row["reason"].split(":")[0] if row["reason"].startswith("deadlock") else row["reason"]
+        groups.setdefault(reason[:90], []).append(row["strategy"])
+    return "; ".join(f"{', '.join(names)} ({reason})" for reason, names in groups.items())
 
 
 def _diagram(result: Plan, width: int, color: bool | None) -> str:

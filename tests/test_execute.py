@@ -169,7 +169,7 @@ def test_calibrate_costs_fits_per_stage_medians():
             records.append(WorkRecord(Work(b, s, d), s, s, t, t + base + wobble))
             t += 1.0
     timeline = Timeline.from_records((2, 2, 3), records, activation_bytes=[64, 32], weight_bytes=[100, 200], source="measured")
-    costs = calibrate_costs(timeline, communication=False)
+    costs = calibrate_costs(timeline, communication=False, overhead=False)
     assert np.allclose(costs.forward, [0.010, 0.020]) and np.allclose(costs.backward, [0.030, 0.050])
     assert list(costs.activation_bytes) == [64, 32] and list(costs.weight_bytes) == [100, 200]
     assert simulate(2, 2, 3, lambda w: ComputeAndWeightWorkers(w.stage, w.stage), costs=costs).latency > 0.1

@@ -1,5 +1,8 @@
 """Run a function on N local processes with a process group, with a hard time limit.
 
+Like torchrun, each worker uses one compute thread unless OMP_NUM_THREADS
+says otherwise.
+
 The store lives in the launching process, so a worker that dies does not
 take the fault board with it; every worker is killed when the time limit
 passes, so a caller (a test, a benchmark) can never hang.  For real runs use
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -97,6 +101,10 @@ def _worker(fn, rank, world_size, port, backend, group_timeout, results, args):
     import torch.distributed as dist
 
     try:
+        if "OMP_NUM_THREADS" not in os.environ:
+            import torch
+
+            torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=datetime.timedelta(seconds=group_timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -112,8 +120,6 @@ def _worker(fn, rank, world_size, port, backend, group_timeout, results, args):
         except Exception:
             pass
     # leave without waiting for peers in process-group teardown
-    import os
-
     os._exit(0)
 
 

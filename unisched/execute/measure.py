@@ -142,6 +142,7 @@ def calibrate_costs(
     activation_bytes: float | Sequence[float] | None = None,
     weight_bytes: float | Sequence[float] | None = None,
     communication: bool = True,
+    overhead: bool = True,
 ) -> Costs:
     """Fit :class:`unisched.Costs` to measured timelines.
 
@@ -152,7 +153,10 @@ def calibrate_costs(
     with :meth:`Trainer.calibrate`, which runs the profiling steps first.
     The latency is an estimate: a transfer's end is when its receiver got
     it, which is later than its arrival when the receiver was busy, so the
-    lower quartile of the spans is used.
+    lower quartile of the spans is used.  With ``overhead``, the runtime's
+    own time per item (posting transfers, bookkeeping: the median gap
+    between consecutive items of a worker that did not wait for data) is
+    added to every item's duration, since the simulator has no such term.
     """
     if isinstance(timelines, Timeline):
         timelines = [timelines]
@@ -174,22 +178,42 @@ def calibrate_costs(
             return None
         return [float(np.median(r)) for r in rows]
 
+    extra = _item_overhead(timelines) if overhead else 0.0
     forward = medians(FORWARD)
     if forward is None:
         raise ShapeError("the measured timelines have no forward of some stage; calibrate from complete steps")
     split = first.split_backward
-    fields = {"forward": forward}
+    fields = {"forward": [f + extra for f in forward]}
     if split:
-        fields["backward_input"] = medians(BACKWARD_INPUT)
-        fields["backward_weight"] = medians(BACKWARD_WEIGHT)
+        fields["backward_input"] = [i + extra for i in medians(BACKWARD_INPUT)]
+        fields["backward_weight"] = [w + extra for w in medians(BACKWARD_WEIGHT)]
         fields["backward"] = [i + w for i, w in zip(fields["backward_input"], fields["backward_weight"])]
     else:
-        fields["backward"] = medians(BACKWARD)
+        fields["backward"] = [b + extra for b in medians(BACKWARD)]
     fields["activation_bytes"] = list(first.activation_bytes) if activation_bytes is None else activation_bytes
     fields["weight_bytes"] = list(first.weight_bytes) if weight_bytes is None else weight_bytes
     if communication:
         fields["latency"] = _message_latency(timelines)
     return Costs(**fields)
+
+
+def _item_overhead(timelines: Sequence[Timeline]) -> float:
+    """Median gap between consecutive items of a worker when no transfer to it ended in the gap."""
+    gaps = []
+    for t in timelines:
+        tr = t.transfers
+        inbound = tr.of_kind("activation", "gradient", "stash", "weights")
+        for w in range(t.num_workers):
+            rows = np.flatnonzero(t.worker == w)
+            rows = rows[np.argsort(t.start[rows], kind="stable")]
+            arrivals = np.sort(tr.end[inbound & (tr.dst == w)])
+            for prev, nxt in zip(rows[:-1], rows[1:]):
+                lo, hi = t.end[prev], t.start[nxt]
+                first = np.searchsorted(arrivals, lo, side="right")
+                if first < len(arrivals) and arrivals[first] <= hi + 1e-9:
+                    continue
+                gaps.append(max(hi - lo, 0.0))
+    return float(np.median(gaps)) if gaps else 0.0
 
 
 def _message_latency(timelines: Sequence[Timeline]) -> float:

@@ -313,8 +313,9 @@ def _sends_after(work: Work, rank: int, compute, S: int, split: bool) -> list[tu
     return sends
 
 
-def _needs(work: Work, rank: int, compute, S: int, split: bool) -> list[tuple]:
-    """Keys of the values ``work`` reads on ``rank`` (whether local or received)."""
+def inputs_of(work: Work, rank: int, compute, S: int, split: bool) -> list[tuple]:
+    """Keys of the values ``work`` reads on ``rank`` (whether local or received):
+    ``("x", s, b)`` stage s's input, ``("g", s, b)`` the gradient of its output."""
     b, s, d = work.batch, work.stage, Direction(work.direction)
     back = BACKWARD_INPUT if split else BACKWARD
     if d is FORWARD:
@@ -383,7 +384,7 @@ class _Builder:
                 post(m)
 
         def inbound_of(work: Work) -> list[Message]:
-            keys = _needs(work, rank, compute, S, split)
+            keys = inputs_of(work, rank, compute, S, split)
             return [self.by_dst_key[(rank, k)] for k in keys if (rank, k) in self.by_dst_key]
 
         returns = self.returns.get(rank, {})
@@ -409,7 +410,7 @@ def _uses(program: Program, rank: int) -> dict[tuple, int]:
     counts: dict[tuple, int] = defaultdict(int)
     for action in program.actions[rank]:
         if action.is_compute:
-            for key in _needs(action.work, rank, compute, S, split):
+            for key in inputs_of(action.work, rank, compute, S, split):
                 counts[key] += 1
         elif action.is_send and action.op[0] in "FBIXV":
             counts[program.messages[action.message].key] += 1
@@ -439,7 +440,7 @@ def validate(program: Program) -> None:
     def blocker(rank: int, action: Action) -> str | None:
         if action.is_compute:
             needed = [weights.get((rank, action.stage))]
-            for key in _needs(action.work, rank, program.compute_worker, program.num_stages, program.split_backward):
+            for key in inputs_of(action.work, rank, program.compute_worker, program.num_stages, program.split_backward):
                 needed.append(inbound.get((rank, key)))
             for msg in needed:
                 if msg is not None and msg.index not in sent:
@@ -493,7 +494,7 @@ def _check_local_inputs(program: Program) -> None:
             if not action.is_compute:
                 continue
             work = action.work
-            for key in _needs(work, rank, compute, S, split):
+            for key in inputs_of(work, rank, compute, S, split):
                 if (rank, key) not in received and key not in produced:
                     raise ProgramError(
                         f"rank {rank} runs {action} (position {position}) before it has {_key_text(key)}, which "

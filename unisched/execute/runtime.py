@@ -44,7 +44,7 @@ from unisched.execute.faults import (
     Watchdog,
 )
 from unisched.execute.measure import Clock, RankNotes, assemble
-from unisched.execute.program import Action, Program, ProgramError, compile_program
+from unisched.execute.program import Action, Program, ProgramError, compile_program, inputs_of
 from unisched.timeline import Timeline
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Work
 
@@ -114,6 +114,11 @@ class Trainer:
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
         self._fetch = {m.stage: m for m in program.messages if m.dst == self.rank and m.letter == "w"}
+        self._awaits = {
+            i: [self._inbound[k].index for k in inputs_of(a.work, self.rank, program.compute_worker, program.num_stages,
+                                                      program.split_backward) if k in self._inbound]
+            for i, a in enumerate(self._actions) if a.is_compute
+        }
         self._back = BACKWARD_INPUT if program.split_backward else BACKWARD
         self._meta: tuple | None = None
         self._failed: str | None = None
@@ -234,11 +239,10 @@ class Trainer:
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
         st.begin = st.clock.begin()
-        for action in self._actions:
+        for index, action in enumerate(self._actions):
             st.current = action
-            op = action.op
             if action.is_compute:
-                self._compute(st, action)
+                self._compute(st, action, self._awaits[index])
             elif action.is_recv:
                 self._post_recv(st, action)
             elif action.is_send:
@@ -246,10 +250,14 @@ class Trainer:
         st.current = None
         return self._finish(st)
 
-    def _compute(self, st: "_StepState", action: Action) -> None:
+    def _compute(self, st: "_StepState", action: Action, awaits: list[int]) -> None:
+        """Wait for the item's inputs, then run it (only the run is timed)."""
         s, b = action.stage, action.batch
         if s in self._fetch:
             self._load_weights(st, s)
+        for index in awaits:
+            if index in st.pending:
+                st.values[self.program.messages[index].key] = self._wait(st, index)
         start = st.clock.mark() if self.record else None
         if action.op == "F":
             self._forward(st, s, b)

@@ -1,0 +1,252 @@
+"""Train a small MLP or transformer under any registered strategy (or a plan file).
+
+Launch one process per worker::
+
+    torchrun --nproc-per-node 4 examples/train.py --strategy gpipe
+    torchrun --nproc-per-node 4 -m unisched.execute.example --strategy zb_h1 --model transformer
+    unisched run --nproc 4 --strategy one_f_one_b --check
+
+Every rank builds the same stages (same seed), the same schedule and the same
+synthetic data; the Trainer does the rest.  Rank 0 prints the loss per step,
+the measured step next to the simulator's prediction with costs calibrated
+from the first steps, and, with ``--check``, the largest difference between
+the trained weights and one process training the same stages on the whole
+batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+MODELS = ("mlp", "transformer")
+
+
+# ---------------------------------------------------------------------- models
+def mlp_stages(num_stages: int, width: int = 64, classes: int = 10) -> list[nn.Module]:
+    """S stages of Linear + ReLU; the last maps to ``classes`` logits."""
+    stages = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(num_stages - 1)]
+    stages.append(nn.Linear(width, classes))
+    return stages
+
+
+class _Block(nn.Module):
+    """A transformer stage: optional token embedding in front, optional head behind."""
+
+    def __init__(self, width: int, heads: int, vocab: int, seq: int, first: bool, last: bool):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width) if first else None
+        self.position = nn.Parameter(torch.randn(seq, width) * 0.02) if first else None
+        self.layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)
+        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x) + self.position[: x.shape[1]]
+        x = self.layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def transformer_stages(num_stages: int, width: int = 32, heads: int = 4, vocab: int = 16, seq: int = 12) -> list[nn.Module]:
+    """S transformer layers, the first embedding tokens, the last predicting the next one (dropout off,
+    so a backward on another rank recomputes exactly the same forward)."""
+    return [_Block(width, heads, vocab, seq, s == 0, s == num_stages - 1) for s in range(num_stages)]
+
+
+def build(model: str, num_stages: int, seed: int = 0):
+    """Stages, loss function and a data maker ``step -> (inputs, targets)`` for a full batch of ``rows``."""
+    torch.manual_seed(seed)
+    if model == "mlp":
+        stages = mlp_stages(num_stages)
+        teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(seed + 1))
+
+        def data(step: int, rows: int):
+            g = torch.Generator().manual_seed(1000 + step)
+            x = torch.randn(rows, 64, generator=g)
+            return x, (x @ teacher).argmax(dim=1)
+
+        return stages, nn.functional.cross_entropy, data
+    if model == "transformer":
+        stages = transformer_stages(num_stages)
+
+        def data(step: int, rows: int):
+            g = torch.Generator().manual_seed(1000 + step)
+            start = torch.randint(0, 16, (rows, 1), generator=g)
+            stride = torch.randint(1, 4, (rows, 1), generator=g)
+            tokens = (start + stride * torch.arange(13)) % 16
+            return tokens[:, :-1], tokens[:, 1:]
+
+        def loss(logits, targets):
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        return stages, loss, data
+    raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+
+
+# ---------------------------------------------------------------------- schedules
+def pick_shape(name: str, workers: int, stages: int | None, batches: int | None, params: dict) -> tuple[int, int]:
+    """(S, B) for strategy ``name`` on ``workers``: the given values, else the
+    first of a few natural choices that the strategy's constraints accept."""
+    from unisched import policies
+    from unisched.work import Shape
+
+    stage_options = [stages] if stages else [workers, 2 * workers, max(1, workers // 2)]
+    batch_options = [batches] if batches else [2 * workers, workers, 4 * workers]
+    for S in stage_options:
+        for B in batch_options:
+            if policies.fits(name, Shape(workers, S, B), params):
+                return S, B
+    return stage_options[0], batch_options[0]
+
+
+def make_schedule(args, workers: int):
+    """The Simulation (or plan) every rank runs, and its (S, B)."""
+    import unisched
+    from unisched import policies
+
+    if args.plan:
+        plan = unisched.load_plan(args.plan)
+        if plan.shape.num_workers != workers:
+            raise unisched.ShapeError(
+                f"plan {args.plan} is for {plan.shape.num_workers} workers; launch that many processes, not {workers}"
+            )
+        return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
+    params = dict(p.split("=", 1) for p in args.param)
+    S, B = pick_shape(args.strategy, workers, args.stages, args.batches, params)
+    strategy = policies.get(args.strategy, num_workers=workers, num_stages=S, num_batches=B, **params)
+    return unisched.simulate(workers, S, B, strategy), S, B
+
+
+# ---------------------------------------------------------------------- main
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_training_arguments(p)
+    return p
+
+
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", default="gpipe", help="a registered strategy (unisched strategies lists them)")
+    p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
+    p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
+    p.add_argument("--stages", "-S", type=int, help="pipeline stages (default: what the strategy needs)")
+    p.add_argument("--batches", "-B", type=int, help="micro-batches (default: what the strategy needs)")
+    p.add_argument("--rows-per-batch", type=int, default=8, help="rows per micro-batch (default 8)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait or step may take (default 120)")
+    p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
+    p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
+    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    import torch.distributed as dist
+
+    import unisched
+    from unisched.execute import Trainer
+
+    trainer = None
+    try:
+        if not dist.is_initialized():
+            from unisched.execute.runtime import _ensure_process_group
+
+            _ensure_process_group(args.timeout)
+        workers = dist.get_world_size()
+        schedule, S, B = make_schedule(args, workers)
+        stages, loss_fn, data = build(args.model, S)
+        trainer = Trainer(stages, schedule, loss_fn, lambda p: torch.optim.SGD(p, lr=args.lr), timeout=args.timeout)
+        report = _train(args, trainer, schedule, data, B)
+        if args.check:
+            state = trainer.gather_state_dict()
+            if trainer.rank == 0:
+                report["max_difference_vs_one_process"] = _check(args, state, S, B, data)
+        if trainer.rank == 0:
+            _print(args, report, schedule)
+        return 0
+    except unisched.UniSchedError as error:
+        print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args, trainer, schedule, data, B: int) -> dict:
+    from unisched import simulate
+    from unisched.execute import calibrate_costs
+
+    rows = B * args.rows_per_batch
+    losses, seconds, timelines = [], [], []
+    for step in range(args.steps):
+        x, y = data(step, rows)
+        start = time.perf_counter()
+        losses.append(trainer.step(x, y))
+        seconds.append(time.perf_counter() - start)
+        timelines.append(trainer.last_timeline)
+        if trainer.rank == 0 and not args.json:
+            print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.1f} ms", flush=True)
+    report = {
+        "strategy": getattr(schedule.strategy, "name", str(args.strategy)),
+        "model": args.model,
+        "shape": [trainer.world_size, trainer.program.num_stages, B],
+        "losses": losses,
+        "step_ms_median": 1e3 * float(sorted(seconds[1:] or seconds)[len(seconds[1:] or seconds) // 2]),
+    }
+    if trainer.rank == 0 and len(timelines) >= 3:
+        costs = calibrate_costs(timelines[1 : len(timelines) // 2 + 1])
+        measured = [t.latency for t in timelines[len(timelines) // 2 + 1 :]]
+        strategy = schedule.strategy
+        predicted = simulate(*schedule.shape, strategy, schedule.priority, costs=costs,
+                             memory_limit=schedule.memory_limit).latency
+        report["measured_ms"] = 1e3 * sorted(measured)[len(measured) // 2]
+        report["predicted_ms"] = 1e3 * predicted
+        report["prediction_error"] = abs(predicted - report["measured_ms"] / 1e3) / (report["measured_ms"] / 1e3)
+        if args.timeline:
+            trainer.last_timeline.save(args.timeline)
+            report["timeline"] = args.timeline
+    return report
+
+
+def _check(args, state: dict, S: int, B: int, data) -> float:
+    """Largest |difference| between the trained weights and one process doing the same on the whole batch."""
+    stages, loss_fn, _ = build(args.model, S)
+    model = nn.Sequential(*stages)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        x, y = data(step, B * args.rows_per_batch)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    reference = {f"{s}.{k}": v for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
+    return max(float((state[k] - reference[k]).abs().max()) for k in reference)
+
+
+def _print(args, report: dict, schedule) -> None:
+    if args.json:
+        print(json.dumps(report))
+        return
+    W, S, B = report["shape"]
+    print(f"{report['strategy']} on {W} ranks, {S} stages, {B} micro-batches ({report['model']}): "
+          f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, median step {report['step_ms_median']:.1f} ms")
+    if "measured_ms" in report:
+        print(f"measured step latency {report['measured_ms']:.1f} ms, simulator with calibrated costs "
+              f"{report['predicted_ms']:.1f} ms (error {report['prediction_error']:.1%})")
+    if "max_difference_vs_one_process" in report:
+        print(f"largest difference from one process: {report['max_difference_vs_one_process']:.2e}")
+    if "timeline" in report:
+        print(f"measured timeline saved to {report['timeline']}")
+    if not math.isfinite(report["losses"][-1]):
+        print("the loss is not finite", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from unisched import epl
@@ -99,9 +100,9 @@ def pipeline(world, **more):
     return x, y, nn.CrossEntropyLoss()
 
 
-def resnet_classifier(world):
+def resnet_classifier(world, **more):
     """Seed: ``replicate(n)`` ResNet + ``split(n)`` classifier, colocated."""
-    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True, **more}))
     with epl.replicate(2):
         TinyResNet(8)
     with epl.split(2):
@@ -151,6 +152,14 @@ def pipeline_zero(world):
     return pipeline(world, **{"zero.level": "v1"})
 
 
+def resnet_classifier_zero(world):
+    """The classification snippet with ``zero.level: v1`` and Adam: optimizer state sharded."""
+    return resnet_classifier(world, **{"zero.level": "v1"})
+
+
+resnet_classifier_zero.optimizer = torch.optim.Adam
+
+
 SCENARIOS = {
     2: [("data_parallel", data_parallel, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
         ("moe", moe, "auto")],
@@ -160,6 +169,7 @@ SCENARIOS = {
         ("pipeline_on_groups", pipeline, "groups"),
         ("pipeline_zero", pipeline_zero, "schedule"),
         ("resnet_classifier", resnet_classifier, "auto"),
+        ("resnet_classifier_zero", resnet_classifier_zero, "auto"),
         ("moe", moe, "auto"),
         ("replicate_then_split_apart", replicate_then_split_apart, "auto"),
         ("regression_apart", regression_apart, "auto"),
@@ -174,8 +184,9 @@ def run_scenario(build, world, runtime="auto") -> dict:
     with env.paused():
         reference = nn.ModuleList(copy.deepcopy(t.module()) for t in env.taskgraphs)
     initial = copy.deepcopy(reference.state_dict())
-    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.SGD(params, lr=0.2), runtime=runtime)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    optimizer = getattr(build, "optimizer", torch.optim.SGD)
+    trainer = epl.Trainer(loss_fn, lambda params: optimizer(params, lr=0.2), runtime=runtime)
+    reference_optimizer = optimizer(reference.parameters(), lr=0.2)
     losses, reference_losses = [], []
     for step in range(STEPS):
         losses.append(trainer.step(inputs, targets))
@@ -201,7 +212,15 @@ def run_scenario(build, world, runtime="auto") -> dict:
         "split_groups": {int(k): [list(g) for g in v] for k, v in trainer.strategy.params["split_groups"].items()},
         "sharded": {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
         "runtime": trainer.runtime,
+        "optimized": _optimized_elements((trainer.scheduled or trainer).optimizer),
     }
+
+
+def _optimized_elements(optimizer) -> int:
+    """How many numbers this rank's optimizer updates (and keeps state for)."""
+    if optimizer is None:
+        return 0
+    return sum(p.numel() for group in optimizer.param_groups for p in group["params"])
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -212,6 +231,9 @@ def _worker(rank: int, world: int) -> dict:
             results[name] = run_scenario(build, world, runtime)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, "error" in results[name])
+        if any(verdicts):
             break
     return results
 
@@ -284,3 +306,11 @@ def test_split_apart_uses_the_other_devices(four):
     assert four[0]["replicate_then_split_apart"]["sharded"]["0.weight"] == [16, 8]
     assert [four[r]["replicate_then_split_apart"]["sharded"]["0.weight"] for r in (2, 3)] == [[8, 8]] * 2
     assert [four[r]["replicate_then_split_apart"]["sharded"]["2.weight"] for r in (2, 3)] == [[8, 8]] * 2
+
+
+def test_zero_shards_the_optimizer_state(four):
+    check(four, "resnet_classifier_zero")
+    sharded = [r["resnet_classifier_zero"]["optimized"] for r in four]
+    whole = [r["resnet_classifier"]["optimized"] for r in four]
+    assert all(z * 2 <= w + 2 for z, w in zip(sharded, whole))
+    assert all(z < w for z, w in zip(sharded, whole))

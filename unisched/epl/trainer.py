@@ -122,7 +122,9 @@ class Trainer:
             if self.placement.stages[s].kind == SPLIT:
                 with self.env.paused():
                     self.stages[s] = split_module(self.stages[s], group, self.plans[s])
-        parameters = [p for s in self.segment for p in self.stages[s].parameters()]
+        self.shards = _zero_shards(self) if self.config.zero.level == "v1" else {}
+        parameters = [p for s in self.segment if s not in self.shards for p in self.stages[s].parameters()]
+        parameters += [shard.parameter for shard in self.shards.values()]
         self.optimizer = optimizer(parameters)
 
     # ------------------------------------------------------------------ layout of the run
@@ -192,8 +194,14 @@ class Trainer:
         for work in pending:
             work.wait()
         self._reduce_gradients()
+        for shard in self.shards.values():
+            shard.take_gradient()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for shard in self.shards.values():
+            shard.write_back()
+        for s in self.shards:
+            self.stages[s].zero_grad(set_to_none=True)
         if _distributed():
             dist.all_reduce(contribution)
         return float(contribution)
@@ -290,6 +298,52 @@ class Trainer:
         from unisched.epl.placement import simulate_placement
 
         return simulate_placement(self.placement, self.config, costs, **options)
+
+
+# ---------------------------------------------------------------------- ZeRO
+class _Shard:
+    """``zero.level: v1`` on the groups runtime: the optimizer of one stage
+    sees only this rank's 1/n of the stage's flattened parameters (n = the
+    copies that all-reduce their gradients), so its state is sharded; after
+    the step the shards are all-gathered back into every copy."""
+
+    def __init__(self, parameters: list[nn.Parameter], ranks: tuple[int, ...], process_group, rank: int):
+        self.parameters = parameters
+        self.process_group = process_group
+        self.count = len(ranks)
+        self.index = ranks.index(rank)
+        total = sum(p.numel() for p in parameters)
+        self.size = -(-total // self.count)
+        flat = self._flat([p.detach() for p in parameters])
+        self.parameter = nn.Parameter(flat[self.index * self.size : (self.index + 1) * self.size].clone())
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return F.pad(flat, (0, self.size * self.count - len(flat)))
+
+    def take_gradient(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
+        self.parameter.grad = self._flat(grads)[self.index * self.size : (self.index + 1) * self.size].clone()
+
+    def write_back(self) -> None:
+        parts = [torch.empty_like(self.parameter.data) for _ in range(self.count)]
+        dist.all_gather(parts, self.parameter.data.contiguous(), group=self.process_group)
+        flat = torch.cat(parts)
+        offset = 0
+        with torch.no_grad():
+            for p in self.parameters:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def _zero_shards(trainer: "Trainer") -> dict[int, _Shard]:
+    shards = {}
+    for s in trainer.segment:
+        ranks = _gradient_ranks(trainer.placement, s, trainer.rank)
+        parameters = list(trainer.stages[s].parameters())
+        if len(ranks) > 1 and parameters:
+            shards[s] = _Shard(parameters, ranks, trainer._process_groups[ranks], trainer.rank)
+    return shards
 
 
 # ---------------------------------------------------------------------- model assembly

@@ -8,7 +8,7 @@ and record what ran when as a measured Timeline.
 """
 
 from unisched.execute.faults import CommunicationError, ExecutionError, NonFiniteLossError
-from unisched.execute.measure import calibrate_costs
+from unisched.execute.measure import calibrate_costs, predict
 from unisched.execute.program import Action, Message, Program, ProgramError, compile_program, parse_action
 from unisched.execute.runtime import Trainer
 
@@ -24,4 +24,5 @@ __all__ = [
     "calibrate_costs",
     "compile_program",
     "parse_action",
+    "predict",
 ]

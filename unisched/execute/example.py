@@ -181,8 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args, trainer, schedule, data, B: int) -> dict:
-    from unisched import simulate
-    from unisched.execute import calibrate_costs
+    from unisched.execute import calibrate_costs, predict
 
     rows = B * args.rows_per_batch
     losses, seconds, timelines = [], [], []
@@ -204,9 +203,7 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
     if trainer.rank == 0 and len(timelines) >= 3:
         costs = calibrate_costs(timelines[1 : len(timelines) // 2 + 1])
         measured = [t.latency for t in timelines[len(timelines) // 2 + 1 :]]
-        strategy = schedule.strategy
-        predicted = simulate(*schedule.shape, strategy, schedule.priority, costs=costs,
-                             memory_limit=schedule.memory_limit).latency
+        predicted = predict(schedule, costs).latency
         report["measured_ms"] = 1e3 * sorted(measured)[len(measured) // 2]
         report["predicted_ms"] = 1e3 * predicted
         report["prediction_error"] = abs(predicted - report["measured_ms"] / 1e3) / (report["measured_ms"] / 1e3)

@@ -197,6 +197,28 @@ def calibrate_costs(
     return Costs(**fields)
 
 
+def predict(simulation, costs: Costs):
+    """Re-simulate ``simulation``'s schedule (strategy, priority, memory
+    limit, split backward) with ``costs``, e.g. calibrated ones.  A memory
+    limit given in stash units stays in units: the calibrated sizes are
+    dropped from the costs then, as they would turn the limit into bytes."""
+    from dataclasses import replace
+
+    from unisched.simulate import simulate
+
+    if simulation.memory_limit is not None and not simulation.costs.has_sizes:
+        costs = replace(costs, activation_bytes=0.0)
+    return simulate(
+        *simulation.shape,
+        simulation.strategy,
+        simulation.priority,
+        costs=costs,
+        memory_limit=simulation.memory_limit,
+        split_backward=simulation.timeline.split_backward,
+        stage_graph=simulation.stage_graph,
+    )
+
+
 def _item_overhead(timelines: Sequence[Timeline]) -> float:
     """Median gap between consecutive items of a worker when no transfer to it ended in the gap."""
     gaps = []
@@ -225,4 +247,4 @@ def _message_latency(timelines: Sequence[Timeline]) -> float:
     return float(np.percentile(spans, 25)) if spans else 0.0
 
 
-__all__ = ["Clock", "RankNotes", "assemble", "calibrate_costs"]
+__all__ = ["Clock", "RankNotes", "assemble", "calibrate_costs", "predict"]

@@ -18,7 +18,9 @@ worker).  Everything a rank must do follows from that, as in DESIGN.md §1:
 - ``2w>3`` / ``2w<1``: serve / fetch stage 2's weights;
 - ``2r>1`` / ``2r<3``: return stage 2's accumulated gradient to its weight
   worker / accept it there;
-- ``2R[0,1]``: all-reduce stage 2's gradient among its replicas 0 and 1;
+- ``2R[0,1]``: post the all-reduce of stage 2's gradient among its replicas
+  0 and 1 (as soon as this rank's gradient of stage 2 is final, so that it
+  overlaps the rest of the backward; awaited at the end);
 - ``2O``: step the optimizer of stage 2 (on its weight workers).
 
 Sends are posted right after the work that produces them; receives are
@@ -204,6 +206,7 @@ def compile_program(
 
     replicas = [tuple(sorted({weight[w] for w in compute if w.stage == s})) for s in range(S)]
     builder = _Builder(W)
+    builder.replicas = replicas
     for rank, stage, source in _fetches(orders, weight, replicas):
         builder.message("w", source, rank, stage, -1, ("w", stage))
     for rank in range(W):
@@ -214,12 +217,13 @@ def compile_program(
             if work in returns:
                 builder.message("r", rank, returns[work], work.stage, -1, ("r", work.stage))
         builder.returns[rank] = returns
+    returned = {m.stage for m in builder.messages if m.letter == "r"}
+    builder.reduces = _reduce_points(orders, replicas, split, returned)
     for rank in range(W):
         builder.emit_rank(rank, orders[rank], compute, S, split, lookahead)
     for rank in range(W):
-        for s in range(S):
-            if rank in replicas[s] and len(replicas[s]) > 1:
-                builder.programs[rank].append(Action("R", s, group=replicas[s]))
+        for s in builder.reduces[rank].get(len(orders[rank]), []):
+            builder.programs[rank].append(Action("R", s, group=replicas[s]))
         for s in range(S):
             if rank in replicas[s]:
                 builder.programs[rank].append(Action("O", s))
@@ -289,6 +293,39 @@ def _returns(order, rank, weight, replicas, split) -> dict[Work, int]:
     return {work: weight[work] for work in last.values()}
 
 
+def _reduce_points(orders, replicas, split, returned: set[int]) -> list[dict[int, list[int]]]:
+    """Where each replica posts each stage's gradient all-reduce: per rank,
+    compute position -> stages to all-reduce right after that item (-1:
+    before the first, len(order): at the end).
+
+    The members of a replica set must post their all-reduces in one order;
+    it is the order in which the stages' gradients become final across the
+    set.  A rank posts a stage's all-reduce as soon as its own last
+    gradient pass of that stage is done (so the reduction overlaps the rest
+    of its backward) and every stage before it in that order is posted.
+    Stages that receive returned gradients are all-reduced at the end, after
+    the returns arrive."""
+    grads = BACKWARD_WEIGHT if split else BACKWARD
+    points: list[dict[int, list[int]]] = [defaultdict(list) for _ in orders]
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for s, group in enumerate(replicas):
+        if len(group) > 1:
+            groups[group].append(s)
+    for group, stages in groups.items():
+        last = {r: {} for r in group}
+        for r in group:
+            for i, work in enumerate(orders[r]):
+                if work.direction == grads and work.stage in stages:
+                    last[r][work.stage] = i
+        canonical = sorted(stages, key=lambda s: (max(last[r].get(s, -1) for r in group), s))
+        for r in group:
+            position = -1
+            for s in canonical:
+                position = len(orders[r]) if s in returned else max(position, last[r].get(s, -1))
+                points[r][position].append(s)
+    return points
+
+
 def _sends_after(work: Work, rank: int, compute, S: int, split: bool) -> list[tuple[str, int, tuple]]:
     """What ``work`` sends when it finishes on ``rank``: (letter, dst, key)."""
     b, s, d = work.batch, work.stage, Direction(work.direction)
@@ -343,6 +380,8 @@ class _Builder:
         self.channel_count: dict[tuple[int, int], int] = defaultdict(int)
         self.programs: dict[int, list[Action]] = {r: [] for r in range(num_ranks)}
         self.returns: dict[int, dict[Work, int]] = {}
+        self.reduces: list[dict[int, list[int]]] = []
+        self.replicas: list[tuple[int, ...]] = []
 
     def message(self, letter, src, dst, stage, batch, key) -> Message:
         """Messages are created in the order their sender posts them, so
@@ -388,6 +427,9 @@ class _Builder:
             return [self.by_dst_key[(rank, k)] for k in keys if (rank, k) in self.by_dst_key]
 
         returns = self.returns.get(rank, {})
+        reduces = self.reduces[rank]
+        for s in reduces.get(-1, []):
+            acts.append(Action("R", s, group=self.replicas[s]))
         for i, work in enumerate(order):
             for ahead in order[i : i + 1 + lookahead]:
                 for msg in inbound_of(ahead):
@@ -399,6 +441,8 @@ class _Builder:
             if work in returns:
                 msg = self.by_send[(rank, returns[work], "r", ("r", work.stage))]
                 acts.append(Action("r>", msg.stage, -1, msg.dst, msg.index))
+            for s in reduces.get(i, []):
+                acts.append(Action("R", s, group=self.replicas[s]))
         for src, queue in channels.items():
             if cursor[src] < len(queue):
                 post(queue[-1])
@@ -445,15 +489,19 @@ def validate(program: Program) -> None:
             for msg in needed:
                 if msg is not None and msg.index not in sent:
                     return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
-        elif action.op in "RO":
+        elif action.op == "R":
+            for msg in to_rank[rank]:
+                if msg.letter == "r" and msg.stage == action.stage and msg.index not in sent:
+                    return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
+            reached[action.stage].add(rank)
+        elif action.op == "O":
             for msg in to_rank[rank]:
                 if msg.index not in sent:
                     return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
-            if action.op == "R":
-                reached[action.stage].add(rank)
-                missing = [r for r in action.group if r not in reached[action.stage]]
-                if missing:
-                    return f"ranks {missing} to join the all-reduce of stage {action.stage}"
+            group = program.replicas[action.stage]
+            missing = [r for r in group if len(group) > 1 and r not in reached[action.stage]]
+            if missing:
+                return f"ranks {missing} to join the all-reduce of stage {action.stage}"
         return None
 
     progress = True

@@ -247,6 +247,8 @@ class Trainer:
                 self._post_recv(st, action)
             elif action.is_send:
                 self._post_send(st, action)
+            elif action.op == "R":
+                self._post_reduce(st, action)
         st.current = None
         return self._finish(st)
 
@@ -368,6 +370,32 @@ class Trainer:
             st.receives[index] = (start, time.perf_counter())
         return buffer
 
+    def _post_reduce(self, st, action: Action) -> None:
+        """Post the all-reduce of a stage's gradient among its replicas (after taking in returned gradients)."""
+        s = action.stage
+        for index in [i for i, (_, _, a) in st.pending.items() if a.op == "r<" and a.stage == s]:
+            self._accept(s, self._wait(st, index))
+        params = self._params[s]
+        flat = _flatten([_grad(p) for p in params], self.device)
+        try:
+            work = dist.all_reduce(flat, group=self._replica_groups[action.group], async_op=True)
+        except Exception as error:
+            raise CommunicationError(f"rank {self.rank} could not post {action} ({_first_line(error)})") from error
+        st.reductions.append((action, work, flat, time.perf_counter()))
+
+    def _accept(self, s: int, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, chunk in zip(self._params[s], _split(flat, self._params[s])):
+                p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
+
+    def _collective(self, run: Callable[[], Any], what: str) -> None:
+        try:
+            run()
+        except Exception as error:
+            raise CommunicationError(
+                f"rank {self.rank} lost a peer in {what} ({_first_line(error)})"
+            ) from error
+
     def _load_weights(self, st, s: int) -> None:
         msg = self._fetch[s]
         if msg.index not in st.pending:
@@ -393,11 +421,20 @@ class Trainer:
                 ) from error
         st.outgoing.clear()
 
+        for action, work, flat, start in st.reductions:
+            self._collective(work.wait, f"the gradient all-reduce {action}")
+            params = self._params[action.stage]
+            for p, chunk in zip(params, _split(flat, params)):
+                p.grad = chunk
+            if self.record:
+                st.reduces.append((action.group, float(flat.numel() * flat.element_size()), start, time.perf_counter()))
+        st.reductions.clear()
+
         B = self.program.num_batches
         losses = torch.zeros(B, dtype=torch.float64)
         for b, loss in st.losses.items():
             losses[b] = float(loss)
-        dist.all_reduce(losses, group=self._control)
+        self._collective(lambda: dist.all_reduce(losses, group=self._control), "the all-reduce of the losses")
         bad = [b for b in range(B) if not math.isfinite(float(losses[b]))]
         if bad:
             for stage in self.stages:
@@ -408,21 +445,8 @@ class Trainer:
                 f"Lower the learning rate or check the inputs of that micro-batch"
             )
 
-        with torch.no_grad():
-            for s, flat in st.returned:
-                for p, chunk in zip(self._params[s], _split(flat, self._params[s])):
-                    p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
-            for group, pg in self._replica_groups.items():
-                if self.rank not in group:
-                    continue
-                params = [p for s in self._owned if self.program.replicas[s] == group for p in self._params[s]]
-                start = time.perf_counter()
-                flat = _flatten([_grad(p) for p in params], self.device)
-                dist.all_reduce(flat, group=pg)
-                for p, chunk in zip(params, _split(flat, params)):
-                    p.grad = chunk.clone()
-                if self.record:
-                    st.reduces.append((group, float(flat.numel() * flat.element_size()), start, time.perf_counter()))
+        for s, flat in st.returned:
+            self._accept(s, flat)
         if self.optimizer is not None:
             self.optimizer.step()
         for stage in self.stages:
@@ -503,6 +527,7 @@ class _StepState:
         self.pending: dict[int, tuple] = {}
         self.outgoing: list = []
         self.returned: list = []
+        self.reductions: list = []
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = Clock(trainer.device)
         self.items: list = []

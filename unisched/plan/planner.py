@@ -23,14 +23,15 @@ import numpy as np
 
 from unisched.errors import UniSchedError
 from unisched.simulate.costs import Costs
+from unisched.simulate.priorities import BackwardFirst
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
-from unisched.work import Shape
+from unisched.work import ComputeAndWeightWorkers, Direction, Shape, Work
 
 from unisched.plan.bounds import mapping_bounds, shape_bounds
 from unisched.plan.family import FamilyResult, Member, measures, registry_members, search_family
 from unisched.plan.mapping import incumbent_from, solve_mapping
-from unisched.plan.order import Solved, check_mapping_memory, solve_order
+from unisched.plan.order import Solved, check_mapping_memory, solve_order_staged
 from unisched.plan.planfile import Plan
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
@@ -98,7 +99,17 @@ def plan(
             candidates.append(candidate)
 
     fixed = strategy is not None
-    ordered = _ordering_targets(problem, timed, family, fixed)
+    if fixed:
+        ordered = _ordering_targets(problem, timed, family.members, True, 1)
+    else:
+        built = search_family(problem, constructed_members(problem))
+        for member in built.feasible:
+            candidate = _replayed(problem, member.label, "constructed", _schedule_of(problem, member))
+            if candidate is not None:
+                candidates.append(candidate)
+        ordered = _ordering_targets(problem, timed, family.feasible, False, ORDERED_MAPPINGS)
+        ordered += _ordering_targets(problem, timed, built.members, False, len(built.members))
+        ordered = _distinct(ordered)
     order_budget = (deadline - time.perf_counter()) * (1.0 if fixed else ORDER_SHARE)
     order_results: list[tuple[str, Solved]] = []
     for label, compute, weight, hint in ordered:
@@ -106,8 +117,8 @@ def plan(
         budget = min(left, order_budget / max(len(ordered), 1))
         if budget <= 0.05:
             break
-        solved = solve_order(timed, compute, weight, time_limit=budget, hint_starts=hint,
-                             num_workers=search_workers, seed=seed)
+        solved = solve_order_staged(timed, compute, weight, time_limit=budget, hint_starts=hint,
+                                    num_workers=search_workers, seed=seed)
         order_results.append((label, solved))
         if solved.found:
             schedule = Schedule.from_starts(problem, compute, weight, solved.starts, name=f"{label}+cpsat")
@@ -133,7 +144,7 @@ def plan(
     if not candidates:
         raise UniSchedError(_nothing_found(problem, family, order_results, strategy, time_limit))
     # on a tie, a named strategy beats a reordered one, which beats a new mapping
-    rank = {"family": 0, "cpsat-order": 1, "cpsat-mapping": 2}
+    rank = {"family": 0, "constructed": 1, "cpsat-order": 2, "cpsat-mapping": 3}
     best = min(enumerate(candidates), key=lambda ic: (round(ic[1].latency, 9), rank[ic[1].source], ic[0]))[1]
 
     if fixed:
@@ -186,20 +197,21 @@ def _replayed(problem: PlanProblem, label: str, source: str, schedule: Schedule,
     return Candidate(label, source, schedule, replay, model_latency, proven)
 
 
-def _ordering_targets(problem: PlanProblem, timed: TimedProblem, family: FamilyResult, fixed: bool):
-    """(label, compute, weight, hint ticks) for the mappings whose order CP-SAT improves."""
+def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[Member], fixed: bool,
+                      limit: int):
+    """(label, compute, weight, hint ticks) for the mappings whose order CP-SAT improves:
+    the first ``limit`` distinct mappings of ``members`` that can run under the memory limit."""
     targets = []
     seen = set()
-    members = family.members if fixed else family.feasible
     for member in members:
-        if member.strategy is None or len(targets) >= (1 if fixed else ORDERED_MAPPINGS):
+        if member.strategy is None or len(targets) >= limit:
             continue
         if member.simulation is not None:
             t = member.simulation.timeline
             rows = _rows_of(problem, t)
             compute, weight = t.worker[rows], t.weight_worker[rows]
             hint = np.array([timed.ticks(x) for x in t.start[rows]], dtype=np.int64)
-        elif fixed:
+        elif fixed or member.reason.startswith("deadlock"):
             compute, weight = _map(problem, member.strategy)
             hint = None
         else:
@@ -216,23 +228,43 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, family: FamilyR
             except UniSchedError:
                 continue
         targets.append((member.label, compute, weight, hint))
-    if not fixed:
-        targets += [t for t in _constructed(problem) if t[1].tobytes() + t[2].tobytes() not in seen]
     return targets
 
 
-def _constructed(problem: PlanProblem):
+def _distinct(targets):
+    seen, kept = set(), []
+    for target in targets:
+        key = target[1].tobytes() + target[2].tobytes()
+        if key not in seen:
+            seen.add(key)
+            kept.append(target)
+    return kept
+
+
+def constructed_members(problem: PlanProblem) -> list[tuple[str, Strategy, str]]:
     """Mappings built here rather than taken from the registry, as further starting points:
     stages dealt round-robin (always feasible), and, with as many workers as stages, micro-batches
     alternating between the pipeline and its reverse (every worker then keeps long-lived stashes of
     early stages for half the micro-batches and short-lived ones of late stages for the others)."""
     W, S, B = problem.shape
-    batch, stage, _ = problem.item_arrays()
-    targets = [("stages round-robin", stage % W, stage % W, None)]
+    priority = BackwardFirst(S, B)
+
+    def member(label: str, compute_of) -> tuple[str, Strategy, str]:
+        def map_arrays(batch, stage, direction):
+            return compute_of(np.asarray(batch), np.asarray(stage)), np.asarray(stage) % W
+
+        def mapping(work: Work) -> ComputeAndWeightWorkers:
+            compute, weight = map_arrays(np.array([work.batch]), np.array([work.stage]), None)
+            return ComputeAndWeightWorkers(int(compute[0]), int(weight[0]))
+
+        return label, Strategy(mapping, name=label, priority=priority, map_arrays=map_arrays,
+                               shape=problem.shape), ""
+
+    members = [member("stages round-robin", lambda batch, stage: stage % W)]
     K = problem.max_stages_per_worker
     if W == S and W > 1 and B > 1 and (K is None or K >= 2):
-        targets.append(("bidirectional", np.where(batch % 2 == 0, stage, S - 1 - stage), stage.copy(), None))
-    return targets
+        members.append(member("bidirectional", lambda batch, stage: np.where(batch % 2 == 0, stage, S - 1 - stage)))
+    return members
 
 
 def _rows_of(problem: PlanProblem, t) -> np.ndarray:
@@ -246,8 +278,6 @@ def _rows_of(problem: PlanProblem, t) -> np.ndarray:
 
 
 def _map(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
-    from unisched.work import Direction, Work
-
     batch, stage, direction = problem.item_arrays()
     if strategy.map_arrays is not None:
         compute, weight = strategy.map_arrays(batch, stage, direction)

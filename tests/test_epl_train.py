@@ -152,6 +152,16 @@ def pipeline_zero(world):
     return pipeline(world, **{"zero.level": "v1"})
 
 
+def parameterless_first_stage(world):
+    """A first TaskGraph without parameters: its output needs no gradient."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2}))
+    with epl.replicate(1, name="flatten"):
+        nn.Sequential(nn.Flatten(), nn.Tanh())
+    with epl.replicate(1, name="head"):
+        mlp(6, 8, 3)
+    return torch.randn(8, 2, 3), torch.randint(0, 3, (8,)), nn.CrossEntropyLoss()
+
+
 def resnet_classifier_zero(world):
     """The classification snippet with ``zero.level: v1`` and Adam: optimizer state sharded."""
     return resnet_classifier(world, **{"zero.level": "v1"})
@@ -173,6 +183,7 @@ SCENARIOS = {
         ("moe", moe, "auto"),
         ("replicate_then_split_apart", replicate_then_split_apart, "auto"),
         ("regression_apart", regression_apart, "auto"),
+        ("parameterless_first_stage", parameterless_first_stage, "groups"),
     ],
 }
 
@@ -314,3 +325,24 @@ def test_zero_shards_the_optimizer_state(four):
     whole = [r["resnet_classifier"]["optimized"] for r in four]
     assert all(z * 2 <= w + 2 for z, w in zip(sharded, whole))
     assert all(z < w for z, w in zip(sharded, whole))
+
+
+def _indivisible_split(rank: int, world: int) -> str:
+    epl.init()
+    with epl.replicate(1, name="body"):
+        mlp(4, 8)
+    with epl.split(2, name="head"):
+        nn.Linear(8, 5)
+    try:
+        epl.Trainer(nn.CrossEntropyLoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_setup_error_on_some_ranks_stops_every_rank():
+    outcome = run_local(_indivisible_split, 3, timeout=60)
+    assert [r.error for r in outcome] == [None] * 3
+    messages = [r.value for r in outcome]
+    assert messages[0].startswith("ScopeError: rank 1 could not set up")
+    assert all("5 output features" in m and "2 devices" in m for m in messages)

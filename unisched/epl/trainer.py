@@ -117,15 +117,19 @@ class Trainer:
         }
         self._process_groups = _make_process_groups(self.placement)
         self.replica, self.segment = self._my_segment()
-        for s in self.segment:
-            group = self.group(self.replica, s)
-            if self.placement.stages[s].kind == SPLIT:
-                with self.env.paused():
-                    self.stages[s] = split_module(self.stages[s], group, self.plans[s])
-        self.shards = _zero_shards(self) if self.config.zero.level == "v1" else {}
-        parameters = [p for s in self.segment if s not in self.shards for p in self.stages[s].parameters()]
-        parameters += [shard.parameter for shard in self.shards.values()]
-        self.optimizer = optimizer(parameters)
+        try:
+            for s in self.segment:
+                if self.placement.stages[s].kind == SPLIT:
+                    with self.env.paused():
+                        self.stages[s] = split_module(self.stages[s], self.group(self.replica, s), self.plans[s])
+            self.shards = _zero_shards(self) if self.config.zero.level == "v1" else {}
+            parameters = [p for s in self.segment if s not in self.shards for p in self.stages[s].parameters()]
+            parameters += [shard.parameter for shard in self.shards.values()]
+            self.optimizer = optimizer(parameters) if parameters else None
+        except Exception as error:
+            _agree(error)
+            raise
+        _agree(None)
 
     # ------------------------------------------------------------------ layout of the run
     def group(self, replica: int, stage: int) -> Group:
@@ -196,8 +200,9 @@ class Trainer:
         self._reduce_gradients()
         for shard in self.shards.values():
             shard.take_gradient()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         for shard in self.shards.values():
             shard.write_back()
         for s in self.shards:
@@ -243,13 +248,15 @@ class Trainer:
         group = self.group(self.replica, self.segment[-1])
         if stash.loss is not None:
             stash.loss.backward()
-        else:
+        elif stash.output.is_floating_point():
             source = self.placement.group(self.replica, segments[position + 1][0])[0]
             grad = _share(_recv(source) if group.index == 0 else None, group)
-            torch.autograd.backward(stash.output, _own_rows(grad, group) if stash.layout == ROWS else grad)
+            if stash.output.requires_grad:
+                torch.autograd.backward(stash.output, _own_rows(grad, group) if stash.layout == ROWS else grad)
         if stash.leaf is not None and self.group(self.replica, self.segment[0]).index == 0:
             destination = self.placement.group(self.replica, segments[position - 1][-1])[0]
-            pending.extend(_send(stash.leaf.grad, destination))
+            grad = stash.leaf.grad if stash.leaf.grad is not None else torch.zeros_like(stash.leaf)
+            pending.extend(_send(grad, destination))
 
     def _reduce_gradients(self) -> None:
         for s in self.segment:
@@ -362,6 +369,19 @@ def pass_order(num_micro: int, num_segments: int, position: int, strategy: str) 
     for m in range(num_micro - ahead):
         order += [("F", ahead + m), ("B", m)]
     return order + [("B", m) for m in range(num_micro - ahead, num_micro)]
+
+
+def _agree(error: Exception | None) -> None:
+    """Every rank learns whether any rank failed to set up, so all stop
+    together instead of waiting for each other in the first step."""
+    if not _distributed():
+        return
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, message) for rank, message in enumerate(verdicts) if message is not None]
+    if failed and error is None:
+        rank, message = failed[0]
+        raise ScopeError(f"rank {rank} could not set up its part of the model: {message}")
 
 
 def _pick_runtime(runtime: str, placement: Placement, config) -> str:

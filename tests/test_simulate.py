@@ -6,7 +6,7 @@ import math
 import networkx as nx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import unisched
@@ -519,3 +519,30 @@ def test_fixed_orders_follow_the_backward_form_asked_for():
     split_order = {0: [Work(0, 0, FORWARD), Work(0, 0, BACKWARD_INPUT), Work(0, 0, BACKWARD_WEIGHT)]}
     joined = simulate(1, 1, 1, strategy.with_(worker_orders=split_order, split_backward=True), split_backward=False)
     assert joined.timeline.worker_order(0) == order[0]
+
+
+GANG_CASE = (2, 4, 4, "10000101000010001110100001110001", {2})
+"""A gang item made ready while its leader was busy, and its partner busier."""
+
+
+@settings(max_examples=30, deadline=None)
+@given(W=st.integers(2, 4), S=st.integers(1, 4), B=st.integers(1, 4), seed=st.integers(0, 2**31))
+@example(W=2, S=4, B=4, seed=-1)
+def test_random_gangs_never_overlap_their_workers(W, S, B, seed):
+    rng = np.random.default_rng(abs(seed))
+    table = {w: int(rng.integers(W)) for w in unisched.all_work(S, B)}
+    ganged = {s for s in range(S) if rng.random() < 0.5}
+    if seed == -1:
+        table = {w: int(c) for w, c in zip(unisched.all_work(S, B), GANG_CASE[3])}
+        ganged = GANG_CASE[4]
+    strategy = unisched.Strategy(
+        lambda w: ComputeAndWeightWorkers(0 if w.stage in ganged else table[w], 0),
+        gang=lambda w: (0, 1) if w.stage in ganged else None,
+    )
+    t = simulate(W, S, B, strategy).timeline
+    assert_valid_timeline(t)
+    rows, workers = t.occupancy()
+    for w in range(W):
+        mine = rows[workers == w]
+        spans = sorted(zip(t.start[mine], t.end[mine]))
+        assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:])), f"worker {w} overlaps"

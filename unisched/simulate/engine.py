@@ -124,7 +124,7 @@ def run(p: Problem):
                 nxt_worker = worker[nxt]
                 nxt_key = trigger_rank[nxt]
                 at = ready[nxt]
-                if at < free[nxt_worker]:
+                if at < free[nxt_worker] and gang_of[nxt] < 0:
                     queue = late[nxt_worker]
                     heappush(queue, (nxt_key, nxt))
                     if queue[0][1] == nxt:

@@ -3,6 +3,7 @@ on 2 gloo processes (one launch runs every check)."""
 
 from __future__ import annotations
 
+import copy
 import traceback
 
 import pytest
@@ -133,7 +134,58 @@ def check_sharded_cross_entropy(group: Group) -> float:
     return float(max((loss - expected).abs(), (shard.grad - expected_shard_grad).abs().max()))
 
 
-CHECKS = [check_column_row_pair, check_gathered_column, check_sharded_cross_entropy]
+def random_model(generator: torch.Generator) -> nn.Sequential:
+    """A Sequential of Linear layers (even widths), element-wise layers and LayerNorms."""
+    width = first_width = 2 * int(torch.randint(1, 5, (), generator=generator))
+    layers: list[nn.Module] = []
+    for _ in range(int(torch.randint(2, 7, (), generator=generator))):
+        kind = int(torch.randint(0, 4, (), generator=generator))
+        if kind <= 1:
+            out = 2 * int(torch.randint(1, 6, (), generator=generator))
+            layers.append(nn.Linear(width, out))
+            width = out
+        elif kind == 2:
+            layers.append(nn.GELU() if torch.rand((), generator=generator) < 0.5 else nn.Tanh())
+        else:
+            layers.append(nn.LayerNorm(width))
+    model = nn.Sequential(*layers, nn.Linear(width, 6))
+    model.in_features = first_width
+    return model
+
+
+def check_random_models(group: Group) -> float:
+    """Random layer sequences, with and without a class-sharded classifier."""
+    generator = torch.Generator().manual_seed(4)
+    diffs = []
+    for _ in range(12):
+        model = random_model(generator)
+        torch.manual_seed(int(torch.randint(0, 10**6, (), generator=generator)))
+        for layer in model:
+            if isinstance(layer, nn.LayerNorm):
+                nn.init.normal_(layer.weight)
+        reference = copy.deepcopy(model)
+        classifier = bool(torch.rand((), generator=generator) < 0.5)
+        plan = split_plan(model, classifier=classifier)
+        split_module(model, group, plan)
+        x = torch.randn(5, model.in_features)
+        target = torch.randint(0, 6, (5,))
+        out = model(x)
+        if classifier and plan[-1].style == CLASS:
+            loss = sharded_cross_entropy(out, target, group, group.index * 3)
+        else:
+            loss = F.cross_entropy(out, target)
+        expected = F.cross_entropy(reference(x), target)
+        loss.backward()
+        expected.backward()
+        diffs.append((loss - expected).abs())
+        dims = shard_dims(plan)
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            whole = q.grad.chunk(group.size, dim=dims[name])[group.index] if name in dims else q.grad
+            diffs.append((p.grad - whole).abs().max())
+    return float(max(diffs))
+
+
+CHECKS = [check_column_row_pair, check_gathered_column, check_sharded_cross_entropy, check_random_models]
 
 
 def _worker(rank: int, world: int) -> dict:

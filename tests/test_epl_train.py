@@ -89,6 +89,24 @@ def data_parallel(world):
     return x, y, nn.CrossEntropyLoss()
 
 
+def default_data_parallel(world):
+    """Seed: ``epl.set_default_strategy(epl.replicate(device_count=1)); model()``."""
+    epl.init()
+    epl.set_default_strategy(epl.replicate(device_count=1))
+    mlp(6, 16, 3)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
+def split_whole_model(world):
+    """Seed: ``with epl.split(device_count=n): model()`` (n = 2 here)."""
+    epl.init()
+    with epl.split(device_count=2):
+        nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 6), nn.LayerNorm(6), nn.Linear(6, 4))
+    x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
 def pipeline(world, **more):
     """Seed: two stages, ``pipeline.num_micro_batch`` 4 (on 4 ranks: 2-way DP over the pipeline)."""
     epl.init(epl.Config({"pipeline.num_micro_batch": 4, **more}))
@@ -171,10 +189,12 @@ resnet_classifier_zero.optimizer = torch.optim.Adam
 
 
 SCENARIOS = {
-    2: [("data_parallel", data_parallel, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
+    2: [("data_parallel", data_parallel, "auto"), ("default_data_parallel", default_data_parallel, "auto"),
+        ("split_whole_model", split_whole_model, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
         ("moe", moe, "auto")],
     4: [
         ("data_parallel", data_parallel, "auto"),
+        ("split_whole_model", split_whole_model, "auto"),
         ("pipeline", pipeline, "auto"),
         ("pipeline_on_groups", pipeline, "groups"),
         ("pipeline_zero", pipeline_zero, "schedule"),
@@ -303,6 +323,14 @@ def test_classifier_is_sharded_over_classes(two, four):
     assert result["data_parallel"] == 2
     assert result["split_groups"] == {1: [[0, 1], [2, 3]]}
     assert [r["resnet_classifier"]["sharded"]["bias"] for r in four] == [[6]] * 4
+
+
+def test_split_whole_model(two, four):
+    assert check(two, "split_whole_model")["split_groups"] == {0: [[0, 1]]}
+    assert two[1]["split_whole_model"]["sharded"]["0.weight"] == [8, 6]
+    assert two[1]["split_whole_model"]["sharded"]["2.weight"] == [6, 8]
+    assert two[1]["split_whole_model"]["sharded"]["4.weight"] == [2, 6]
+    assert check(four, "split_whole_model")["split_groups"] == {0: [[0, 1], [2, 3]]}
 
 
 def test_moe_experts_split_over_every_rank(four):

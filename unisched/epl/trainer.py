@@ -16,7 +16,8 @@ the same initial weights) and then keeps the parts its rank runs.  One step:
 3. after the backward passes of all micro-batches, each parameter's gradient
    is summed over the devices that hold a copy of it and saw other rows (the
    data-parallel replicas, and the members of a ``replicate(k)`` group), and
-   the optimizer steps.
+   the optimizer steps (with ``zero.level: v1``, each device's optimizer
+   holds only its shard of those copies, see :class:`_Shard`).
 
 Every micro-batch's loss is weighted by its share of the global batch, so the
 gradients are those of the mean loss over the global batch, as in
@@ -79,10 +80,12 @@ class Trainer:
     the simulated compiled strategy to :class:`unisched.Trainer`, which follows
     the schedule's order item by item (1F1B for ``PreferBackward``, weight
     fetches for ``zero.level: v1``); ``"groups"`` is this module's runtime,
-    which also runs groups of devices (``replicate(k > 1)``, ``split``) and
-    host offload.  ``"auto"`` takes ``"schedule"`` whenever it can run the
-    placement (every TaskGraph on one device per replica, no offload, a
-    process group set up) and ``"groups"`` otherwise.
+    which also runs groups of devices (``replicate(k > 1)``, ``split``),
+    shards optimizer state for ``zero.level: v1``, and runs placements with
+    ``offload.level`` set without offloading.  ``"auto"`` takes
+    ``"schedule"`` whenever it can run the placement (every TaskGraph on one
+    device per replica, no offload, a process group set up) and ``"groups"``
+    otherwise.  ``options`` (e.g. ``timeout``) go to :class:`unisched.Trainer`.
     """
 
     def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto", **options):

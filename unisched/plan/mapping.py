@@ -34,6 +34,9 @@ from unisched.work import FORWARD
 
 WHOLE_MODEL_LIMIT = 160
 """Above this many (stage, batch) pairs the whole model is too slow to improve: use LNS."""
+LNS_PAIRS = 64
+"""(stage, batch) pairs whose workers one LNS round frees."""
+LNS_ROUND_SECONDS = 4.0
 
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], float]
@@ -84,8 +87,8 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     rng = random.Random(seed)
     W, S, B = timed.shape
     best = hint
-    window = max(2, min(B, WHOLE_MODEL_LIMIT // (2 * S)))
-    round_limit = max(1.0, min(8.0, time_limit / 6))
+    window = max(2, min(B, LNS_PAIRS // S))
+    round_limit = max(1.0, min(LNS_ROUND_SECONDS, time_limit / 6))
     whole = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, num_workers=num_workers,
                    seed=seed, score=score)
     bound = whole.bound
@@ -232,11 +235,11 @@ def _solve(
 
     _memory(model, timed, x, start, end, horizon)
 
-    for b in range(B - 1):
-        model.add(start[problem.item(b, 0, FORWARD)] <= start[problem.item(b + 1, 0, FORWARD)])
-    symmetric_workers = uniform and problem.costs.worker_speed is None and not problem.costs.links
-    if symmetric_workers and free_batches is None:
-        model.add(x[0, 0, 0] == 1)
+    if free_batches is None:
+        for b in range(B - 1):
+            model.add(start[problem.item(b, 0, FORWARD)] <= start[problem.item(b + 1, 0, FORWARD)])
+        if uniform and problem.costs.worker_speed is None and not problem.costs.links:
+            model.add(x[0, 0, 0] == 1)
 
     if hint is not None:
         _add_hint(model, timed, hint, x, owner, held, same, start, makespan)

@@ -12,9 +12,10 @@ stage per rank), same batch (64 rows, 8 micro-batches), same SGD:
 
 Rounds alternate between the systems so that a busy machine slows them
 alike; each figure is the median step time over all rounds, measured on rank
-0 between barriers.  Then unisched's costs are calibrated from recorded
-steps and the simulator's predicted latency is compared with the measured
-latency of later steps.  Ratios below 1.0 mean unisched is faster.
+0 between barriers.  Then, in more alternating rounds with recording on,
+unisched's costs are calibrated from every other step and the simulator's
+predicted latency is compared with the median measured latency of the steps
+in between.  Ratios below 1.0 mean unisched is faster.
 """
 
 from __future__ import annotations
@@ -137,20 +138,22 @@ def _bench(rank: int, world: int, config: dict) -> dict | None:
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
 
+    calibration = {name: [] for name in schedules}
+    held_out = {name: [] for name in schedules}
+    for _ in range(config["rounds"]):
+        for name in schedules:
+            trainer = systems[f"unisched {name}"].trainer
+            trainer.record = True
+            for step in range(2 * config["steps"]):
+                trainer.step(x, y)
+                (calibration if step % 2 == 0 else held_out)[name].append(trainer.last_timeline)
+            trainer.record = False
     predictions = {}
-    for name in ("gpipe", "one_f_one_b", "ddp"):
-        trainer = systems[f"unisched {name}"].trainer
-        trainer.record = True
-        recorded = []
-        for _ in range(2 * config["steps"]):
-            trainer.step(x, y)
-            recorded.append(trainer.last_timeline)
-        trainer.record = False
-        if rank == 0:
-            half = len(recorded) // 2
-            costs = calibrate_costs(recorded[:half])
-            predicted = predict(schedules[name], costs).latency
-            measured = statistics.median(t.latency for t in recorded[half:])
+    if rank == 0:
+        for name, schedule in schedules.items():
+            costs = calibrate_costs(calibration[name])
+            predicted = predict(schedule, costs).latency
+            measured = statistics.median(t.latency for t in held_out[name])
             predictions[name] = {"predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured,
                                  "error": abs(predicted - measured) / measured}
     if rank != 0:

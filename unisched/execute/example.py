@@ -60,24 +60,25 @@ def transformer_stages(num_stages: int, width: int = 32, heads: int = 4, vocab: 
     return [_Block(width, heads, vocab, seq, s == 0, s == num_stages - 1) for s in range(num_stages)]
 
 
-def build(model: str, num_stages: int, seed: int = 0):
-    """Stages, loss function and a data maker ``step -> (inputs, targets)`` for a full batch of ``rows``."""
+def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
+    """Stages, loss function and a data maker ``step -> (inputs, targets)`` for a full batch of ``rows``
+    (two batches in turn, so that the loss visibly falls within a few steps)."""
     torch.manual_seed(seed)
     if model == "mlp":
-        stages = mlp_stages(num_stages)
-        teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(seed + 1))
+        stages = mlp_stages(num_stages, width)
+        teacher = torch.randn(width, 10, generator=torch.Generator().manual_seed(seed + 1))
 
         def data(step: int, rows: int):
-            g = torch.Generator().manual_seed(1000 + step)
-            x = torch.randn(rows, 64, generator=g)
+            g = torch.Generator().manual_seed(1000 + step % 2)
+            x = torch.randn(rows, width, generator=g)
             return x, (x @ teacher).argmax(dim=1)
 
         return stages, nn.functional.cross_entropy, data
     if model == "transformer":
-        stages = transformer_stages(num_stages)
+        stages = transformer_stages(num_stages, width=max(4, width // 4 * 4) if width != 64 else 32)
 
         def data(step: int, rows: int):
-            g = torch.Generator().manual_seed(1000 + step)
+            g = torch.Generator().manual_seed(1000 + step % 2)
             start = torch.randint(0, 16, (rows, 1), generator=g)
             stride = torch.randint(1, 4, (rows, 1), generator=g)
             tokens = (start + stride * torch.arange(13)) % 16
@@ -139,8 +140,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", "-S", type=int, help="pipeline stages (default: what the strategy needs)")
     p.add_argument("--batches", "-B", type=int, help="micro-batches (default: what the strategy needs)")
     p.add_argument("--rows-per-batch", type=int, default=8, help="rows per micro-batch (default 8)")
+    p.add_argument("--width", type=int, default=64, help="model width (default 64; the transformer uses 32)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default 0.2)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait or step may take (default 120)")
     p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
     p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
@@ -162,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _ensure_process_group(args.timeout)
         workers = dist.get_world_size()
         schedule, S, B = make_schedule(args, workers)
-        stages, loss_fn, data = build(args.model, S)
+        stages, loss_fn, data = build(args.model, S, args.width)
         trainer = Trainer(stages, schedule, loss_fn, lambda p: torch.optim.SGD(p, lr=args.lr), timeout=args.timeout)
         report = _train(args, trainer, schedule, data, B)
         if args.check:
@@ -215,7 +217,7 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
 
 def _check(args, state: dict, S: int, B: int, data) -> float:
     """Largest |difference| between the trained weights and one process doing the same on the whole batch."""
-    stages, loss_fn, _ = build(args.model, S)
+    stages, loss_fn, _ = build(args.model, S, args.width)
     model = nn.Sequential(*stages)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     for step in range(args.steps):

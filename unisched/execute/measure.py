@@ -153,7 +153,8 @@ def calibrate_costs(
     with :meth:`Trainer.calibrate`, which runs the profiling steps first.
     The latency is an estimate: a transfer's end is when its receiver got
     it, which is later than its arrival when the receiver was busy, so the
-    lower quartile of the spans is used.  With ``overhead``, the runtime's
+    lower quartile of the spans is used.  The bandwidth comes from the
+    gradient all-reduces (when there are replicas).  With ``overhead``, the runtime's
     own time per item (posting transfers, bookkeeping: the median gap
     between consecutive items of a worker that did not wait for data) is
     added to every item's duration, since the simulator has no such term.
@@ -194,6 +195,9 @@ def calibrate_costs(
     fields["weight_bytes"] = list(first.weight_bytes) if weight_bytes is None else weight_bytes
     if communication:
         fields["latency"] = _message_latency(timelines)
+        bandwidth = _allreduce_bandwidth(timelines)
+        if bandwidth is not None:
+            fields["bandwidth"] = bandwidth
     return Costs(**fields)
 
 
@@ -236,6 +240,22 @@ def _item_overhead(timelines: Sequence[Timeline]) -> float:
                     continue
                 gaps.append(max(hi - lo, 0.0))
     return float(np.median(gaps)) if gaps else 0.0
+
+
+def _allreduce_bandwidth(timelines: Sequence[Timeline]) -> float | None:
+    """Bytes per second of the gradient all-reduce: per step and worker, its
+    last posted all-reduce (the one that does not overlap compute)."""
+    rates = []
+    for t in timelines:
+        tr = t.transfers
+        rows = np.flatnonzero(tr.of_kind("allreduce"))
+        for w in np.unique(tr.src[rows]):
+            mine = rows[tr.src[rows] == w]
+            last = mine[np.argmax(tr.start[mine])]
+            span = tr.end[last] - tr.start[last]
+            if span > 0 and tr.nbytes[last] > 0:
+                rates.append(tr.nbytes[last] / span)
+    return float(np.median(rates)) if rates else None
 
 
 def _message_latency(timelines: Sequence[Timeline]) -> float:

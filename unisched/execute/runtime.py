@@ -110,6 +110,10 @@ class Trainer:
         owned_params = [p for s in self._owned for p in self._params[s]]
         self.optimizer = optimizer(owned_params) if owned_params else None
         self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
+        self._flat_grads = {
+            s: _flat_like(self._params[s], self.device)
+            for s in self._owned if len(program.replicas[s]) > 1 and self._params[s]
+        }
 
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
@@ -238,6 +242,10 @@ class Trainer:
     def _run(self, st: "_StepState") -> float:
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
+        for s, flat in self._flat_grads.items():
+            flat.zero_()
+            for p, view in zip(self._params[s], _split(flat, self._params[s])):
+                p.grad = view
         st.begin = st.clock.begin()
         for index, action in enumerate(self._actions):
             st.current = action
@@ -371,12 +379,16 @@ class Trainer:
         return buffer
 
     def _post_reduce(self, st, action: Action) -> None:
-        """Post the all-reduce of a stage's gradient among its replicas (after taking in returned gradients)."""
+        """Post the all-reduce of a stage's gradient among its replicas (after
+    taking in returned gradients).  Replicated stages keep their gradients
+    as views of one flat buffer, so it is reduced in place, without a copy."""
         s = action.stage
         for index in [i for i, (_, _, a) in st.pending.items() if a.op == "r<" and a.stage == s]:
             self._accept(s, self._wait(st, index))
         params = self._params[s]
-        flat = _flatten([_grad(p) for p in params], self.device)
+        flat = self._flat_grads.get(s)
+        if flat is None:
+            flat = _flatten([_grad(p) for p in params], self.device)
         try:
             work = dist.all_reduce(flat, group=self._replica_groups[action.group], async_op=True)
         except Exception as error:
@@ -424,10 +436,13 @@ class Trainer:
         for action, work, flat, start in st.reductions:
             self._collective(work.wait, f"the gradient all-reduce {action}")
             params = self._params[action.stage]
-            for p, chunk in zip(params, _split(flat, params)):
-                p.grad = chunk
+            if action.stage not in self._flat_grads:
+                for p, chunk in zip(params, _split(flat, params)):
+                    p.grad = chunk
             if self.record:
-                st.reduces.append((action.group, float(flat.numel() * flat.element_size()), start, time.perf_counter()))
+                n = len(action.group)
+                sent = 2 * (n - 1) / n * flat.numel() * flat.element_size()
+                st.reduces.append((action.group, sent, start, time.perf_counter()))
         st.reductions.clear()
 
         B = self.program.num_batches

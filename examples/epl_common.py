@@ -34,7 +34,9 @@ def train(rank: int, world: int, build: Build, steps: int) -> dict:
     trainer = epl.Trainer(loss_fn, lambda params: torch.optim.SGD(params, lr=0.2))
     losses = [trainer.step(inputs, targets) for _ in range(steps)]
     state = {name: tensor.numpy() for name, tensor in trainer.gather_state_dict().items()}
-    return {"losses": losses, "state": state, "runtime": trainer.runtime}
+    measured = trainer.last_timeline
+    return {"losses": losses, "state": state, "runtime": trainer.runtime,
+            "measured": None if measured is None else measured.to_text(color=False)}
 
 
 def reference(build: Build, world: int, steps: int) -> tuple[list[float], dict]:
@@ -77,6 +79,9 @@ def main(build: Build, world: int, doc: str) -> None:
     state = results[0]["state"]
     diff = max((torch.from_numpy(state[k]) - v).abs().max().item() for k, v in expected_state.items())
     print(f"runtime: {results[0]['runtime']}")
+    if results[0]["measured"]:
+        print("measured last step:")
+        print(results[0]["measured"])
     print("losses on", args.world, "processes:", " ".join(f"{x:.6f}" for x in results[0]["losses"]))
     print("losses in one process:  ", " ".join(f"{x:.6f}" for x in expected_losses))
     print(f"largest weight difference after {args.steps} steps: {diff:.2e}")

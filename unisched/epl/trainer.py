@@ -303,6 +303,12 @@ class Trainer:
                     state[f"{s}.{name}"] = whole
         return state
 
+    @property
+    def last_timeline(self):
+        """The measured Timeline of the last step (on rank 0, with the
+        ``"schedule"`` runtime; None otherwise)."""
+        return None if self.scheduled is None else self.scheduled.last_timeline
+
     def simulate(self, costs=None, **options):
         """Simulate this trainer's compiled strategy (see :func:`unisched.epl.simulate`)."""
         from unisched.epl.placement import simulate_placement

@@ -20,7 +20,7 @@ from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
 
-from unisched.plan.problem import PlanProblem
+from unisched.plan.problem import PlanInputError, PlanProblem
 
 
 @dataclass(eq=False)
@@ -81,15 +81,38 @@ def registry_members(problem: PlanProblem, only: str | None = None) -> Iterable[
 
     W, S, B = problem.shape
     if only is not None:
-        entry = policies.entry(only)
-        yield entry.name, policies.get(entry.name, W, S, B), ""
+        name, params = parse_label(only)
+        entry = policies.entry(name)
+        yield label_of(entry.name, params), policies.get(entry.name, W, S, B, **params), ""
         return
     for name, params in policies.variants(W, S, B):
-        label = name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+        label = label_of(name, params)
         try:
             yield label, policies.get(name, W, S, B, **params), ""
         except UniSchedError as error:
             yield label, None, str(error)
+
+
+def label_of(name: str, params: dict) -> str:
+    """``name(k=v, ...)``, the form the table prints and ``--strategy`` accepts."""
+    return name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+
+
+def parse_label(text: str) -> tuple[str, dict[str, str]]:
+    """Inverse of :func:`label_of`; values stay strings for the registry to coerce."""
+    text = text.strip()
+    if "(" not in text:
+        return text, {}
+    name, _, rest = text.partition("(")
+    if not rest.endswith(")"):
+        raise PlanInputError(f"cannot read strategy {text!r}; write NAME or NAME(key=value, ...), e.g. looped(group_size=2)")
+    params = {}
+    for part in filter(None, (p.strip() for p in rest[:-1].split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise PlanInputError(f"strategy parameter {part!r} in {text!r} must be key=value")
+        params[key.strip()] = value.strip()
+    return name.strip(), params
 
 
 def search_family(

@@ -117,6 +117,7 @@ def plan(
         budget = min(left, order_budget / max(len(ordered), 1))
         if budget <= 0.05:
             break
+        _say(progress, f"CP-SAT order of {label} ({budget:.1f} s) ...")
         solved = solve_order_staged(timed, compute, weight, time_limit=budget, hint_starts=hint,
                                     num_workers=search_workers, seed=seed)
         order_results.append((label, solved))
@@ -130,6 +131,7 @@ def plan(
     mapping_solved: Solved | None = None
     if not fixed and deadline - time.perf_counter() > 0.5:
         hint = _best_incumbent(timed, candidates)
+        _say(progress, f"CP-SAT mapping search ({deadline - time.perf_counter():.1f} s) ...")
         mapping_solved = solve_mapping(timed, time_limit=deadline - time.perf_counter(), hint=hint,
                                        num_workers=search_workers, seed=seed, score=_scorer(problem))
         if mapping_solved.found:
@@ -141,6 +143,7 @@ def plan(
             if candidate is not None:
                 candidates.append(candidate)
 
+    _say(progress, "")
     if not candidates:
         raise UniSchedError(_nothing_found(problem, family, order_results, strategy, time_limit))
     # on a tie, a named strategy beats a reordered one, which beats a new mapping
@@ -179,6 +182,12 @@ def plan(
         dropped=dropped,
         elapsed=time.perf_counter() - begin,
     )
+
+
+def _say(progress: TextIO | None, text: str) -> None:
+    if progress is not None:
+        progress.write(f"\r{text:<90}\r")
+        progress.flush()
 
 
 def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:

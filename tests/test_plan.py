@@ -262,3 +262,16 @@ def test_a_plan_compiles_into_executor_programs(tmp_path):
     result.save(path)
     program = compile_program(load_plan(path).simulate().timeline, num_stages=4, world_size=4)
     assert program is not None
+
+
+def test_strategy_with_parameters_and_progress_output():
+    import io
+
+    stream = io.StringIO()
+    result = plan(4, 4, 8, memory_limit=3, strategy="looped(group_size=2)", time_limit=4, progress=stream)
+    assert result.strategy_name.startswith("looped(group_size=2)")
+    family = [row["latency"] for row in result.candidates if row["source"] == "family"]
+    assert result.latency <= min(family)
+    assert "family search" in stream.getvalue() and "CP-SAT order" in stream.getvalue()
+    with pytest.raises(PlanInputError, match="key=value"):
+        plan(4, 4, 8, strategy="looped(group_size)", time_limit=2)

@@ -27,8 +27,8 @@ from unisched.epl.scopes import (
     replicate,
     set_default_strategy,
     split,
-    world_size,
 )
+from unisched.epl.scopes import world_size as current_world_size
 from unisched.epl.tensor_parallel import (
     ClassParallelLinear,
     ColumnParallelLinear,
@@ -48,7 +48,7 @@ def placement(world_size: int | None = None) -> Placement:
     """Where the TaskGraphs annotated since ``epl.init`` go on ``world_size``
     devices (default: the world size of this run)."""
     env = Env.get()
-    return place(env.taskgraphs, env.config, world_size if world_size is not None else _world_size())
+    return place(env.taskgraphs, env.config, world_size if world_size is not None else current_world_size())
 
 
 def strategy(world_size: int | None = None) -> Strategy:
@@ -62,8 +62,6 @@ def simulate(world_size: int | None = None, costs: Costs | None = None, **option
     env = Env.get()
     return simulate_placement(placement(world_size), env.config, costs, **options)
 
-
-_world_size = world_size
 
 __all__ = [
     "ClassParallelLinear",
@@ -79,12 +77,15 @@ __all__ = [
     "SplitError",
     "TaskGraph",
     "Trainer",
+    "compile_strategy",
     "init",
+    "place",
     "placement",
     "replicate",
     "set_default_strategy",
     "sharded_cross_entropy",
     "simulate",
+    "simulate_placement",
     "split",
     "split_module",
     "split_plan",

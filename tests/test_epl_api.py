@@ -8,6 +8,8 @@ import copy
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import unisched
@@ -451,3 +453,50 @@ def _saved_bytes_in_forward(recompute: bool) -> int:
 def test_recompute_keeps_less_for_the_backward():
     kept, recomputed = _saved_bytes_in_forward(False), _saved_bytes_in_forward(True)
     assert recomputed < kept / 2
+
+
+# ---------------------------------------------------------------------- every small placement
+_layouts = st.tuples(
+    st.lists(st.tuples(st.sampled_from(["replicate", "split"]), st.integers(1, 3)), min_size=1, max_size=3),
+    st.booleans(),
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.sampled_from(["PreferBackward", "PreferForward"]),
+    st.sampled_from(["", "v1"]),
+    st.sampled_from(["", "v0"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_layouts)
+def test_every_small_placement_compiles_and_simulates(layout):
+    scopes, colocate, replicas, micro, order, zero, offload = layout
+    if colocate:
+        scopes = [(kind, scopes[0][1]) for kind, _ in scopes]
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": colocate, "pipeline.num_micro_batch": micro,
+                         "pipeline.strategy": order, "zero.level": zero, "offload.level": offload}))
+    for kind, count in scopes:
+        with (epl.replicate if kind == "replicate" else epl.split)(count):
+            nn.Linear(2, 2)
+    per_replica = scopes[0][1] if colocate else sum(count for _, count in scopes)
+    world = per_replica * replicas
+    placement = epl.placement(world_size=world)
+    assert placement.data_parallel == replicas
+    for r in range(replicas):
+        used = [rank for group in placement.groups[r] for rank in group]
+        assert set(used) == set(range(r * per_replica, (r + 1) * per_replica))
+        if not colocate:
+            assert len(used) == len(set(used))
+    strategy = epl.strategy(world_size=world)
+    simulation = unisched.simulate(*strategy.shape, strategy)
+    timeline = simulation.timeline
+    assert len(timeline) == 2 * len(scopes) * replicas * micro
+    for row in range(len(timeline)):
+        work = unisched.Work(int(timeline.batch[row]), int(timeline.stage[row]))
+        group = placement.group(work.batch // micro, work.stage)
+        assert timeline.worker[row] == group[0]
+        members = timeline.gang_members[timeline.gang[row]] if timeline.gang[row] >= 0 else (group[0],)
+        assert tuple(members) == group
+    if order == "PreferBackward":
+        peaks = simulation.worker_stats()["max_activation_storage"]
+        assert all(peak <= limit for peak, limit in zip(peaks, strategy.memory_limit))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
     W = args.ranks
     config = {"width": args.width, "layers": args.layers, "steps": args.steps, "rounds": args.rounds}
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]
     result = check(run_local(_bench, W, config, timeout=900, group_timeout=300))[0]
     ms = result["step_ms"]
     result["ratios"] = {
@@ -182,14 +184,16 @@ def main(argv=None) -> int:
         "ddp / DDP": ms["unisched ddp"] / ms["torch DDP"],
     }
     result["config"] = {"ranks": W, "width": args.width, "layers_per_stage": args.layers, "rows": ROWS,
-                        "micro_batches": MICRO_BATCHES, "backend": "gloo", "threads_per_rank": 1,
+                        "micro_batches": MICRO_BATCHES, "backend": "gloo", "threads_per_rank": 1, "cpus": os.cpu_count(),
+                        "load_average_before_after": [load_before, os.getloadavg()[0]],
                         "seconds": time.perf_counter() - started}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     c = result["config"]
-    print(f"{W} ranks (gloo, CPU), stages of {args.layers} x Linear({args.width}) + ReLU, "
-          f"{ROWS} rows in {MICRO_BATCHES} micro-batches ({c['seconds']:.0f} s)")
+    print(f"{W} ranks (gloo, CPU, 1 thread each), stages of {args.layers} x Linear({args.width}) + ReLU, "
+          f"{ROWS} rows in {MICRO_BATCHES} micro-batches ({c['seconds']:.0f} s; {c['cpus']} CPUs, load average "
+          f"{c['load_average_before_after'][0]:.1f} before, {c['load_average_before_after'][1]:.1f} after)")
     print("\nmedian step time")
     for name, value in ms.items():
         print(f"  {name:<22} {value:8.1f} ms")

@@ -153,7 +153,7 @@ def calibrate_costs(
     with :meth:`Trainer.calibrate`, which runs the profiling steps first.
     The latency is an estimate: a transfer's end is when its receiver got
     it, which is later than its arrival when the receiver was busy, so the
-    lower quartile of the spans is used.  The bandwidth comes from the
+    lowest decile of the spans is used.  The bandwidth comes from the
     gradient all-reduces (when there are replicas).  With ``overhead``, the runtime's
     own time per item (posting transfers, bookkeeping: the median gap
     between consecutive items of a worker that did not wait for data) is
@@ -264,7 +264,7 @@ def _message_latency(timelines: Sequence[Timeline]) -> float:
         tr = t.transfers
         moved = tr.of_kind("activation", "gradient", "stash") & (tr.src != tr.dst)
         spans.extend((tr.end[moved] - tr.start[moved]).tolist())
-    return float(np.percentile(spans, 25)) if spans else 0.0
+    return float(np.percentile(spans, 10)) if spans else 0.0
 
 
 __all__ = ["Clock", "RankNotes", "assemble", "calibrate_costs", "predict"]

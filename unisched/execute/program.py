@@ -38,7 +38,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from unisched.errors import DeadlockError, ShapeError, UniSchedError
+from unisched.errors import DeadlockError, UniSchedError
 from unisched.timeline import Timeline
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
 

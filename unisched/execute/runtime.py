@@ -46,7 +46,7 @@ from unisched.execute.faults import (
 from unisched.execute.measure import Clock, RankNotes, assemble
 from unisched.execute.program import Action, Program, ProgramError, compile_program, inputs_of
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Work
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Work
 
 DEFAULT_TIMEOUT = 300.0
 

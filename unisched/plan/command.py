@@ -15,7 +15,7 @@ from unisched.errors import UniSchedError
 from unisched.simulate.costs import Costs
 
 from unisched.plan.family import default_progress
-from unisched.plan.planfile import Plan, _finite
+from unisched.plan.planfile import Plan, jsonable
 from unisched.plan.planner import plan
 from unisched.plan.problem import PlanInputError, encode_costs
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         result.save(args.out)
     if args.json:
-        print(json.dumps(_finite(summary(result)), indent=1))
+        print(json.dumps(jsonable(summary(result)), indent=1))
         return 0
     print(report(result, width=args.width, color=False if args.no_color else None))
     if args.out:

@@ -8,7 +8,7 @@ Format (``"format": "unisched-plan"``, ``"version": 1``)::
       "split_backward": false,
       "costs": {...the fields of unisched.Costs...},
       "memory_limit": M or null, "max_stages_per_worker": K or null,
-      "strategy": "cpsat-mapping",        # what produced it
+      "strategy": "cpsat mapping",        # what produced it
       "latency": 68.0,                    # the simulator's replay
       "model_latency": 68.0,              # CP-SAT's objective, when a model ran
       "optimal": false, "lower_bound": 48.0,
@@ -126,7 +126,7 @@ class Plan:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(_finite(self.to_dict()), indent=1) + "\n")
+        Path(path).write_text(json.dumps(jsonable(self.to_dict()), indent=1) + "\n")
 
     def __repr__(self) -> str:
         W, S, B = self.shape
@@ -248,15 +248,16 @@ def _item(problem: PlanProblem, text: Any, source: str) -> int:
     return problem.item(work.batch, work.stage, work.direction)
 
 
-def _finite(value):
+def jsonable(value):
+    """Plain JSON values: numpy scalars as Python numbers, infinities as null."""
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
+        return [jsonable(v) for v in value]
     return value
 
 

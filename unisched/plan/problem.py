@@ -93,6 +93,11 @@ class PlanProblem:
     def __post_init__(self):
         Shape(*self.shape).check()
         object.__setattr__(self, "shape", Shape(*self.shape))
+        if self.memory_limit is not None and (isinstance(self.memory_limit, bool)
+                                              or not isinstance(self.memory_limit, (int, float, np.number))):
+            raise PlanInputError(
+                f"the planner takes one memory limit for every worker, got {self.memory_limit!r}; give a number"
+            )
         if self.memory_limit is not None and not (self.memory_limit >= 0 and math.isfinite(self.memory_limit)):
             raise PlanInputError(f"--memory-limit must be a non-negative number, got {self.memory_limit!r}")
         K = self.max_stages_per_worker

@@ -546,3 +546,26 @@ def test_random_gangs_never_overlap_their_workers(W, S, B, seed):
         mine = rows[workers == w]
         spans = sorted(zip(t.start[mine], t.end[mine]))
         assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:])), f"worker {w} overlaps"
+
+
+def test_a_gang_without_collective_costs_no_all_reduce():
+    base = Costs(activation_bytes=8.0, bandwidth=4.0)
+    shared = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: unisched.Gang((0, 1), False))
+    assert simulate(2, 1, 1, shared, costs=base).latency == UNIT
+
+
+def test_stash_bytes_count_in_memory_and_limits():
+    costs = Costs(activation_bytes=10.0, stash_bytes=30.0)
+    sim = simulate(2, 2, 2, gpipe, costs=costs)
+    assert sim.timeline.memory("activations", "bytes")[0].peak == 2 * 30.0
+    limited = simulate(2, 2, 2, gpipe, costs=costs, memory_limit=30.0)
+    assert limited.timeline.memory("activations", "bytes")[0].peak == 30.0
+    with pytest.raises(UniSchedError, match="cannot hold even one stash"):
+        simulate(2, 2, 2, gpipe, costs=costs, memory_limit=20.0)
+
+
+def test_drawing_view_keeps_the_throughput_of_the_items():
+    strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: (0, 1))
+    t = simulate(2, 2, 2, strategy).timeline
+    assert len(t.per_worker()) == 2 * len(t)
+    assert t.per_worker().throughput == t.throughput

@@ -16,7 +16,7 @@ from unisched.simulate import (
     shape_lower_bound,
     simulate,
 )
-from unisched.strategy import Strategy, as_strategy
+from unisched.strategy import Gang, Strategy, as_strategy
 from unisched.timeline import Timeline, TransferRecord, Transfers, WorkRecord
 from unisched.work import (
     BACKWARD,
@@ -44,6 +44,7 @@ __all__ = [
     "DeadlockError",
     "Direction",
     "FORWARD",
+    "Gang",
     "Link",
     "OldestBatchFirst",
     "OldestStageFirst",

@@ -83,7 +83,7 @@ def _activation_holds(t: Timeline, in_bytes: bool):
     fwd_start = np.full(n, np.nan)
     is_f = t.direction == FORWARD
     fwd_start[key[is_f]] = t.start[is_f]
-    size = t.activation_bytes[t.stage] if in_bytes else np.ones(len(t))
+    size = t.stash_bytes[t.stage] if in_bytes else np.ones(len(t))
     if t.split_backward:
         share = np.where(t.direction == BACKWARD_INPUT, t.input_grad_frees, 1.0 - t.input_grad_frees)
         releasing = (t.direction == BACKWARD_INPUT) | (t.direction == BACKWARD_WEIGHT)

@@ -10,7 +10,7 @@ notebook passes a function.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -18,6 +18,16 @@ from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 Mapping_ = Callable[[Work], ComputeAndWeightWorkers]
 ArrayMapping = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+class Gang(NamedTuple):
+    """Workers that run one item jointly.  ``collective``: the item ends with
+    an all-reduce of its activations among them (a tensor-parallel split);
+    False for a group that shares the work without one (data split inside a
+    replica)."""
+
+    workers: Sequence[int]
+    collective: bool = True
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,10 +55,11 @@ class Strategy:
     params: Mapping[str, Any] = field(default_factory=dict)
     map_arrays: ArrayMapping | None = None
     stage_graph: Any = None
-    gang: Callable[[Work], Sequence[int] | None] | None = None
+    gang: Callable[[Work], Sequence[int] | Gang | None] | None = None
     """Tensor parallelism: ``gang(work)`` names the workers that run an item
-    jointly (its compute worker among them), or None for one worker.  A gang
-    item starts when all of them are free and keeps all of them busy."""
+    jointly (its compute worker among them; a :class:`Gang` to say whether
+    they all-reduce), or None for one worker.  A gang item starts when all of
+    them are free and keeps all of them busy."""
 
     def __call__(self, work: Work) -> ComputeAndWeightWorkers:
         return self.mapping(work)

@@ -161,6 +161,8 @@ class Timeline:
     transfers: Transfers = field(default_factory=Transfers.empty)
     activation_bytes: np.ndarray | None = None
     weight_bytes: np.ndarray | None = None
+    stash_bytes: np.ndarray | None = None
+    """What a forward keeps for its backward, per stage (default: ``activation_bytes``)."""
     input_grad_frees: float = 0.0
     split_backward: bool = False
     source: str = "simulated"
@@ -169,6 +171,8 @@ class Timeline:
     """Per row: index into ``gang_members`` when a group of workers ran the
     item jointly (tensor parallelism), else -1.  ``worker`` is then one of them."""
     gang_members: tuple[tuple[int, ...], ...] = ()
+    item_count: int | None = None
+    """Distinct work items, where rows repeat items (see :meth:`per_worker`)."""
 
     def __post_init__(self):
         gang = np.full(len(self.batch), -1, dtype=np.int64) if self.gang is None else _ints(self.gang)
@@ -177,6 +181,7 @@ class Timeline:
         sizes = {
             "activation_bytes": self.activation_bytes,
             "weight_bytes": self.weight_bytes,
+            "stash_bytes": self.activation_bytes if self.stash_bytes is None else self.stash_bytes,
         }
         for name, value in sizes.items():
             value = np.zeros(self.num_stages) if value is None else np.broadcast_to(_floats(value), (self.num_stages,))
@@ -282,7 +287,7 @@ class Timeline:
             return self
         rows, workers = self.occupancy()
         columns = {name: getattr(self, name)[rows] for name in ("batch", "stage", "direction", "weight_worker", "start", "end")}
-        return replace(self, worker=workers, gang=None, gang_members=(), **columns)
+        return replace(self, worker=workers, gang=None, gang_members=(), item_count=len(self), **columns)
 
     @property
     def busy_time(self) -> np.ndarray:
@@ -293,7 +298,8 @@ class Timeline:
     @property
     def throughput(self) -> float:
         """Work items per unit of time per worker."""
-        return len(self) / (self.latency * self.num_workers) if self.latency > 0 else float("inf")
+        items = len(self) if self.item_count is None else self.item_count
+        return items / (self.latency * self.num_workers) if self.latency > 0 else float("inf")
 
     @property
     def bubble_fraction(self) -> float:

@@ -51,7 +51,11 @@ class Costs:
     worker_speed: Sequence[float] | None = None
     """Relative speed per worker: a duration on worker w is divided by speed[w]."""
     activation_bytes: PerStage = 0.0
-    """Bytes of a stage's input: what its forward stashes and what flows into it."""
+    """Bytes of a stage's input: what flows into it (and back as a gradient)."""
+    stash_bytes: PerStage | None = None
+    """Bytes a forward keeps for its backward (default: ``activation_bytes``,
+    i.e. recompute from the input; without recompute, add the stage's
+    internal activations)."""
     weight_bytes: PerStage = 0.0
     latency: float = 0.0
     bandwidth: float = math.inf
@@ -62,7 +66,8 @@ class Costs:
     """Share of a stash freed by the input-gradient pass of a split backward."""
 
     def __post_init__(self):
-        for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "weight_bytes"):
+        for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
+                     "weight_bytes"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -88,6 +93,8 @@ class Costs:
         value = getattr(self, name)
         if value is None and name in ("backward_input", "backward_weight"):
             return self.per_stage("backward", num_stages) / 2
+        if value is None and name == "stash_bytes":
+            return self.per_stage("activation_bytes", num_stages)
         array = np.asarray(value, dtype=float)
         if array.ndim == 0:
             return np.full(num_stages, float(array))
@@ -120,7 +127,9 @@ class Costs:
 
     @property
     def has_sizes(self) -> bool:
-        return bool(np.any(np.asarray(self.activation_bytes) > 0))
+        """Whether memory is counted in bytes (else in stash units)."""
+        stash = self.activation_bytes if self.stash_bytes is None else self.stash_bytes
+        return bool(np.any(np.asarray(stash) > 0))
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst)) or Link(self.latency, self.bandwidth)

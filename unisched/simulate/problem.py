@@ -18,7 +18,7 @@ import numpy as np
 from unisched.errors import ShapeError, StrategyError
 from unisched.simulate.costs import Costs
 from unisched.simulate.priorities import ranks
-from unisched.strategy import Strategy
+from unisched.strategy import Gang, Strategy
 from unisched.work import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -68,12 +68,14 @@ class Problem:
     costs: Costs
     comm: bool
     activation_bytes: np.ndarray
+    stash_bytes: np.ndarray
     weight_bytes: list
     returns_gradient: list
     gradient_returns: dict
     gang: np.ndarray
     """Per item: index into ``gang_members``, or -1 for an item run by one worker."""
     gang_members: tuple[tuple[int, ...], ...]
+    gang_collective: tuple[bool, ...]
 
     @property
     def num_items(self) -> int:
@@ -120,6 +122,8 @@ class Problem:
 
     def edge_bytes(self, src: int, dst: int) -> float:
         label = self.edge_label(src, dst)
+        if label == "stash":
+            return float(self.stash_bytes[self.stage[src]])
         stage = self.stage[dst] if label == "activation" else self.stage[src]
         return float(self.activation_bytes[stage])
 
@@ -148,7 +152,7 @@ def build(
     batch, stage, direction = ids // (S * D), (ids // D) % S, np.asarray(dirs, dtype=np.int64)[ids % D]
 
     compute, weight = _map(strategy, shape, batch, stage, direction)
-    gang, gang_members = _gangs(strategy, shape, batch, stage, direction, compute)
+    gang, gang_members, gang_collective = _gangs(strategy, shape, batch, stage, direction, compute)
     speeds = costs.speeds(W)
     base = costs.durations(S)
     duration = np.empty(n)
@@ -156,12 +160,11 @@ def build(
         rows = direction == d
         duration[rows] = base[d][stage[rows]] / speeds[compute[rows]]
     act_bytes = costs.per_stage("activation_bytes", S)
-    for g, members in enumerate(gang_members):
+    for g, (members, collective) in enumerate(zip(gang_members, gang_collective)):
         rows = gang == g
-        duration[rows] = (
-            duration[rows] * speeds[compute[rows]] / speeds[list(members)].min()
-            + _ring_allreduce_time(costs, members, act_bytes[stage[rows]])
-        )
+        duration[rows] = duration[rows] * speeds[compute[rows]] / speeds[list(members)].min()
+        if collective:
+            duration[rows] += _ring_allreduce_time(costs, members, act_bytes[stage[rows]])
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
     rank = ranks(
@@ -183,8 +186,9 @@ def build(
     sources = np.stack([first, n + batch[first]])
 
     weight_bytes = costs.per_stage("weight_bytes", S)
+    stash_bytes = costs.per_stage("stash_bytes", S)
     limit, claims, releases_of = _memory(
-        shape, memory_limit, dirs, compute, stage, act_bytes if costs.has_sizes else None, costs.input_grad_frees
+        shape, memory_limit, dirs, compute, stage, stash_bytes if costs.has_sizes else None, costs.input_grad_frees
     )
 
     is_last_backward = direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
@@ -215,11 +219,13 @@ def build(
         costs=costs,
         comm=costs.has_communication,
         activation_bytes=act_bytes,
+        stash_bytes=stash_bytes,
         weight_bytes=weight_bytes.tolist(),
         returns_gradient=returns_gradient.tolist(),
         gradient_returns=gradient_returns,
         gang=gang,
         gang_members=gang_members,
+        gang_collective=gang_collective,
     )
 
 
@@ -258,13 +264,16 @@ def _map(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.
 def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
     """Which items run on a group of workers jointly (tensor parallelism)."""
     gang = np.full(len(batch), -1, dtype=np.int64)
-    members: dict[tuple[int, ...], int] = {}
+    members: dict[tuple[tuple[int, ...], bool], int] = {}
     if strategy.gang is None:
-        return gang, ()
+        return gang, (), ()
     W = shape.num_workers
     for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
         work = Work(b, s, Direction(d))
         group = strategy.gang(work)
+        collective = True
+        if isinstance(group, Gang):
+            group, collective = group.workers, group.collective
         if group is None or len(group) <= 1:
             continue
         group = tuple(sorted({_worker_id(m, work, "gang", strategy, W) for m in group}))
@@ -273,8 +282,8 @@ def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
                 f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
                 f"compute worker {compute[i]} and only workers 0..{W - 1}"
             )
-        gang[i] = members.setdefault(group, len(members))
-    return gang, tuple(members)
+        gang[i] = members.setdefault((group, bool(collective)), len(members))
+    return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
 
 
 def _ring_allreduce_time(costs: Costs, members, nbytes: np.ndarray) -> np.ndarray:

@@ -73,6 +73,7 @@ def simulate(
         end=end,
         transfers=transfers(problem, start, end, booked),
         activation_bytes=problem.activation_bytes,
+        stash_bytes=problem.stash_bytes,
         weight_bytes=np.asarray(problem.weight_bytes),
         input_grad_frees=costs.input_grad_frees,
         split_backward=split,

@@ -60,7 +60,8 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
     src, dst = src[moved], dst[moved]
     labels = _data_labels(p, src, dst)
     label_stage = np.where(labels == _CODE["activation"], p.stage[dst], p.stage[src])
-    data = _columns(labels, compute[src], compute[dst], end[src], end[src], p.activation_bytes[label_stage], dst, p)
+    nbytes = np.where(labels == _CODE["stash"], p.stash_bytes[label_stage], p.activation_bytes[label_stage])
+    data = _columns(labels, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)
 
     weight_bytes = np.asarray(p.weight_bytes)
     fetching = np.flatnonzero(compute != weight)

@@ -266,6 +266,8 @@ def _consistent_errors(rank: int, world: int, gpipe4: Timeline, gpipe2: Timeline
     except NonFiniteLossError as error:
         seen["nan"] = str(error)
     seen["after_nan"] = trainer.step(*batch())
+    costs = trainer.calibrate(*batch(), steps=3)
+    seen["calibrated"] = (list(costs.forward), list(costs.backward), costs.latency)
     return seen
 
 
@@ -280,6 +282,9 @@ def test_bad_input_stops_every_rank_with_the_cause():
         assert "2 stages but 3 stage modules" in seen["stages"]
         assert "micro-batch 1 is nan" in seen["nan"] and "no weights were changed" in seen["nan"]
         assert np.isfinite(seen["after_nan"])
+    forward, backward, latency = results[0].value["calibrated"]
+    assert results[1].value["calibrated"] == results[0].value["calibrated"]
+    assert len(forward) == 2 and min(forward) > 0 and min(backward) > 0 and latency >= 0
     assert "rank 1 cannot run this schedule" in results[0].value["one_rank_stages"]
     assert "2 stages but 3 stage modules" in results[1].value["one_rank_stages"]
 
@@ -372,3 +377,58 @@ def test_nccl_matches_single_process():
         for name, state in r.value.items():
             for key, expected in reference.items():
                 assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{name} {key}"
+
+
+# ---------------------------------------------------------------------- launching
+def _example_run(rank: int, world: int, argv: list[str]):
+    import contextlib
+    import io
+
+    from unisched.execute.example import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def test_example_trains_reports_prediction_and_matches_one_process():
+    argv = ["--strategy", "one_f_one_b", "--model", "transformer", "--steps", "4", "--check", "--json"]
+    results = run_local(_example_run, 2, argv, timeout=120)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value[0] == 0
+    import json
+
+    report = json.loads(results[0].value[1])
+    assert report["shape"] == [2, 2, 4] and len(report["losses"]) == 4
+    assert report["losses"][-1] < report["losses"][0]
+    assert report["max_difference_vs_one_process"] < 1e-5
+    assert report["predicted_ms"] > 0 and report["measured_ms"] > 0
+    assert results[1].value[1] == ""
+
+
+def test_unisched_run_prints_programs_and_the_torchrun_command(capsys):
+    from unisched.cli import main
+
+    assert main(["run", "--nproc", "4", "--strategy", "looped", "--param", "group_size=2", "--program", "--json"]) == 0
+    import json
+
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["workers"] == 4 and len(printed["ranks"]) == 4
+    assert all(parse_action(text) for rank in printed["ranks"] for text in rank)
+    assert main(["run", "--nproc", "2", "--strategy", "gpipe", "--steps", "3", "--dry-run"]) == 0
+    command = capsys.readouterr().out
+    assert "torch.distributed.run --nproc-per-node 2" in command and "-m unisched.execute.example --strategy gpipe" in command
+    assert "--steps 3" in command
+
+
+def test_a_stage_graph_that_is_not_a_chain_is_refused():
+    import networkx as nx
+
+    graph = nx.DiGraph([(0, 2), (1, 2)])
+    schedule = simulate(3, 3, 2, lambda w: ComputeAndWeightWorkers(w.stage, w.stage), stage_graph=graph)
+    from unisched.execute.runtime import _schedule_timeline
+
+    with pytest.raises(ProgramError, match="chains of stages"):
+        _schedule_timeline(schedule)

@@ -291,3 +291,16 @@ def test_large_neighbourhood_search_keeps_a_feasible_incumbent():
     assert replay.latency == solved.score
     assert max(replay.worker_stats()["max_activation_storage"]) <= 2
     assert stages_held(replay).max() <= 2
+
+
+def test_costs_file_with_a_link_of_unlimited_bandwidth(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"forward": 1, "backward": 2, "latency": 1,
+                                "links": {"0,1": {"latency": 3, "bandwidth": None}}}))
+    out = tmp_path / "plan.json"
+    assert run(parse(["-W", "2", "-S", "2", "-B", "4", "--costs", str(path), "--time-limit", "2",
+                      "--json", "--out", str(out)])) == 0
+    latency = json.loads(capsys.readouterr().out)["latency"]
+    again = load_plan(out)
+    assert again.costs.link(0, 1).latency == 3
+    assert again.simulate().latency == latency

@@ -21,14 +21,14 @@ is always the simulator's replay, which includes it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
 
 from unisched.errors import ShapeError
-from unisched.simulate.costs import Costs
+from unisched.simulate.costs import Costs, Link
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Shape, directions
 
 PREFETCH_AT_START = 1_000_000
@@ -93,6 +93,7 @@ class PlanProblem:
     def __post_init__(self):
         Shape(*self.shape).check()
         object.__setattr__(self, "shape", Shape(*self.shape))
+        object.__setattr__(self, "costs", _infinite_links(self.costs))
         if self.memory_limit is not None and (isinstance(self.memory_limit, bool)
                                               or not isinstance(self.memory_limit, (int, float, np.number))):
             raise PlanInputError(
@@ -180,6 +181,18 @@ class PlanProblem:
         np.add.at(table, (batch[keep], compute[keep]), sizes[stage[keep]])
         worst = np.unravel_index(np.argmax(table), table.shape)
         return float(table.max()), int(worst[1])
+
+
+def _infinite_links(costs: Costs) -> Costs:
+    """A link written with ``"bandwidth": null`` (as JSON writes infinity) means infinite bandwidth,
+    as the top-level ``bandwidth`` does in a costs file."""
+    links = dict(costs.links)
+    if not any(link.bandwidth is None for link in links.values()):
+        return costs
+    for pair, link in links.items():
+        if link.bandwidth is None:
+            links[pair] = Link(link.latency, math.inf)
+    return replace(costs, links=links)
 
 
 @dataclass(frozen=True)

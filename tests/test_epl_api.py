@@ -16,6 +16,7 @@ import unisched
 from unisched import epl
 from unisched.epl.config import ConfigError
 from unisched.epl.scopes import ScopeError
+from unisched.memory import memory_curves
 
 
 @pytest.fixture(autouse=True)
@@ -339,9 +340,71 @@ def test_split_groups_are_in_the_strategy_params_and_costs():
     strategy = epl.strategy(world_size=4)
     assert strategy.params["split_groups"] == {1: [(0, 1), (2, 3)]}
     assert strategy.params["groups"][0] == [(0, 1), (2, 3)]
-    costs = epl.stage_costs(epl.placement(world_size=4), epl.Env.get().config, collective=0.25)
-    assert costs.forward == [0.5, 0.75]
-    assert costs.backward == [1.0, 1.25]
+    costs = epl.stage_costs(epl.placement(world_size=4), epl.Env.get().config)
+    assert costs.forward == [0.5, 0.5]
+    assert costs.backward == [1.0, 1.0]
+
+
+def test_split_gangs_pay_one_ring_all_reduce_per_pass_and_replicate_gangs_none():
+    epl.init()
+    with epl.replicate(2, name="rows"):
+        nn.Linear(4, 4)
+    with epl.split(2, name="features"):
+        nn.Linear(4, 8)
+    strategy = epl.strategy(world_size=4)
+    assert not strategy.gang(unisched.Work(0, 0, unisched.FORWARD)).collective
+    assert strategy.gang(unisched.Work(0, 1, unisched.FORWARD)).collective
+    base = unisched.Costs(activation_bytes=100.0, bandwidth=100.0)
+    costs = epl.stage_costs(epl.placement(world_size=4), epl.Env.get().config, base)
+    assert costs.forward == [0.5, 0.5] and costs.backward == [1.0, 1.0]
+    timeline = epl.simulate(world_size=4, costs=base).timeline
+    durations = {(int(s), int(d)): float(e - b) for s, d, b, e in
+                 zip(timeline.stage, timeline.direction, timeline.start, timeline.end)}
+    ring = 2 * (2 - 1) / 2 * 100.0 / 100.0
+    assert durations[(0, int(unisched.FORWARD))] == pytest.approx(0.5)
+    assert durations[(0, int(unisched.BACKWARD))] == pytest.approx(1.0)
+    assert durations[(1, int(unisched.FORWARD))] == pytest.approx(0.5 + ring)
+    assert durations[(1, int(unisched.BACKWARD))] == pytest.approx(1.0 + ring)
+
+
+def test_stash_bytes_keep_the_input_only_with_recompute():
+    for recompute, expected in (("", [100 / 2 + 400 / 2, 60 + 300 / 2]), ("auto", [100 / 2, 60])):
+        epl.init(epl.Config({"gradient_checkpoint.type": recompute}))
+        with epl.replicate(2):
+            nn.Linear(4, 4)
+        with epl.split(2):
+            nn.Linear(4, 8)
+        costs = epl.stage_costs(epl.placement(world_size=4), epl.Env.get().config,
+                                input_bytes=[100, 60], internal_bytes=[400, 300])
+        assert costs.activation_bytes == [100, 60]
+        assert costs.stash_bytes == pytest.approx(expected)
+    with pytest.raises(ScopeError, match="internal_bytes.*2"):
+        epl.stage_costs(epl.placement(world_size=4), epl.Env.get().config, internal_bytes=[1, 2, 3])
+
+
+def test_stage_costs_take_internal_activations_from_the_base_costs():
+    epl.init(epl.Config({"gradient_checkpoint.type": ""}))
+    with epl.replicate(1):
+        nn.Linear(4, 4)
+    base = unisched.Costs(activation_bytes=10.0, stash_bytes=50.0)
+    assert epl.stage_costs(epl.placement(world_size=1), epl.Env.get().config, base).stash_bytes == [50.0]
+    epl.init(epl.Config({"gradient_checkpoint.type": "auto"}))
+    with epl.replicate(1):
+        nn.Linear(4, 4)
+    assert epl.stage_costs(epl.placement(world_size=1), epl.Env.get().config, base).stash_bytes == [10.0]
+
+
+def test_recompute_shows_less_activation_memory_in_the_simulation():
+    peaks, latencies = {}, {}
+    for recompute in ("", "auto"):
+        _two_stages(epl.Config({"pipeline.num_micro_batch": 4, "gradient_checkpoint.type": recompute}))
+        simulation = epl.simulate(world_size=2, input_bytes=100, internal_bytes=[400, 300])
+        peaks[recompute] = [c.peak for c in memory_curves(simulation.timeline, "activations")]
+        latencies[recompute] = simulation.latency
+        assert simulation.worker_stats()["max_activation_storage"] == [2, 1]
+    assert peaks[""] == [2 * 500, 400]
+    assert peaks["auto"] == [2 * 100, 100]
+    assert latencies["auto"] > latencies[""]
 
 
 # ---------------------------------------------------------------------- the trainer in one process
@@ -400,7 +463,8 @@ def test_groups_are_gangs_in_the_simulation():
     with epl.split(2):
         nn.Linear(4, 8)
     strategy = epl.strategy(world_size=8)
-    assert strategy.gang(unisched.Work(3, 1, unisched.BACKWARD)) == (6, 7)
+    assert strategy.gang(unisched.Work(3, 1, unisched.BACKWARD)) == unisched.Gang((6, 7), collective=True)
+    assert strategy.gang(unisched.Work(3, 0, unisched.FORWARD)) == unisched.Gang((4, 5), collective=False)
     simulation = epl.simulate(world_size=8)
     timeline = simulation.timeline
     assert set(timeline.gang_members) == {(0, 1), (2, 3), (4, 5), (6, 7)}

@@ -58,7 +58,9 @@ def strategy(world_size: int | None = None) -> Strategy:
 
 
 def simulate(world_size: int | None = None, costs: Costs | None = None, **options):
-    """Simulate :func:`strategy` with costs per TaskGraph (see :func:`stage_costs`)."""
+    """Simulate :func:`strategy` with costs per TaskGraph (see :func:`stage_costs`;
+    ``input_bytes`` and ``internal_bytes`` size each TaskGraph's activations,
+    so recompute shows its memory saving)."""
     env = Env.get()
     return simulate_placement(placement(world_size), env.config, costs, **options)
 

@@ -25,7 +25,7 @@ import numpy as np
 from unisched.epl.config import Config
 from unisched.epl.scopes import SPLIT, ScopeError, TaskGraph
 from unisched.simulate import BackwardFirst, Costs, OldestStageFirst, simulate
-from unisched.strategy import Strategy
+from unisched.strategy import Gang, Strategy
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 
@@ -135,6 +135,10 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
       sharding of the weights of truth over the D replicas), or with
       ``offload.level: v0`` a host worker numbered ``world_size`` that only
       stores weights;
+    - a group of k > 1 devices is a gang: ``Gang(ranks, collective=True)``
+      for ``split`` (tensor parallelism all-reduces activations inside the
+      group), ``collective=False`` for ``replicate`` (each device takes 1/k
+      of the rows; nothing is reduced until the gradients at the end);
     - priority: ``PreferBackward`` = 1F1B (:class:`BackwardFirst` plus a limit
       of ``min(M, S - s)`` stashes per stage), ``PreferForward`` = GPipe's
       fill-drain (:class:`OldestStageFirst`, no limit).
@@ -160,22 +164,16 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
         replica = np.asarray(batch) // M
         return leaders[replica, stage], weight_table[replica, stage]
 
-    def gang(work: Work) -> tuple[int, ...] | None:
+    kinds = {info.index: info.kind for info in P.stages}
+
+    def gang(work: Work) -> Gang | None:
         group = P.groups[work.batch // M][work.stage]
-        return group if len(group) > 1 else None
+        return Gang(group, collective=kinds[work.stage] == SPLIT) if len(group) > 1 else None
 
     prefer_backward = config.pipeline.strategy == "PreferBackward"
     priority = BackwardFirst(S, B) if prefer_backward else OldestStageFirst(S, B)
-    limit = None
-    if prefer_backward:
-        per_worker = np.zeros(W)
-        for r in range(D):
-            for s in range(S):
-                per_worker[leaders[r, s]] += min(M, S - s)
-        per_worker[per_worker == 0] = M
-        limit = per_worker.tolist()
+    limit = stash_limit(P, config)
 
-    kinds = {info.index: info.kind for info in P.stages}
     groups = {s: [P.groups[r][s] for r in range(D)] for s in range(S)}
     memory = [name for name, on in (("recompute", config.gradient_checkpoint.type == "auto"),
                                     ("zero-v1", zero), ("offload-v0", offload)) if on]
@@ -210,39 +208,101 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
     )
 
 
+def stash_limit(placement: Placement, config: Config, stash_bytes: Sequence[float] | None = None):
+    """1F1B's activation limit per worker: ``min(M, S - s)`` stashes of each
+    stage s it leads (in bytes when ``stash_bytes`` gives each stage's
+    stash); None for ``PreferForward``, which has no limit."""
+    if config.pipeline.strategy != "PreferBackward":
+        return None
+    P = placement
+    S, D, M = P.num_stages, P.data_parallel, P.num_micro_batch
+    W = P.world_size + (1 if config.offload.level == "v0" else 0)
+    size = np.ones(S) if stash_bytes is None else np.asarray(stash_bytes, dtype=float)
+    per_worker = np.zeros(W)
+    for r in range(D):
+        for s in range(S):
+            per_worker[P.groups[r][s][0]] += min(M, S - s) * size[s]
+    per_worker[per_worker == 0] = M if stash_bytes is None else np.inf
+    return per_worker.tolist()
+
+
 def stage_costs(
     placement: Placement,
     config: Config,
     base: Costs | None = None,
-    collective: float | Sequence[float] = 0.0,
+    *,
+    input_bytes: float | Sequence[float] | None = None,
+    internal_bytes: float | Sequence[float] | None = None,
 ) -> Costs:
     """Costs of the compiled strategy's work items from single-device costs.
 
-    A group of k devices does a stage's item in 1/k of the time (plus, for a
-    split stage, ``collective`` per item for its all-reduces); recompute
-    (``gradient_checkpoint.type: auto``) adds a forward to every backward.
+    Time: a group of k devices does a stage's item in 1/k of the time;
+    recompute (``gradient_checkpoint.type: auto``) adds a forward to every
+    backward.  A split stage's all-reduces are not added here: its items are
+    collective gangs, and the simulator adds a ring all-reduce of the stage's
+    ``activation_bytes`` per pass from the costs' latency and bandwidth.
+
+    Memory, per stage: ``input_bytes`` is the stage's input (what flows in
+    from the previous TaskGraph, default ``base.activation_bytes``) and
+    ``internal_bytes`` the activations its layers save for the backward
+    (default what ``base.stash_bytes`` holds beyond the input, else 0).  A
+    forward keeps the input only with recompute, the input and the internal
+    activations otherwise (``Costs.stash_bytes``), counted per device: a
+    ``replicate(k)`` device holds 1/k of both (its rows), a ``split(k)``
+    device the whole input and 1/k of the internal activations (its features).
     """
     base = base if base is not None else Costs()
     S = placement.num_stages
     forward = base.per_stage("forward", S).copy()
     backward = base.per_stage("backward", S).copy()
-    extra = np.broadcast_to(np.asarray(collective, dtype=float), (S,)).copy()
+    inputs = _per_stage(input_bytes, S, "input_bytes") if input_bytes is not None else base.per_stage(
+        "activation_bytes", S)
+    if internal_bytes is not None:
+        internal = _per_stage(internal_bytes, S, "internal_bytes")
+    elif base.stash_bytes is not None:
+        internal = np.maximum(base.per_stage("stash_bytes", S) - base.per_stage("activation_bytes", S), 0.0)
+    else:
+        internal = np.zeros(S)
+    recompute = config.gradient_checkpoint.type == "auto"
+    stash = np.zeros(S)
     for info in placement.stages:
         k = info.device_count
         forward[info.index] /= k
         backward[info.index] /= k
-        if info.kind == SPLIT:
-            forward[info.index] += extra[info.index]
-            backward[info.index] += extra[info.index]
-    if config.gradient_checkpoint.type == "auto":
+        held_input = inputs[info.index] / (k if info.kind != SPLIT else 1)
+        stash[info.index] = held_input + (0.0 if recompute else internal[info.index] / k)
+    if recompute:
         backward = backward + forward
     return replace(base, forward=forward.tolist(), backward=backward.tolist(),
-                   backward_input=None, backward_weight=None)
+                   backward_input=None, backward_weight=None,
+                   activation_bytes=inputs.tolist(), stash_bytes=stash.tolist())
 
 
-def simulate_placement(placement: Placement, config: Config, costs: Costs | None = None, **options):
+def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> np.ndarray:
+    array = np.asarray(value, dtype=float)
+    if array.ndim == 0:
+        array = np.full(num_stages, float(array))
+    if array.ndim != 1 or len(array) != num_stages or np.any(array < 0) or not np.all(np.isfinite(array)):
+        raise ScopeError(
+            f"epl.stage_costs({name}=...) takes a non-negative number or one per TaskGraph "
+            f"({num_stages}), got {value!r}"
+        )
+    return array
+
+
+def simulate_placement(
+    placement: Placement,
+    config: Config,
+    costs: Costs | None = None,
+    *,
+    input_bytes: float | Sequence[float] | None = None,
+    internal_bytes: float | Sequence[float] | None = None,
+    **options,
+):
     """Simulate the compiled strategy with :func:`stage_costs` (a ``unisched.Simulation``)."""
     strategy = compile_strategy(placement, config)
     W, S, B = strategy.shape
-    return simulate(W, S, B, strategy, costs=stage_costs(placement, config, costs), **options)
-
+    stage = stage_costs(placement, config, costs, input_bytes=input_bytes, internal_bytes=internal_bytes)
+    if stage.has_sizes and "memory_limit" not in options:
+        options["memory_limit"] = stash_limit(placement, config, stage.per_stage("stash_bytes", S))
+    return simulate(W, S, B, strategy, costs=stage, **options)

@@ -257,6 +257,16 @@ def _consistent_errors(rank: int, world: int, gpipe4: Timeline, gpipe2: Timeline
             seen[label] = None
         except ProgramError as error:
             seen[label] = str(error)
+
+    def picky_optimizer(params):
+        if rank == 1:
+            raise RuntimeError("no optimizer on this host")
+        return optimizer(params)
+
+    try:
+        Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, picky_optimizer, timeout=10)
+    except (ProgramError, RuntimeError) as error:
+        seen["optimizer"] = f"{type(error).__name__}: {error}"
     trainer = Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)
     x, y = batch()
     x[12, 0] = float("nan")
@@ -287,6 +297,8 @@ def test_bad_input_stops_every_rank_with_the_cause():
     assert len(forward) == 2 and min(forward) > 0 and min(backward) > 0 and latency >= 0
     assert "rank 1 cannot run this schedule" in results[0].value["one_rank_stages"]
     assert "2 stages but 3 stage modules" in results[1].value["one_rank_stages"]
+    assert "rank 1 cannot run this schedule: RuntimeError: no optimizer on this host" in results[0].value["optimizer"]
+    assert results[1].value["optimizer"] == "RuntimeError: no optimizer on this host"
 
 
 class Faulty(nn.Module):

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unisched.errors import ShapeError
+from unisched.errors import ShapeError, UniSchedError
 from unisched.execute.faults import (
     CommunicationError,
     ExecutionError,
@@ -91,7 +91,8 @@ class Trainer:
             program = compile_program(
                 self.timeline_in, num_stages=len(self.stages), world_size=self.world_size, lookahead=lookahead
             )
-        except (ProgramError, ShapeError, TypeError) as caught:
+            self._set_up_stages(program, optimizer)
+        except Exception as caught:
             error = caught
         delta = datetime.timedelta(seconds=self.timeout)
         self._control = dist.new_group(backend="gloo", timeout=delta)
@@ -101,19 +102,6 @@ class Trainer:
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._board = FaultBoard(_default_store(), f"unisched/{self._control.group_name}")
         self._offsets = self._clock_offsets()
-
-        for stage in self.stages:
-            stage.to(self.device)
-        S = program.num_stages
-        self._params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
-        self._owned = [s for s in range(S) if self.rank in program.replicas[s]]
-        owned_params = [p for s in self._owned for p in self._params[s]]
-        self.optimizer = optimizer(owned_params) if owned_params else None
-        self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
-        self._flat_grads = {
-            s: _flat_like(self._params[s], self.device)
-            for s in self._owned if len(program.replicas[s]) > 1 and self._params[s]
-        }
 
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
@@ -198,11 +186,29 @@ class Trainer:
                 f"B={self.program.num_batches}, {len(self._actions)} actions>")
 
     # ------------------------------------------------------------------ set-up checks
+    def _set_up_stages(self, program: Program, optimizer) -> None:
+        """Local set-up that may fail on one rank only (user code: the
+        optimizer factory, moving stages): done before the ranks agree."""
+        for stage in self.stages:
+            stage.to(self.device)
+        self._params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
+        self._owned = [s for s in range(program.num_stages) if self.rank in program.replicas[s]]
+        owned_params = [p for s in self._owned for p in self._params[s]]
+        self.optimizer = optimizer(owned_params) if owned_params else None
+        self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
+        self._flat_grads = {
+            s: _flat_like(self._params[s], self.device)
+            for s in self._owned if len(program.replicas[s]) > 1 and self._params[s]
+        }
+
     def _agree(self, error: Exception | None) -> None:
         """Every rank learns every rank's verdict, so all raise together instead of hanging."""
         fingerprint = [[tuple(p.shape) for p in stage.parameters()] for stage in self.stages]
         verdicts: list = [None] * self.world_size
-        dist.all_gather_object(verdicts, (str(error) if error else None, fingerprint), group=self._control)
+        message = None
+        if error is not None:
+            message = str(error) if isinstance(error, UniSchedError) else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(verdicts, (message, fingerprint), group=self._control)
         if error is not None:
             raise error
         for rank, (message, _) in enumerate(verdicts):

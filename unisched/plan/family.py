@@ -32,6 +32,8 @@ class Member:
     simulation: Simulation | None = None
     reason: str = ""
     pareto: bool = False
+    memory_limit: float | None = None
+    """A limit this variant runs under that the problem does not impose (a memory/latency trade-off)."""
 
     @property
     def feasible(self) -> bool:
@@ -120,8 +122,14 @@ def search_family(
     members: Iterable[tuple[str, Strategy | None, str]] | None = None,
     *,
     progress: TextIO | None = None,
+    memory_variants: bool = False,
 ) -> FamilyResult:
-    """Simulate each member with the problem's costs and limits; drop the ones that cannot run."""
+    """Simulate each member with the problem's costs and limits; drop the ones that cannot run.
+
+    With ``memory_variants`` and no memory limit in the problem, each member is
+    also simulated under tighter limits (powers of two below its peak), which
+    fills in the latency / memory Pareto front.
+    """
     candidates = list(members if members is not None else registry_members(problem))
     result = FamilyResult()
     for index, (label, strategy, reason) in enumerate(candidates):
@@ -131,12 +139,27 @@ def search_family(
         if strategy is not None and not reason:
             _evaluate(problem, member)
         result.members.append(member)
+        if memory_variants and problem.memory_limit is None and member.feasible:
+            result.members += _memory_variants(problem, member)
     if progress is not None:
         _progress(progress, len(candidates), len(candidates), "done")
         progress.write("\n")
         progress.flush()
     _mark_pareto(result.feasible)
     return result
+
+
+def _memory_variants(problem: PlanProblem, member: Member) -> list[Member]:
+    peak = member.measures()["peak_activations"]
+    need = problem.min_memory_free()
+    limits = [2.0 ** k for k in range(8) if need <= 2.0 ** k < peak]
+    variants = []
+    for limit in limits:
+        variant = Member(f"{member.label} [memory {limit:g}]", member.strategy, memory_limit=limit)
+        _evaluate(problem, variant)
+        if variant.feasible and variant.measures()["peak_activations"] < peak:
+            variants.append(variant)
+    return variants
 
 
 def _evaluate(problem: PlanProblem, member: Member) -> None:
@@ -148,7 +171,8 @@ def _evaluate(problem: PlanProblem, member: Member) -> None:
                                         if strategy.split_backward else "an unsplit backward")
         )
         return
-    limit = _limit(problem.memory_limit, strategy.memory_limit)
+    limit = _limit(problem.memory_limit if member.memory_limit is None else member.memory_limit,
+                   strategy.memory_limit)
     try:
         sim = simulate(W, S, B, strategy, costs=problem.costs, memory_limit=limit,
                        split_backward=problem.split_backward)

@@ -16,7 +16,7 @@ best family member simulated.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, TextIO
 
 import numpy as np
@@ -89,7 +89,7 @@ def plan(
     timed = TimedProblem.build(problem)
     if members is None:
         members = registry_members(problem, only=strategy)
-    family = search_family(problem, members, progress=progress)
+    family = search_family(problem, members, progress=progress, memory_variants=strategy is None)
 
     candidates: list[Candidate] = []
     for member in family.feasible:
@@ -194,6 +194,8 @@ def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
     """A family member's simulated run as fixed workers and orders."""
     t = member.simulation.timeline
     rows = _rows_of(problem, t)
+    if member.memory_limit is not None:
+        problem = replace(problem, memory_limit=member.memory_limit)
     return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
 
 

@@ -304,3 +304,21 @@ def test_costs_file_with_a_link_of_unlimited_bandwidth(tmp_path, capsys):
     again = load_plan(out)
     assert again.costs.link(0, 1).latency == 3
     assert again.simulate().latency == latency
+
+
+def test_family_search_without_a_limit_adds_memory_variants():
+    from unisched.plan.family import search_family
+
+    problem = PlanProblem(Shape(4, 4, 8))
+    family = search_family(problem, memory_variants=True)
+    variants = [m for m in family.feasible if m.memory_limit is not None]
+    assert variants
+    for member in variants:
+        assert member.measures()["peak_activations"] <= member.memory_limit
+    points = {id(m): (m.latency, m.measures()["peak_activations"], m.measures()["traffic"]) for m in family.feasible}
+
+    def dominated(p):
+        return any(q != p and all(a <= b for a, b in zip(q, p)) for q in points.values())
+
+    for member in family.feasible:
+        assert member.pareto == (not dominated(points[id(member)]))

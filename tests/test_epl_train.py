@@ -188,10 +188,23 @@ def resnet_classifier_zero(world):
 resnet_classifier_zero.optimizer = torch.optim.Adam
 
 
+def pipeline_offload(world):
+    """The pipeline snippet with ``offload.level: v0``: weights of truth and optimizer on the host."""
+    return pipeline(world, **{"offload.level": "v0"})
+
+
+def resnet_classifier_offload_zero(world):
+    """The classification snippet with offload and ZeRO: host shards of the weights of truth, Adam."""
+    return resnet_classifier(world, **{"offload.level": "v0", "zero.level": "v1"})
+
+
+resnet_classifier_offload_zero.optimizer = torch.optim.Adam
+
+
 SCENARIOS = {
     2: [("data_parallel", data_parallel, "auto"), ("default_data_parallel", default_data_parallel, "auto"),
         ("split_whole_model", split_whole_model, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
-        ("moe", moe, "auto")],
+        ("moe", moe, "auto"), ("pipeline_offload", pipeline_offload, "auto")],
     4: [
         ("data_parallel", data_parallel, "auto"),
         ("split_whole_model", split_whole_model, "auto"),
@@ -204,6 +217,7 @@ SCENARIOS = {
         ("replicate_then_split_apart", replicate_then_split_apart, "auto"),
         ("regression_apart", regression_apart, "auto"),
         ("parameterless_first_stage", parameterless_first_stage, "groups"),
+        ("resnet_classifier_offload_zero", resnet_classifier_offload_zero, "auto"),
     ],
 }
 
@@ -218,6 +232,7 @@ def run_scenario(build, world, runtime="auto") -> dict:
     optimizer = getattr(build, "optimizer", torch.optim.SGD)
     trainer = epl.Trainer(loss_fn, lambda params: optimizer(params, lr=0.2), runtime=runtime)
     reference_optimizer = optimizer(reference.parameters(), lr=0.2)
+    fetched_copies = _watch_fetches(trainer)
     losses, reference_losses = [], []
     for step in range(STEPS):
         losses.append(trainer.step(inputs, targets))
@@ -244,6 +259,49 @@ def run_scenario(build, world, runtime="auto") -> dict:
         "sharded": {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
         "runtime": trainer.runtime,
         "optimized": _optimized_elements((trainer.scheduled or trainer).optimizer),
+        "host": _host_report(trainer, fetched_copies),
+    }
+
+
+def _watch_fetches(trainer) -> list[bool]:
+    """Before each forward of an offloaded stage: does the compute module
+    hold its own copy of every host weight (same shape and values, other memory)?"""
+    seen: list[bool] = []
+    for host in getattr(trainer, "offloaded", {}).values():
+        def check(module, args, host=host):
+            seen.append(all(
+                p.shape == h.shape and p.data_ptr() != h.data_ptr() and torch.equal(p.detach().cpu(), h.detach())
+                for p, h in zip(host.compute, host.host)
+            ))
+        trainer.stages[next(s for s, h in trainer.offloaded.items() if h is host)].register_forward_pre_hook(check)
+    return seen
+
+
+def _host_report(trainer, fetched_copies: list[bool]) -> dict | None:
+    """Where an offloading trainer keeps its weights of truth and optimizer state."""
+    if trainer.scheduled is not None or not trainer.offloaded:
+        return None
+    host = [p for h in trainer.offloaded.values() for p in h.host]
+    compute = [p for h in trainer.offloaded.values() for p in h.compute]
+    optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    shards, offloaded = trainer.shards, trainer.offloaded
+    truth = [p for s, h in offloaded.items() if s not in shards for p in h.host]
+    truth += [shard.parameter for shard in shards.values()]
+    return {
+        "optimizer_has_the_truth": [id(p) for p in optimized] == [id(p) for p in truth],
+        "shards_write_to_host": all(
+            len(shard.parameters) == len(offloaded[s].host)
+            and all(q is h for q, h in zip(shard.parameters, offloaded[s].host))
+            for s, shard in shards.items()
+        ),
+        "sharded": bool(shards) == (trainer.config.zero.level == "v1"),
+        "on_cpu": all(p.device.type == "cpu" for p in optimized + host),
+        "compute_is_not_host": not {id(p) for p in compute} & {id(p) for p in host},
+        "state_on_host": all(v.device.type == "cpu" for state in trainer.optimizer.state.values()
+                             for v in state.values() if torch.is_tensor(v)),
+        "released_between_steps": all(p.numel() == 0 and p.grad is None for p in compute),
+        "fetches": len(fetched_copies),
+        "fetched_copies": all(fetched_copies),
     }
 
 
@@ -352,6 +410,24 @@ def test_zero_shards_the_optimizer_state(four):
     sharded = [r["resnet_classifier_zero"]["optimized"] for r in four]
     whole = [r["resnet_classifier"]["optimized"] for r in four]
     assert all(z * 2 <= w + 2 for z, w in zip(sharded, whole))
+    assert all(z < w for z, w in zip(sharded, whole))
+
+
+def test_offload_trains_from_host_copies(two, four):
+    for results, name, expected_fetches in ((two, "pipeline_offload", STEPS * 4),
+                                            (four, "resnet_classifier_offload_zero", STEPS * 2)):
+        check(results, name)
+        for rank, by_name in enumerate(results):
+            report = by_name[name]
+            assert report["runtime"] == "groups"
+            host = report["host"]
+            assert host is not None, f"rank {rank} kept no host weights"
+            assert host["optimizer_has_the_truth"] and host["on_cpu"] and host["state_on_host"]
+            assert host["compute_is_not_host"] and host["released_between_steps"]
+            assert host["shards_write_to_host"] and host["sharded"]
+            assert host["fetches"] >= expected_fetches and host["fetched_copies"]
+    sharded = [r["resnet_classifier_offload_zero"]["optimized"] for r in four]
+    whole = [r["resnet_classifier"]["optimized"] for r in four]
     assert all(z < w for z, w in zip(sharded, whole))
 
 

@@ -233,7 +233,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, index, mine = ctx.saved_tensors
         grad_logits = softmax.clone()
-        rows = torch.arange(len(index))
+        rows = torch.arange(len(index), device=index.device)
         grad_logits[rows, index] -= mine.to(grad_logits.dtype)
         return grad_logits * (grad / len(index)), None, None, None
 

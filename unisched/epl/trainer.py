@@ -19,6 +19,17 @@ the same initial weights) and then keeps the parts its rank runs.  One step:
    the optimizer steps (with ``zero.level: v1``, each device's optimizer
    holds only its shard of those copies, see :class:`_Shard`).
 
+With ``offload.level: v0`` the weights of truth and the optimizer live in
+host memory (:class:`_HostWeights`): a stage's weights are copied to the
+compute device before its first forward of the step, its gradients are
+copied back to the host after they are summed, the device copies are freed,
+and the optimizer steps on the host.
+
+The compute device is ``cuda:LOCAL_RANK`` when the process group runs NCCL
+(:func:`compute_device`), the CPU with gloo; without a process group but
+with torchrun's variables set, the trainer starts one (NCCL when CUDA is
+available, gloo otherwise).
+
 Every micro-batch's loss is weighted by its share of the global batch, so the
 gradients are those of the mean loss over the global batch, as in
 ``unisched.Trainer``.  Each pipeline position runs its passes in the order of
@@ -29,6 +40,8 @@ which these orders make deadlock-free.
 
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -81,14 +94,17 @@ class Trainer:
     the schedule's order item by item (1F1B for ``PreferBackward``, weight
     fetches for ``zero.level: v1``); ``"groups"`` is this module's runtime,
     which also runs groups of devices (``replicate(k > 1)``, ``split``),
-    shards optimizer state for ``zero.level: v1``, and runs placements with
-    ``offload.level`` set without offloading.  ``"auto"`` takes
+    shards optimizer state for ``zero.level: v1`` and keeps the weights of
+    truth in host memory for ``offload.level: v0``.  ``"auto"`` takes
     ``"schedule"`` whenever it can run the placement (every TaskGraph on one
     device per replica, no offload, a process group set up) and ``"groups"``
-    otherwise.  ``options`` (e.g. ``timeout``) go to :class:`unisched.Trainer`.
+    otherwise.  ``device`` overrides :func:`compute_device` on ``"groups"``;
+    other ``options`` (e.g. ``timeout``) go to :class:`unisched.Trainer`.
     """
 
-    def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto", **options):
+    def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto",
+                 device: torch.device | str | None = None, **options):
+        _ensure_process_group(float(options.get("timeout", 300.0)))
         self.env = Env.get()
         self.config = self.env.config
         taskgraphs = _checked(self.env.taskgraphs)
@@ -108,10 +124,16 @@ class Trainer:
                 for stage in self.stages:
                     _recompute_forward(stage)
             self.simulation = simulate(*self.strategy.shape, self.strategy)
+            if device is not None:
+                options["device"] = device
             self.scheduled = ScheduledTrainer(self.stages, self.simulation, loss_fn, optimizer, **options)
+            self.device = self.scheduled.device
             return
         if options:
             raise ScopeError(f"options {sorted(options)} are for runtime='schedule'; this model runs on 'groups'")
+        self.device = compute_device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.class_sharded = _is_cross_entropy(loss_fn) and taskgraphs[-1].kind == SPLIT
         self.plans = {
             t.index: split_plan(self.stages[t.index], classifier=self.class_sharded and t.index == len(taskgraphs) - 1)
@@ -125,14 +147,25 @@ class Trainer:
                 if self.placement.stages[s].kind == SPLIT:
                     with self.env.paused():
                         self.stages[s] = split_module(self.stages[s], self.group(self.replica, s), self.plans[s])
+                self.stages[s].to(self.device)
+            self.offloaded: dict[int, _HostWeights] = {}
+            if self.config.offload.level == "v0":
+                self.offloaded = {s: _HostWeights(self.stages[s], self.device) for s in self.segment}
             self.shards = _zero_shards(self) if self.config.zero.level == "v1" else {}
-            parameters = [p for s in self.segment if s not in self.shards for p in self.stages[s].parameters()]
+            parameters = [p for s in self.segment if s not in self.shards for p in self.weights_of_truth(s)]
             parameters += [shard.parameter for shard in self.shards.values()]
             self.optimizer = optimizer(parameters) if parameters else None
         except Exception as error:
             _agree(error)
             raise
         _agree(None)
+
+    def weights_of_truth(self, stage: int) -> list[nn.Parameter]:
+        """The parameters the optimizer updates for ``stage`` (before ZeRO
+        sharding): the host copies with offload, else the module's own."""
+        if stage in self.offloaded:
+            return self.offloaded[stage].host
+        return list(self.stages[stage].parameters())
 
     # ------------------------------------------------------------------ layout of the run
     def group(self, replica: int, stage: int) -> Group:
@@ -188,10 +221,11 @@ class Trainer:
                  for m in range(P.num_micro_batch)]
         pending: list = []
         stashes: dict[int, _Stash] = {}
-        contribution = torch.zeros(())
+        contribution = torch.zeros((), device=self.device)
         for op, m in pass_order(len(micro), len(segments), position, self.config.pipeline.strategy):
             if op == "F":
-                stashes[m] = self._forward(inputs[micro[m]], targets[micro[m]], position, segments, rows, pending)
+                x, target = inputs[micro[m]].to(self.device), targets[micro[m]].to(self.device)
+                stashes[m] = self._forward(x, target, position, segments, rows, pending)
                 continue
             stash = stashes.pop(m)
             self._backward(stash, position, segments, pending)
@@ -200,7 +234,12 @@ class Trainer:
                 contribution += stash.loss.detach()
         for work in pending:
             work.wait()
+        for host in self.offloaded.values():
+            host.fetch()
         self._reduce_gradients()
+        for host in self.offloaded.values():
+            host.return_gradients()
+            host.release()
         for shard in self.shards.values():
             shard.take_gradient()
         if self.optimizer is not None:
@@ -209,7 +248,8 @@ class Trainer:
         for shard in self.shards.values():
             shard.write_back()
         for s in self.shards:
-            self.stages[s].zero_grad(set_to_none=True)
+            for parameter in self.weights_of_truth(s):
+                parameter.grad = None
         if _distributed():
             dist.all_reduce(contribution)
         return float(contribution)
@@ -220,10 +260,12 @@ class Trainer:
             leaf = None
         else:
             source = self.placement.group(self.replica, segments[position - 1][-1])[0]
-            x = _share(_recv(source) if group.index == 0 else None, group)
+            x = _share(_recv(source, self.device) if group.index == 0 else None, group, self.device)
             leaf = x.requires_grad_(True) if x.is_floating_point() else None
         layout = FULL
         for s in self.segment:
+            if s in self.offloaded:
+                self.offloaded[s].fetch()
             group = self.group(self.replica, s)
             x = _convert(x, layout, self._layout_in(s), group)
             x = checkpoint(self.stages[s], x, use_reentrant=False) if self.recompute else self.stages[s](x)
@@ -253,7 +295,7 @@ class Trainer:
             stash.loss.backward()
         elif stash.output.is_floating_point():
             source = self.placement.group(self.replica, segments[position + 1][0])[0]
-            grad = _share(_recv(source) if group.index == 0 else None, group)
+            grad = _share(_recv(source, self.device) if group.index == 0 else None, group, self.device)
             if stash.output.requires_grad:
                 torch.autograd.backward(stash.output, _own_rows(grad, group) if stash.layout == ROWS else grad)
         if stash.leaf is not None and self.group(self.replica, self.segment[0]).index == 0:
@@ -279,11 +321,15 @@ class Trainer:
         if self.scheduled is not None:
             return self.scheduled.gather_state_dict()
         state: dict[str, torch.Tensor] = {}
+        device = self.device
         for s, module in enumerate(self.stages):
             owners = self.placement.group(0, s)
             dims = shard_dims(self.plans[s]) if s in self.plans else {}
             converted = s in self.segment
-            for name, parameter in module.state_dict().items():
+            values = module.state_dict()
+            if s in self.offloaded:
+                values.update(self.offloaded[s].named())
+            for name, parameter in values.items():
                 if name in dims:
                     dim = dims[name]
                     shape = list(_full_shape(parameter, dim, len(owners), converted))
@@ -291,16 +337,17 @@ class Trainer:
                     parts = []
                     for owner in owners:
                         mine = self.rank == owner
-                        part = parameter.detach().clone() if mine else torch.empty(shape, dtype=parameter.dtype)
+                        part = (parameter.detach().to(device, copy=True) if mine
+                                else torch.empty(shape, dtype=parameter.dtype, device=device))
                         if _distributed():
                             dist.broadcast(part, src=owner)
                         parts.append(part)
-                    state[f"{s}.{name}"] = torch.cat(parts, dim=dim)
+                    state[f"{s}.{name}"] = torch.cat(parts, dim=dim).cpu()
                 else:
-                    whole = parameter.detach().clone()
+                    whole = parameter.detach().to(device, copy=True)
                     if _distributed():
                         dist.broadcast(whole, src=owners[0])
-                    state[f"{s}.{name}"] = whole
+                    state[f"{s}.{name}"] = whole.cpu()
         return state
 
     @property
@@ -323,9 +370,11 @@ class _Shard:
     copies that all-reduce their gradients), so its state is sharded; after
     the step the shards are all-gathered back into every copy."""
 
-    def __init__(self, parameters: list[nn.Parameter], ranks: tuple[int, ...], process_group, rank: int):
+    def __init__(self, parameters: list[nn.Parameter], ranks: tuple[int, ...], process_group, rank: int,
+                 device: torch.device):
         self.parameters = parameters
         self.process_group = process_group
+        self.device = device
         self.count = len(ranks)
         self.index = ranks.index(rank)
         total = sum(p.numel() for p in parameters)
@@ -342,8 +391,9 @@ class _Shard:
         self.parameter.grad = self._flat(grads)[self.index * self.size : (self.index + 1) * self.size].clone()
 
     def write_back(self) -> None:
-        parts = [torch.empty_like(self.parameter.data) for _ in range(self.count)]
-        dist.all_gather(parts, self.parameter.data.contiguous(), group=self.process_group)
+        mine = self.parameter.data.to(self.device).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.count)]
+        dist.all_gather(parts, mine, group=self.process_group)
         flat = torch.cat(parts)
         offset = 0
         with torch.no_grad():
@@ -356,10 +406,63 @@ def _zero_shards(trainer: "Trainer") -> dict[int, _Shard]:
     shards = {}
     for s in trainer.segment:
         ranks = _gradient_ranks(trainer.placement, s, trainer.rank)
-        parameters = list(trainer.stages[s].parameters())
+        parameters = trainer.weights_of_truth(s)
         if len(ranks) > 1 and parameters:
-            shards[s] = _Shard(parameters, ranks, trainer._process_groups[ranks], trainer.rank)
+            shards[s] = _Shard(parameters, ranks, trainer._process_groups[ranks], trainer.rank, trainer.device)
     return shards
+
+
+# ---------------------------------------------------------------------- CPU offload
+class _HostWeights:
+    """``offload.level: v0``: one stage's weights of truth in host memory.
+
+    The compute module keeps its parameter objects (autograd and the
+    tensor-parallel layers refer to them) but holds their data only from
+    :meth:`fetch` (before the stage's first forward of a step) to
+    :meth:`release` (after its gradients went back to the host), so between
+    steps the device keeps neither weights nor gradients; the optimizer,
+    and so its state, sees only :attr:`host`.  Host copies are pinned when
+    the device is a GPU, so the copies can overlap with work.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.device = device
+        named = list(module.named_parameters())
+        self.names = [name for name, _ in named]
+        self.compute = [parameter for _, parameter in named]
+        pin = device.type == "cuda"
+        self.host = [nn.Parameter(_host_copy(p.detach(), pin), requires_grad=p.requires_grad) for p in self.compute]
+        self.fetched = True
+        self.release()
+
+    def fetch(self) -> None:
+        if self.fetched:
+            return
+        for parameter, host in zip(self.compute, self.host):
+            parameter.data = host.detach().to(self.device, copy=True, non_blocking=True)
+        self.fetched = True
+
+    def return_gradients(self) -> None:
+        for parameter, host in zip(self.compute, self.host):
+            if not host.requires_grad:
+                continue
+            grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            host.grad = grad.detach().to("cpu", copy=True)
+
+    def release(self) -> None:
+        for parameter in self.compute:
+            parameter.grad = None
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=self.device)
+        self.fetched = False
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {name: host.detach() for name, host in zip(self.names, self.host)}
+
+
+def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    copy.copy_(tensor)
+    return copy
 
 
 # ---------------------------------------------------------------------- model assembly
@@ -378,6 +481,32 @@ def pass_order(num_micro: int, num_segments: int, position: int, strategy: str) 
     for m in range(num_micro - ahead):
         order += [("F", ahead + m), ("B", m)]
     return order + [("B", m) for m in range(num_micro - ahead, num_micro)]
+
+
+def compute_device(device: torch.device | str | None = None) -> torch.device:
+    """Where this rank computes: ``device`` if given; with an NCCL process
+    group (or none and CUDA present) ``cuda:LOCAL_RANK`` (else the current
+    CUDA device); the CPU otherwise (gloo moves CPU tensors)."""
+    if device is not None:
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if _distributed() and dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+
+
+def _ensure_process_group(timeout: float) -> None:
+    """Under torchrun (``RANK`` and ``WORLD_SIZE`` set) with no process group
+    yet, start one: NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, gloo
+    otherwise."""
+    if _distributed() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
 
 
 def _agree(error: Exception | None) -> None:
@@ -401,7 +530,7 @@ def _pick_runtime(runtime: str, placement: Placement, config) -> str:
     if grouped:
         problems.append(f"TaskGraph(s) {grouped} span several devices per replica")
     if config.offload.level:
-        problems.append("offload.level needs a host weight worker")
+        problems.append("offload.level keeps the weights in host memory, which only the 'groups' runtime does")
     if runtime == "auto":
         return GROUPS if problems else SCHEDULE
     if runtime == SCHEDULE and problems:
@@ -533,17 +662,17 @@ _MAX_DIMS = 8
 
 
 def _header(x: torch.Tensor) -> torch.Tensor:
+    """Rank, dtype and shape of ``x``, on ``x``'s device (NCCL moves only GPU tensors)."""
     if x.dim() > _MAX_DIMS or x.dtype not in _DTYPES:
         raise SplitError(f"cannot send a {x.dtype} tensor of {x.dim()} dimensions between TaskGraphs")
-    header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
-    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
-    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    return header
+    header = [x.dim(), _DTYPES.index(x.dtype), *x.shape] + [0] * (_MAX_DIMS - x.dim())
+    return torch.tensor(header, dtype=torch.int64).to(x.device)
 
 
-def _empty_like_header(header: torch.Tensor) -> torch.Tensor:
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    return torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype)
+def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    values = header.tolist()
+    ndim, dtype = values[0], _DTYPES[values[1]]
+    return torch.empty(values[2 : 2 + ndim], dtype=dtype, device=device)
 
 
 def _send(x: torch.Tensor, destination: int) -> list:
@@ -552,22 +681,22 @@ def _send(x: torch.Tensor, destination: int) -> list:
     return [dist.isend(_header(payload), destination), dist.isend(payload, destination)]
 
 
-def _recv(source: int) -> torch.Tensor:
-    header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
+def _recv(source: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=device)
     dist.recv(header, source)
-    x = _empty_like_header(header)
+    x = _empty_like_header(header, device)
     dist.recv(x, source)
     return x
 
 
-def _share(x: torch.Tensor | None, group: Group) -> torch.Tensor:
+def _share(x: torch.Tensor | None, group: Group, device: torch.device) -> torch.Tensor:
     """The group's first device has ``x``; every device of the group gets it."""
     if group.size == 1:
         return x
     leader = group.ranks[0]
-    header = _header(x) if x is not None else torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
+    header = _header(x) if x is not None else torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=device)
     dist.broadcast(header, leader, group=group.process_group)
     if x is None:
-        x = _empty_like_header(header)
+        x = _empty_like_header(header, device)
     dist.broadcast(x, leader, group=group.process_group)
     return x

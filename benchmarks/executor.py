@@ -11,8 +11,9 @@ stage per rank), same batch (64 rows, 8 micro-batches), same SGD:
 - unisched ``ddp`` (one micro-batch per rank) vs ``DistributedDataParallel``.
 
 Rounds alternate between the systems so that a busy machine slows them
-alike; each figure is the median step time over all rounds, measured on rank
-0 between barriers.  Then, in more alternating rounds with recording on,
+alike; step times are measured on rank 0 between barriers; a ratio is the
+median over rounds of that round's ratio of median step times (a paired
+comparison, robust to the load drifting between rounds).  Then, in more alternating rounds with recording on,
 unisched's costs are calibrated from every other step and the simulator's
 predicted latency is compared with the median measured latency of the steps
 in between.  Ratios below 1.0 mean unisched is faster.
@@ -127,17 +128,18 @@ def _bench(rank: int, world: int, config: dict) -> dict | None:
         "unisched ddp": Unisched(timelines["ddp"], W, width, layers),
         "torch DDP": TorchDDP(W, width, layers),
     }
-    times: dict[str, list[float]] = {name: [] for name in systems}
+    times: dict[str, list[list[float]]] = {name: [] for name in systems}
     for system in systems.values():
         system.step(x, y)
     for _ in range(config["rounds"]):
         for name, system in systems.items():
+            times[name].append([])
             for _ in range(config["steps"]):
                 dist.barrier()
                 start = time.perf_counter()
                 system.step(x, y)
                 dist.barrier()
-                times[name].append(time.perf_counter() - start)
+                times[name][-1].append(time.perf_counter() - start)
 
     calibration = {name: [] for name in schedules}
     held_out = {name: [] for name in schedules}
@@ -159,7 +161,18 @@ def _bench(rank: int, world: int, config: dict) -> dict | None:
                                  "error": abs(predicted - measured) / measured}
     if rank != 0:
         return None
-    return {"step_ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()}, "prediction": predictions}
+    pairs = {"gpipe / ScheduleGPipe": ("unisched gpipe", "torch ScheduleGPipe"),
+             "one_f_one_b / Schedule1F1B": ("unisched one_f_one_b", "torch Schedule1F1B"),
+             "ddp / DDP": ("unisched ddp", "torch DDP")}
+    ratios = {
+        label: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(times[ours], times[theirs]))
+        for label, (ours, theirs) in pairs.items()
+    }
+    return {
+        "step_ms": {name: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times.items()},
+        "ratios": ratios,
+        "prediction": predictions,
+    }
 
 
 # ---------------------------------------------------------------------- report
@@ -168,8 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages (default 2)")
     parser.add_argument("--width", type=int, default=1024, help="Linear width (default 1024)")
     parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage (default 2)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per system per round (default 5)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating the systems (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds alternating the systems (default 6)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks
@@ -178,11 +191,6 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     result = check(run_local(_bench, W, config, timeout=900, group_timeout=300))[0]
     ms = result["step_ms"]
-    result["ratios"] = {
-        "gpipe / ScheduleGPipe": ms["unisched gpipe"] / ms["torch ScheduleGPipe"],
-        "one_f_one_b / Schedule1F1B": ms["unisched one_f_one_b"] / ms["torch Schedule1F1B"],
-        "ddp / DDP": ms["unisched ddp"] / ms["torch DDP"],
-    }
     result["config"] = {"ranks": W, "width": args.width, "layers_per_stage": args.layers, "rows": ROWS,
                         "micro_batches": MICRO_BATCHES, "backend": "gloo", "threads_per_rank": 1, "cpus": os.cpu_count(),
                         "load_average_before_after": [load_before, os.getloadavg()[0]],
@@ -197,7 +205,7 @@ def main(argv=None) -> int:
     print("\nmedian step time")
     for name, value in ms.items():
         print(f"  {name:<22} {value:8.1f} ms")
-    print("\nratios (unisched / torch; <= 1.0 is as fast or faster)")
+    print("\nratios (unisched / torch, median over rounds of each round's ratio; <= 1.0 is as fast or faster)")
     for name, value in result["ratios"].items():
         print(f"  {name:<28} {value:6.3f}")
     print("\nsimulated (costs calibrated on earlier steps) vs measured latency")

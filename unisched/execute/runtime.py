@@ -136,14 +136,14 @@ class Trainer:
                     f"do not divide; pass a batch whose first dimension is a multiple of {B}"
                 )
         micro_in, micro_t = inputs.chunk(B), targets.chunk(B)
-        signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
-        if self._meta is None or self._meta[0] != signature:
-            self._meta = (signature, self._infer_shapes(micro_in[0]))
         state = _StepState(self, micro_in, micro_t)
         self._state = state
         self._step_no += 1
         self._watchdog.arm()
         try:
+            signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
+            if self._meta is None or self._meta[0] != signature:
+                self._meta = (signature, self._infer_shapes(micro_in[0]))
             loss = self._run(state)
         except NonFiniteLossError:
             raise

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from unisched.plan.order import Solved, _solver, memory_demands
+from unisched.plan.order import Solved, make_solver, memory_demands
 from unisched.plan.problem import TimedProblem
 from unisched.work import FORWARD
 
@@ -37,6 +37,7 @@ WHOLE_MODEL_LIMIT = 160
 LNS_PAIRS = 64
 """(stage, batch) pairs whose workers one LNS round frees."""
 LNS_ROUND_SECONDS = 4.0
+"""Longest single LNS round: many short rounds beat a few long ones on large models."""
 
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], float]
@@ -252,7 +253,7 @@ def _solve(
             for s in range(S):
                 model.add(owner[s, int(hint.weight[problem.item(0, s, FORWARD)])] == 1)
     model.minimize(makespan)
-    solver = _solver(time_limit, num_workers, seed)
+    solver = make_solver(time_limit, num_workers, seed)
     collector = _Collector(x, owner, start, (W, S, B), timed)
     status = solver.solve(model, collector)
     wall = time.perf_counter() - begin

@@ -99,7 +99,7 @@ def solve_order(
             model.add_hint(start[i], int(hint_starts[i]))
         model.add_hint(makespan, int(np.max(np.asarray(hint_starts) + duration + tails)))
     model.minimize(makespan)
-    solver = _solver(time_limit, num_workers, seed)
+    solver = make_solver(time_limit, num_workers, seed)
     status = solver.solve(model)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
@@ -137,7 +137,8 @@ def solve_order_staged(
     return replace(first, status="FEASIBLE", bound=full.bound, wall=time.perf_counter() - begin)
 
 
-def _solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:
+def make_solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:
+    """A CP-SAT solver with a time limit, a number of search workers and a fixed seed."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
     solver.parameters.num_workers = max(1, int(num_workers))

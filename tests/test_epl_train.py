@@ -201,6 +201,15 @@ def resnet_classifier_offload_zero(world):
 resnet_classifier_offload_zero.optimizer = torch.optim.Adam
 
 
+def data_parallel_offload(world):
+    """The data-parallel snippet with ``offload.level: v0``."""
+    epl.init(epl.Config({"offload.level": "v0"}))
+    with epl.replicate(device_count=1):
+        mlp(6, 16, 3)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    return x, y, nn.CrossEntropyLoss()
+
+
 SCENARIOS = {
     2: [("data_parallel", data_parallel, "auto"), ("default_data_parallel", default_data_parallel, "auto"),
         ("split_whole_model", split_whole_model, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
@@ -260,6 +269,8 @@ def run_scenario(build, world, runtime="auto") -> dict:
         "runtime": trainer.runtime,
         "optimized": _optimized_elements((trainer.scheduled or trainer).optimizer),
         "host": _host_report(trainer, fetched_copies),
+        "device": str(trainer.device),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
     }
 
 
@@ -450,3 +461,32 @@ def test_a_setup_error_on_some_ranks_stops_every_rank():
     messages = [r.value for r in outcome]
     assert messages[0].startswith("ScopeError: rank 1 could not set up")
     assert all("5 output features" in m and "2 devices" in m for m in messages)
+
+
+# ---------------------------------------------------------------------- on GPUs, with NCCL
+def _nccl_worker(rank: int, world: int) -> dict:
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    build = resnet_classifier_offload_zero if world == 2 else data_parallel_offload
+    return run_scenario(build, world, "auto")
+
+
+@pytest.mark.gpu
+def test_nccl_groups_runtime_trains_on_cuda_with_offload():
+    """The classification snippet (one GPU: the data-parallel one) on
+    ``cuda:rank`` with NCCL, weights of truth in pinned host memory."""
+    world = min(2, torch.cuda.device_count())
+    outcome = run_local(_nccl_worker, world, backend="nccl", timeout=300)
+    assert [r.error for r in outcome] == [None] * world
+    for rank, result in enumerate(r.value for r in outcome):
+        assert result["backend"] == "nccl"
+        assert result["device"] == f"cuda:{rank}"
+        assert result["runtime"] == "groups"
+        assert result["keys"] == result["expected_keys"]
+        assert result["max_diff"] < 1e-4, f"rank {rank}: weights differ by {result['max_diff']}"
+        assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-4)
+        assert result["moved"] > 1e-3
+        host = result["host"]
+        assert host["optimizer_has_the_truth"] and host["on_cpu"] and host["state_on_host"]
+        assert host["compute_is_not_host"] and host["released_between_steps"] and host["fetched_copies"]

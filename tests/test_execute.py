@@ -195,6 +195,7 @@ def _train_every_case(rank: int, world: int, timelines: dict[str, Timeline]):
                 "overlaps": _overlaps(t),
             }
         out[name] = row
+        trainer.close()
     return out
 
 

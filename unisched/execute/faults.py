@@ -88,6 +88,7 @@ class Watchdog:
         self._on_expire = on_expire
         self._lock = threading.Condition()
         self._deadline: float | None = None
+        self._stopped = False
         self.fired = False
         self._thread = threading.Thread(target=self._loop, name="unisched-watchdog", daemon=True)
         self._thread.start()
@@ -102,10 +103,18 @@ class Watchdog:
         with self._lock:
             self._deadline = None
 
+    def stop(self) -> None:
+        with self._lock:
+            self._deadline = None
+            self._stopped = True
+            self._lock.notify()
+
     def _loop(self) -> None:
         while True:
             with self._lock:
                 while self._deadline is None:
+                    if self._stopped:
+                        return
                     self._lock.wait()
                 remaining = self._deadline - time.monotonic()
                 if remaining > 0:

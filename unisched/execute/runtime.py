@@ -125,8 +125,8 @@ class Trainer:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step on the full batch; returns the mean micro-batch loss on every rank."""
         if self._failed is not None:
-            raise ExecutionError(f"rank {self.rank}: this Trainer stopped after a failed step ({self._failed}); "
-                                 f"start new processes to train again")
+            raise ExecutionError(f"rank {self.rank}: this Trainer cannot step any more: {self._failed}; "
+                                 f"build a new one (after a failed step, in new processes)")
         B = self.program.num_batches
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         for name, tensor in (("inputs", inputs), ("targets", targets)):
@@ -180,6 +180,14 @@ class Trainer:
         box = [calibrate_costs(timelines[1:], **options) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
+
+    def close(self) -> None:
+        """Release the trainer's process groups and its watchdog (every rank calls it)."""
+        self._watchdog.stop()
+        for group in (*self._replica_groups.values(), self._p2p, self._control):
+            dist.destroy_process_group(group)
+        self._replica_groups = {}
+        self._failed = self._failed or "it was closed"
 
     def __repr__(self) -> str:
         return (f"<Trainer {self.label} rank {self.rank}/{self.world_size}: S={self.program.num_stages} "

@@ -44,7 +44,7 @@ def test_gpipe_order_with_communication_matches_the_fixed_stage_optimum():
 
 
 def test_free_mapping_beats_every_named_strategy_under_a_memory_limit():
-    result = plan(4, 4, 8, memory_limit=2, time_limit=6)
+    result = plan(4, 4, 8, memory_limit=2, time_limit=4)
     family = [row["latency"] for row in result.candidates if row["source"] == "family"]
     assert result.latency <= min(family)
     assert result.latency < 51
@@ -62,7 +62,7 @@ def test_memory_time_bound_is_the_papers_figure():
 # ---------------------------------------------------------------------- replay and limits
 def test_plan_replays_to_its_latency_and_respects_the_limits(tmp_path):
     costs = encode_costs(comm=1, fetch=2)
-    result = plan(4, 4, 8, costs, memory_limit=3, max_stages_per_worker=2, time_limit=6)
+    result = plan(4, 4, 8, costs, memory_limit=3, max_stages_per_worker=2, time_limit=4)
     sim = result.simulate()
     assert sim.latency == result.latency
     assert max(sim.worker_stats()["max_activation_storage"]) <= 3

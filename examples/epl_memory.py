@@ -1,0 +1,202 @@
+"""EPL's memory features on the pipeline snippet: ZeRO, CPU offload and
+recompute, each trained on N local gloo processes (the ``groups`` runtime)
+and compared with one process, with what every device keeps:
+
+- optimizer state (numbers Adam keeps) and where it lives;
+- weight bytes left on the compute device between steps;
+- the peak of activation bytes autograd keeps for the backward during a
+  step (parameters left out), next to what ``epl.simulate`` predicts from
+  each TaskGraph's input and internal activation sizes measured in one process.
+
+Run: ``python examples/epl_memory.py --world 4`` (two replicas of two stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+from epl_common import mlp
+from torch import nn
+
+from unisched import epl
+from unisched.execute.launch import check, run_local
+from unisched.memory import memory_curves
+
+FEATURES = {
+    "plain": {},
+    "recompute": {"gradient_checkpoint.type": "auto"},
+    "zero v1": {"zero.level": "v1"},
+    "offload v0": {"offload.level": "v0"},
+    "zero + offload": {"zero.level": "v1", "offload.level": "v0"},
+}
+MICRO = 4
+
+
+def build(features: dict, width: int):
+    epl.init(epl.Config({"pipeline.num_micro_batch": MICRO, **features}))
+    with epl.replicate(device_count=1, name="stage_0"):
+        mlp(64, width, width, width, last_activation=True)
+    with epl.replicate(device_count=1, name="stage_1"):
+        mlp(width, width, width, 10)
+    return nn.CrossEntropyLoss()
+
+
+def batch(world: int, rows_per_micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    replicas = world // 2
+    rows = replicas * MICRO * rows_per_micro
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 64, generator=generator), torch.randint(0, 10, (rows,), generator=generator)
+
+
+class SavedBytes:
+    """Bytes autograd keeps for the backward, counted once per tensor (by its
+    data pointer) and without parameters; :attr:`peak` is the most held at once."""
+
+    def __init__(self, parameters):
+        self.parameters = parameters
+        self.live: dict[int, list] = {}
+        self.now = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor):
+        key = tensor.data_ptr()
+        if key in {p.data_ptr() for p in self.parameters()}:
+            return tensor
+        entry = self.live.setdefault(key, [0, tensor.numel() * tensor.element_size()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return _Held(tensor, self, key)
+
+    def unpack(self, held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.live[key]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    def __init__(self, tensor, counter: SavedBytes, key: int):
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self):
+        self.counter.release(self.key)
+
+
+def train(rank: int, world: int, name: str, width: int, rows_per_micro: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    loss_fn = build(FEATURES[name], width)
+    inputs, targets = batch(world, rows_per_micro)
+    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.Adam(params, lr=1e-3), runtime="groups")
+    mine = [trainer.stages[s] for s in trainer.segment]
+    counter = SavedBytes(lambda: [p for m in mine for p in m.parameters()])
+    times, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with counter.hooks():
+            losses.append(trainer.step(inputs, targets))
+        times.append(time.perf_counter() - start)
+    optimizer = trainer.optimizer
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    weights = trainer.gather_state_dict()
+    return {
+        "losses": losses,
+        "state": {k: v.numpy() for k, v in weights.items()},
+        "optimizer_numbers": sum(v.numel() for v in state),
+        "optimizer_on": sorted({v.device.type for v in state}),
+        "device_weight_bytes": sum(p.numel() * p.element_size() for m in mine for p in m.parameters()),
+        "host_weight_bytes": sum(p.numel() * p.element_size() for h in trainer.offloaded.values() for p in h.host),
+        "peak_saved_bytes": counter.peak,
+        "step_ms": 1000 * statistics.median(times[1:] or times),
+        "position": trainer.segment[0],
+    }
+
+
+def reference(features: dict, width: int, world: int, rows_per_micro: int, steps: int):
+    """One process, whole batch; also each stage's input and saved internal
+    bytes for one micro-batch (the sizes ``epl.simulate`` takes)."""
+    torch.manual_seed(0)
+    loss_fn = build(features, width)
+    inputs, targets = batch(world, rows_per_micro)
+    env = epl.Env.get()
+    with env.paused():
+        model = nn.ModuleList(copy.deepcopy(t.module()) for t in env.taskgraphs)
+    input_bytes, internal_bytes = [], []
+    x = inputs[:rows_per_micro]
+    for s, stage in enumerate(model):
+        counter = SavedBytes(stage.parameters)
+        with counter.hooks():
+            x_in = x.detach().requires_grad_(s > 0)
+            out = stage(x_in)
+            if s == len(model) - 1:
+                out = loss_fn(out, targets[:rows_per_micro])
+            input_bytes.append(x.numel() * x.element_size())
+            internal_bytes.append(max(counter.peak - input_bytes[-1], 0))
+        x = out.detach()
+        del out, x_in
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        output = inputs
+        for stage in model:
+            output = stage(output)
+        loss = loss_fn(output, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict(), input_bytes, internal_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4, help="local processes: 2 stages x replicas")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    if args.world % 2:
+        parser.error("--world must be even (two pipeline stages per replica)")
+    os.environ["WORLD_SIZE"] = str(args.world)
+
+    print(f"pipeline snippet, widths {args.width}, {MICRO} micro-batches of {args.rows} rows, "
+          f"{args.world // 2} replica(s) of 2 stages, Adam, {args.steps} steps, gloo on CPU")
+    header = (f"{'feature':<15} {'max |dw|':>9} {'Adam numbers':>14} {'on':>5} {'device weights':>15} "
+              f"{'host weights':>13} {'saved peak':>16} {'simulated':>16} {'step ms':>9}")
+    print(header)
+    for name, features in FEATURES.items():
+        losses, expected, input_bytes, internal_bytes = reference(features, args.width, args.world, args.rows,
+                                                                   args.steps)
+        simulation = epl.simulate(world_size=args.world, input_bytes=input_bytes, internal_bytes=internal_bytes)
+        simulated = [c.peak for c in memory_curves(simulation.timeline, "activations")]
+        results = check(run_local(train, args.world, name, args.width, args.rows, args.steps, timeout=300))
+        diff = max((torch.from_numpy(results[0]["state"][k]) - v).abs().max().item() for k, v in expected.items())
+        loss_diff = max(abs(a - b) for a, b in zip(results[0]["losses"], losses))
+        per_position = {r["position"]: r for r in reversed(results)}
+        cells = [per_position[p] for p in (0, 1)]
+        print(f"{name:<15} {max(diff, loss_diff):>9.1e} "
+              f"{'/'.join(str(c['optimizer_numbers']) for c in cells):>14} "
+              f"{','.join(cells[0]['optimizer_on']):>5} "
+              f"{'/'.join(str(c['device_weight_bytes']) for c in cells):>15} "
+              f"{'/'.join(str(c['host_weight_bytes']) for c in cells):>13} "
+              f"{'/'.join(str(c['peak_saved_bytes']) for c in cells):>16} "
+              f"{'/'.join(str(int(simulated[p])) for p in (0, 1)):>16} "
+              f"{statistics.median(r['step_ms'] for r in results):>9.1f}")
+    print("(a/b: the devices of stage 0 / stage 1; weights in bytes between steps; "
+          "saved peak: most activation bytes autograd held at once during a step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,14 @@ count as in Alibaba's Easy Parallel Library, and compiles to a
 from __future__ import annotations
 
 from unisched.epl.config import Config, ConfigError
-from unisched.epl.placement import Placement, compile_strategy, place, simulate_placement, stage_costs
+from unisched.epl.placement import (
+    Placement,
+    compile_strategy,
+    place,
+    simulate_placement,
+    stage_costs,
+    stash_limit,
+)
 from unisched.epl.scopes import (
     Env,
     Scope,
@@ -39,7 +46,7 @@ from unisched.epl.tensor_parallel import (
     split_module,
     split_plan,
 )
-from unisched.epl.trainer import Trainer
+from unisched.epl.trainer import Trainer, compute_device
 from unisched.simulate import Costs
 from unisched.strategy import Strategy
 
@@ -80,6 +87,7 @@ __all__ = [
     "TaskGraph",
     "Trainer",
     "compile_strategy",
+    "compute_device",
     "init",
     "place",
     "placement",
@@ -92,5 +100,6 @@ __all__ = [
     "split_module",
     "split_plan",
     "stage_costs",
+    "stash_limit",
     "strategy",
 ]

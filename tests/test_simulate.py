@@ -569,3 +569,22 @@ def test_drawing_view_keeps_the_throughput_of_the_items():
     t = simulate(2, 2, 2, strategy).timeline
     assert len(t.per_worker()) == 2 * len(t)
     assert t.per_worker().throughput == t.throughput
+
+
+def test_a_link_fills_gaps_in_time_order_not_booking_order():
+    from unisched.simulate.engine import _Calendar
+
+    link = _Calendar()
+    assert link.book(5, 2) == 5  # booked first, sent later
+    assert link.book(0, 2) == 0  # booked later for an earlier time: it goes first
+    assert link.book(0, 2) == 2
+    assert link.book(1, 3) == 7  # no gap of 3 before the transfer at 5..7
+    assert link.book(4, 0) == 4  # a transfer that occupies nothing never waits
+
+
+def test_unlimited_link_bandwidth_round_trips_as_null(tmp_path):
+    costs = Costs(links={(0, 1): unisched.Link(latency=1.0)})
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    assert '"bandwidth": null' in path.read_text()
+    assert Costs.load(path).transfer_time(0, 1, 100.0) == 1.0

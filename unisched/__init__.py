@@ -73,6 +73,8 @@ _LAZY = {
     "Trainer": "unisched.execute",
     "calibrate_costs": "unisched.execute",
     "load_plan": "unisched.plan",
+    "PlanFileError": "unisched.plan",
+    "PlanInputError": "unisched.plan",
     "Plan": "unisched.plan",
     "policies": "unisched.policies",
     "StrategyShapeError": "unisched.policies",

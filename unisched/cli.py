@@ -34,9 +34,9 @@ _EXTERNAL_VERBS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     if not argv:
         argv = ["simulate"]
+    parser = build_parser(verb=argv[0])
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
@@ -48,7 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line.  Of the verbs that live in other packages only
+    ``verb`` (the one being run) is imported: `unisched plan` need not load
+    torch for `unisched run`."""
     parser = argparse.ArgumentParser(
         prog="unisched",
         description="Every distributed training strategy as a pair of functions: simulate, compare, plan, run.",
@@ -87,12 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
     compare.set_defaults(handler=cmd_compare)
 
-    for verb, (module, text) in _EXTERNAL_VERBS.items():
-        sub = verbs.add_parser(verb, help=text, description=text)
+    for name, (module, text) in _EXTERNAL_VERBS.items():
+        sub = verbs.add_parser(name, help=text, description=text, add_help=name == verb)
+        if name != verb:
+            continue
         try:
             command = importlib.import_module(module)
         except ImportError as error:
-            sub.set_defaults(handler=_unavailable(verb, error))
+            sub.set_defaults(handler=_unavailable(name, error))
             continue
         command.add_arguments(sub)
         sub.set_defaults(handler=command.run)

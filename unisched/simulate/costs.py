@@ -85,7 +85,12 @@ class Costs:
         links = {}
         for pair, link in dict(self.links).items():
             src, dst = (int(x) for x in (pair.split(",") if isinstance(pair, str) else pair))
-            links[(src, dst)] = link if isinstance(link, Link) else Link(**link)
+            if not isinstance(link, Link):
+                link = dict(link)
+                if link.get("bandwidth", 0) is None:
+                    link["bandwidth"] = math.inf
+                link = Link(**link)
+            links[(src, dst)] = link
         object.__setattr__(self, "links", links)
 
     # ------------------------------------------------------------------ per-stage views
@@ -141,8 +146,8 @@ class Costs:
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["links"] = {f"{s},{d}": asdict(l) for (s, d), l in self.links.items()}
-        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in data.items()}
+        data["links"] = {f"{s},{d}": _finite(asdict(link)) for (s, d), link in self.links.items()}
+        return _finite(data)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Costs":
@@ -168,6 +173,11 @@ class Costs:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _finite(data: dict) -> dict:
+    """JSON has no infinity: an unlimited bandwidth is written as null."""
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in data.items()}
 
 
 DEFAULT_COSTS = Costs()

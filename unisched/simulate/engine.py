@@ -29,6 +29,7 @@ The engine works on integer item ids and flat lists prepared by
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from heapq import heappop, heappush
 
 from unisched.errors import DeadlockError
@@ -203,7 +204,7 @@ class _Communication:
 
     def __init__(self, p: Problem):
         self.p = p
-        self.link_free: dict[tuple[int, int], float] = {}
+        self.links: dict[tuple[int, int], _Calendar] = {}
         self.rows: list[tuple] = []
         self.history = [[] for _ in range(p.num_workers)]  # start times, for prefetch
         self.resident = [set() for _ in range(p.num_workers)]
@@ -212,8 +213,10 @@ class _Communication:
     def _send(self, kind: str, src: int, dst: int, ready: float, nbytes: float, item: int) -> float:
         latency, bandwidth = self.p.link(src, dst)
         occupy = nbytes / bandwidth
-        begin = max(ready, self.link_free.get((src, dst), 0.0))
-        self.link_free[(src, dst)] = begin + occupy
+        link = self.links.get((src, dst))
+        if link is None:
+            link = self.links[(src, dst)] = _Calendar()
+        begin = link.book(ready, occupy)
         arrive = begin + latency + occupy
         self.rows.append((kind, src, dst, begin, arrive, nbytes, item))
         return arrive
@@ -253,6 +256,29 @@ class _Communication:
             if self.grads_left[(w, stage)]:
                 return
         self._send("weight_gradient", w, owner, finish, p.weight_bytes[stage], item)
+
+
+class _Calendar:
+    """When a link is busy: sorted, disjoint intervals.  A transfer takes the
+    first gap long enough at or after the time it is ready, so one booked
+    late for an early time (a prefetch) does not queue behind later ones."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def book(self, ready: float, occupy: float) -> float:
+        if occupy <= 0:
+            return ready
+        starts, ends = self.starts, self.ends
+        i = bisect_right(ends, ready)
+        begin = ready
+        while i < len(starts) and starts[i] < begin + occupy:
+            begin = max(begin, ends[i])
+            i += 1
+        starts.insert(i, begin)
+        ends.insert(i, begin + occupy)
+        return begin
 
 
 def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> DeadlockError:

@@ -430,6 +430,36 @@ def test_one_process_trainer_matches_plain_training():
         torch.testing.assert_close(state[f"0.{name}"], value, atol=1e-6, rtol=0)
 
 
+def test_one_process_offload_steps_on_host_copies():
+    torch.manual_seed(0)
+    epl.init(epl.Config({"offload.level": "v0", "gradient_checkpoint.type": "auto", "pipeline.num_micro_batch": 2}))
+    with epl.replicate(device_count=1):
+        model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    reference = copy.deepcopy(model)
+    with pytest.raises(ScopeError, match="offload.level.*'groups'"):
+        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1), runtime="schedule")
+    trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    host = trainer.offloaded[0].host
+    assert [id(p) for p in trainer.optimizer.param_groups[0]["params"]] == [id(p) for p in host]
+    assert not {id(p) for p in model.parameters()} & {id(p) for p in host}
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    for _ in range(2):
+        loss = trainer.step(x, y)
+        optimizer.zero_grad()
+        expected = nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        optimizer.step()
+        assert loss == pytest.approx(expected.item(), abs=1e-6)
+        assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
+        assert all(trainer.optimizer.state[p]["momentum_buffer"].device.type == "cpu" for p in host)
+    for (name, value), kept in zip(reference.named_parameters(), host):
+        torch.testing.assert_close(kept.detach(), value.detach(), atol=1e-6, rtol=0, msg=name)
+    state = trainer.gather_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[f"0.{name}"], value, atol=1e-6, rtol=0)
+
+
 def test_batch_that_does_not_divide_is_an_error():
     epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
     with epl.replicate(1):

@@ -260,6 +260,8 @@ class Trainer:
             flat.zero_()
             for p, view in zip(self._params[s], _split(flat, self._params[s])):
                 p.grad = view
+        if self.record:
+            self._collective(lambda: dist.barrier(group=self._control), "the barrier that starts a recorded step")
         st.begin = st.clock.begin()
         for index, action in enumerate(self._actions):
             st.current = action

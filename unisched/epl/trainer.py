@@ -116,6 +116,8 @@ class Trainer:
         self.recompute = self.config.gradient_checkpoint.type == "auto"
         self.runtime = _pick_runtime(runtime, self.placement, self.config)
         self.scheduled = None
+        self.offloaded: dict[int, _HostWeights] = {}
+        self.shards: dict[int, _Shard] = {}
         if self.runtime == SCHEDULE:
             from unisched.execute import Trainer as ScheduledTrainer
             from unisched.simulate import simulate
@@ -148,7 +150,6 @@ class Trainer:
                     with self.env.paused():
                         self.stages[s] = split_module(self.stages[s], self.group(self.replica, s), self.plans[s])
                 self.stages[s].to(self.device)
-            self.offloaded: dict[int, _HostWeights] = {}
             if self.config.offload.level == "v0":
                 self.offloaded = {s: _HostWeights(self.stages[s], self.device) for s in self.segment}
             self.shards = _zero_shards(self) if self.config.zero.level == "v1" else {}

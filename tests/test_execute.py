@@ -62,6 +62,18 @@ def seed_cuckoo(num_workers: int, num_stages: int, num_batches: int):
     return cuckoo
 
 
+def scattered_split(work: Work) -> ComputeAndWeightWorkers:
+    """A split backward whose halves wander: some input-gradient passes run
+    away from their forward, some weight-gradient passes away from both."""
+    s, b, d = work.stage, work.batch, Direction(work.direction)
+    worker = s
+    if d == Direction.BACKWARD_INPUT and b % 2 == 0:
+        worker = (s + 1) % 4
+    if d == Direction.BACKWARD_WEIGHT and b % 3 == 0:
+        worker = (s + 2) % 4
+    return ComputeAndWeightWorkers(worker, s)
+
+
 # (name, S, B, params); W = 4 throughout
 CASES = [
     ("ddp", 4, 4, {}),
@@ -75,12 +87,15 @@ CASES = [
     ("zb_h2", 4, 8, {}),
     ("overflow", 2, 4, {}),
     ("seed_cuckoo", 4, 8, {}),
+    ("scattered_split", 4, 8, {}),
 ]
 
 
 def schedule_for(name: str, S: int, B: int, params: dict):
     if name == "seed_cuckoo":
         return simulate(4, S, B, seed_cuckoo(4, S, B))
+    if name == "scattered_split":
+        return simulate(4, S, B, scattered_split, split_backward=True)
     return simulate(4, S, B, policies.get(name, num_workers=4, num_stages=S, num_batches=B, **params))
 
 
@@ -234,7 +249,7 @@ def test_two_steps_match_single_process_training(trained, name, S, B, params):
 @pytest.mark.parametrize("name,S,B,params", CASES)
 def test_measured_timeline_follows_the_schedule(trained, name, S, B, params):
     t = trained[0][name]["timeline"]
-    dirs = 3 if name.startswith("zb") else 2
+    dirs = 3 if name.startswith("zb") or name == "scattered_split" else 2
     assert t["source"] == "measured" and t["items"] == S * B * dirs
     assert t["orders"] == t["planned"]
     assert t["ordered"] and t["overlaps"] == 0

@@ -135,7 +135,7 @@ class PlanProblem:
     def stash_sizes(self) -> np.ndarray:
         """Memory one stash of each stage takes, in the unit of ``memory_limit``."""
         S = self.shape.num_stages
-        return self.costs.per_stage("activation_bytes", S) if self.costs.has_sizes else np.ones(S)
+        return self.costs.per_stage("stash_bytes", S) if self.costs.has_sizes else np.ones(S)
 
     # ------------------------------------------------------------------ feasibility
     def check_feasible(self) -> None:

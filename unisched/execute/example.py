@@ -173,11 +173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["max_difference_vs_one_process"] = _check(args, state, S, B, data)
         if trainer.rank == 0:
             _print(args, report, schedule)
+        dist.barrier()
         return 0
     except unisched.UniSchedError as error:
         print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
         return 2
     finally:
+        if trainer is not None:
+            trainer.close()
+            del trainer
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -184,10 +184,12 @@ class Trainer:
     def close(self) -> None:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""
         self._watchdog.stop()
-        for group in (*self._replica_groups.values(), self._p2p, self._control):
-            dist.destroy_process_group(group)
-        self._replica_groups = {}
         self._failed = self._failed or "it was closed"
+        groups = [g for g in (*self._replica_groups.values(), self._p2p, self._control) if g is not None]
+        self._replica_groups, self._p2p, self._control = {}, None, None
+        if dist.is_initialized():
+            for group in groups:
+                dist.destroy_process_group(group)
 
     def __repr__(self) -> str:
         return (f"<Trainer {self.label} rank {self.rank}/{self.world_size}: S={self.program.num_stages} "

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=1024, help="Linear width (default 1024)")
     parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds alternating the systems (default 6)")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds alternating the systems (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks

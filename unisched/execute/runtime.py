@@ -112,6 +112,11 @@ class Trainer:
             for i, a in enumerate(self._actions) if a.is_compute
         }
         self._back = BACKWARD_INPUT if program.split_backward else BACKWARD
+        self._last_loss_item = max(
+            (i for i, a in enumerate(self._actions)
+             if a.is_compute and a.stage == program.num_stages - 1 and a.op == self._back.letter),
+            default=-1,
+        )
         self._meta: tuple | None = None
         self._failed: str | None = None
         self._step_no = 0
@@ -265,10 +270,14 @@ class Trainer:
         if self.record:
             self._collective(lambda: dist.barrier(group=self._control), "the barrier that starts a recorded step")
         st.begin = st.clock.begin()
+        if self._last_loss_item < 0:
+            self._post_losses(st)
         for index, action in enumerate(self._actions):
             st.current = action
             if action.is_compute:
                 self._compute(st, action, self._awaits[index])
+                if index == self._last_loss_item:
+                    self._post_losses(st)
             elif action.is_recv:
                 self._post_recv(st, action)
             elif action.is_send:
@@ -277,6 +286,17 @@ class Trainer:
                 self._post_reduce(st, action)
         st.current = None
         return self._finish(st)
+
+    def _post_losses(self, st) -> None:
+        """Post the all-reduce of the per-micro-batch losses once this rank has
+        computed its last one, so that it overlaps the rest of the step."""
+        st.loss_sum = torch.zeros(self.program.num_batches, dtype=torch.float64)
+        for b, loss in st.losses.items():
+            st.loss_sum[b] = float(loss)
+        try:
+            st.loss_work = dist.all_reduce(st.loss_sum, group=self._control, async_op=True)
+        except Exception as error:
+            raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({_first_line(error)})") from error
 
     def _compute(self, st: "_StepState", action: Action, awaits: list[int]) -> None:
         """Wait for the item's inputs, then run it (only the run is timed)."""
@@ -464,10 +484,8 @@ class Trainer:
         st.reductions.clear()
 
         B = self.program.num_batches
-        losses = torch.zeros(B, dtype=torch.float64)
-        for b, loss in st.losses.items():
-            losses[b] = float(loss)
-        self._collective(lambda: dist.all_reduce(losses, group=self._control), "the all-reduce of the losses")
+        self._collective(st.loss_work.wait, "the all-reduce of the losses")
+        losses = st.loss_sum
         bad = [b for b in range(B) if not math.isfinite(float(losses[b]))]
         if bad:
             for stage in self.stages:
@@ -561,6 +579,8 @@ class _StepState:
         self.outgoing: list = []
         self.returned: list = []
         self.reductions: list = []
+        self.loss_sum: torch.Tensor | None = None
+        self.loss_work = None
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = Clock(trainer.device)
         self.items: list = []

@@ -14,10 +14,13 @@ each ``step`` walks the rank's instruction list:
 - a rank that computes a stage it holds no weights of fetches them at the
   start of the step and returns the stage's accumulated gradient after its
   last backward of that stage;
-- at the end the per-micro-batch losses are all-reduced (a NaN stops every
-  rank with the same error, before any weight changes), replicas all-reduce
-  their gradients in one process group per replica set (created once), and
-  the weight workers step their optimizers.
+- replicas all-reduce each stage's gradient in one process group per
+  replica set (created once), posted as soon as the stage's gradient is
+  final on the rank; the per-micro-batch losses are all-reduced likewise,
+  posted after the rank's last loss;
+- at the end everything is awaited, a NaN loss stops every rank with the
+  same error before any weight changes, and the weight workers step their
+  optimizers.
 
 Backends are chosen automatically: NCCL when CUDA is present, gloo on CPU.
 """

@@ -72,6 +72,8 @@ _LAZY = {
     # simulator works without torch or OR-Tools loaded.
     "Trainer": "unisched.execute",
     "calibrate_costs": "unisched.execute",
+    "ExecutionError": "unisched.execute",
+    "NonFiniteLossError": "unisched.execute",
     "load_plan": "unisched.plan",
     "PlanFileError": "unisched.plan",
     "PlanInputError": "unisched.plan",

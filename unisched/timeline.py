@@ -18,7 +18,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Shape, Work
+from unisched.work import BACKWARD_INPUT, FORWARD, Direction, Shape, Work
 
 TRANSFER_KINDS = ("activation", "gradient", "stash", "weights", "weight_gradient", "allreduce")
 """What a transfer carries.
@@ -355,10 +355,3 @@ class Timeline:
             f"B={self.num_batches}: {len(self)} items, latency {self.latency:g}, "
             f"bubble {self.bubble_fraction:.1%}>"
         )
-
-
-def stash_release(direction: np.ndarray, split_backward: bool) -> np.ndarray:
-    """Which rows release a stash: the backward, or both split-backward halves."""
-    if split_backward:
-        return (direction == BACKWARD_INPUT) | (direction == BACKWARD_WEIGHT)
-    return direction != FORWARD

@@ -186,11 +186,6 @@ def all_work(num_stages: int, num_batches: int, *, split_backward: bool = False)
                 yield Work(b, s, d)
 
 
-def is_last_item(work: Work, split_backward: bool = False) -> bool:
-    """True for the items whose completion ends a batch's work on a stage."""
-    return work.direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
-
-
 def as_stage_graph(num_stages: int, stage_graph: StageGraph | nx.DiGraph | None) -> StageGraph:
     if isinstance(stage_graph, StageGraph):
         return stage_graph

@@ -152,7 +152,6 @@ def _solve(
     begin = time.perf_counter()
     problem = timed.problem
     W, S, B = problem.shape
-    dirs = problem.dirs
     model = cp_model.CpModel()
     if hint is not None:
         hint = canonical(timed, hint) if free_batches is None else hint

@@ -8,7 +8,6 @@ item ``Work(b, -1, FORWARD)`` that triggers batch b's first forwards.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Sequence

@@ -39,7 +39,7 @@ def proofs() -> None:
 
 
 def mapping(search_seconds: float) -> None:
-    print(f"\n2. W = S = 4, B = 16, comm 1, fetch 2, memory limit 4, at most 2 stages per worker")
+    print("\n2. W = S = 4, B = 16, comm 1, fetch 2, memory limit 4, at most 2 stages per worker")
     costs = encode_costs(comm=1, fetch=2)
     problem = PlanProblem(Shape(4, 4, 16), costs, memory_limit=4, max_stages_per_worker=2)
     timed = TimedProblem.build(problem)
@@ -57,7 +57,7 @@ def mapping(search_seconds: float) -> None:
           f"{result.latency:g} (replayed by the simulator), {gain:.1%} shorter than {fixed.objective}")
     print(f"   best family member simulated: {best_family['strategy']} at {best_family['latency']:g}; "
           f"plan never worse: {result.latency <= best_family['latency']}")
-    print(f"   lower bounds: " + ", ".join(f"{k} {v:g}" for k, v in result.bounds.items())
+    print("   lower bounds: " + ", ".join(f"{k} {v:g}" for k, v in result.bounds.items())
           + f"; gap {result.gap:.1%}")
     sim = result.simulate()
     stats = sim.worker_stats()

@@ -179,7 +179,7 @@ def assert_valid_timeline(t, memory_limit=None, split_backward=False, stage_grap
             assert t.start[row] >= t.end[index[dep]] - 1e-9, f"{work} starts before {dep} ends"
     for w in range(t.num_workers):
         rows = np.flatnonzero(t.worker == w)
-        rows = rows[np.argsort(t.start[rows])]
+        rows = rows[np.lexsort((t.end[rows], t.start[rows]))]
         assert np.all(t.start[rows[1:]] >= t.end[rows[:-1]] - 1e-9), f"worker {w} runs two items at once"
     if memory_limit is not None:
         limits = np.broadcast_to(memory_limit, (t.num_workers,))
@@ -588,3 +588,44 @@ def test_unlimited_link_bandwidth_round_trips_as_null(tmp_path):
     costs.save(path)
     assert '"bandwidth": null' in path.read_text()
     assert Costs.load(path).transfer_time(0, 1, 100.0) == 1.0
+
+
+def test_measured_latency_counts_from_the_first_item():
+    records = [unisched.WorkRecord(Work(0, 0, FORWARD), 0, 0, 100.0, 101.0),
+               unisched.WorkRecord(Work(0, 0, BACKWARD), 0, 0, 101.0, 103.0)]
+    t = unisched.Timeline.from_records((1, 1, 1), records, source="measured")
+    assert t.latency == 3.0 and t.bubble_fraction == 0.0
+
+
+def test_a_strategys_own_limit_counts_stashes_even_with_sizes():
+    strategy = unisched.policies.get("one_f_one_b", num_workers=4, num_stages=4, num_batches=8)
+    sim = simulate(4, 4, 8, strategy, costs=Costs(activation_bytes=1e6))
+    assert stats(sim, "max_activation_storage") == [4, 3, 2, 1]
+
+
+def test_stash_bytes_alone_make_stashes_take_time():
+    def cuckoo(w):
+        moved = w.direction == BACKWARD and w.stage == 0
+        return ComputeAndWeightWorkers(1 if moved else w.stage, w.stage)
+
+    sim = simulate(2, 2, 1, cuckoo, costs=Costs(stash_bytes=2.0, bandwidth=1.0))
+    stashes = [r for r in sim.timeline.transfers if r.kind == "stash"]
+    assert stashes and all(r.end - r.start == 2.0 for r in stashes)
+
+
+def test_all_reduce_is_as_slow_as_the_ring_s_slowest_hop():
+    slow = Costs(weight_bytes=1e6, bandwidth=1e6)
+    one_fast_hop = Costs(weight_bytes=1e6, bandwidth=1e6, links={(0, 1): unisched.Link(0.0, 1e12)})
+    assert simulate(4, 4, 4, ddp, costs=slow).latency == simulate(4, 4, 4, ddp, costs=one_fast_hop).latency
+
+
+def test_a_stage_graph_of_another_size_is_refused():
+    with pytest.raises(UniSchedError, match="stage_graph has 4 stages"):
+        simulate(3, 3, 2, gpipe, stage_graph=unisched.StageGraph(4))
+
+
+@pytest.mark.parametrize("bad", [dict(prefetch_depth="1"), dict(latency=None), dict(links=[1, 2]),
+                                 dict(links={"0,1": {"bw": 2}}), dict(forward=True)])
+def test_bad_cost_fields_are_named(bad):
+    with pytest.raises(UniSchedError, match=next(iter(bad))):
+        Costs(**bad)

@@ -20,7 +20,10 @@ import math
 import sys
 from typing import Callable, Sequence
 
+import numpy as np
+
 from unisched.errors import UniSchedError
+from unisched.work import FORWARD, directions
 
 DEMO_SHAPE = (4, 4, 8)
 DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
@@ -34,13 +37,13 @@ _EXTERNAL_VERBS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["simulate"]
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["simulate", *argv]  # the demo, e.g. `unisched -W 8`
     parser = build_parser(verb=argv[0])
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
-    except (UniSchedError, ValueError, FileNotFoundError) as error:
+    except (UniSchedError, ValueError, OSError) as error:
         message = str(error).strip() or type(error).__name__
         print(f"unisched: error: {message}", file=sys.stderr)
         return 2
@@ -114,7 +117,9 @@ def _unavailable(verb: str, error: ImportError) -> Callable:
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("shape")
     shape.add_argument("--workers", "-W", type=int, help=f"workers (default {DEMO_SHAPE[0]})")
-    shape.add_argument("--stages", "-S", type=int, help=f"pipeline stages (default {DEMO_SHAPE[1]})")
+    shape.add_argument(
+        "--stages", "-S", type=int, help=f"pipeline stages (default: the workers when -W is given, else {DEMO_SHAPE[1]})"
+    )
     shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {DEMO_SHAPE[2]})")
     shape.add_argument(
         "--param", action="append", default=[], metavar="K=V", help="strategy parameter, repeatable (e.g. group_size=2)"
@@ -126,7 +131,9 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
     costs.add_argument("--costs", help="JSON costs file (fields of unisched.Costs)")
     parser.add_argument(
-        "--memory-limit", help="activations a worker may hold: one number, or one per worker separated by commas"
+        "--memory-limit",
+        help="activations a worker may hold (stashes; bytes when the costs give sizes): "
+        "one number, or one per worker separated by commas",
     )
 
 
@@ -136,7 +143,7 @@ def cmd_strategies(args) -> int:
 
     catalog = [policies.describe(name) for name in policies.names()]
     if args.json:
-        print(json.dumps(catalog, indent=2, default=str))
+        print(_dumps(catalog))
         return 0
     for entry in catalog:
         print(f"{entry['name']:<22}{entry['description']}")
@@ -154,7 +161,7 @@ def cmd_simulate(args) -> int:
     if args.out:
         sim.save(args.out)
     if args.json:
-        print(json.dumps(_result_json(sim), default=_json_default))
+        print(_dumps(_result_json(sim)))
         return 0
     print(sim.to_text(width=args.width, color=False if args.no_color else None, stats=True))
     print()
@@ -175,7 +182,7 @@ def cmd_compare(args) -> int:
         candidates = list(policies.variants(*shape))
     rows, skipped = _compare(args, candidates)
     if args.json:
-        print(json.dumps({"shape": list(shape), "results": rows, "skipped": skipped}, default=_json_default))
+        print(_dumps({"shape": list(shape), "results": rows, "skipped": skipped}))
         return 0
     print(f"W={shape[0]} S={shape[1]} B={shape[2]}: {len(rows)} strategies, best first\n")
     print(_table(rows, COMPARE_COLUMNS))
@@ -213,7 +220,7 @@ def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]]]:
                 "latency": sim.latency,
                 "bubble_fraction": sim.bubble_fraction,
                 "throughput": sim.throughput,
-                "rho": sim.shape.num_stages * sim.shape.num_batches / (sim.latency * sim.shape.num_workers),
+                "rho": _rho(sim),
                 "peak_activations": max(stats["max_activation_storage"]),
                 "weight_storage": max(stats["weight_storage"]),
                 "transfers": int(len(sim.transfers)),
@@ -249,7 +256,7 @@ def _demo(args) -> int:
             print()
     rows, skipped = _compare(args, candidates)
     if args.json:
-        print(json.dumps({"shape": list(shape), "results": rows}, default=_json_default))
+        print(_dumps({"shape": list(shape), "results": rows}))
         return 0
     print(_table(rows, COMPARE_COLUMNS))
     print("\nTry: unisched simulate --strategy gpipe --out gpipe.png   |   unisched compare   |   unisched plan")
@@ -258,10 +265,12 @@ def _demo(args) -> int:
 
 # ---------------------------------------------------------------------- helpers
 def _shape(args) -> tuple[int, int, int]:
-    W = args.workers or DEMO_SHAPE[0]
-    S = args.stages or (W if args.workers else DEMO_SHAPE[1])
-    B = args.batches or DEMO_SHAPE[2]
-    return W, S, B
+    W = DEMO_SHAPE[0] if args.workers is None else args.workers
+    S = args.stages if args.stages is not None else (W if args.workers is not None else DEMO_SHAPE[1])
+    B = DEMO_SHAPE[2] if args.batches is None else args.batches
+    from unisched.work import Shape
+
+    return tuple(Shape(W, S, B).check())
 
 
 def _params(items: list[str]) -> dict:
@@ -321,6 +330,17 @@ def _simulate(args, name: str, params: dict):
     )
 
 
+def _rho(sim) -> float:
+    """The paper's throughput per worker, S B / (L W), with L in units of one
+    stage's forward + backward (averaged over stages)."""
+    S = sim.shape.num_stages
+    durations = sim.costs.durations(S)
+    backward = sum(durations[d] for d in directions(sim.timeline.split_backward)[1:])
+    unit = float(np.mean(durations[FORWARD] + backward))
+    L = sim.latency / unit if unit > 0 else 0.0
+    return S * sim.shape.num_batches / (L * sim.shape.num_workers) if L > 0 else math.inf
+
+
 def _result_json(sim) -> dict:
     return {
         "strategy": sim.strategy.name,
@@ -344,11 +364,22 @@ def _table(rows: list[dict], columns) -> str:
     return "\n".join(lines)
 
 
-def _json_default(value):
-    if hasattr(value, "item"):
-        return value.item()
+def _dumps(value) -> str:
+    """JSON without NaN or Infinity (they become null), numpy values as numbers."""
+    return json.dumps(_plain_json(value), allow_nan=False)
+
+
+def _plain_json(value):
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     return str(value)
 
 

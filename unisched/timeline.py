@@ -262,7 +262,7 @@ class Timeline:
     def origin(self) -> float:
         """When the step began: time 0 for a simulation, the first item's start
         for a measured run (whose clock may count from anywhere)."""
-        first = float(self.start.min(initial=0.0))
+        first = float(self.start.min()) if len(self) else 0.0
         return first if self.source == "measured" else min(first, 0.0)
 
     def occupancy(self) -> tuple[np.ndarray, np.ndarray]:

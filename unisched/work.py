@@ -48,10 +48,6 @@ class Direction(enum.IntEnum):
         except ValueError:
             raise ValueError(f"unknown direction letter {letter!r}; use one of F, B, I, W") from None
 
-    @property
-    def is_backward(self) -> bool:
-        return self is not Direction.FORWARD
-
 
 FORWARD = Direction.FORWARD
 BACKWARD = Direction.BACKWARD
@@ -188,6 +184,8 @@ def all_work(num_stages: int, num_batches: int, *, split_backward: bool = False)
 
 def as_stage_graph(num_stages: int, stage_graph: StageGraph | nx.DiGraph | None) -> StageGraph:
     if isinstance(stage_graph, StageGraph):
+        if stage_graph.num_stages != num_stages:
+            raise ShapeError(f"stage_graph has {stage_graph.num_stages} stages but the model has {num_stages}")
         return stage_graph
     if stage_graph is None:
         return chain(num_stages)

@@ -70,10 +70,6 @@ def label_width(timeline: Timeline) -> int:
     return 1 + len(str(max(timeline.num_stages - 1, 0)))
 
 
-def directions_present(timeline: Timeline) -> list[str]:
-    return [LETTERS[d] for d in sorted(set(timeline.direction.tolist()))]
-
-
 # ---------------------------------------------------------------------- time grid
 class Grid(NamedTuple):
     """Time axis of a diagram: ``origin`` is time 0 of the drawing, ``span``
@@ -92,12 +88,8 @@ class Grid(NamedTuple):
 
 
 def time_origin(timeline: Timeline) -> float:
-    """Time 0 of the drawing: 0 for simulated steps (they start there), the
-    first start for measured ones (wall-clock seconds)."""
-    if not len(timeline):
-        return 0.0
-    first = float(timeline.start.min())
-    return min(first, 0.0) if timeline.source == "simulated" else first
+    """Time 0 of the drawing: the step's origin (see :attr:`Timeline.origin`)."""
+    return timeline.origin
 
 
 def time_span(timeline: Timeline, origin: float) -> float:

@@ -6,7 +6,8 @@ numbers) or as one number for all stages.
 
 Communication: a transfer of ``n`` bytes from worker a to worker b takes
 ``latency + n / bandwidth`` and occupies the link (a, b) for ``n / bandwidth``;
-transfers on one link go one after another, in the order they are issued.
+transfers on one link do not overlap: each takes the first gap long enough at
+or after the time it is ready.
 ``links`` overrides latency and bandwidth for given (src, dst) pairs.
 
 Weights: an item whose weight worker is not its compute worker fetches the
@@ -74,6 +75,16 @@ class Costs:
             array = np.asarray(value, dtype=float)
             if array.ndim > 1 or np.any(array < 0) or np.any(~np.isfinite(array)):
                 raise ShapeError(f"Costs.{name} must be a non-negative number or a list of them, got {value!r}")
+        for name, kind in (("latency", "number"), ("bandwidth", "number"), ("input_grad_frees", "number"),
+                           ("prefetch_depth", "integer"), ("cache_weights", "boolean")):
+            if not _is(getattr(self, name), kind):
+                article = "an" if kind == "integer" else "a"
+                raise ShapeError(f"Costs.{name} must be {article} {kind}, got {getattr(self, name)!r}")
+        for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
+                     "weight_bytes"):
+            value = getattr(self, name)
+            if value is not None and not all(_is(v, "number") for v in np.ravel(np.asarray(value, dtype=object))):
+                raise ShapeError(f"Costs.{name} must be a number or a list of numbers, got {value!r}")
         if self.worker_speed is not None and np.any(np.asarray(self.worker_speed, dtype=float) <= 0):
             raise ShapeError(f"Costs.worker_speed must be positive, got {self.worker_speed!r}")
         if self.latency < 0 or self.bandwidth <= 0:
@@ -82,14 +93,21 @@ class Costs:
             raise ShapeError(f"Costs.input_grad_frees must lie in [0, 1], got {self.input_grad_frees}")
         if self.prefetch_depth < 0:
             raise ShapeError(f"Costs.prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if not isinstance(self.links, Mapping):
+            raise ShapeError(f"Costs.links must map 'src,dst' to {{latency, bandwidth}}, got {self.links!r}")
         links = {}
         for pair, link in dict(self.links).items():
             src, dst = (int(x) for x in (pair.split(",") if isinstance(pair, str) else pair))
             if not isinstance(link, Link):
-                link = dict(link)
-                if link.get("bandwidth", 0) is None:
-                    link["bandwidth"] = math.inf
-                link = Link(**link)
+                try:
+                    link = dict(link)
+                    if link.get("bandwidth", 0) is None:
+                        link["bandwidth"] = math.inf
+                    link = Link(**link)
+                except (TypeError, ValueError):
+                    raise ShapeError(
+                        f"Costs.links[{pair!r}] must be {{'latency': seconds, 'bandwidth': bytes/s}}, got {link!r}"
+                    ) from None
             links[(src, dst)] = link
         object.__setattr__(self, "links", links)
 
@@ -127,7 +145,10 @@ class Costs:
     @property
     def has_communication(self) -> bool:
         """Whether any transfer can take time (else the engine skips link bookkeeping)."""
-        sizes = np.any(np.asarray(self.activation_bytes) > 0) or np.any(np.asarray(self.weight_bytes) > 0)
+        sizes = any(
+            np.any(np.asarray(value) > 0)
+            for value in (self.activation_bytes, 0.0 if self.stash_bytes is None else self.stash_bytes, self.weight_bytes)
+        )
         return bool(self.latency > 0 or (sizes and math.isfinite(self.bandwidth)) or self.links)
 
     @property
@@ -169,10 +190,24 @@ class Costs:
             raise ShapeError(f"cannot read costs file {path}: {error}") from error
         if not isinstance(data, dict):
             raise ShapeError(f"costs file {path} must hold a JSON object")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as error:
+            raise ShapeError(f"costs file {path}: {error}") from error
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _is(value, kind: str) -> bool:
+    """Type check for values read from JSON (where True is not a number)."""
+    if kind == "boolean":
+        return isinstance(value, (bool, np.bool_))
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if kind == "integer":
+        return isinstance(value, (int, np.integer))
+    return isinstance(value, (int, float, np.integer, np.floating))
 
 
 def _finite(data: dict) -> dict:

@@ -142,7 +142,10 @@ def build(
     memory_limit: float | Sequence[float] | None,
     split_backward: bool,
     stage_graph: StageGraph,
+    limit_in_bytes: bool | None = None,
 ) -> Problem:
+    """``limit_in_bytes``: whether ``memory_limit`` counts bytes of stashes
+    (default: when the costs give sizes) or stashes."""
     W, S, B = shape
     dirs = directions(split_backward)
     D = len(dirs)
@@ -163,7 +166,7 @@ def build(
         rows = gang == g
         duration[rows] = duration[rows] * speeds[compute[rows]] / speeds[list(members)].min()
         if collective:
-            duration[rows] += _ring_allreduce_time(costs, members, act_bytes[stage[rows]])
+            duration[rows] += ring_allreduce_time(costs, members, act_bytes[stage[rows]])
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
     rank = ranks(
@@ -187,7 +190,9 @@ def build(
     weight_bytes = costs.per_stage("weight_bytes", S)
     stash_bytes = costs.per_stage("stash_bytes", S)
     limit, claims, releases_of = _memory(
-        shape, memory_limit, dirs, compute, stage, stash_bytes if costs.has_sizes else None, costs.input_grad_frees
+        shape, memory_limit, dirs, compute, stage,
+        stash_bytes if (costs.has_sizes if limit_in_bytes is None else limit_in_bytes) else None,
+        costs.input_grad_frees,
     )
 
     is_last_backward = direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
@@ -285,11 +290,14 @@ def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
     return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
 
 
-def _ring_allreduce_time(costs: Costs, members, nbytes: np.ndarray) -> np.ndarray:
-    """A tensor-parallel stage all-reduces its activations once per pass (ring model)."""
+def ring_allreduce_time(costs: Costs, members, nbytes):
+    """Time of a ring all-reduce of ``nbytes`` among ``members``: 2(k-1)
+    steps of 1/k of the data, each as slow as the ring's slowest hop."""
     k = len(members)
-    latency, bandwidth = costs.link(members[0], members[1]).latency, costs.link(members[0], members[1]).bandwidth
-    return 2 * (k - 1) * latency + 2 * (k - 1) / k * nbytes / bandwidth
+    hops = [costs.link(a, b) for a, b in zip(members, (*members[1:], members[0]))]
+    latency = max(h.latency for h in hops)
+    bandwidth = min(h.bandwidth for h in hops)
+    return 2 * (k - 1) * latency + 2 * (k - 1) / k * np.asarray(nbytes) / bandwidth
 
 
 def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:

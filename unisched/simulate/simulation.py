@@ -42,7 +42,8 @@ def simulate(
     ``priority_order`` is any callable ``Work -> sortable key`` (default
     :class:`OldestBatchFirst`).  ``memory_limit`` caps the activations a
     worker may hold (stash units, or bytes when ``costs`` give
-    ``activation_bytes``), scalar or one per worker.
+    ``activation_bytes``/``stash_bytes``), scalar or one per worker; a
+    strategy's own limit always counts stashes.
     """
     shape = Shape(num_workers, num_stages, num_batches).check()
     strategy = as_strategy(schedule)
@@ -56,11 +57,12 @@ def simulate(
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
     priority = priority_order or strategy.priority or OldestBatchFirst(num_stages, num_batches)
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
+    limit_in_bytes = costs.has_sizes and memory_limit is not None  # a strategy's own limit counts stashes
     split = strategy.split_backward if split_backward is None else bool(split_backward)
     graph = stage_graph if stage_graph is not None else strategy.stage_graph
     graph = as_stage_graph(num_stages, graph)
 
-    problem = build(shape, strategy, priority, costs, limit, split, graph)
+    problem = build(shape, strategy, priority, costs, limit, split, graph, limit_in_bytes)
     start, end, booked = _run(problem)
     timeline = Timeline(
         *shape,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.simulate.problem import EDGE_SEQUENCE, Problem, edge_label
+from unisched.simulate.problem import EDGE_SEQUENCE, Problem, edge_label, ring_allreduce_time
 from unisched.timeline import TRANSFER_KINDS, Transfers
 from unisched.work import BACKWARD, BACKWARD_WEIGHT, FORWARD
 
@@ -117,8 +117,7 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
         ready = max(end[on_stage].max(), moved["end"][returned].max(initial=0.0))
         n = len(replicas)
         nbytes = 2 * (n - 1) / n * p.weight_bytes[s]
-        latency, bandwidth = p.link(int(replicas[0]), int(replicas[1]))
-        finish = ready + 2 * (n - 1) * latency + nbytes / bandwidth
+        finish = ready + float(ring_allreduce_time(p.costs, [int(r) for r in replicas], p.weight_bytes[s]))
         some_item = int(np.flatnonzero(on_stage)[0])
         for i, r in enumerate(replicas):
             rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready, finish, nbytes, some_item))

@@ -594,3 +594,11 @@ def test_every_small_placement_compiles_and_simulates(layout):
     if order == "PreferBackward":
         peaks = simulation.worker_stats()["max_activation_storage"]
         assert all(peak <= limit for peak, limit in zip(peaks, strategy.memory_limit))
+
+
+def test_a_negative_world_size_is_a_clear_error():
+    epl.init()
+    with epl.replicate(device_count=1):
+        torch.nn.Linear(2, 2)
+    with pytest.raises(unisched.UniSchedError, match="positive number of devices"):
+        epl.simulate(world_size=-2)

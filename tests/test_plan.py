@@ -322,3 +322,20 @@ def test_family_search_without_a_limit_adds_memory_variants():
 
     for member in family.feasible:
         assert member.pareto == (not dominated(points[id(member)]))
+
+
+def test_plan_command_rejects_zero_and_impossible_split(capsys):
+    from unisched.cli import main
+
+    assert main(["plan", "-W", "0"]) == 2
+    assert "positive integer" in capsys.readouterr().err
+    assert main(["plan", "-W", "2", "-S", "2", "-B", "2", "--backward-weight", "3"]) == 2
+    assert "--backward 2 is shorter" in capsys.readouterr().err
+
+
+def test_plan_file_with_a_list_for_its_shape_is_malformed(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "unisched-plan", "version": 1, "shape": [4, 4, 8],
+                                "costs": {}, "mapping": {}, "orders": {}}))
+    with pytest.raises(unisched.PlanFileError, match="'shape' must be a JSON object"):
+        unisched.load_plan(path)

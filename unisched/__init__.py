@@ -6,6 +6,8 @@ it for real.
 """
 
 from unisched.errors import DeadlockError, ShapeError, StrategyError, UniSchedError
+from unisched.memory import memory_curves
+from unisched.metrics import worker_stats
 from unisched.simulate import (
     BackwardFirst,
     Costs,
@@ -63,8 +65,10 @@ __all__ = [
     "all_work",
     "as_strategy",
     "dependencies",
+    "memory_curves",
     "shape_lower_bound",
     "simulate",
+    "worker_stats",
 ]
 
 _LAZY = {

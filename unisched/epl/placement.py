@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from unisched.errors import ShapeError
 from unisched.epl.config import Config
 from unisched.epl.scopes import SPLIT, ScopeError, TaskGraph
 from unisched.simulate import BackwardFirst, Costs, OldestStageFirst, simulate
@@ -85,6 +86,8 @@ class Placement:
 
 def place(taskgraphs: Sequence[TaskGraph | StageInfo], config: Config, world_size: int) -> Placement:
     """EPL's placement of ``taskgraphs`` on ``world_size`` devices."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise ShapeError(f"the world size must be a positive number of devices, got {world_size!r}")
     if not taskgraphs:
         raise ScopeError(
             "no TaskGraph was annotated: build the model inside epl.replicate(...)/epl.split(...) "

@@ -13,6 +13,7 @@ import sys
 
 from unisched.errors import UniSchedError
 from unisched.simulate.costs import Costs
+from unisched.work import Shape
 
 from unisched.plan.family import default_progress
 from unisched.plan.planfile import Plan, jsonable
@@ -60,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     demo = _is_demo(args)
-    W, S, B = (args.workers or DEFAULT_SHAPE[0], args.stages or DEFAULT_SHAPE[1], args.batches or DEFAULT_SHAPE[2])
+    W, S, B = (
+        DEFAULT_SHAPE[i] if value is None else value
+        for i, value in enumerate((args.workers, args.stages, args.batches))
+    )
+    Shape(W, S, B).check()
     memory_limit = DEFAULT_MEMORY_LIMIT if demo else args.memory_limit
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     if time_limit <= 0:
@@ -174,6 +179,12 @@ def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
     if split:
         b_in = args.backward_input if args.backward_input is not None else backward - (args.backward_weight or 0.0)
         b_w = args.backward_weight if args.backward_weight is not None else backward - b_in
+        if b_in < 0 or b_w < 0:
+            raise PlanInputError(
+                f"--backward {backward:g} is shorter than the split halves given "
+                f"(--backward-input {args.backward_input}, --backward-weight {args.backward_weight}); "
+                "give both halves, or a --backward at least as long as the half you give"
+            )
     else:
         b_in = b_w = None
     costs = encode_costs(

@@ -150,6 +150,10 @@ def search_family(
 
 
 def _memory_variants(problem: PlanProblem, member: Member) -> list[Member]:
+    """The member under tighter activation limits (1, 2, 4, ... stashes);
+    none when the costs count memory in bytes, where such limits mean nothing."""
+    if problem.costs.has_sizes:
+        return []
     peak = member.measures()["peak_activations"]
     need = problem.min_memory_free()
     limits = [2.0 ** k for k in range(8) if need <= 2.0 ** k < peak]
@@ -207,7 +211,8 @@ def _limit(user: float | None, own) -> float | None:
 
 
 def _mark_pareto(members: list[Member]) -> None:
-    points = [(m.latency, m.measures()["peak_activations"], m.measures()["traffic"]) for m in members]
+    measures = [m.measures() for m in members]
+    points = [(m.latency, x["peak_activations"], x["traffic"]) for m, x in zip(members, measures)]
     for m, p in zip(members, points):
         m.pareto = not any(q != p and all(a <= b for a, b in zip(q, p)) for q in points)
 

@@ -161,9 +161,9 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
             f"{source} is a version {data.get('version')!r} plan file; this unisched reads version {VERSION}: "
             "plan again with this version"
         )
-    for field in ("shape", "costs", "mapping", "orders"):
-        if not isinstance(data.get(field), dict):
-            raise PlanFileError(f"{source} is malformed: {field!r} must be a JSON object")
+    for name in ("shape", "costs", "mapping", "orders"):
+        if not isinstance(data.get(name), dict):
+            raise PlanFileError(f"{source} is malformed: {name!r} must be a JSON object")
     try:
         shape = Shape(**{k: int(v) for k, v in data["shape"].items()})
         problem = PlanProblem(

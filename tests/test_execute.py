@@ -460,3 +460,16 @@ def test_a_stage_graph_that_is_not_a_chain_is_refused():
 
     with pytest.raises(ProgramError, match="chains of stages"):
         _schedule_timeline(schedule)
+
+
+# ---------------------------------------------------------------------- review fixes
+def _tensor_result(rank: int, world: int):
+    return torch.full((3,), float(rank))
+
+
+def test_run_local_returns_tensors_from_ranks():
+    results = run_local(_tensor_result, 2, timeout=60)
+    for r in results:
+        assert r.error is None, r.error
+        assert torch.equal(r.value, torch.full((3,), float(r.rank)))
+        assert r.exitcode == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -59,30 +60,46 @@ def run_local(
         context.Process(target=_worker, args=(fn, rank, world_size, port, backend, group_timeout, results, args), daemon=True)
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout
     out = {r: RankResult(r) for r in range(world_size)}
     received = set()
-    while len(received) < world_size and time.monotonic() < deadline:
-        try:
-            rank, value, error = results.get(timeout=0.2)
-            out[rank].value, out[rank].error = value, error
+    collected = False
+    try:
+        for p in procs:
+            p.start()
+        while len(received) < world_size and time.monotonic() < deadline:
+            try:
+                rank, payload, error = results.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+                continue
+            if error is None:
+                try:
+                    out[rank].value = pickle.loads(payload)
+                except Exception as caught:
+                    error = f"its result could not be read back ({type(caught).__name__}: {caught})"
+            out[rank].error = error
             received.add(rank)
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-    for rank, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-            if out[rank].error is None and rank not in received:
-                out[rank].error = f"killed after the launch time limit of {timeout:g} s"
-        out[rank].exitcode = p.exitcode
-        if rank not in received and out[rank].error is None:
-            out[rank].error = f"exited with code {p.exitcode} without a result"
+        collected = True
+    finally:
+        # always reached, so that no worker outlives the call; after an
+        # error here the workers are killed at once
+        for p in procs:
+            if collected and p.pid is not None:
+                p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for rank, p in enumerate(procs):
+            if p.pid is None:
+                out[rank].error = out[rank].error or "was not started"
+                continue
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+                if out[rank].error is None and rank not in received:
+                    out[rank].error = f"killed after the launch time limit of {timeout:g} s"
+            out[rank].exitcode = p.exitcode
+            if rank not in received and out[rank].error is None:
+                out[rank].error = f"exited with code {p.exitcode} without a result"
     del store
     return [out[r] for r in range(world_size)]
 
@@ -110,7 +127,10 @@ def _worker(fn, rank, world_size, port, backend, group_timeout, results, args):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=group_timeout))
         value = fn(rank, world_size, *args)
-        results.put((rank, value, None))
+        # plain bytes: a tensor sent through the queue as is travels as a
+        # shared-memory handle, which dies with this process before the
+        # parent reads it
+        results.put((rank, pickle.dumps(value), None))
     except BaseException as error:
         results.put((rank, None, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:

@@ -629,3 +629,37 @@ def test_a_stage_graph_of_another_size_is_refused():
 def test_bad_cost_fields_are_named(bad):
     with pytest.raises(UniSchedError, match=next(iter(bad))):
         Costs(**bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    W=st.integers(1, 4),
+    S=st.integers(1, 4),
+    B=st.integers(1, 5),
+    split=st.booleans(),
+    sizes=st.lists(st.sampled_from([1.0, 2.0, 5.0]), min_size=4, max_size=4),
+    latency=st.sampled_from([0.0, 0.5]),
+    limit_stashes=st.one_of(st.none(), st.integers(2, 6)),
+    seed=st.integers(0, 2**31),
+)
+def test_random_strategies_with_sizes_costs_and_byte_limits(W, S, B, split, sizes, latency, limit_stashes, seed):
+    rng = np.random.default_rng(seed)
+    table = {
+        w: (int(rng.integers(W)), int(rng.integers(W)))
+        for w in unisched.all_work(S, B, split_backward=split)
+    }
+    costs = Costs(activation_bytes=sizes[:S], weight_bytes=3.0, latency=latency, bandwidth=4.0)
+    limit = None if limit_stashes is None else limit_stashes * max(sizes[:S])
+    try:
+        sim = simulate(W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]), costs=costs,
+                       memory_limit=limit, split_backward=split)
+    except DeadlockError as error:
+        assert error.blocked
+        return
+    t = sim.timeline
+    assert_valid_timeline(t, split_backward=split)
+    if limit is not None:
+        assert max(c.peak for c in t.memory("activations", "bytes")) <= limit + 1e-9
+    for r in t.transfers:
+        if r.kind in ("activation", "gradient", "stash"):
+            assert r.end - r.start >= latency + r.nbytes / 4.0 - 1e-9

@@ -114,7 +114,7 @@ def run(p: Problem):
         for k in range(succ_ptr[item], succ_ptr[item + 1]):
             nxt = succ_idx[k]
             kind = succ_kind[k]
-            arrive = comm.move(item, nxt, kind, finish) if (comm is not None and kind != EDGE_SEQUENCE) else finish
+            arrive = comm.move(k, item, nxt, finish) if (comm is not None and kind != EDGE_SEQUENCE) else finish
             if arrive > ready[nxt]:
                 ready[nxt] = arrive
             if kind == EDGE_PRIMARY and arrive > trigger_time[nxt]:
@@ -178,11 +178,16 @@ class _Memory:
         return None if retry == t else retry
 
     def on_scheduled(self, item: int, begin: float, finish: float):
-        """Book ``item``'s claims and releases; yield parked items to retry."""
+        """Book ``item``'s claims and releases; yield parked items to retry.
+
+        The first parked forward of each compute worker is retried when a
+        release is booked on its storage worker, and again each time one of
+        them is admitted there (a release may make room for several)."""
         p = self.p
         for w, amount in p.claims[item] or ():
             self.live[w] += amount
             self.holding[w][item] = self.holding[w].get(item, 0.0) + amount
+            yield from self._wake(w, begin)
         for w, amount, owner in p.releases_of[item] or ():
             heappush(self.releases[w], (finish, amount))
             left = self.holding[w].get(owner, 0.0) - amount
@@ -190,13 +195,16 @@ class _Memory:
                 self.holding[w][owner] = left
             else:
                 self.holding[w].pop(owner, None)
-            parked = self.parked[w]
-            for compute_worker in list(parked):
-                queue = parked[compute_worker]
-                _, waiting = heappop(queue)
-                if not queue:
-                    del parked[compute_worker]
-                yield waiting, finish
+            yield from self._wake(w, finish)
+
+    def _wake(self, w: int, when: float):
+        parked = self.parked[w]
+        for compute_worker in list(parked):
+            queue = parked[compute_worker]
+            _, waiting = heappop(queue)
+            if not queue:
+                del parked[compute_worker]
+            yield waiting, when
 
 
 class _Communication:
@@ -205,6 +213,7 @@ class _Communication:
     def __init__(self, p: Problem):
         self.p = p
         self.links: dict[tuple[int, int], _Calendar] = {}
+        self.moves = p.succ_moves
         self.rows: list[tuple] = []
         self.history = [[] for _ in range(p.num_workers)]  # start times, for prefetch
         self.resident = [set() for _ in range(p.num_workers)]
@@ -221,11 +230,12 @@ class _Communication:
         self.rows.append((kind, src, dst, begin, arrive, nbytes, item))
         return arrive
 
-    def move(self, item: int, nxt: int, kind: int, finish: float) -> float:
+    def move(self, edge: int, item: int, nxt: int, finish: float) -> float:
         src, dst = self.p.worker[item], self.p.worker[nxt]
         if src == dst:
             return finish
-        return self._send(self.p.edge_label(item, nxt), src, dst, finish, self.p.edge_bytes(item, nxt), nxt)
+        kinds, nbytes = self.moves
+        return self._send(kinds[edge], src, dst, finish, nbytes[edge], nxt)
 
     def fetch_weights(self, item: int, t: float) -> float:
         p = self.p

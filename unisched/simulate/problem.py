@@ -18,6 +18,7 @@ from unisched.errors import ShapeError, StrategyError
 from unisched.simulate.costs import Costs
 from unisched.simulate.priorities import ranks
 from unisched.strategy import Gang, Strategy
+from unisched.timeline import TRANSFER_KINDS
 from unisched.work import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -116,22 +117,31 @@ class Problem:
         link = self.costs.link(src, dst)
         return link.latency, link.bandwidth
 
-    def edge_label(self, src: int, dst: int) -> str:
-        return edge_label(self.direction[src], self.direction[dst], self.stage[src], self.stage[dst])
-
-    def edge_bytes(self, src: int, dst: int) -> float:
-        label = self.edge_label(src, dst)
-        if label == "stash":
-            return float(self.stash_bytes[self.stage[src]])
-        stage = self.stage[dst] if label == "activation" else self.stage[src]
-        return float(self.activation_bytes[stage])
+    @cached_property
+    def succ_moves(self) -> tuple[list, list]:
+        """For each followed edge (CSR order): what it moves and how many bytes."""
+        src = np.repeat(np.arange(self.num_items), np.diff(self.succ_ptr))
+        kinds, nbytes = moves(self, src, self.succ_idx)
+        return [TRANSFER_KINDS[k] for k in kinds.tolist()], nbytes.tolist()
 
 
-def edge_label(src_dir, dst_dir, src_stage, dst_stage) -> str:
-    """What a data dependency moves when its two ends run on different workers."""
-    if src_dir == FORWARD:
-        return "activation" if dst_dir == FORWARD else "stash"
-    return "stash" if src_stage == dst_stage else "gradient"
+def moves(p: Problem, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What data dependencies ``src -> dst`` move when their ends run on
+    different workers (codes into ``TRANSFER_KINDS``), and how many bytes:
+    a forward's output to the next forward (activation, the next stage's
+    input size), a forward's stash to its backward or a split backward's
+    halves (stash bytes), a backward's input gradient to the previous stage
+    (gradient, the size of the stage's input)."""
+    code = {kind: i for i, kind in enumerate(TRANSFER_KINDS)}
+    from_forward = p.direction[src] == FORWARD
+    kinds = np.where(
+        from_forward,
+        np.where(p.direction[dst] == FORWARD, code["activation"], code["stash"]),
+        np.where(p.stage[src] == p.stage[dst], code["stash"], code["gradient"]),
+    ).astype(np.int8)
+    stage = np.where(kinds == code["activation"], p.stage[dst], p.stage[src])
+    nbytes = np.where(kinds == code["stash"], p.stash_bytes[stage], p.activation_bytes[stage])
+    return kinds, nbytes
 
 
 def build(

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.simulate.problem import EDGE_SEQUENCE, Problem, edge_label, ring_allreduce_time
+from unisched.simulate.problem import EDGE_SEQUENCE, Problem, moves, ring_allreduce_time
 from unisched.timeline import TRANSFER_KINDS, Transfers
-from unisched.work import BACKWARD, BACKWARD_WEIGHT, FORWARD
+from unisched.work import BACKWARD, BACKWARD_WEIGHT
 
 _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
 
@@ -58,10 +58,8 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
     src, dst, kind = p.edges
     moved = (kind != EDGE_SEQUENCE) & (compute[src] != compute[dst])
     src, dst = src[moved], dst[moved]
-    labels = _data_labels(p, src, dst)
-    label_stage = np.where(labels == _CODE["activation"], p.stage[dst], p.stage[src])
-    nbytes = np.where(labels == _CODE["stash"], p.stash_bytes[label_stage], p.activation_bytes[label_stage])
-    data = _columns(labels, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)
+    kinds, nbytes = moves(p, src, dst)
+    data = _columns(kinds, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)
 
     weight_bytes = np.asarray(p.weight_bytes)
     fetching = np.flatnonzero(compute != weight)
@@ -78,17 +76,6 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
         end[returning], end[returning], weight_bytes[p.stage[returning]], returning, p,
     )
     return _concat(data, fetches, returns)
-
-
-def _data_labels(p: Problem, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    d_src, d_dst = p.direction[src], p.direction[dst]
-    same_stage = p.stage[src] == p.stage[dst]
-    labels = np.where(
-        d_src == FORWARD,
-        np.where(d_dst == FORWARD, _CODE["activation"], _CODE["stash"]),
-        np.where(same_stage, _CODE["stash"], _CODE["gradient"]),
-    )
-    return labels.astype(np.int8)
 
 
 def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
@@ -127,6 +114,3 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     table["batch"] = np.full(len(rows), -1)
     table["direction"] = np.full(len(rows), -1)
     return table
-
-
-__all__ = ["transfers", "edge_label"]

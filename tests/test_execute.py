@@ -473,3 +473,53 @@ def test_run_local_returns_tensors_from_ranks():
         assert r.error is None, r.error
         assert torch.equal(r.value, torch.full((3,), float(r.rank)))
         assert r.exitcode == 0
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--steps", "0"], "--steps"), (["--rows-per-batch", "-1"], "--rows-per-batch"), (["--width", "x"], "--width"),
+    (["-S", "0"], "--stages"), (["-B", "0"], "--batches"), (["--nproc", "0"], "--nproc"),
+])
+def test_unisched_run_refuses_counts_below_one(capsys, argv, flag):
+    from unisched.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", *argv, "--dry-run"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in error and "positive whole number" in error and "Traceback" not in error
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--param", "foo"], "--param takes K=V, got 'foo'"),
+    (["--plan", "plan.json", "--strategy", "zb_h1"], "drop --strategy"),
+    (["--plan", "plan.json", "--param", "group_size=2", "-S", "4", "-B", "8"], "drop --param, --stages, --batches"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+])
+def test_unisched_run_refuses_contradictory_options(capsys, argv, expected):
+    from unisched.cli import main
+
+    assert main(["run", "--nproc", "2", *argv, "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert expected in error and len(error.splitlines()) == 1
+
+
+def test_unisched_run_on_several_nodes_passes_the_endpoint(capsys):
+    from unisched.cli import main
+
+    assert main(["run", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29400",
+                 "--param", "k-x = 1", "--dry-run"]) == 0
+    command = capsys.readouterr().out
+    assert "--rdzv-endpoint h:29400 --node-rank 1" in command and "--strategy gpipe" in command
+
+
+def test_example_saves_the_timeline_from_short_runs(tmp_path):
+    path = str(tmp_path / "step.json")
+    results = run_local(_example_run, 2, ["--steps", "1", "--timeline", path, "--json"], timeout=60)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value[0] == 0
+    import json
+
+    report = json.loads(results[0].value[1])
+    assert report["timeline"] == path and os.path.getsize(path) > 0
+    assert "measured_ms" not in report

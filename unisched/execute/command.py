@@ -18,7 +18,8 @@ import shlex
 import subprocess
 import sys
 
-from unisched.execute.example import add_training_arguments
+from unisched.errors import UniSchedError
+from unisched.execute.example import add_training_arguments, check_training_arguments, positive_int
 
 DEFAULT_NPROC = 4
 
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step against the simulator's prediction, and (with --check) the difference from one process."
     )
     launch = parser.add_argument_group("launch")
-    launch.add_argument("--nproc", "-n", type=int, help=f"processes per node (default: the plan's workers, else {DEFAULT_NPROC})")
+    launch.add_argument("--nproc", "-n", type=positive_int, help=f"processes per node (default: the plan's workers, else {DEFAULT_NPROC})")
     launch.add_argument("--nnodes", default="1", help="nodes, as torchrun takes it (default 1)")
     launch.add_argument("--node-rank", type=int, help="this node's rank (several nodes)")
     launch.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (several nodes)")
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_training_arguments(args)
     workers = _workers(args)
     if args.program:
         return _print_program(args, workers)
@@ -51,11 +53,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def torchrun_command(args: argparse.Namespace, workers: int) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--nnodes", str(args.nnodes)]
-    if str(args.nnodes) == "1" and not args.rdzv_endpoint:
+    nnodes = str(args.nnodes).strip()
+    if nnodes != "1" and not args.rdzv_endpoint:
+        raise UniSchedError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node (a host every node reaches)"
+        )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--nnodes", nnodes]
+    if nnodes == "1" and not args.rdzv_endpoint:
         command.append("--standalone")
     else:
-        command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint or "localhost:29400"]
+        command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
         if args.node_rank is not None:
             command += ["--node-rank", str(args.node_rank)]
     command += ["-m", "unisched.execute.example", *training_arguments(args)]
@@ -77,7 +84,7 @@ def training_arguments(args: argparse.Namespace) -> list[str]:
 
 
 def _workers(args: argparse.Namespace) -> int:
-    if args.nproc:
+    if args.nproc is not None:
         return args.nproc
     if args.plan:
         from unisched.plan import load_plan

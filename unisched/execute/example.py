@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 MODELS = ("mlp", "transformer")
+DEFAULT_STRATEGY = "gpipe"
 
 
 # ---------------------------------------------------------------------- models
@@ -98,8 +99,8 @@ def pick_shape(name: str, workers: int, stages: int | None, batches: int | None,
     from unisched import policies
     from unisched.work import Shape
 
-    stage_options = [stages] if stages else [workers, 2 * workers, max(1, workers // 2)]
-    batch_options = [batches] if batches else [2 * workers, workers, 4 * workers]
+    stage_options = [stages] if stages is not None else [workers, 2 * workers, max(1, workers // 2)]
+    batch_options = [batches] if batches is not None else [2 * workers, workers, 4 * workers]
     for S in stage_options:
         for B in batch_options:
             if policies.fits(name, Shape(workers, S, B), params):
@@ -119,13 +120,57 @@ def make_schedule(args, workers: int):
                 f"plan {args.plan} is for {plan.shape.num_workers} workers; launch that many processes, not {workers}"
             )
         return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
-    params = dict(p.split("=", 1) for p in args.param)
-    S, B = pick_shape(args.strategy, workers, args.stages, args.batches, params)
-    strategy = policies.get(args.strategy, num_workers=workers, num_stages=S, num_batches=B, **params)
+    params = parse_params(args.param)
+    name = args.strategy or DEFAULT_STRATEGY
+    S, B = pick_shape(name, workers, args.stages, args.batches, params)
+    strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
     return unisched.simulate(workers, S, B, strategy), S, B
 
 
+def parse_params(items: Sequence[str]) -> dict[str, str]:
+    """``["K=V", ...]`` -> ``{"K": "V"}``; an item without ``=`` or a key is an error that names it."""
+    import unisched
+
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise unisched.UniSchedError(f"--param takes K=V, got {item!r}")
+        params[key.strip().replace("-", "_")] = value.strip()
+    return params
+
+
 # ---------------------------------------------------------------------- main
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    return value
+
+
+def check_training_arguments(args: argparse.Namespace) -> None:
+    """Refuse options that contradict each other, then fill in the default
+    strategy.  A plan file fixes the strategy, its parameters and the
+    shape, so ``--plan`` excludes ``--strategy``, ``--param``, ``-S`` and ``-B``."""
+    import unisched
+
+    if args.plan:
+        given = [flag for flag, value in (("--strategy", args.strategy), ("--param", args.param or None),
+                                          ("--stages", args.stages), ("--batches", args.batches)) if value is not None]
+        if given:
+            raise unisched.UniSchedError(
+                f"--plan fixes the strategy, its parameters and the shape; drop {', '.join(given)} or drop --plan"
+            )
+    else:
+        if args.strategy is None:
+            args.strategy = DEFAULT_STRATEGY
+        parse_params(args.param)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_arguments(p)
@@ -133,15 +178,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="gpipe", help="a registered strategy (unisched strategies lists them)")
+    p.add_argument("--strategy", help=f"a registered strategy (default {DEFAULT_STRATEGY}; unisched strategies lists them)")
     p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
     p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
     p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
-    p.add_argument("--stages", "-S", type=int, help="pipeline stages (default: what the strategy needs)")
-    p.add_argument("--batches", "-B", type=int, help="micro-batches (default: what the strategy needs)")
-    p.add_argument("--rows-per-batch", type=int, default=8, help="rows per micro-batch (default 8)")
-    p.add_argument("--width", type=int, default=64, help="model width (default 64; the transformer uses 32)")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
+    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
+    p.add_argument("--rows-per-batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
+    p.add_argument("--width", type=positive_int, default=64, help="model width (default 64; the transformer uses 32)")
+    p.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
     p.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default 0.2)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait or step may take (default 120)")
     p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
@@ -150,10 +195,16 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     import torch.distributed as dist
 
     import unisched
+
+    try:
+        check_training_arguments(args)
+    except unisched.UniSchedError as error:
+        p.error(str(error))
     from unisched.execute import Trainer
 
     trainer = None
@@ -213,9 +264,9 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
         report["measured_ms"] = 1e3 * sorted(measured)[len(measured) // 2]
         report["predicted_ms"] = 1e3 * predicted
         report["prediction_error"] = abs(predicted - report["measured_ms"] / 1e3) / (report["measured_ms"] / 1e3)
-        if args.timeline:
-            trainer.last_timeline.save(args.timeline)
-            report["timeline"] = args.timeline
+    if trainer.rank == 0 and args.timeline:
+        trainer.last_timeline.save(args.timeline)
+        report["timeline"] = args.timeline
     return report
 
 

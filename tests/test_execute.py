@@ -262,6 +262,9 @@ def gpipe_timeline(W: int, B: int) -> Timeline:
 
 def _consistent_errors(rank: int, world: int, gpipe4: Timeline, gpipe2: Timeline):
     """Errors every rank detects the same way: all ranks raise, none hangs."""
+    from torch.distributed.distributed_c10d import _world
+
+    groups_before = len(_world.pg_map)
     seen = {}
     for label, make in (
         ("world", lambda: Trainer(make_stages(4), gpipe4, nn.functional.mse_loss, optimizer, timeout=10)),
@@ -283,6 +286,7 @@ def _consistent_errors(rank: int, world: int, gpipe4: Timeline, gpipe2: Timeline
         Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, picky_optimizer, timeout=10)
     except (ProgramError, RuntimeError) as error:
         seen["optimizer"] = f"{type(error).__name__}: {error}"
+    seen["groups_left"] = len(_world.pg_map) - groups_before
     trainer = Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)
     x, y = batch()
     x[12, 0] = float("nan")
@@ -315,6 +319,7 @@ def test_bad_input_stops_every_rank_with_the_cause():
     assert "2 stages but 3 stage modules" in results[1].value["one_rank_stages"]
     assert "rank 1 cannot run this schedule: RuntimeError: no optimizer on this host" in results[0].value["optimizer"]
     assert results[1].value["optimizer"] == "RuntimeError: no optimizer on this host"
+    assert all(r.value["groups_left"] == 0 for r in results), "a refused Trainer must release its process groups"
 
 
 class Faulty(nn.Module):
@@ -523,3 +528,26 @@ def test_example_saves_the_timeline_from_short_runs(tmp_path):
     report = json.loads(results[0].value[1])
     assert report["timeline"] == path and os.path.getsize(path) > 0
     assert "measured_ms" not in report
+
+
+def _bare_trainer(stages) -> Trainer:
+    trainer = Trainer.__new__(Trainer)
+    trainer.stages, trainer.device = stages, torch.device("cpu")
+    return trainer
+
+
+def test_shape_probe_leaves_batchnorm_statistics_and_modes_alone():
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)), nn.Sequential(nn.Dropout(0.5), nn.Linear(WIDTH, 3))]
+    stages[1][0].eval()  # a submodule in eval mode stays so
+    before = {k: v.clone() for k, v in stages[0].state_dict().items()}
+    metas = _bare_trainer(stages)._infer_shapes(torch.randn(4, WIDTH) * 5 + 3)
+    assert [tuple(shape) for shape, _ in metas] == [(4, WIDTH), (4, WIDTH)]
+    for key, value in stages[0].state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert stages[0].training and stages[0][1].training and stages[1].training and not stages[1][0].training
+
+
+def test_calibrate_needs_two_steps():
+    with pytest.raises(unisched.ShapeError, match="steps >= 2"):
+        _bare_trainer([]).calibrate(*batch(), steps=1)

@@ -99,7 +99,13 @@ class Trainer:
             error = caught
         delta = datetime.timedelta(seconds=self.timeout)
         self._control = dist.new_group(backend="gloo", timeout=delta)
-        self._agree(error)
+        try:
+            self._agree(error)
+        except BaseException:
+            # every rank raises here together, so every rank releases the group
+            dist.destroy_process_group(self._control)
+            self._control = None
+            raise
         self.program: Program = program
         self._p2p = dist.new_group(timeout=delta)
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
@@ -174,13 +180,18 @@ class Trainer:
         return out
 
     def calibrate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3, **options):
-        """Run ``steps`` profiling steps (they train) and fit Costs to all but the first; same Costs on every rank."""
+        """Run ``steps`` profiling steps (they train) and fit Costs to all but
+        the first (a warm-up), so ``steps`` must be at least 2; same Costs on every rank."""
         from unisched.execute.measure import calibrate_costs
 
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+            raise ShapeError(
+                f"calibrate needs steps >= 2 (the first is a warm-up the costs leave out), got {steps!r}"
+            )
         record, self.record = self.record, True
         timelines = []
         try:
-            for _ in range(max(steps, 2)):
+            for _ in range(steps):
                 self.step(inputs, targets)
                 timelines.append(self.last_timeline)
         finally:
@@ -251,15 +262,26 @@ class Trainer:
         return [t for _, t in seen]
 
     def _infer_shapes(self, sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
-        """Input shape and dtype of every stage for one micro-batch (to size receive buffers)."""
+        """Input shape and dtype of every stage for one micro-batch (to size receive buffers).
+
+        The probe runs in eval mode, so that it leaves no trace in the
+        stages' state (BatchNorm running statistics); each submodule's
+        training flag is restored afterwards."""
         metas = []
-        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            x = sample
+        modes = [(module, module.training) for stage in self.stages for module in stage.modules()]
+        try:
             for stage in self.stages:
-                metas.append((x.shape, x.dtype))
-                x = stage(x)
-                if not isinstance(x, torch.Tensor):
-                    raise ShapeError(f"stage {len(metas) - 1} returned {type(x).__name__}; each stage must return one tensor")
+                stage.eval()
+            with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                x = sample
+                for stage in self.stages:
+                    metas.append((x.shape, x.dtype))
+                    x = stage(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise ShapeError(f"stage {len(metas) - 1} returned {type(x).__name__}; each stage must return one tensor")
+        finally:
+            for module, training in modes:
+                module.training = training
         return metas
 
     # ------------------------------------------------------------------ the step

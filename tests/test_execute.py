@@ -551,3 +551,47 @@ def test_shape_probe_leaves_batchnorm_statistics_and_modes_alone():
 def test_calibrate_needs_two_steps():
     with pytest.raises(unisched.ShapeError, match="steps >= 2"):
         _bare_trainer([]).calibrate(*batch(), steps=1)
+
+
+def test_watchdog_interrupts_only_a_step_that_is_still_armed():
+    import threading
+
+    from unisched.execute.faults import Watchdog
+
+    calls = []
+    dog = Watchdog(0.05, lambda: calls.append(1) or True)
+    try:
+        ticket = dog.arm()
+        dog.disarm(ticket)
+        time.sleep(0.2)  # a step that ended in time: no check, no interrupt
+        assert calls == [] and not dog.fired
+        old, ticket = ticket, dog.arm()
+        dog.disarm(old)  # a stale id leaves the current step armed
+        with pytest.raises(KeyboardInterrupt):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert calls == [1] and dog.fired
+        dog.disarm(ticket)
+    finally:
+        dog.stop()
+
+    # the step ends while the expiry is being decided: the interrupt lands
+    # before disarm returns, never after it
+    started = threading.Event()
+
+    def slow_expire():
+        started.set()
+        time.sleep(0.2)
+        return True
+
+    dog = Watchdog(0.05, slow_expire)
+    try:
+        ticket = dog.arm()
+        assert started.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            dog.disarm(ticket)
+        time.sleep(0.2)  # nothing else is pending
+        assert dog.fired
+    finally:
+        dog.stop()

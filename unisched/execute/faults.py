@@ -81,31 +81,53 @@ class FaultBoard:
 
 class Watchdog:
     """Interrupts the main thread when an armed step outlives its deadline
-    and ``on_expire()`` says this rank is the one at fault."""
+    and ``on_expire()`` says this rank is the one at fault.
+
+    ``arm()`` returns the step's id; ``disarm(id)`` ends that step.  The
+    expiry check, ``on_expire()`` and the interrupt all happen under the
+    lock that ``disarm`` takes, and only while that id is still armed, so
+    once ``disarm`` has returned no interrupt for the step can follow.  A
+    caller that disarms as the last statement inside the ``try`` that
+    catches ``KeyboardInterrupt`` therefore gets any interrupt inside it.
+    ``on_expire`` runs under that lock and must not call the watchdog.
+    """
 
     def __init__(self, timeout: float, on_expire: Callable[[], bool]):
         self.timeout = timeout
         self._on_expire = on_expire
-        self._lock = threading.Condition()
+        # a plain lock, entered directly by arm/disarm: its acquire and
+        # release run no Python code an interrupt could land in
+        self._mutex = threading.Lock()
+        self._lock = threading.Condition(self._mutex)
         self._deadline: float | None = None
+        self._steps = 0
+        self._armed: int | None = None
         self._stopped = False
         self.fired = False
         self._thread = threading.Thread(target=self._loop, name="unisched-watchdog", daemon=True)
         self._thread.start()
 
-    def arm(self) -> None:
+    def arm(self) -> int:
+        """Start timing a step; returns its id for :meth:`disarm`."""
         with self._lock:
+            self._steps += 1
+            self._armed = self._steps
             self._deadline = time.monotonic() + self.timeout
             self.fired = False
             self._lock.notify()
+            return self._steps
 
-    def disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
+    def disarm(self, step: int | None = None) -> None:
+        """End step ``step`` (any armed step when None); a stale id does nothing."""
+        with self._mutex:
+            if step is None or step == self._armed:
+                self._deadline = None
+                self._armed = None
 
     def stop(self) -> None:
         with self._lock:
             self._deadline = None
+            self._armed = None
             self._stopped = True
             self._lock.notify()
 
@@ -121,6 +143,6 @@ class Watchdog:
                     self._lock.wait(remaining)
                     continue
                 self._deadline = None
-            if self._on_expire():
-                self.fired = True
-                _thread.interrupt_main()
+                if self._armed is not None and self._on_expire():
+                    self.fired = True
+                    _thread.interrupt_main()

@@ -153,18 +153,22 @@ class Trainer:
         state = _StepState(self, micro_in, micro_t)
         self._state = state
         self._step_no += 1
-        self._watchdog.arm()
+        ticket = self._watchdog.arm()
         try:
             signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
             if self._meta is None or self._meta[0] != signature:
                 self._meta = (signature, self._infer_shapes(micro_in[0]))
             loss = self._run(state)
+            # inside the try: a timeout interrupt posted before this returns lands here
+            self._watchdog.disarm(ticket)
         except NonFiniteLossError:
+            self._watchdog.disarm(ticket)
             raise
         except BaseException as error:
+            self._watchdog.disarm(ticket)
             raise self._failure(error, state) from error
         finally:
-            self._watchdog.disarm()
+            self._watchdog.disarm(ticket)
             self._state = None
         return loss
 

@@ -595,3 +595,18 @@ def test_watchdog_interrupts_only_a_step_that_is_still_armed():
         assert dog.fired
     finally:
         dog.stop()
+
+
+def test_calibrate_costs_counts_the_item_overhead_once_per_item():
+    records, t = [], 0.0
+    durations = {Direction.FORWARD: 0.010, Direction.BACKWARD_INPUT: 0.020, Direction.BACKWARD_WEIGHT: 0.030}
+    for b in range(3):
+        for d, base in durations.items():
+            records.append(WorkRecord(Work(b, 0, d), 0, 0, t, t + base))
+            t += base + 0.005  # the runtime's own time between items
+    timeline = Timeline.from_records((1, 1, 3), records, split_backward=True, source="measured")
+    costs = calibrate_costs(timeline, communication=False)
+    assert np.allclose(costs.forward, [0.015]) and np.allclose(costs.backward_input, [0.025])
+    assert np.allclose(costs.backward_weight, [0.035]) and np.allclose(costs.backward, [0.055])
+    bare = calibrate_costs(timeline, communication=False, overhead=False)
+    assert np.allclose(bare.backward, [0.050])

@@ -147,17 +147,24 @@ def calibrate_costs(
     """Fit :class:`unisched.Costs` to measured timelines.
 
     Per stage and direction, the median measured duration; activation and
-    weight sizes from the timelines unless given; with ``communication``, a
-    per-message latency: the median time from a send's post to the end of a
-    receive that had to wait for it.  Give a ``Trainer`` instead of timelines
-    with :meth:`Trainer.calibrate`, which runs the profiling steps first.
-    The latency is an estimate: a transfer's end is when its receiver got
-    it, which is later than its arrival when the receiver was busy, so the
-    lowest decile of the spans is used.  The bandwidth comes from the
-    gradient all-reduces (when there are replicas).  With ``overhead``, the runtime's
-    own time per item (posting transfers, bookkeeping: the median gap
-    between consecutive items of a worker that did not wait for data) is
-    added to every item's duration, since the simulator has no such term.
+    weight sizes from the timelines unless given.  With ``communication``, a
+    per-message latency and the all-reduce bandwidth.  The latency is the
+    10th percentile of the spans from a send's post to the end of its
+    receive (activations, gradients and stashes between different ranks):
+    a span ends when the receiver got the message, which is later than its
+    arrival when the receiver was busy, so a low percentile rather than the
+    median.  The bandwidth comes from the gradient all-reduces (when there
+    are replicas).  Give a ``Trainer`` instead of timelines with
+    :meth:`Trainer.calibrate`, which runs the profiling steps first.
+
+    With ``overhead``, the runtime's own time per item (posting transfers,
+    bookkeeping: the median gap between consecutive items of a worker when
+    no transfer to it ended in the gap) is added once to every item, since
+    the simulator has no such term: ``forward = F + o`` and, unsplit,
+    ``backward = B + o``.  With a split backward the two halves are items
+    of their own, ``backward_input = I + o`` and ``backward_weight = W + o``,
+    while ``backward`` (what a schedule that does not split runs as one
+    item) is ``I + W + o``.
     """
     if isinstance(timelines, Timeline):
         timelines = [timelines]
@@ -186,9 +193,10 @@ def calibrate_costs(
     split = first.split_backward
     fields = {"forward": [f + extra for f in forward]}
     if split:
-        fields["backward_input"] = [i + extra for i in medians(BACKWARD_INPUT)]
-        fields["backward_weight"] = [w + extra for w in medians(BACKWARD_WEIGHT)]
-        fields["backward"] = [i + w for i, w in zip(fields["backward_input"], fields["backward_weight"])]
+        inputs, weights = medians(BACKWARD_INPUT), medians(BACKWARD_WEIGHT)
+        fields["backward_input"] = [i + extra for i in inputs]
+        fields["backward_weight"] = [w + extra for w in weights]
+        fields["backward"] = [i + w + extra for i, w in zip(inputs, weights)]
     else:
         fields["backward"] = [b + extra for b in medians(BACKWARD)]
     fields["activation_bytes"] = list(first.activation_bytes) if activation_bytes is None else activation_bytes

@@ -610,3 +610,11 @@ def test_calibrate_costs_counts_the_item_overhead_once_per_item():
     assert np.allclose(costs.backward_weight, [0.035]) and np.allclose(costs.backward, [0.055])
     bare = calibrate_costs(timeline, communication=False, overhead=False)
     assert np.allclose(bare.backward, [0.050])
+
+
+def test_an_item_outside_the_schedule_shape_is_named():
+    order = [(0, Direction.FORWARD), (0, Direction.BACKWARD), (1, Direction.FORWARD), (1, Direction.BACKWARD), (2, Direction.FORWARD)]
+    records = [WorkRecord(Work(b, 0, d), 0, 0, i, i + 1) for i, (b, d) in enumerate(order)]
+    timeline = Timeline.from_records((1, 1, 2), records)
+    with pytest.raises(ProgramError, match=r"1 work item\(s\) outside its 1 stage\(s\) x 2 micro-batch\(es\).*0F2"):
+        compile_program(timeline, num_stages=1, world_size=1)

@@ -258,15 +258,20 @@ def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Wor
         if not (0 <= compute[work] < W and 0 <= weight[work] < W):
             raise ProgramError(f"work item {work} is mapped to workers outside 0..{W - 1}")
     dirs = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (FORWARD, BACKWARD)
-    missing = [Work(b, s, d) for b in range(B) for s in range(S) for d in dirs if Work(b, s, d) not in compute]
+    expected = [Work(b, s, d) for b in range(B) for s in range(S) for d in dirs]
+    missing = [w for w in expected if w not in compute]
     if missing:
         raise ProgramError(
             f"the schedule leaves out {len(missing)} work item(s), e.g. {missing[0]}; every forward and backward "
             f"of every (stage, micro-batch) must run once"
         )
-    if len(compute) != len(missing) + B * S * len(dirs):
-        extra = next(w for w in compute if w.direction not in dirs)
-        raise ProgramError(f"work item {extra} does not belong to a schedule with split_backward={split}")
+    unexpected = sorted(set(compute) - set(expected), key=lambda w: (w.batch, w.stage, int(w.direction)))
+    if unexpected:
+        names = "/".join(Direction(d).name for d in dirs)
+        raise ProgramError(
+            f"the schedule has {len(unexpected)} work item(s) outside its {S} stage(s) x {B} micro-batch(es) x "
+            f"{names}, e.g. {unexpected[0]} (split_backward={split}); remove them"
+        )
     return compute, weight
 
 

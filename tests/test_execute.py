@@ -480,6 +480,41 @@ def test_run_local_returns_tensors_from_ranks():
         assert r.exitcode == 0
 
 
+def _sleeping_rank(rank: int, world: int):
+    time.sleep(60)
+
+
+def test_run_local_leaves_no_worker_behind_when_collecting_fails(monkeypatch):
+    from unisched.execute import launch
+
+    started = []
+    real_context = launch._context
+
+    class Recording:
+        def __init__(self):
+            self.context = real_context()
+
+        def Queue(self):
+            results = self.context.Queue()
+
+            def get(timeout=None):
+                raise KeyboardInterrupt
+
+            results.get = get  # the parent's side only: workers get the queue's own state
+            return results
+
+        def Process(self, *args, **kwargs):
+            started.append(self.context.Process(*args, **kwargs))
+            return started[-1]
+
+    monkeypatch.setattr(launch, "_context", Recording)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_local(_sleeping_rank, 2, timeout=60)
+    assert len(started) == 2 and not any(p.is_alive() for p in started)
+    assert time.monotonic() - start < 20
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["--steps", "0"], "--steps"), (["--rows-per-batch", "-1"], "--rows-per-batch"), (["--width", "x"], "--width"),
     (["-S", "0"], "--stages"), (["-B", "0"], "--batches"), (["--nproc", "0"], "--nproc"),

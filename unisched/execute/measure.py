@@ -194,11 +194,16 @@ def calibrate_costs(
     fields = {"forward": [f + extra for f in forward]}
     if split:
         inputs, weights = medians(BACKWARD_INPUT), medians(BACKWARD_WEIGHT)
+        if inputs is None or weights is None:
+            raise ShapeError("the measured timelines lack a backward half of some stage; calibrate from complete steps")
         fields["backward_input"] = [i + extra for i in inputs]
         fields["backward_weight"] = [w + extra for w in weights]
         fields["backward"] = [i + w + extra for i, w in zip(inputs, weights)]
     else:
-        fields["backward"] = [b + extra for b in medians(BACKWARD)]
+        backward = medians(BACKWARD)
+        if backward is None:
+            raise ShapeError("the measured timelines have no backward of some stage; calibrate from complete steps")
+        fields["backward"] = [b + extra for b in backward]
     fields["activation_bytes"] = list(first.activation_bytes) if activation_bytes is None else activation_bytes
     fields["weight_bytes"] = list(first.weight_bytes) if weight_bytes is None else weight_bytes
     if communication:

@@ -14,6 +14,7 @@ import numpy as np
 
 from unisched.policies._orders import KeyPriority
 from unisched.policies._registry import Entry, Param, divisors, require
+from unisched.policies.pipeline import stage_modulo_workers
 from unisched.strategy import Strategy
 from unisched.work import FORWARD, ComputeAndWeightWorkers, Shape, Work
 
@@ -60,13 +61,7 @@ def looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
             f"puts stages s, s + W, ... on worker s, so S must be a multiple of W; got S={num_stages}, "
             f"W={num_workers}")
 
-    def mapping(work: Work) -> ComputeAndWeightWorkers:
-        worker = work.stage % num_workers
-        return ComputeAndWeightWorkers(worker, worker)
-
-    def map_arrays(batch, stage, direction):
-        worker = np.asarray(stage) % num_workers
-        return worker, worker
+    mapping, map_arrays = stage_modulo_workers(num_workers)
 
     def keys(batch, stage, direction):
         leads_to_backward = (direction != FORWARD) | (stage == num_stages - 1)

@@ -66,14 +66,7 @@ def interleaved(num_workers: int, num_stages: int, num_batches: int, virtual_sta
             f"Megatron's interleaved order takes micro-batches in rounds of W={num_workers}; got B={num_batches}, "
             f"use a multiple of {num_workers}")
 
-    def mapping(work: Work) -> ComputeAndWeightWorkers:
-        worker = work.stage % num_workers
-        return ComputeAndWeightWorkers(worker, worker)
-
-    def map_arrays(batch, stage, direction):
-        worker = np.asarray(stage) % num_workers
-        return worker, worker
-
+    mapping, map_arrays = stage_modulo_workers(num_workers)
     return Strategy(
         mapping,
         name="interleaved",
@@ -114,6 +107,21 @@ def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int
         order.extend(item(rank, k, BACKWARD) for k in range(total - warmup, total))
         orders[rank] = order
     return orders
+
+
+def stage_modulo_workers(num_workers: int):
+    """Stage s on worker s mod W, which also holds its weights: the mapping
+    and its vectorised form."""
+
+    def mapping(work: Work) -> ComputeAndWeightWorkers:
+        worker = work.stage % num_workers
+        return ComputeAndWeightWorkers(worker, worker)
+
+    def map_arrays(batch, stage, direction):
+        worker = np.asarray(stage) % num_workers
+        return worker, worker
+
+    return mapping, map_arrays
 
 
 def _by_stage(work: Work) -> ComputeAndWeightWorkers:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from unisched import epl
+from unisched.execute import train_one_process
 from unisched.execute.launch import check, run_local
 
 Build = Callable[[int], tuple[torch.Tensor, torch.Tensor, nn.Module]]
@@ -45,19 +46,9 @@ def reference(build: Build, world: int, steps: int) -> tuple[list[float], dict]:
     inputs, targets, loss_fn = build(world)
     env = epl.Env.get()
     with env.paused():
-        model = nn.ModuleList(copy.deepcopy(t.module()) for t in env.taskgraphs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for _ in range(steps):
-        output = inputs
-        for stage in model:
-            output = stage(output)
-        loss = loss_fn(output, targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+        stages = [copy.deepcopy(t.module()) for t in env.taskgraphs]
+    return train_one_process(stages, loss_fn, lambda params: torch.optim.SGD(params, lr=0.2),
+                             [(inputs, targets)] * steps)
 
 
 def main(build: Build, world: int, doc: str) -> None:

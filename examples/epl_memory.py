@@ -24,6 +24,7 @@ from epl_common import mlp
 from torch import nn
 
 from unisched import epl
+from unisched.execute import train_one_process
 from unisched.execute.launch import check, run_local
 from unisched.memory import memory_curves
 
@@ -146,18 +147,9 @@ def reference(features: dict, width: int, world: int, rows_per_micro: int, steps
             internal_bytes.append(max(counter.peak - input_bytes[-1], 0))
         x = out.detach()
         del out, x_in
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        output = inputs
-        for stage in model:
-            output = stage(output)
-        loss = loss_fn(output, targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict(), input_bytes, internal_bytes
+    losses, state = train_one_process(model, loss_fn, lambda params: torch.optim.Adam(params, lr=1e-3),
+                                      [(inputs, targets)] * steps)
+    return losses, state, input_bytes, internal_bytes
 
 
 def main() -> None:

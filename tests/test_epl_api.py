@@ -14,6 +14,7 @@ from torch import nn
 
 import unisched
 from unisched import epl
+from unisched.execute import train_one_process
 from unisched.epl.config import ConfigError
 from unisched.epl.scopes import ScopeError
 from unisched.memory import memory_curves
@@ -415,19 +416,16 @@ def test_one_process_trainer_matches_plain_training():
         model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
     reference = copy.deepcopy(model)
     trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     x, y = torch.randn(6, 3), torch.randn(6, 2)
-    for _ in range(2):
-        loss = trainer.step(x, y)
-        optimizer.zero_grad()
-        expected = nn.functional.mse_loss(reference(x), y)
-        expected.backward()
-        optimizer.step()
-        assert loss == pytest.approx(expected.item(), abs=1e-6)
+    losses = [trainer.step(x, y) for _ in range(2)]
+    expected_losses, expected = train_one_process(
+        [reference], nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1), [(x, y)] * 2
+    )
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
     state = trainer.gather_state_dict()
-    assert sorted(state) == ["0.0.bias", "0.0.weight", "0.2.bias", "0.2.weight"]
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[f"0.{name}"], value, atol=1e-6, rtol=0)
+    assert sorted(state) == sorted(expected) == ["0.0.bias", "0.0.weight", "0.2.bias", "0.2.weight"]
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0)
 
 
 def test_one_process_offload_steps_on_host_copies():
@@ -438,26 +436,24 @@ def test_one_process_offload_steps_on_host_copies():
     reference = copy.deepcopy(model)
     with pytest.raises(ScopeError, match="offload.level.*'groups'"):
         epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1), runtime="schedule")
-    trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    trainer = epl.Trainer(nn.MSELoss(), optimizer)
     host = trainer.offloaded[0].host
     assert [id(p) for p in trainer.optimizer.param_groups[0]["params"]] == [id(p) for p in host]
     assert not {id(p) for p in model.parameters()} & {id(p) for p in host}
     x, y = torch.randn(6, 3), torch.randn(6, 2)
+    losses = []
     for _ in range(2):
-        loss = trainer.step(x, y)
-        optimizer.zero_grad()
-        expected = nn.functional.mse_loss(reference(x), y)
-        expected.backward()
-        optimizer.step()
-        assert loss == pytest.approx(expected.item(), abs=1e-6)
+        losses.append(trainer.step(x, y))
         assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
         assert all(trainer.optimizer.state[p]["momentum_buffer"].device.type == "cpu" for p in host)
+    expected_losses, expected = train_one_process([reference], nn.MSELoss(), optimizer, [(x, y)] * 2)
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
     for (name, value), kept in zip(reference.named_parameters(), host):
         torch.testing.assert_close(kept.detach(), value.detach(), atol=1e-6, rtol=0, msg=name)
     state = trainer.gather_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[f"0.{name}"], value, atol=1e-6, rtol=0)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0)
 
 
 def test_batch_that_does_not_divide_is_an_error():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unisched import epl
+from unisched.execute import train_one_process
 from unisched.execute.launch import run_local
 
 TOLERANCE = 1e-5
@@ -236,25 +237,16 @@ def run_scenario(build, world, runtime="auto") -> dict:
     inputs, targets, loss_fn = build(world)
     env = epl.Env.get()
     with env.paused():
-        reference = nn.ModuleList(copy.deepcopy(t.module()) for t in env.taskgraphs)
-    initial = copy.deepcopy(reference.state_dict())
+        reference = [copy.deepcopy(t.module()) for t in env.taskgraphs]
+    initial = {f"{s}.{k}": v.clone() for s, stage in enumerate(reference) for k, v in stage.state_dict().items()}
     optimizer = getattr(build, "optimizer", torch.optim.SGD)
     trainer = epl.Trainer(loss_fn, lambda params: optimizer(params, lr=0.2), runtime=runtime)
-    reference_optimizer = optimizer(reference.parameters(), lr=0.2)
     fetched_copies = _watch_fetches(trainer)
-    losses, reference_losses = [], []
-    for step in range(STEPS):
-        losses.append(trainer.step(inputs, targets))
-        output = inputs
-        for module in reference:
-            output = module(output)
-        loss = loss_fn(output, targets)
-        reference_optimizer.zero_grad()
-        loss.backward()
-        reference_optimizer.step()
-        reference_losses.append(loss.item())
+    losses = [trainer.step(inputs, targets) for _ in range(STEPS)]
+    reference_losses, expected = train_one_process(
+        reference, loss_fn, lambda params: optimizer(params, lr=0.2), [(inputs, targets)] * STEPS
+    )
     state = trainer.gather_state_dict()
-    expected = reference.state_dict()
     return {
         "keys": sorted(state),
         "expected_keys": sorted(expected),

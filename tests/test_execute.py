@@ -15,7 +15,15 @@ from torch import nn
 
 import unisched
 from unisched import ComputeAndWeightWorkers, DeadlockError, Direction, Work, policies, simulate
-from unisched.execute import NonFiniteLossError, ProgramError, Trainer, calibrate_costs, compile_program, parse_action
+from unisched.execute import (
+    NonFiniteLossError,
+    ProgramError,
+    Trainer,
+    calibrate_costs,
+    compile_program,
+    parse_action,
+    train_one_process,
+)
 from unisched.execute.launch import run_local
 from unisched.timeline import Timeline, WorkRecord
 
@@ -39,15 +47,8 @@ def optimizer(params):
 
 
 def single_process(num_stages: int, steps: int = 2) -> dict[str, torch.Tensor]:
-    stages = make_stages(num_stages)
-    model = nn.Sequential(*stages)
-    opt = optimizer(list(model.parameters()))
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return {f"{s}.{k}": v.clone() for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
+    batches = (batch(step) for step in range(steps))
+    return train_one_process(make_stages(num_stages), nn.functional.mse_loss, optimizer, batches)[1]
 
 
 def seed_cuckoo(num_workers: int, num_stages: int, num_batches: int):

@@ -78,6 +78,7 @@ _LAZY = {
     "calibrate_costs": "unisched.execute",
     "ExecutionError": "unisched.execute",
     "NonFiniteLossError": "unisched.execute",
+    "train_one_process": "unisched.execute",
     "load_plan": "unisched.plan",
     "PlanFileError": "unisched.plan",
     "PlanInputError": "unisched.plan",

@@ -10,6 +10,7 @@ and record what ran when as a measured Timeline.
 from unisched.execute.faults import CommunicationError, ExecutionError, NonFiniteLossError
 from unisched.execute.measure import calibrate_costs, predict
 from unisched.execute.program import Action, Message, Program, ProgramError, compile_program, parse_action
+from unisched.execute.reference import train_one_process
 from unisched.execute.runtime import Trainer
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "compile_program",
     "parse_action",
     "predict",
+    "train_one_process",
 ]

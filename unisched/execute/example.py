@@ -272,15 +272,11 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
 
 def _check(args, state: dict, S: int, B: int, data) -> float:
     """Largest |difference| between the trained weights and one process doing the same on the whole batch."""
+    from unisched.execute import train_one_process
+
     stages, loss_fn, _ = build(args.model, S, args.width)
-    model = nn.Sequential(*stages)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    for step in range(args.steps):
-        x, y = data(step, B * args.rows_per_batch)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    reference = {f"{s}.{k}": v for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
+    batches = (data(step, B * args.rows_per_batch) for step in range(args.steps))
+    _, reference = train_one_process(stages, loss_fn, lambda params: torch.optim.SGD(params, lr=args.lr), batches)
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
 

@@ -654,3 +654,16 @@ def test_random_strategies_with_sizes_costs_and_byte_limits(W, S, B, split, size
     for r in t.transfers:
         if r.kind in ("activation", "gradient", "stash"):
             assert r.end - r.start >= latency + r.nbytes / 4.0 - 1e-9
+
+
+def test_a_returned_gradient_is_held_from_its_backward_until_sent():
+    fsdp = lambda w: ComputeAndWeightWorkers(w.batch, w.stage % 2)  # noqa: E731
+    sim = simulate(2, 2, 2, fsdp, costs=Costs(weight_bytes=2.0, bandwidth=1.0, cache_weights=False))
+    t = sim.timeline
+    sent = [r for r in t.transfers if r.kind == "weight_gradient"]
+    assert sent
+    expected = np.zeros(2)
+    for r in sent:
+        expected[r.src] += r.nbytes * (r.end - t.end[t.index()[r.work]])
+    held = [float(np.sum(c.values[:-1] * np.diff(c.times))) for c in t.memory("gradients", "bytes")]
+    assert held == pytest.approx(expected.tolist()) and expected.sum() > 0

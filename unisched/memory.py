@@ -70,13 +70,6 @@ def peak_activations(timeline: Timeline) -> list[float]:
 
 
 # ---------------------------------------------------------------------- holds
-def _row_lookup(timeline: Timeline) -> dict[tuple[int, int, int], int]:
-    return {
-        (int(b), int(s), int(d)): i
-        for i, (b, s, d) in enumerate(zip(timeline.batch, timeline.stage, timeline.direction))
-    }
-
-
 def _activation_holds(t: Timeline, in_bytes: bool):
     key = t.batch * t.num_stages + t.stage
     n = t.num_batches * t.num_stages
@@ -127,18 +120,23 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
 def _gradient_holds(t: Timeline, in_bytes: bool):
     tr = t.transfers
     rows = np.flatnonzero(tr.of_kind("weight_gradient"))
-    lookup = _row_lookup(t) if len(rows) else {}
-    starts = np.array(
-        [
-            t.end[lookup[(int(tr.batch[r]), int(tr.stage[r]), int(tr.direction[r]))]]
-            if (int(tr.batch[r]), int(tr.stage[r]), int(tr.direction[r])) in lookup
-            else tr.start[r]
-            for r in rows
-        ],
-        dtype=float,
-    )
+    produced = _rows_of(t, tr.batch[rows], tr.stage[rows], tr.direction[rows])
+    found = produced >= 0
+    starts = np.where(found, t.end[np.maximum(produced, 0)] if len(t) else 0.0, tr.start[rows])
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
     return tr.src[rows], np.minimum(starts, tr.start[rows]), tr.end[rows], amounts
+
+
+def _rows_of(t: Timeline, batch, stage, direction) -> np.ndarray:
+    """The timeline row of each (batch, stage, direction), or -1 where none ran."""
+    width = 4 * max(t.num_stages, 1)
+    keys = t.batch * width + t.stage * 4 + t.direction
+    order = np.argsort(keys, kind="stable")
+    wanted = np.asarray(batch) * width + np.asarray(stage) * 4 + np.asarray(direction)
+    at = np.clip(np.searchsorted(keys[order], wanted), 0, max(len(keys) - 1, 0))
+    if not len(keys):
+        return np.full(len(wanted), -1)
+    return np.where(keys[order][at] == wanted, order[at], -1)
 
 
 def _groups(first: np.ndarray, second: np.ndarray):

@@ -102,12 +102,15 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
     tr = t.transfers
     rows = np.flatnonzero(tr.of_kind("weights"))
     ends = np.empty(len(rows))
+    S = max(t.num_stages, 1)
+    item_key = t.worker * S + t.stage
+    by_key = np.lexsort((t.start, item_key))  # items grouped by (worker, stage), each group in start order
+    sorted_keys = item_key[by_key]
     for group in _groups(tr.dst[rows], tr.stage[rows]):
         fetches = rows[group]
         fetches = fetches[np.argsort(tr.start[fetches], kind="stable")]
-        w, s = tr.dst[fetches[0]], tr.stage[fetches[0]]
-        items = np.flatnonzero((t.worker == w) & (t.stage == s))
-        items = items[np.argsort(t.start[items], kind="stable")]
+        key = tr.dst[fetches[0]] * S + tr.stage[fetches[0]]
+        items = by_key[np.searchsorted(sorted_keys, key, "left"):np.searchsorted(sorted_keys, key, "right")]
         next_fetch = np.append(tr.start[fetches[1:]], np.inf)
         last = np.searchsorted(t.start[items], next_fetch, side="left") - 1
         running_end = np.maximum.accumulate(t.end[items]) if len(items) else np.zeros(0)

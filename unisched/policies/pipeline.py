@@ -25,14 +25,15 @@ def gpipe(num_workers: int, num_stages: int, num_batches: int, priority: str = "
     """Stage s on worker s, holding its own weights."""
     shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("gpipe", shape)
+    mapping, map_arrays = stage_modulo_workers(num_workers)
     return Strategy(
-        _by_stage,
+        mapping,
         name="gpipe",
         description=GPIPE.description,
         priority=priority_by_name(priority, num_stages, num_batches),
         shape=shape,
         params={"priority": priority},
-        map_arrays=_by_stage_arrays,
+        map_arrays=map_arrays,
     )
 
 
@@ -40,14 +41,15 @@ def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy
     """GPipe's mapping, backward first, and at most S - s stashes on stage s's worker."""
     shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("one_f_one_b", shape)
+    mapping, map_arrays = stage_modulo_workers(num_workers)
     return Strategy(
-        _by_stage,
+        mapping,
         name="one_f_one_b",
         description=ONE_F_ONE_B.description,
         priority=BackwardFirst(num_stages, num_batches),
         memory_limit=[float(num_stages - s) for s in range(num_workers)],
         shape=shape,
-        map_arrays=_by_stage_arrays,
+        map_arrays=map_arrays,
     )
 
 
@@ -122,15 +124,6 @@ def stage_modulo_workers(num_workers: int):
         return worker, worker
 
     return mapping, map_arrays
-
-
-def _by_stage(work: Work) -> ComputeAndWeightWorkers:
-    return ComputeAndWeightWorkers(work.stage, work.stage)
-
-
-def _by_stage_arrays(batch, stage, direction):
-    stage = np.asarray(stage)
-    return stage, stage
 
 
 def _one_stage_per_worker(name: str, shape: Shape) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from unisched.policies._orders import Progress, Rule, unit_time_orders
 from unisched.policies._registry import Entry, require
+from unisched.policies.pipeline import stage_modulo_workers
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape, Work
 
@@ -41,7 +42,7 @@ def zb_h1(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     p = num_workers
     rule = zero_bubble_rule(cap=[p - s for s in range(p)], budget=[float(p)] * p)
     orders = unit_time_orders(p, p, num_batches, _stage_worker, rule, name="zb_h1")
-    return _split_strategy("zb_h1", ZB_H1.description, shape, _by_stage, _by_stage_arrays, orders)
+    return _split_strategy("zb_h1", ZB_H1.description, shape, *stage_modulo_workers(p), orders)
 
 
 def zb_h2(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -50,7 +51,7 @@ def zb_h2(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     p = num_workers
     rule = zero_bubble_rule(cap=[2 * (p - s) - 1 for s in range(p)], budget=[float(2 * p - 1 - s) for s in range(p)])
     orders = unit_time_orders(p, p, num_batches, _stage_worker, rule, name="zb_h2")
-    return _split_strategy("zb_h2", ZB_H2.description, shape, _by_stage, _by_stage_arrays, orders)
+    return _split_strategy("zb_h2", ZB_H2.description, shape, *stage_modulo_workers(p), orders)
 
 
 def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -162,15 +163,6 @@ def _split_strategy(name, description, shape, mapping, map_arrays, orders) -> St
 
 def _stage_worker(work: Work) -> int:
     return work.stage
-
-
-def _by_stage(work: Work) -> ComputeAndWeightWorkers:
-    return ComputeAndWeightWorkers(work.stage, work.stage)
-
-
-def _by_stage_arrays(batch, stage, direction):
-    stage = np.asarray(stage)
-    return stage, stage
 
 
 def _v_mapping(p: int):

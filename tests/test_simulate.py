@@ -248,8 +248,8 @@ def test_split_backward_dependencies_and_memory():
     assert_valid_timeline(sim.timeline, split_backward=True)
     assert len(sim.timeline) == 4 * 4 * 3
     halves = sim.timeline.memory("activations", "units")[3]
-    assert set(np.round(halves.values * 2)) <= set(range(0, 20))
-    assert any(v % 1 == 0.5 for v in halves.values)
+    assert any(v % 1 == 0.5 for v in halves.values), "an input-gradient pass frees half a stash"
+    assert halves.values[-1] == 0, "the weight passes free the rest"
 
 
 def test_split_dependency_rules():

@@ -46,6 +46,13 @@ def looped(num_workers, group_size):
     return lambda w: ComputeAndWeightWorkers(h(w.stage, w.batch), h(w.stage, w.batch))
 
 
+def random_mapping(seed, W, S, B, split=False):
+    """A strategy that sends each work item to random compute and weight workers."""
+    rng = np.random.default_rng(seed)
+    table = {w: (int(rng.integers(W)), int(rng.integers(W))) for w in unisched.all_work(S, B, split_backward=split)}
+    return lambda work: ComputeAndWeightWorkers(*table[work])
+
+
 def stats(sim, column):
     return sim.worker_stats()[column]
 
@@ -160,9 +167,7 @@ def test_looped_with_R_below_S_is_slower_than_the_formula():
 )
 def test_throughput_bounded_by_memory(W, S, B, seed):
     """rho = S B / (L W) <= M / S, L in units of F + B, M the peak stash count."""
-    rng = np.random.default_rng(seed)
-    table = {w: (int(rng.integers(W)), int(rng.integers(W))) for w in unisched.all_work(S, B)}
-    sim = simulate(W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]))
+    sim = simulate(W, S, B, random_mapping(seed, W, S, B))
     rho = S * B / (sim.latency / UNIT * W)
     M = max(stats(sim, "max_activation_storage"))
     assert rho <= M / S + 1e-9
@@ -198,15 +203,8 @@ def assert_valid_timeline(t, memory_limit=None, split_backward=False, stage_grap
     seed=st.integers(0, 2**31),
 )
 def test_random_strategies_give_valid_timelines(W, S, B, split, limit, seed):
-    rng = np.random.default_rng(seed)
-    table = {
-        w: (int(rng.integers(W)), int(rng.integers(W)))
-        for w in unisched.all_work(S, B, split_backward=split)
-    }
     try:
-        sim = simulate(
-            W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]), memory_limit=limit, split_backward=split
-        )
+        sim = simulate(W, S, B, random_mapping(seed, W, S, B, split), memory_limit=limit, split_backward=split)
     except DeadlockError as error:
         assert error.blocked, "a deadlock names the blocked workers"
         return
@@ -462,9 +460,7 @@ def test_compiled_greedy_matches_the_engine(W, S, B, split, durations, seed):
     from unisched.simulate.priorities import OldestBatchFirst
     from unisched.work import Shape, StageGraph
 
-    rng = np.random.default_rng(seed)
-    table = {w: (int(rng.integers(W)), int(rng.integers(W))) for w in unisched.all_work(S, B, split_backward=split)}
-    strategy = unisched.as_strategy(lambda w: ComputeAndWeightWorkers(*table[w]))
+    strategy = unisched.as_strategy(random_mapping(seed, W, S, B, split))
     costs = Costs(forward=durations[0], backward=durations[1])
     p = build(Shape(W, S, B), strategy, OldestBatchFirst(S, B), costs, None, split, StageGraph(S))
     reference_start, reference_end, _ = engine.run(p)
@@ -634,15 +630,10 @@ def test_bad_cost_fields_are_named(bad):
     seed=st.integers(0, 2**31),
 )
 def test_random_strategies_with_sizes_costs_and_byte_limits(W, S, B, split, sizes, latency, limit_stashes, seed):
-    rng = np.random.default_rng(seed)
-    table = {
-        w: (int(rng.integers(W)), int(rng.integers(W)))
-        for w in unisched.all_work(S, B, split_backward=split)
-    }
     costs = Costs(activation_bytes=sizes[:S], weight_bytes=3.0, latency=latency, bandwidth=4.0)
     limit = None if limit_stashes is None else limit_stashes * max(sizes[:S])
     try:
-        sim = simulate(W, S, B, lambda w: ComputeAndWeightWorkers(*table[w]), costs=costs,
+        sim = simulate(W, S, B, random_mapping(seed, W, S, B, split), costs=costs,
                        memory_limit=limit, split_backward=split)
     except DeadlockError as error:
         assert error.blocked

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from unisched.errors import ShapeError
-from unisched.simulate.costs import Costs
+from unisched.costs import Costs
 from unisched.timeline import Timeline, TransferRecord, WorkRecord
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
 

@@ -12,7 +12,7 @@ import json
 import sys
 
 from unisched.errors import UniSchedError
-from unisched.simulate.costs import Costs
+from unisched.costs import Costs
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress

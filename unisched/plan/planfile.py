@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from unisched.errors import UniSchedError
-from unisched.simulate.costs import Costs
+from unisched.costs import Costs
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work

@@ -22,7 +22,7 @@ from typing import Iterable, TextIO
 import numpy as np
 
 from unisched.errors import UniSchedError
-from unisched.simulate.costs import Costs
+from unisched.costs import Costs
 from unisched.simulate.priorities import BackwardFirst
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy

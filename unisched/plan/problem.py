@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from unisched.errors import ShapeError
-from unisched.simulate.costs import Costs, Link
+from unisched.costs import Costs, Link
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Shape, directions
 
 PREFETCH_AT_START = 1_000_000

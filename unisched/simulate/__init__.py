@@ -1,6 +1,6 @@
 """The discrete-event simulator: strategy in, Timeline out."""
 
-from unisched.simulate.costs import DEFAULT_COSTS, Costs, Link
+from unisched.costs import DEFAULT_COSTS, Costs, Link
 from unisched.simulate.priorities import BackwardFirst, OldestBatchFirst, OldestStageFirst, priority_by_name
 from unisched.simulate.simulation import Simulation, shape_lower_bound, simulate
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from unisched.errors import ShapeError, StrategyError
-from unisched.simulate.costs import Costs
+from unisched.costs import Costs
 from unisched.simulate.priorities import ranks
 from unisched.strategy import Gang, Strategy
 from unisched.timeline import TRANSFER_KINDS

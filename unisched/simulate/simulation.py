@@ -13,7 +13,7 @@ import numpy as np
 
 from unisched.errors import ShapeError
 from unisched.simulate import engine, fast
-from unisched.simulate.costs import DEFAULT_COSTS, Costs
+from unisched.costs import DEFAULT_COSTS, Costs
 from unisched.simulate.priorities import OldestBatchFirst
 from unisched.simulate.problem import EDGE_PRIMARY, build
 from unisched.simulate.transfers import transfers

@@ -30,9 +30,8 @@ from unisched.work import (
     Shape,
     StageGraph,
     Work,
-    all_work,
-    dependencies,
 )
+from unisched.dataflow import all_work, dependencies
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -140,46 +140,6 @@ class StageGraph:
     @property
     def sinks(self) -> tuple[int, ...]:
         return tuple(s for s in range(self.num_stages) if not self.successors[s])
-
-
-def dependencies(
-    work: Work,
-    num_stages: int,
-    *,
-    split_backward: bool = False,
-    stage_graph: StageGraph | nx.DiGraph | None = None,
-) -> tuple[Work, ...]:
-    """The items that must finish before ``work`` can start.
-
-    Chain rules (DESIGN.md §1): F(s) needs F(s-1); B(S-1) needs F(S-1); B(s)
-    needs B(s+1).  A backward also needs the forward of the same (stage, batch)
-    for its stashed input, which matters when the two run on different
-    workers.  With a split backward, I(s) needs I(s+1) (or F(S-1) at the last
-    stage) and F(s); W(s) needs I(s).
-    """
-    graph = as_stage_graph(num_stages, stage_graph)
-    b, s, d = work.batch, work.stage, Direction(work.direction)
-    if d is FORWARD:
-        return tuple(Work(b, p, FORWARD) for p in graph.predecessors[s])
-    if d is BACKWARD_WEIGHT:
-        if not split_backward:
-            raise ShapeError(f"{work!r} is a split-backward item but split_backward is off")
-        return (Work(b, s, BACKWARD_INPUT),)
-    if (d is BACKWARD_INPUT) != split_backward:
-        raise ShapeError(f"{work!r} does not match split_backward={split_backward}")
-    downstream = graph.successors[s]
-    if not downstream:
-        return (Work(b, s, FORWARD),)
-    return (*(Work(b, t, d) for t in downstream), Work(b, s, FORWARD))
-
-
-def all_work(num_stages: int, num_batches: int, *, split_backward: bool = False) -> Iterator[Work]:
-    """Every work item of one step, batch-major: the order the engine numbers them."""
-    dirs = directions(split_backward)
-    for b in range(num_batches):
-        for s in range(num_stages):
-            for d in dirs:
-                yield Work(b, s, d)
 
 
 def as_stage_graph(num_stages: int, stage_graph: StageGraph | nx.DiGraph | None) -> StageGraph:

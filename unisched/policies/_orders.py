@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from unisched.dataflow import dependencies
 from unisched.errors import DeadlockError
 from unisched.work import (
     BACKWARD_INPUT,
@@ -25,7 +26,6 @@ from unisched.work import (
     Direction,
     StageGraph,
     Work,
-    dependencies,
     directions,
 )
 

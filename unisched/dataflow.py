@@ -1,0 +1,273 @@
+"""The data flow of one training step: what each work item reads, produces
+and frees, and what moves between workers.
+
+This module is the one place where the scheme's rules about data are
+written (DESIGN.md §1 and §5).  The simulator's edges, transfers and memory
+limits, the memory curves, the planner's CP-SAT data and the executor's
+per-rank messages are all derived from it.
+
+Items
+    One step is the items ``Work(b, s, d)`` for every micro-batch b, stage s
+    and direction d in ``directions(split_backward)``.  :class:`Items` numbers
+    them batch-major, ``id = (b * S + s) * D + k`` with k the position of d:
+    the one integer encoding every layer uses.
+
+Dependencies (over a :class:`~unisched.work.StageGraph`, a chain by default)
+    - F(s) needs F(p) for every predecessor p of s: their outputs are its inputs
+      (an *activation* moves when the two run on different workers);
+    - the first backward pass of s (B, or I with a split backward) needs the
+      same pass of every successor t (a *gradient* of s's output moves), or,
+      at a sink, F(s) itself;
+    - it also needs F(s): the forward's input is *stashed* for it, and moves
+      to the backward's worker when the two differ;
+    - W(s) needs I(s) (the stash, and the output gradient, follow it).
+
+Memory
+    The input a forward stashes is held on the worker of the backward pass
+    that frees it, from the forward's start to that pass's end.  A whole
+    backward frees all of it; with a split backward, I frees the share
+    ``input_grad_frees`` and W the rest (:func:`stash_shares`).
+
+Weights
+    An item whose weight worker differs from its compute worker fetches the
+    stage's weights from the weight worker; the pass that produces a stage's
+    weight gradient (B, or W with a split backward) returns that gradient to
+    the weight worker.  A stage with several weight workers has replicas,
+    whose gradients are all-reduced once every replica has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import networkx as nx
+import numpy as np
+
+from unisched.errors import ShapeError
+from unisched.work import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    Direction,
+    StageGraph,
+    Work,
+    as_stage_graph,
+    directions,
+)
+
+# ---------------------------------------------------------------------- items
+@dataclass(frozen=True)
+class Items:
+    """The work items of one step and their integer ids."""
+
+    num_stages: int
+    num_batches: int
+    split_backward: bool = False
+
+    @property
+    def dirs(self) -> tuple[Direction, ...]:
+        return directions(self.split_backward)
+
+    @property
+    def count(self) -> int:
+        return self.num_batches * self.num_stages * len(self.dirs)
+
+    def id(self, batch, stage, direction):
+        """The id of ``Work(batch, stage, direction)``; works on ints and on arrays."""
+        return (np.asarray(batch) * self.num_stages + np.asarray(stage)) * len(self.dirs) + self._position(direction)
+
+    def _position(self, direction):
+        table = np.full(4, -1, dtype=np.int64)
+        table[list(self.dirs)] = np.arange(len(self.dirs))
+        position = table[np.asarray(direction, dtype=np.int64)]
+        if np.any(position < 0):
+            raise ShapeError(f"direction {direction!r} is not a pass of this step (split_backward={self.split_backward})")
+        return position if np.ndim(position) else int(position)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(batch, stage, direction) of every id, in id order."""
+        D = len(self.dirs)
+        ids = np.arange(self.count)
+        return ids // (self.num_stages * D), (ids // D) % self.num_stages, np.asarray(self.dirs, dtype=np.int64)[ids % D]
+
+    def work(self, item: int) -> Work:
+        D = len(self.dirs)
+        batch, rest = divmod(int(item), self.num_stages * D)
+        return Work(batch, rest // D, self.dirs[rest % D])
+
+    def __iter__(self) -> Iterator[Work]:
+        """Every item, in id order."""
+        for b in range(self.num_batches):
+            for s in range(self.num_stages):
+                for d in self.dirs:
+                    yield Work(b, s, d)
+
+
+def all_work(num_stages: int, num_batches: int, *, split_backward: bool = False) -> Iterator[Work]:
+    """Every work item of one step, batch-major: the order of their ids."""
+    return iter(Items(num_stages, num_batches, split_backward))
+
+
+def first_backward(split_backward: bool) -> Direction:
+    """The backward pass that carries the gradient upstream (and reads the stash)."""
+    return BACKWARD_INPUT if split_backward else BACKWARD
+
+
+def gradient_pass(split_backward: bool) -> Direction:
+    """The pass that produces a stage's weight gradient."""
+    return BACKWARD_WEIGHT if split_backward else BACKWARD
+
+
+# ---------------------------------------------------------------------- dependencies
+class Flow(NamedTuple):
+    """One dependency of an item: the item it waits for, and what that
+    dependency carries when the two run on different workers."""
+
+    source: Work
+    kind: str
+    """"activation", "gradient" or "stash" (see ``unisched.timeline.TRANSFER_KINDS``)."""
+    stage: int
+    """The stage whose input size (activation, gradient) or stash size the data has."""
+
+
+def flows(
+    work: Work,
+    num_stages: int,
+    *,
+    split_backward: bool = False,
+    stage_graph: StageGraph | nx.DiGraph | None = None,
+) -> tuple[Flow, ...]:
+    """Every dependency of ``work`` and what it moves (see the module docstring)."""
+    graph = as_stage_graph(num_stages, stage_graph)
+    b, s, d = work.batch, work.stage, Direction(work.direction)
+    if d is FORWARD:
+        return tuple(Flow(Work(b, p, FORWARD), "activation", s) for p in graph.predecessors[s])
+    if d is BACKWARD_WEIGHT:
+        if not split_backward:
+            raise ShapeError(f"{work!r} is a split-backward item but split_backward is off")
+        return (Flow(Work(b, s, BACKWARD_INPUT), "stash", s),)
+    if (d is BACKWARD_INPUT) != split_backward:
+        raise ShapeError(f"{work!r} does not match split_backward={split_backward}")
+    upstream = tuple(Flow(Work(b, t, d), "gradient", t) for t in graph.successors[s])
+    return (*upstream, Flow(Work(b, s, FORWARD), "stash", s))
+
+
+def dependencies(
+    work: Work,
+    num_stages: int,
+    *,
+    split_backward: bool = False,
+    stage_graph: StageGraph | nx.DiGraph | None = None,
+) -> tuple[Work, ...]:
+    """The items that must finish before ``work`` can start."""
+    return tuple(f.source for f in flows(work, num_stages, split_backward=split_backward, stage_graph=stage_graph))
+
+
+EDGE_PRIMARY = 0
+"""A dependency whose completion can trigger the item (its priority is used)."""
+EDGE_STASH = 1
+"""A backward's need for its forward's stashed input where a gradient from
+downstream also leads to it: it never triggers the item, and without
+communication costs it never binds."""
+
+_KIND_CODE = {"activation": 0, "gradient": 1, "stash": 2}
+"""Positions in ``unisched.timeline.TRANSFER_KINDS``."""
+
+
+def edges(items: Items, graph: StageGraph) -> np.ndarray:
+    """Every dependency of every item, vectorised: a (4, E) array of
+    source id, destination id, edge kind (``EDGE_*``) and the code of what it
+    moves (index into ``TRANSFER_KINDS``), in the rules of :func:`flows`."""
+    S, B, dirs = items.num_stages, items.num_batches, items.dirs
+    D = len(dirs)
+    k = {d: i for i, d in enumerate(dirs)}
+    back = first_backward(items.split_backward)
+    batches = np.arange(B)[:, None] * (S * D)
+    pieces = []
+
+    def add(src_stage, src_dir, dst_stage, dst_dir, kind, moves):
+        src_stage, dst_stage = np.asarray(src_stage, dtype=np.int64), np.asarray(dst_stage, dtype=np.int64)
+        if not src_stage.size:
+            return
+        src = batches + src_stage[None, :] * D + k[src_dir]
+        dst = batches + dst_stage[None, :] * D + k[dst_dir]
+        n = src.size
+        pieces.append(np.stack([src.ravel(), dst.ravel(), np.full(n, kind), np.full(n, _KIND_CODE[moves])]))
+
+    pairs = np.array(list(graph.graph.edges), dtype=np.int64).reshape(-1, 2)
+    add(pairs[:, 0], FORWARD, pairs[:, 1], FORWARD, EDGE_PRIMARY, "activation")
+    add(pairs[:, 1], back, pairs[:, 0], back, EDGE_PRIMARY, "gradient")
+    sinks = np.array(graph.sinks, dtype=np.int64)
+    inner = np.array([s for s in range(S) if graph.successors[s]], dtype=np.int64)
+    add(sinks, FORWARD, sinks, back, EDGE_PRIMARY, "stash")
+    add(inner, FORWARD, inner, back, EDGE_STASH, "stash")
+    if items.split_backward:
+        everything = np.arange(S)
+        add(everything, BACKWARD_INPUT, everything, BACKWARD_WEIGHT, EDGE_PRIMARY, "stash")
+    if not pieces:
+        return np.zeros((4, 0), dtype=np.int64)
+    return np.concatenate(pieces, axis=1).astype(np.int64, copy=False)
+
+
+def moved_stage(src_stage: np.ndarray, dst_stage: np.ndarray, moves: np.ndarray) -> np.ndarray:
+    """The stage whose size the data of each edge has (vectorised :attr:`Flow.stage`):
+    an activation is its consumer's input, a gradient or stash its producer's."""
+    return np.where(moves == _KIND_CODE["activation"], dst_stage, src_stage)
+
+
+# ---------------------------------------------------------------------- memory
+def stash_shares(split_backward: bool, input_grad_frees: float) -> dict[Direction, float]:
+    """What share of a forward's stash each backward pass frees."""
+    if split_backward:
+        return {BACKWARD_INPUT: float(input_grad_frees), BACKWARD_WEIGHT: 1.0 - float(input_grad_frees)}
+    return {BACKWARD: 1.0}
+
+
+def stash_share_array(direction: np.ndarray, split_backward: bool, input_grad_frees: float) -> np.ndarray:
+    """Per item: the share of its (stage, batch)'s stash it frees (0 for a forward)."""
+    table = np.zeros(4)
+    for d, share in stash_shares(split_backward, input_grad_frees).items():
+        table[d] = share
+    return table[np.asarray(direction, dtype=np.int64)]
+
+
+# ---------------------------------------------------------------------- weights
+def fetches_weights(compute: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Per item: whether it computes with weights fetched from another worker."""
+    return np.asarray(compute) != np.asarray(weight)
+
+
+def returns_gradient(direction: np.ndarray, compute: np.ndarray, weight: np.ndarray, split_backward: bool) -> np.ndarray:
+    """Per item: whether it produces a weight gradient that goes back to another worker."""
+    return (np.asarray(direction) == gradient_pass(split_backward)) & fetches_weights(compute, weight)
+
+
+def replicas(stage: np.ndarray, weight: np.ndarray, num_stages: int) -> list[tuple[int, ...]]:
+    """Per stage: its weight workers, sorted.  More than one means replicas
+    that all-reduce the stage's gradient."""
+    held: list[set[int]] = [set() for _ in range(num_stages)]
+    for s, w in set(zip(np.asarray(stage).tolist(), np.asarray(weight).tolist())):
+        held[s].add(w)
+    return [tuple(sorted(h)) for h in held]
+
+
+__all__ = [
+    "EDGE_PRIMARY",
+    "EDGE_STASH",
+    "Flow",
+    "Items",
+    "all_work",
+    "dependencies",
+    "edges",
+    "fetches_weights",
+    "first_backward",
+    "flows",
+    "gradient_pass",
+    "moved_stage",
+    "replicas",
+    "returns_gradient",
+    "stash_share_array",
+    "stash_shares",
+]

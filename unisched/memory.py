@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from unisched import dataflow
 from unisched.timeline import MemoryCurve, Timeline
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from unisched.work import FORWARD
 
 MEMORY_KINDS = ("activations", "weights", "fetched", "gradients")
 
@@ -77,13 +78,8 @@ def _activation_holds(t: Timeline, in_bytes: bool):
     is_f = t.direction == FORWARD
     fwd_start[key[is_f]] = t.start[is_f]
     size = t.stash_bytes[t.stage] if in_bytes else np.ones(len(t))
-    if t.split_backward:
-        share = np.where(t.direction == BACKWARD_INPUT, t.input_grad_frees, 1.0 - t.input_grad_frees)
-        releasing = (t.direction == BACKWARD_INPUT) | (t.direction == BACKWARD_WEIGHT)
-    else:
-        share = np.ones(len(t))
-        releasing = t.direction == BACKWARD
-    rows = np.flatnonzero(releasing)
+    share = dataflow.stash_share_array(t.direction, t.split_backward, t.input_grad_frees)
+    rows = np.flatnonzero(t.direction != FORWARD)
     starts = fwd_start[key[rows]]
     known = ~np.isnan(starts)
     rows, starts = rows[known], starts[known]

@@ -244,7 +244,7 @@ class _Communication:
         history.append(t)
         if w == owner:
             return t
-        stage = p.stage_of(item)
+        stage = p.stage_list[item]
         if p.cache_weights and stage in self.resident[w]:
             return t
         depth = p.prefetch_depth
@@ -260,7 +260,7 @@ class _Communication:
         p = self.p
         if not p.returns_gradient[item]:
             return
-        w, owner, stage = p.worker[item], p.weight_worker[item], p.stage_of(item)
+        w, owner, stage = p.worker[item], p.weight_worker[item], p.stage_list[item]
         if p.cache_weights:
             self.grads_left[(w, stage)] -= 1
             if self.grads_left[(w, stage)]:

@@ -1,9 +1,9 @@
 """Turn (shape, strategy, priority, costs, limits) into the flat arrays the
 engine runs on, checking the user's input on the way.
 
-Work items get integer ids, batch-major: ``id = (batch * S + stage) * D + k``
-where ``k`` indexes ``directions(split_backward)``; id ``J + b`` is the virtual
-item ``Work(b, -1, FORWARD)`` that triggers batch b's first forwards.
+Item ids, dependencies, what each dependency moves and what each backward
+frees come from :mod:`unisched.dataflow`; id ``J + b`` is the virtual item
+``Work(b, -1, FORWARD)`` that triggers batch b's first forwards.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from unisched.errors import ShapeError, StrategyError
+from unisched import dataflow
 from unisched.costs import Costs
+from unisched.dataflow import EDGE_PRIMARY, EDGE_STASH, Items
+from unisched.errors import ShapeError, StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.strategy import Gang, Strategy
 from unisched.timeline import TRANSFER_KINDS
@@ -28,15 +30,10 @@ from unisched.work import (
     Shape,
     StageGraph,
     Work,
-    directions,
 )
 
-EDGE_PRIMARY = 0
-"""A dependency whose completion can trigger the item (its priority is used)."""
-EDGE_STASH = 1
-"""A backward's need for its forward's stashed input."""
 EDGE_SEQUENCE = 2
-"""A fixed per-worker order: the previous item on the same worker."""
+"""A fixed per-worker order: the previous item on the same worker (moves nothing)."""
 
 
 @dataclass(eq=False)
@@ -51,11 +48,14 @@ class Problem:
     weight_worker_array: np.ndarray
     duration: np.ndarray
     rank: np.ndarray
+    items: Items
     edges: np.ndarray
-    """(3, E): src, dst, kind of every dependency, for deriving transfers."""
+    """(4, E): src, dst, kind and moved-data code of every dependency
+    (:func:`unisched.dataflow.edges`, plus fixed-order edges)."""
     succ_ptr: np.ndarray
     succ_idx: np.ndarray
     succ_kind: np.ndarray
+    succ_moved: np.ndarray
     """The dependencies the engine follows, by source (CSR).  Without
     communication costs a stash edge never binds (the backward already waits
     for it through the chain of backwards), so it is left out."""
@@ -86,6 +86,10 @@ class Problem:
         return self.worker_array.tolist()
 
     @cached_property
+    def stage_list(self) -> list:
+        return self.stage.tolist()
+
+    @cached_property
     def weight_worker(self) -> list:
         return self.weight_worker_array.tolist()
 
@@ -101,13 +105,10 @@ class Problem:
     def prefetch_depth(self) -> int:
         return self.costs.prefetch_depth
 
-    def stage_of(self, item: int) -> int:
-        return (item // len(self.dirs)) % self.shape.num_stages
-
     def work(self, item: int) -> Work:
         if item >= self.num_items:
             return Work(item - self.num_items, -1, FORWARD)
-        return Work(int(self.batch[item]), int(self.stage[item]), Direction(int(self.direction[item])))
+        return self.items.work(item)
 
     def label(self, item: int) -> str:
         w = self.work(item)
@@ -121,27 +122,18 @@ class Problem:
     def succ_moves(self) -> tuple[list, list]:
         """For each followed edge (CSR order): what it moves and how many bytes."""
         src = np.repeat(np.arange(self.num_items), np.diff(self.succ_ptr))
-        kinds, nbytes = moves(self, src, self.succ_idx)
+        kinds, nbytes = moves(self, src, self.succ_idx, self.succ_moved)
         return [TRANSFER_KINDS[k] for k in kinds.tolist()], nbytes.tolist()
 
 
-def moves(p: Problem, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What data dependencies ``src -> dst`` move when their ends run on
-    different workers (codes into ``TRANSFER_KINDS``), and how many bytes:
-    a forward's output to the next forward (activation, the next stage's
-    input size), a forward's stash to its backward or a split backward's
-    halves (stash bytes), a backward's input gradient to the previous stage
-    (gradient, the size of the stage's input)."""
-    code = {kind: i for i, kind in enumerate(TRANSFER_KINDS)}
-    from_forward = p.direction[src] == FORWARD
-    kinds = np.where(
-        from_forward,
-        np.where(p.direction[dst] == FORWARD, code["activation"], code["stash"]),
-        np.where(p.stage[src] == p.stage[dst], code["stash"], code["gradient"]),
-    ).astype(np.int8)
-    stage = np.where(kinds == code["activation"], p.stage[dst], p.stage[src])
-    nbytes = np.where(kinds == code["stash"], p.stash_bytes[stage], p.activation_bytes[stage])
-    return kinds, nbytes
+def moves(p: Problem, src: np.ndarray, dst: np.ndarray, moved: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The transfer kinds (codes into ``TRANSFER_KINDS``) of dependency edges
+    ``src -> dst`` with moved-data codes ``moved``, and their bytes: a stash
+    has the stage's stash size, an activation or gradient its input size."""
+    stage = dataflow.moved_stage(p.stage[src], p.stage[dst], moved)
+    is_stash = moved == TRANSFER_KINDS.index("stash")
+    nbytes = np.where(is_stash, p.stash_bytes[stage], p.activation_bytes[stage])
+    return moved.astype(np.int8), nbytes
 
 
 def build(
@@ -157,11 +149,10 @@ def build(
     """``limit_in_bytes``: whether ``memory_limit`` counts bytes of stashes
     (default: when the costs give sizes) or stashes."""
     W, S, B = shape
-    dirs = directions(split_backward)
-    D = len(dirs)
-    n = B * S * D
-    ids = np.arange(n)
-    batch, stage, direction = ids // (S * D), (ids // D) % S, np.asarray(dirs, dtype=np.int64)[ids % D]
+    items = Items(S, B, split_backward)
+    dirs = items.dirs
+    n = items.count
+    batch, stage, direction = items.arrays()
 
     compute, weight = _map(strategy, shape, batch, stage, direction)
     gang, gang_members, gang_collective = _gangs(strategy, shape, batch, stage, direction, compute)
@@ -186,9 +177,9 @@ def build(
         np.concatenate([direction, virtual[2]]),
     )
 
-    edges = _edges(S, B, dirs, stage_graph, split_backward)
+    edges = dataflow.edges(items, stage_graph)
     if strategy.worker_orders is not None:
-        edges = np.concatenate([edges, _sequence_edges(strategy.worker_orders, compute, shape, dirs)], axis=1)
+        edges = np.concatenate([edges, _sequence_edges(strategy.worker_orders, compute, shape, items)], axis=1)
     followed = edges if costs.has_communication else edges[:, edges[2] != EDGE_STASH]
     followed = followed[:, np.argsort(followed[0], kind="stable")]
     succ_ptr = np.zeros(n + 1, dtype=np.int64)
@@ -200,13 +191,12 @@ def build(
     weight_bytes = costs.per_stage("weight_bytes", S)
     stash_bytes = costs.per_stage("stash_bytes", S)
     limit, claims, releases_of = _memory(
-        shape, memory_limit, dirs, compute, stage,
+        shape, memory_limit, items, compute, stage,
         stash_bytes if (costs.has_sizes if limit_in_bytes is None else limit_in_bytes) else None,
         costs.input_grad_frees,
     )
 
-    is_last_backward = direction == (BACKWARD_WEIGHT if split_backward else BACKWARD)
-    returns_gradient = is_last_backward & (compute != weight)
+    returns_gradient = dataflow.returns_gradient(direction, compute, weight, split_backward)
     pairs, counts = np.unique(np.stack([compute[returns_gradient], stage[returns_gradient]]), axis=1, return_counts=True)
     gradient_returns = {(int(w), int(s)): int(c) for (w, s), c in zip(pairs.T, counts)}
 
@@ -214,6 +204,7 @@ def build(
         shape=shape,
         split_backward=split_backward,
         dirs=dirs,
+        items=items,
         batch=batch,
         stage=stage,
         direction=direction,
@@ -225,6 +216,7 @@ def build(
         succ_ptr=succ_ptr,
         succ_idx=followed[1],
         succ_kind=followed[2],
+        succ_moved=followed[3],
         num_deps=num_deps,
         sources=sources,
         limit=limit,
@@ -319,41 +311,11 @@ def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: in
     return int(value)
 
 
-# ---------------------------------------------------------------------- dependencies
-def _edges(S: int, B: int, dirs, graph: StageGraph, split_backward: bool) -> np.ndarray:
-    """All (src, dst, kind) dependency edges, as a (3, E) array."""
-    D = len(dirs)
-    k = {d: i for i, d in enumerate(dirs)}
-    back = BACKWARD_INPUT if split_backward else BACKWARD
-    batches = np.arange(B)[:, None] * (S * D)
-    pieces = []
-
-    def add(src_stage, src_dir, dst_stage, dst_dir, kind):
-        src_stage, dst_stage = np.asarray(src_stage), np.asarray(dst_stage)
-        if not src_stage.size:
-            return
-        src = batches + src_stage[None, :] * D + k[src_dir]
-        dst = batches + dst_stage[None, :] * D + k[dst_dir]
-        pieces.append(np.stack([src.ravel(), dst.ravel(), np.full(src.size, kind)]))
-
-    pairs = np.array(list(graph.graph.edges), dtype=np.int64).reshape(-1, 2)
-    add(pairs[:, 0], FORWARD, pairs[:, 1], FORWARD, EDGE_PRIMARY)
-    add(pairs[:, 1], back, pairs[:, 0], back, EDGE_PRIMARY)
-    sinks = np.array(graph.sinks, dtype=np.int64)
-    inner = np.array([s for s in range(S) if graph.successors[s]], dtype=np.int64)
-    add(sinks, FORWARD, sinks, back, EDGE_PRIMARY)
-    add(inner, FORWARD, inner, back, EDGE_STASH)
-    if split_backward:
-        everything = np.arange(S)
-        add(everything, BACKWARD_INPUT, everything, BACKWARD_WEIGHT, EDGE_PRIMARY)
-    return np.concatenate(pieces, axis=1).astype(np.int64, copy=False)
-
-
-def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarray:
+# ---------------------------------------------------------------------- fixed orders
+def _sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items) -> np.ndarray:
     """Edges that make each worker follow its given order, after checking it."""
     W, S, B = shape
-    D = len(dirs)
-    k = {d: i for i, d in enumerate(dirs)}
+    dirs = items.dirs
     seen = np.zeros(len(compute), dtype=bool)
     src, dst = [], []
     unknown = sorted(set(orders) - set(range(W)))
@@ -363,9 +325,9 @@ def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarr
         ids = []
         for work in _in_directions(order, dirs):
             d = Direction(work.direction)
-            if d not in k or not (0 <= work.batch < B and 0 <= work.stage < S):
+            if d not in dirs or not (0 <= work.batch < B and 0 <= work.stage < S):
                 raise StrategyError(f"worker {w}'s order has {work!r}, which is not a work item of this shape")
-            item = (work.batch * S + work.stage) * D + k[d]
+            item = int(items.id(work.batch, work.stage, d))
             if compute[item] != w:
                 raise StrategyError(
                     f"worker {w}'s order has {work!r}, but the mapping sends it to worker {compute[item]}"
@@ -378,13 +340,12 @@ def _sequence_edges(orders, compute: np.ndarray, shape: Shape, dirs) -> np.ndarr
         dst.extend(ids[1:])
     if not seen.all():
         item = int(np.flatnonzero(~seen)[0])
-        b, rest = divmod(item, S * D)
-        work = Work(b, rest // D, dirs[rest % D])
+        work = items.work(item)
         raise StrategyError(
             f"the fixed orders leave out {int((~seen).sum())} work item(s), e.g. {work!r} on worker "
             f"{compute[item]}; every item must appear in its worker's order"
         )
-    return np.array([src, dst, [EDGE_SEQUENCE] * len(src)], dtype=np.int64).reshape(3, -1)
+    return np.array([src, dst, [EDGE_SEQUENCE] * len(src), [-1] * len(src)], dtype=np.int64).reshape(4, -1)
 
 
 def _in_directions(order, dirs):
@@ -407,7 +368,7 @@ def _in_directions(order, dirs):
 
 
 # ---------------------------------------------------------------------- memory
-def _memory(shape: Shape, memory_limit, dirs, compute, stage, sizes, input_grad_frees):
+def _memory(shape: Shape, memory_limit, items: Items, compute, stage, sizes, input_grad_frees):
     """Per-worker limits, and per item what it claims and releases (or Nones)."""
     if memory_limit is None:
         return None, None, None
@@ -419,12 +380,13 @@ def _memory(shape: Shape, memory_limit, dirs, compute, stage, sizes, input_grad_
             raise ShapeError(f"memory_limit has {limits.size} entries but there are {W} workers")
     if np.any(limits < 0) or np.any(np.isnan(limits)):
         raise ShapeError(f"memory_limit must be >= 0, got {memory_limit!r}")
+    dirs = items.dirs
     D = len(dirs)
     n = len(compute)
     amount = np.ones(S) if sizes is None else np.asarray(sizes, dtype=float)
     claims: list = [None] * n
     releases_of: list = [None] * n
-    shares = {BACKWARD: 1.0, BACKWARD_INPUT: input_grad_frees, BACKWARD_WEIGHT: 1.0 - input_grad_frees}
+    shares = dataflow.stash_shares(items.split_backward, input_grad_frees)
     for f in range(0, n, D):
         s = int(stage[f])
         mine = []

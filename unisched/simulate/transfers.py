@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from unisched import dataflow
 from unisched.simulate.problem import EDGE_SEQUENCE, Problem, moves, ring_allreduce_time
 from unisched.timeline import TRANSFER_KINDS, Transfers
-from unisched.work import BACKWARD, BACKWARD_WEIGHT
 
 _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
 
@@ -55,14 +55,14 @@ def _from_booked(p: Problem, rows: list) -> dict:
 
 def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
     compute, weight = p.worker_array, p.weight_worker_array
-    src, dst, kind = p.edges
+    src, dst, kind, what = p.edges
     moved = (kind != EDGE_SEQUENCE) & (compute[src] != compute[dst])
     src, dst = src[moved], dst[moved]
-    kinds, nbytes = moves(p, src, dst)
+    kinds, nbytes = moves(p, src, dst, what[moved])
     data = _columns(kinds, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)
 
     weight_bytes = np.asarray(p.weight_bytes)
-    fetching = np.flatnonzero(compute != weight)
+    fetching = np.flatnonzero(dataflow.fetches_weights(compute, weight))
     returning = np.flatnonzero(np.asarray(p.returns_gradient))
     if p.cache_weights:
         fetching = _first_per_group(fetching, compute, p.stage, start)
@@ -92,7 +92,7 @@ def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
 def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     """A ring all-reduce per stage held by several weight workers, once every
     replica has its stage's gradient (its own backwards and returned ones)."""
-    last_backward = p.direction == (BACKWARD_WEIGHT if p.split_backward else BACKWARD)
+    last_backward = p.direction == dataflow.gradient_pass(p.split_backward)
     W = p.shape.num_workers
     held = np.unique(p.stage[last_backward] * W + p.weight_worker_array[last_backward])
     replicated = np.flatnonzero(np.bincount(held // W, minlength=p.shape.num_stages) > 1)

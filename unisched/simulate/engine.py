@@ -32,6 +32,7 @@ import math
 from bisect import bisect_right
 from heapq import heappop, heappush
 
+from unisched import network
 from unisched.errors import DeadlockError
 from unisched.simulate.problem import EDGE_PRIMARY, EDGE_SEQUENCE, Problem
 
@@ -220,13 +221,12 @@ class _Communication:
         self.grads_left = dict(p.gradient_returns)
 
     def _send(self, kind: str, src: int, dst: int, ready: float, nbytes: float, item: int) -> float:
-        latency, bandwidth = self.p.link(src, dst)
-        occupy = nbytes / bandwidth
+        occupy = nbytes / self.p.link(src, dst)[1]
         link = self.links.get((src, dst))
         if link is None:
             link = self.links[(src, dst)] = _Calendar()
         begin = link.book(ready, occupy)
-        arrive = begin + latency + occupy
+        arrive = begin + network.transfer_time(self.p.costs, src, dst, nbytes)
         self.rows.append((kind, src, dst, begin, arrive, nbytes, item))
         return arrive
 

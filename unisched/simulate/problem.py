@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from unisched import dataflow
+from unisched import dataflow, network
 from unisched.costs import Costs
 from unisched.dataflow import EDGE_PRIMARY, EDGE_STASH, Items
 from unisched.errors import ShapeError, StrategyError
@@ -167,7 +167,7 @@ def build(
         rows = gang == g
         duration[rows] = duration[rows] * speeds[compute[rows]] / speeds[list(members)].min()
         if collective:
-            duration[rows] += ring_allreduce_time(costs, members, act_bytes[stage[rows]])
+            duration[rows] += network.tensor_parallel_time(costs, members, act_bytes[stage[rows]])
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
     rank = ranks(
@@ -290,16 +290,6 @@ def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
             )
         gang[i] = members.setdefault((group, bool(collective)), len(members))
     return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
-
-
-def ring_allreduce_time(costs: Costs, members, nbytes):
-    """Time of a ring all-reduce of ``nbytes`` among ``members``: 2(k-1)
-    steps of 1/k of the data, each as slow as the ring's slowest hop."""
-    k = len(members)
-    hops = [costs.link(a, b) for a, b in zip(members, (*members[1:], members[0]))]
-    latency = max(h.latency for h in hops)
-    bandwidth = min(h.bandwidth for h in hops)
-    return 2 * (k - 1) * latency + 2 * (k - 1) / k * np.asarray(nbytes) / bandwidth
 
 
 def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched import dataflow
-from unisched.simulate.problem import EDGE_SEQUENCE, Problem, moves, ring_allreduce_time
+from unisched import dataflow, network
+from unisched.simulate.problem import EDGE_SEQUENCE, Problem, moves
 from unisched.timeline import TRANSFER_KINDS, Transfers
 
 _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
@@ -104,7 +104,7 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
         ready = max(end[on_stage].max(), moved["end"][returned].max(initial=0.0))
         n = len(replicas)
         nbytes = 2 * (n - 1) / n * p.weight_bytes[s]
-        finish = ready + float(ring_allreduce_time(p.costs, [int(r) for r in replicas], p.weight_bytes[s]))
+        finish = ready + float(network.ring_allreduce_time(p.costs, [int(r) for r in replicas], p.weight_bytes[s]))
         some_item = int(np.flatnonzero(on_stage)[0])
         for i, r in enumerate(replicas):
             rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready, finish, nbytes, some_item))

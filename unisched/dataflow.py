@@ -79,9 +79,9 @@ class Items:
         return (np.asarray(batch) * self.num_stages + np.asarray(stage)) * len(self.dirs) + self._position(direction)
 
     def _position(self, direction):
-        table = np.full(4, -1, dtype=np.int64)
+        table = np.full(5, -1, dtype=np.int64)
         table[list(self.dirs)] = np.arange(len(self.dirs))
-        position = table[np.asarray(direction, dtype=np.int64)]
+        position = table[np.clip(np.asarray(direction, dtype=np.int64), -1, 4)]
         if np.any(position < 0):
             raise ShapeError(f"direction {direction!r} is not a pass of this step (split_backward={self.split_backward})")
         return position if np.ndim(position) else int(position)

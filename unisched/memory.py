@@ -128,13 +128,13 @@ def _gradient_holds(t: Timeline, in_bytes: bool):
 
 def _rows_of(t: Timeline, batch, stage, direction) -> np.ndarray:
     """The timeline row of each (batch, stage, direction), or -1 where none ran."""
-    width = 4 * max(t.num_stages, 1)
-    keys = t.batch * width + t.stage * 4 + t.direction
+    if not len(t):
+        return np.full(len(batch), -1)
+    items = dataflow.Items(t.num_stages, t.num_batches, t.split_backward)
+    keys = items.id(t.batch, t.stage, t.direction)
     order = np.argsort(keys, kind="stable")
-    wanted = np.asarray(batch) * width + np.asarray(stage) * 4 + np.asarray(direction)
-    at = np.clip(np.searchsorted(keys[order], wanted), 0, max(len(keys) - 1, 0))
-    if not len(keys):
-        return np.full(len(wanted), -1)
+    wanted = items.id(batch, stage, direction)
+    at = np.clip(np.searchsorted(keys[order], wanted), 0, len(keys) - 1)
     return np.where(keys[order][at] == wanted, order[at], -1)
 
 
@@ -154,3 +154,4 @@ _HOLDS = {
     "fetched": _fetched_holds,
     "gradients": _gradient_holds,
 }
+Timeline.register_view("memory", memory_curves)

@@ -134,6 +134,13 @@ class Costs:
             BACKWARD_WEIGHT: self.per_stage("backward_weight", num_stages),
         }
 
+    def item_time(self, stage, direction, worker, num_stages: int, num_workers: int) -> np.ndarray:
+        """How long items take: their stage's duration for their pass, divided
+        by their worker's speed.  The arguments broadcast, so a column of items
+        against a row of workers gives every item's time on every worker."""
+        table = np.stack([self.durations(num_stages)[d] for d in Direction])
+        return table[np.asarray(direction), np.asarray(stage)] / self.speeds(num_workers)[np.asarray(worker)]
+
     def speeds(self, num_workers: int) -> np.ndarray:
         if self.worker_speed is None:
             return np.ones(num_workers)

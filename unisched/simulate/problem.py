@@ -157,11 +157,7 @@ def build(
     compute, weight = _map(strategy, shape, batch, stage, direction)
     gang, gang_members, gang_collective = _gangs(strategy, shape, batch, stage, direction, compute)
     speeds = costs.speeds(W)
-    base = costs.durations(S)
-    duration = np.empty(n)
-    for d in dirs:
-        rows = direction == d
-        duration[rows] = base[d][stage[rows]] / speeds[compute[rows]]
+    duration = costs.item_time(stage, direction, compute, S, W)
     act_bytes = costs.per_stage("activation_bytes", S)
     for g, (members, collective) in enumerate(zip(gang_members, gang_collective)):
         rows = gang == g

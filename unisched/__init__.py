@@ -5,7 +5,7 @@ worker and a weight worker; unisched simulates it, draws it, plans it and runs
 it for real.
 """
 
-from unisched.errors import DeadlockError, ShapeError, StrategyError, UniSchedError
+from unisched.errors import DeadlockError, ShapeError, StrategyError, TimelineError, UniSchedError
 from unisched.memory import memory_curves
 from unisched.metrics import worker_stats
 from unisched.simulate import (
@@ -20,6 +20,7 @@ from unisched.simulate import (
 )
 from unisched.strategy import Gang, Strategy, as_strategy
 from unisched.timeline import Timeline, TransferRecord, Transfers, WorkRecord
+import unisched.render  # noqa: F401,E402  (fills in Timeline.to_text, to_html, figure, save, ...)
 from unisched.work import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -56,6 +57,7 @@ __all__ = [
     "Strategy",
     "StrategyError",
     "Timeline",
+    "TimelineError",
     "TransferRecord",
     "Transfers",
     "UniSchedError",

@@ -23,3 +23,14 @@ class DeadlockError(UniSchedError):
     def __init__(self, message: str, blocked: dict[int, str] | None = None):
         super().__init__(message)
         self.blocked = dict(blocked or {})
+
+
+class TimelineError(UniSchedError, ValueError):
+    """A Timeline that is not a valid step: an item missing or run twice, a
+    dependency broken, two items at once on one worker, or more activation
+    memory than allowed.  ``items`` and ``workers`` name the offenders."""
+
+    def __init__(self, message: str, items=(), workers=()):
+        super().__init__(message)
+        self.items = list(items)
+        self.workers = list(workers)

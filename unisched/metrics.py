@@ -55,3 +55,6 @@ def _plain(value):
     """numpy scalar -> int when integral, else float (for JSON and tables)."""
     value = float(value)
     return int(value) if value.is_integer() else value
+
+
+Timeline.register_view("worker_stats", worker_stats)

@@ -14,11 +14,26 @@ give the familiar row view.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
+import networkx as nx
 import numpy as np
 
-from unisched.work import BACKWARD_INPUT, FORWARD, Direction, Shape, Work
+from unisched import dataflow
+from unisched.costs import Costs
+from unisched.errors import ShapeError, TimelineError, UniSchedError
+from unisched.strategy import Gang, Strategy
+from unisched.work import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    ComputeAndWeightWorkers,
+    Direction,
+    Shape,
+    StageGraph,
+    Work,
+    as_stage_graph,
+)
 
 TRANSFER_KINDS = ("activation", "gradient", "stash", "weights", "weight_gradient", "allreduce")
 """What a transfer carries.
@@ -146,6 +161,11 @@ class Timeline:
     weights.  ``input_grad_frees`` is the fraction of a stash that a split
     backward's input-gradient pass frees (the weight-gradient pass frees the
     rest).  ``source`` is "simulated" or "measured".
+
+    It also carries what a consumer needs to read it without the simulator:
+    the ``stage_graph`` its dependencies follow, whether fetched weights
+    were cached, the ``costs`` it was simulated with (None when measured),
+    and its gangs.
     """
 
     num_workers: int
@@ -173,11 +193,29 @@ class Timeline:
     gang_members: tuple[tuple[int, ...], ...] = ()
     item_count: int | None = None
     """Distinct work items, where rows repeat items (see :meth:`per_worker`)."""
+    stage_graph: StageGraph | nx.DiGraph | None = None
+    """Which stage feeds which; None (the chain) or a ``networkx.DiGraph`` is
+    turned into a :class:`~unisched.StageGraph`, so this is always one."""
+    cache_weights: bool = True
+    """Whether a worker kept a fetched stage's weights for the rest of the step."""
+    costs: Costs | None = None
+    """The costs it was simulated with; None for a measured step."""
+    gang_collective: tuple[bool, ...] = ()
+    """Per gang: whether its items end with an all-reduce among its workers
+    (default: every gang does, as :class:`~unisched.Gang`)."""
 
     def __post_init__(self):
         gang = np.full(len(self.batch), -1, dtype=np.int64) if self.gang is None else _ints(self.gang)
         object.__setattr__(self, "gang", gang)
         object.__setattr__(self, "gang_members", tuple(tuple(int(m) for m in g) for g in self.gang_members))
+        collective = tuple(bool(c) for c in self.gang_collective) or (True,) * len(self.gang_members)
+        if len(collective) != len(self.gang_members):
+            raise ShapeError(
+                f"gang_collective has {len(collective)} entries but there are {len(self.gang_members)} gangs; "
+                "give one per gang, or none"
+            )
+        object.__setattr__(self, "gang_collective", collective)
+        object.__setattr__(self, "stage_graph", as_stage_graph(self.num_stages, self.stage_graph))
         sizes = {
             "activation_bytes": self.activation_bytes,
             "weight_bytes": self.weight_bytes,
@@ -238,14 +276,205 @@ class Timeline:
         return np.lexsort((self.worker, self.start))
 
     def worker_order(self, worker: int) -> list[Work]:
-        """The work items ``worker`` ran, in the order it ran them."""
-        rows = np.flatnonzero(self.worker == worker)
-        rows = rows[np.argsort(self.start[rows], kind="stable")]
-        return [self.work(i) for i in rows]
+        """The work items ``worker`` ran, in the order it ran them (see :meth:`worker_orders`)."""
+        rows = self._run_order()
+        return [self.work(i) for i in rows[self.worker[rows] == worker]]
+
+    def worker_orders(self) -> dict[int, list[Work]]:
+        """Every worker's items in the order it ran them ([] for an idle
+        worker); a gang item is listed under its compute worker.  Items that
+        start and end at one instant (zero durations) are listed in an order
+        their dependencies allow, so a replay can follow it."""
+        orders: dict[int, list[Work]] = {w: [] for w in range(self.num_workers)}
+        for i in self._run_order().tolist():
+            orders[int(self.worker[i])].append(self.work(i))
+        return orders
+
+    def _run_order(self) -> np.ndarray:
+        """Rows by (worker, start, end), ties at one instant broken
+        forwards first, along the stage graph, then backwards against it."""
+        topo = np.empty(self.num_stages, dtype=np.int64)
+        topo[list(nx.topological_sort(self.stage_graph.graph))] = np.arange(self.num_stages)
+        forward = self.direction == FORWARD
+        tie_pass = (~forward).astype(np.int64) + (self.direction == BACKWARD_WEIGHT)
+        tie_stage = np.where(forward, topo[self.stage], -topo[self.stage]) if len(self) else tie_pass
+        return np.lexsort((tie_stage, tie_pass, self.end, self.start, self.worker))
 
     def index(self) -> dict[Work, int]:
         """Map each work item to its row."""
         return {self.work(i): i for i in range(len(self))}
+
+    # ------------------------------------------------------------------ validity and replay
+    def check(self, memory_limit: float | Sequence[float] | None = None, tolerance: float = 1e-9) -> "Timeline":
+        """Raise :class:`~unisched.TimelineError` unless this is a valid step; return self.
+
+        Valid: every item of the step ran exactly once, on workers that
+        exist, after every item it depends on had ended (the rules of
+        :func:`unisched.dataflow.dependencies` over ``stage_graph``); no
+        worker ran two items at once (a gang item occupies all its workers);
+        and, given ``memory_limit`` (one number or one per worker), no worker
+        held more stashed activations than that: bytes when ``costs`` give
+        sizes, else stashes, as :func:`unisched.simulate` reads a limit.
+        ``tolerance`` (relative to the largest time) absorbs float round-off.
+        Check a timeline, not its :meth:`per_worker` view, which repeats items."""
+        rows = self._rows_by_item()
+        slack = tolerance * max(1.0, float(np.abs(self.start).max(initial=0.0)), float(np.abs(self.end).max(initial=0.0)))
+        self._check_rows(slack)
+        self._check_dependencies(rows, slack)
+        self._check_one_item_at_a_time(slack)
+        if memory_limit is not None:
+            self._check_memory(rows, memory_limit, tolerance, slack)
+        return self
+
+    def as_strategy(self, name: str | None = None, *, memory_limit: float | Sequence[float] | None = None) -> Strategy:
+        """A Strategy that replays exactly this schedule: every item on the
+        workers it ran on, every worker's items in the order it ran them
+        (:meth:`worker_orders`), with the same gangs, backward form and stage
+        graph.  Simulated with other costs, it re-times the order that ran
+        instead of letting the greedy choose another."""
+        rows = self._rows_by_item()
+        return fixed_strategy(
+            self.shape,
+            self.worker[rows],
+            self.weight_worker[rows],
+            self.worker_orders(),
+            split_backward=self.split_backward,
+            stage_graph=self.stage_graph,
+            gang=self.gang[rows],
+            gang_members=self.gang_members,
+            gang_collective=self.gang_collective,
+            memory_limit=memory_limit,
+            name=name or f"{self.label or self.source} (replay)",
+            description=f"the {self.source} schedule {self.label!r} replayed: fixed workers and orders",
+        )
+
+    def _rows_by_item(self) -> np.ndarray:
+        """The row of each item id (:class:`unisched.dataflow.Items`), after
+        checking that every item of the step ran exactly once."""
+        S, B = self.num_stages, self.num_batches
+        items = dataflow.Items(S, B, self.split_backward)
+        known = (self.batch >= 0) & (self.batch < B) & (self.stage >= 0) & (self.stage < S)
+        known &= np.isin(self.direction, np.asarray(items.dirs, dtype=np.int64))
+        if not known.all():
+            i = int(np.flatnonzero(~known)[0])
+            row = (int(self.batch[i]), int(self.stage[i]), int(self.direction[i]))
+            raise TimelineError(
+                f"row {i} of {self._name()} is (batch, stage, direction) = {row}, which is not a work item of a step "
+                f"with S={S}, B={B}, split_backward={self.split_backward}; give the timeline the step's shape and "
+                "backward form",
+                items=[Work(row[0], row[1], Direction(row[2]))] if row[2] in iter(Direction) else [],
+            )
+        ids = items.id(self.batch, self.stage, self.direction)
+        counts = np.bincount(ids, minlength=items.count)
+        repeated = np.flatnonzero(counts > 1)
+        if len(repeated):
+            first = int(repeated[0])
+            runs = ", ".join(f"worker {self.worker[r]} at {self.start[r]:g}" for r in np.flatnonzero(ids == first))
+            more = f" ({len(repeated) - 1} more items repeated)" if len(repeated) > 1 else ""
+            raise TimelineError(
+                f"{self._name()} runs {_named(items.work(first))} {counts[first]} times ({runs}){more}; "
+                "every work item runs exactly once",
+                items=[items.work(i) for i in repeated.tolist()],
+            )
+        missing = np.flatnonzero(counts == 0)
+        if len(missing):
+            shown = ", ".join(_named(items.work(i)) for i in missing[:4].tolist())
+            raise TimelineError(
+                f"{self._name()} lacks {len(missing)} of the step's {items.count} work items: {shown}"
+                f"{' ...' if len(missing) > 4 else ''}; every item of the step must run once",
+                items=[items.work(i) for i in missing.tolist()],
+            )
+        rows = np.empty(items.count, dtype=np.int64)
+        rows[ids] = np.arange(len(self))
+        return rows
+
+    def _check_rows(self, slack: float) -> None:
+        W = self.num_workers
+        for role, column in (("compute", self.worker), ("weight", self.weight_worker)):
+            bad = np.flatnonzero((column < 0) | (column >= W))
+            if len(bad):
+                i = int(bad[0])
+                raise TimelineError(
+                    f"{_named(self.work(i))} has {role} worker {column[i]}, but {self._name()} has workers 0..{W - 1}",
+                    items=[self.work(i)], workers=[int(column[i])],
+                )
+        backwards = np.flatnonzero(~(self.end >= self.start - slack))
+        if len(backwards):
+            i = int(backwards[0])
+            raise TimelineError(
+                f"{_named(self.work(i))} on worker {self.worker[i]} ends at {self.end[i]:g}, before it starts at "
+                f"{self.start[i]:g}; an item's end must not precede its start",
+                items=[self.work(i)], workers=[int(self.worker[i])],
+            )
+
+    def _check_dependencies(self, rows: np.ndarray, slack: float) -> None:
+        items = dataflow.Items(self.num_stages, self.num_batches, self.split_backward)
+        src, dst, _, moves = dataflow.edges(items, self.stage_graph)
+        before, after = rows[src], rows[dst]
+        early = np.flatnonzero(self.start[after] < self.end[before] - slack)
+        if not len(early):
+            return
+        k = int(early[np.argmin(self.start[after[early]])])
+        i, j = int(after[k]), int(before[k])
+        more = f" ({len(early) - 1} more dependencies broken)" if len(early) > 1 else ""
+        raise TimelineError(
+            f"{_named(self.work(i))} starts at {self.start[i]:g} on worker {self.worker[i]}, before "
+            f"{_named(self.work(j))} ends at {self.end[j]:g} on worker {self.worker[j]}, whose "
+            f"{TRANSFER_KINDS[moves[k]]} it needs{more}; an item starts only after its dependencies end",
+            items=[self.work(i), self.work(j)], workers=sorted({int(self.worker[i]), int(self.worker[j])}),
+        )
+
+    def _check_one_item_at_a_time(self, slack: float) -> None:
+        rows, workers = self.occupancy()
+        order = np.lexsort((self.end[rows], self.start[rows], workers))
+        rows, workers = rows[order], workers[order]
+        clash = np.flatnonzero((workers[1:] == workers[:-1]) & (self.start[rows[1:]] < self.end[rows[:-1]] - slack))
+        if not len(clash):
+            return
+        k = int(clash[0])
+        a, b, w = int(rows[k]), int(rows[k + 1]), int(workers[k])
+        raise TimelineError(
+            f"worker {w} runs {_named(self.work(a))} ({self.start[a]:g} to {self.end[a]:g}) and "
+            f"{_named(self.work(b))} ({self.start[b]:g} to {self.end[b]:g}) at once; a worker runs one item "
+            "at a time (a gang item occupies each of its workers)",
+            items=[self.work(a), self.work(b)], workers=[w],
+        )
+
+    def _check_memory(self, rows: np.ndarray, memory_limit, tolerance: float, slack: float) -> None:
+        W = self.num_workers
+        limits = np.asarray(memory_limit, dtype=float)
+        if limits.ndim == 0:
+            limits = np.full(W, float(limits))
+        elif limits.shape != (W,):
+            raise ShapeError(f"memory_limit has {limits.size} entries but there are {W} workers")
+        in_bytes = self.costs is not None and self.costs.has_sizes
+        unit = "bytes" if in_bytes else "stashes"
+        for w, curve in enumerate(self.memory("activations", "bytes" if in_bytes else "units")):
+            over = np.flatnonzero(curve.values > limits[w] + tolerance * max(1.0, abs(limits[w])))
+            if not len(over):
+                continue
+            at = float(curve.times[over[0]])
+            taken = self._stashes_taken(rows, w, at, slack)
+            named = ", ".join(_named(self.work(i)) for i in taken[:4].tolist()) or "nothing new"
+            raise TimelineError(
+                f"worker {w} holds {curve.values[over[0]]:g} {unit} of stashed activations from time {at:g} "
+                f"(peak {curve.peak:g}), over its memory_limit {limits[w]:g}; it took the stash of {named} then. "
+                f"Raise the limit to at least {curve.peak:g}, or run backwards that free worker {w}'s stashes earlier",
+                items=[self.work(i) for i in taken.tolist()], workers=[w],
+            )
+
+    def _stashes_taken(self, rows: np.ndarray, worker: int, at: float, slack: float) -> np.ndarray:
+        """Rows of the forwards starting at ``at`` whose stash ``worker`` keeps."""
+        items = dataflow.Items(self.num_stages, self.num_batches, self.split_backward)
+        forwards = np.flatnonzero((self.direction == FORWARD) & (np.abs(self.start - at) <= slack))
+        kept_here = np.zeros(len(forwards), dtype=bool)
+        for freeing in dataflow.stash_shares(self.split_backward, self.input_grad_frees):
+            releaser = rows[items.id(self.batch[forwards], self.stage[forwards], freeing)]
+            kept_here |= self.worker[releaser] == worker
+        return forwards[kept_here]
+
+    def _name(self) -> str:
+        return f"timeline {self.label!r}" if self.label else f"the {self.source} timeline"
 
     # ------------------------------------------------------------------ metrics
     @property
@@ -287,7 +516,8 @@ class Timeline:
             return self
         rows, workers = self.occupancy()
         columns = {name: getattr(self, name)[rows] for name in ("batch", "stage", "direction", "weight_worker", "start", "end")}
-        return replace(self, worker=workers, gang=None, gang_members=(), item_count=len(self), **columns)
+        return replace(self, worker=workers, gang=None, gang_members=(), gang_collective=(), item_count=len(self),
+                       **columns)
 
     @property
     def busy_time(self) -> np.ndarray:
@@ -307,47 +537,44 @@ class Timeline:
         total = self.latency * self.num_workers
         return float(1.0 - self.busy_time.sum() / total) if total > 0 else 0.0
 
+    # ------------------------------------------------------------------ derived views
+    @classmethod
+    def register_view(cls, name: str, function: Callable[..., Any]) -> None:
+        """Let the method ``name`` (one of ``VIEWS``) call ``function(timeline, ...)``.
+
+        Memory curves, statistics and drawings live in modules that import
+        the Timeline; they register here when imported (``import unisched``
+        imports them all), so the Timeline depends on none of them."""
+        if name not in VIEWS:
+            raise ValueError(f"{name!r} is not a Timeline view; the views are {sorted(VIEWS)}")
+        _VIEWS[name] = function
+
     def memory(self, kind: str = "total", unit: str = "bytes") -> list[MemoryCurve]:
         """Per-worker memory over time; see :mod:`unisched.memory`."""
-        from unisched.memory import memory_curves
-
-        return memory_curves(self, kind=kind, unit=unit)
+        return _view("memory")(self, kind=kind, unit=unit)
 
     def worker_stats(self) -> dict[str, list]:
         """Column name -> list indexed by worker; see :mod:`unisched.metrics`."""
-        from unisched.metrics import worker_stats
+        return _view("worker_stats")(self)
 
-        return worker_stats(self)
-
-    # ------------------------------------------------------------------ rendering
     def to_text(self, width: int = 100, color: bool | None = None, **options) -> str:
-        from unisched.render.text import to_text
-
-        return to_text(self, width=width, color=color, **options)
+        return _view("to_text")(self, width=width, color=color, **options)
 
     def to_html(self, **options) -> str:
-        from unisched.render.html import to_html
-
-        return to_html(self, **options)
+        return _view("to_html")(self, **options)
 
     def _repr_html_(self) -> str:
         return self.to_html()
 
     def figure(self, **options):
-        from unisched.render.figure import figure
-
-        return figure(self, **options)
+        return _view("figure")(self, **options)
 
     def to_chrome_trace(self) -> dict:
-        from unisched.render.trace import to_chrome_trace
-
-        return to_chrome_trace(self)
+        return _view("to_chrome_trace")(self)
 
     def save(self, path, **options) -> None:
         """Write the diagram by extension: .html, .png, .svg, .pdf, .json (Chrome trace), .txt."""
-        from unisched.render import save
-
-        save(self, path, **options)
+        _view("save")(self, path, **options)
 
     def __repr__(self) -> str:
         return (
@@ -355,3 +582,101 @@ class Timeline:
             f"B={self.num_batches}: {len(self)} items, latency {self.latency:g}, "
             f"bubble {self.bubble_fraction:.1%}>"
         )
+
+
+VIEWS = {
+    "memory": "unisched.memory",
+    "worker_stats": "unisched.metrics",
+    "to_text": "unisched.render",
+    "to_html": "unisched.render",
+    "figure": "unisched.render",
+    "to_chrome_trace": "unisched.render",
+    "save": "unisched.render",
+}
+"""The Timeline's methods that other modules compute, and the module that
+registers each (:meth:`Timeline.register_view`)."""
+
+_VIEWS: dict[str, Callable[..., Any]] = {}
+
+
+def _view(name: str) -> Callable[..., Any]:
+    try:
+        return _VIEWS[name]
+    except KeyError:
+        raise UniSchedError(
+            f"Timeline.{name}() is computed by {VIEWS[name]}, which is not imported; import it (import unisched does)"
+        ) from None
+
+
+def _named(work: Work) -> str:
+    """``"backward of stage 1, batch 0 (1B0)"``: readable, and the compact form to search for."""
+    direction = Direction(work.direction).name.lower().replace("_", " ")
+    return f"{direction} of stage {work.stage}, batch {work.batch} ({work})"
+
+
+# ---------------------------------------------------------------------- fixed schedules
+def fixed_strategy(
+    shape: Shape | Sequence[int],
+    compute: Sequence[int],
+    weight: Sequence[int],
+    worker_orders: dict[int, Sequence[Work]],
+    *,
+    split_backward: bool = False,
+    stage_graph: StageGraph | nx.DiGraph | None = None,
+    gang: Sequence[int] | None = None,
+    gang_members: Sequence[Sequence[int]] = (),
+    gang_collective: Sequence[bool] = (),
+    memory_limit: float | Sequence[float] | None = None,
+    name: str = "fixed",
+    description: str = "",
+) -> Strategy:
+    """A Strategy that fixes everything: ``compute[i]``, ``weight[i]`` (and
+    ``gang[i]``, an index into ``gang_members`` or -1) are the workers of the
+    item with id i (:class:`unisched.dataflow.Items`), ``worker_orders`` the
+    sequence each worker runs.  What a plan and a timeline replay as
+    (:meth:`Timeline.as_strategy`)."""
+    shape = Shape(*shape)
+    W, S, B = shape
+    items = dataflow.Items(S, B, split_backward)
+    compute, weight = _ints(compute), _ints(weight)
+    if len(compute) != items.count or len(weight) != items.count:
+        raise ShapeError(
+            f"a fixed strategy needs the workers of all {items.count} items of W={W}, S={S}, B={B}, "
+            f"split_backward={split_backward}; got {len(compute)} compute and {len(weight)} weight workers"
+        )
+
+    def item(work: Work) -> int:
+        if not (0 <= work.batch < B and 0 <= work.stage < S):
+            raise ShapeError(f"{work!r} is not a work item of the fixed schedule {name!r} (S={S}, B={B})")
+        return int(items.id(work.batch, work.stage, work.direction))
+
+    def mapping(work: Work) -> ComputeAndWeightWorkers:
+        i = item(work)
+        return ComputeAndWeightWorkers(int(compute[i]), int(weight[i]))
+
+    def map_arrays(batch, stage, direction):
+        ids = items.id(batch, stage, direction)
+        return compute[ids], weight[ids]
+
+    gang_of = None
+    if gang is not None and np.any(_ints(gang) >= 0):
+        gang = _ints(gang)
+        collective = tuple(gang_collective) or (True,) * len(gang_members)
+        groups = [Gang(tuple(m), bool(c)) for m, c in zip(gang_members, collective)]
+
+        def gang_of(work: Work) -> Gang | None:
+            g = int(gang[item(work)])
+            return groups[g] if g >= 0 else None
+
+    return Strategy(
+        mapping=mapping,
+        name=name,
+        description=description or "fixed workers and a fixed order of work on each worker",
+        memory_limit=memory_limit,
+        split_backward=split_backward,
+        worker_orders={int(w): list(order) for w, order in worker_orders.items()},
+        shape=shape,
+        map_arrays=map_arrays,
+        stage_graph=stage_graph,
+        gang=gang_of,
+    )

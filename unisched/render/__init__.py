@@ -7,9 +7,11 @@ imported only when a figure is asked for.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from unisched.errors import UniSchedError
+from unisched.timeline import Timeline
 
 FORMATS = {
     ".html": "HTML diagram and stats (open in a browser)",
@@ -28,8 +30,6 @@ def save(timeline, path, **options) -> Path:
     """Write ``timeline`` to ``path``, the format chosen by the extension
     (see :data:`FORMATS`).  ``options`` go to the renderer (e.g. ``dpi`` or
     ``arrows=True`` for a figure, ``width`` for text).  Returns the path."""
-    from unisched.timeline import Timeline
-
     timeline = getattr(timeline, "timeline", timeline)  # a Simulation draws its Timeline
     if not isinstance(timeline, Timeline):
         raise TypeError(f"save() needs a Timeline or Simulation, got {type(timeline).__name__}")
@@ -62,16 +62,29 @@ def save(timeline, path, **options) -> Path:
     return path
 
 
-def __getattr__(name: str):
-    import importlib
+_HOMES = {
+    "to_text": "unisched.render.text",
+    "stats_table": "unisched.render.text",
+    "to_html": "unisched.render.html",
+    "figure": "unisched.render.figure",
+    "to_chrome_trace": "unisched.render.trace",
+}
+"""Where each renderer lives; each is imported on first use."""
 
-    homes = {
-        "to_text": "unisched.render.text",
-        "stats_table": "unisched.render.text",
-        "to_html": "unisched.render.html",
-        "figure": "unisched.render.figure",
-        "to_chrome_trace": "unisched.render.trace",
-    }
-    if name in homes:
-        return getattr(importlib.import_module(homes[name]), name)
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'unisched.render' has no attribute {name!r}")
+
+
+def _on_first_call(name: str):
+    def render(timeline, *args, **options):
+        return getattr(importlib.import_module(_HOMES[name]), name)(timeline, *args, **options)
+
+    return render
+
+
+for _name in ("to_text", "to_html", "figure", "to_chrome_trace"):
+    Timeline.register_view(_name, _on_first_call(_name))
+Timeline.register_view("save", save)

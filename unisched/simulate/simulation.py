@@ -83,6 +83,10 @@ def simulate(
         label=strategy.name,
         gang=problem.gang,
         gang_members=problem.gang_members,
+        gang_collective=problem.gang_collective,
+        stage_graph=graph,
+        cache_weights=costs.cache_weights,
+        costs=costs,
     )
     return Simulation(timeline, strategy, costs, limit, priority, graph)
 

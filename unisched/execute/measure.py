@@ -21,6 +21,7 @@ import numpy as np
 
 from unisched.errors import ShapeError
 from unisched.costs import Costs
+from unisched.simulate import Simulation, simulate
 from unisched.timeline import Timeline, TransferRecord, WorkRecord
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
 
@@ -214,25 +215,29 @@ def calibrate_costs(
     return Costs(**fields)
 
 
-def predict(simulation, costs: Costs):
-    """Re-simulate ``simulation``'s schedule (strategy, priority, memory
-    limit, split backward) with ``costs``, e.g. calibrated ones.  A memory
-    limit given in stash units stays in units: the calibrated sizes are
-    dropped from the costs then, as they would turn the limit into bytes."""
-    from dataclasses import replace
+def predict(schedule, costs: Costs) -> Simulation:
+    """Re-time the schedule that ran with ``costs`` (e.g. calibrated ones).
 
-    from unisched.simulate import simulate
-
-    if simulation.memory_limit is not None and not simulation.costs.has_sizes:
-        costs = replace(costs, activation_bytes=0.0)
+    ``schedule`` is a Simulation, a Timeline (e.g. a measured one) or a plan
+    (anything with ``.simulate()``).  Every item stays on its workers and
+    every worker runs its items in the order they ran (see
+    :meth:`Timeline.as_strategy`), as the executor does; only the times
+    change.  No memory limit applies: the order already says when each
+    forward runs, and the runtime does not wait for memory."""
+    if hasattr(schedule, "simulate") and not hasattr(schedule, "timeline"):
+        schedule = schedule.simulate()
+    timeline = getattr(schedule, "timeline", schedule)
+    if not isinstance(timeline, Timeline):
+        raise TypeError(
+            f"predict() needs a unisched.Simulation, a Timeline or a plan, got {type(schedule).__name__}"
+        )
     return simulate(
-        *simulation.shape,
-        simulation.strategy,
-        simulation.priority,
+        *timeline.shape,
+        timeline.as_strategy(),
+        getattr(schedule, "priority", None),
         costs=costs,
-        memory_limit=simulation.memory_limit,
-        split_backward=simulation.timeline.split_backward,
-        stage_graph=simulation.stage_graph,
+        split_backward=timeline.split_backward,
+        stage_graph=timeline.stage_graph,
     )
 
 

@@ -11,7 +11,8 @@ import numpy as np
 from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
-from unisched.work import ComputeAndWeightWorkers, Direction, Work
+from unisched.timeline import fixed_strategy
+from unisched.work import Direction, Work
 
 from unisched.plan.problem import PlanProblem
 
@@ -38,8 +39,7 @@ class Schedule:
         return cls(problem, compute, np.asarray(weight, dtype=np.int64), orders, name)
 
     def work(self, item: int) -> Work:
-        batch, stage, direction = self.problem.item_arrays()
-        return Work(int(batch[item]), int(stage[item]), Direction(int(direction[item])))
+        return self.problem.items.work(item)
 
     def worker_orders(self) -> dict[int, list[Work]]:
         batch, stage, direction = self.problem.item_arrays()
@@ -49,27 +49,18 @@ class Schedule:
         }
 
     def strategy(self, description: str = "") -> Strategy:
+        """The strategy the simulator and the executor replay this schedule as."""
         problem = self.problem
-        lookup = {self.work(i): ComputeAndWeightWorkers(int(c), int(w))
-                  for i, (c, w) in enumerate(zip(self.compute, self.weight))}
-        compute, weight = self.compute, self.weight
-        S, D = problem.shape.num_stages, len(problem.dirs)
-        position = np.zeros(4, dtype=np.int64)
-        position[list(problem.dirs)] = np.arange(D)
-
-        def map_arrays(batch, stage, direction):
-            ids = (np.asarray(batch) * S + np.asarray(stage)) * D + position[np.asarray(direction)]
-            return compute[ids], weight[ids]
-
-        return Strategy(
-            mapping=lookup.__getitem__,
+        return fixed_strategy(
+            problem.shape,
+            self.compute,
+            self.weight,
+            self.worker_orders(),
+            split_backward=problem.split_backward,
+            stage_graph=problem.stage_graph,
+            memory_limit=problem.memory_limit,
             name=self.name,
             description=description or "a plan: fixed workers and a fixed order of work on each worker",
-            memory_limit=problem.memory_limit,
-            split_backward=problem.split_backward,
-            worker_orders=self.worker_orders(),
-            shape=problem.shape,
-            map_arrays=map_arrays,
         )
 
     def simulate(self) -> Simulation:

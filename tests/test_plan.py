@@ -19,7 +19,7 @@ from unisched.plan.family import stages_held
 from unisched.plan.order import solve_order
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
-from unisched.work import ComputeAndWeightWorkers, Shape
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape
 
 
 def gpipe_member(W: int, S: int, B: int):
@@ -223,6 +223,50 @@ def load_plan_from(data: dict):
     from unisched.plan.planfile import plan_from_dict
 
     return plan_from_dict(data["plan"])
+
+
+# ---------------------------------------------------------------------- data flow
+def chain_edges_as_written_before(problem: PlanProblem) -> set[tuple[int, int, int]]:
+    """The planner's hand-written chain rule, before it derived its edges from unisched.dataflow."""
+    W, S, B = problem.shape
+    split = problem.split_backward
+    dirs = problem.dirs
+    back = BACKWARD_INPUT if split else BACKWARD
+
+    def item(b, s, d):
+        return (b * S + s) * len(dirs) + dirs.index(d)
+
+    edges = set()
+    for b in range(B):
+        for s in range(S):
+            if s + 1 < S:
+                edges.add((item(b, s, FORWARD), item(b, s + 1, FORWARD), s + 1))
+                edges.add((item(b, s + 1, back), item(b, s, back), s + 1))
+            edges.add((item(b, s, FORWARD), item(b, s, back), s))
+            if split:
+                edges.add((item(b, s, BACKWARD_INPUT), item(b, s, BACKWARD_WEIGHT), s))
+    return edges
+
+
+@pytest.mark.parametrize("S, B", [(1, 1), (1, 3), (2, 1), (3, 2), (4, 5)])
+@pytest.mark.parametrize("split", [False, True])
+def test_data_edges_are_the_chain_rule(S, B, split):
+    problem = PlanProblem(Shape(2, S, B), split_backward=split)
+    edges = TimedProblem.build(problem).data_edges()
+    found = list(zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist()))
+    assert len(found) == len(set(found))
+    assert set(found) == chain_edges_as_written_before(problem)
+
+
+def test_item_ids_are_the_dataflow_encoding():
+    problem = PlanProblem(Shape(2, 3, 4), split_backward=True)
+    batch, stage, direction = problem.item_arrays()
+    assert problem.num_items == len(batch) == 4 * 3 * 3
+    for i in (0, 5, 17, 35):
+        assert problem.item(batch[i], stage[i], direction[i]) == i
+    grid = problem.item_grid()
+    assert grid.shape == (4, 3, 3) and np.array_equal(np.sort(grid.ravel()), np.arange(36))
+    assert grid[2, 1, problem.dirs.index(BACKWARD_WEIGHT)] == problem.item(2, 1, BACKWARD_WEIGHT)
 
 
 # ---------------------------------------------------------------------- the order model is exact

@@ -1,10 +1,11 @@
 """Lower bounds reported beside every answer, so a plan says how good it is.
 
-- critical path: one micro-batch's forwards then backwards, on the fastest worker;
+- critical path: one micro-batch's forwards then backwards along the longest
+  path of the stage graph, on the fastest worker;
 - work / W: all work spread perfectly over all workers;
 - memory-time: the input of (stage s, batch b) lives at least from F(s, b)'s
-  start to its backward's end, i.e. through every later stage's forward and
-  backward; W workers holding M each give at most W M of "live memory" per
+  start to its backward's end, i.e. through the forwards and backwards of
+  every stage downstream of s; W workers holding M each give at most W M of "live memory" per
   unit of time (the paper's throughput bound rho <= M / S, made exact);
 - CP-SAT's own bound, when a model ran.
 
@@ -14,10 +15,12 @@ memory-time of the stashes it keeps against its own limit.
 
 from __future__ import annotations
 
+import networkx as nx
 import numpy as np
 
+from unisched import dataflow
 from unisched.plan.problem import PlanProblem
-from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 
 def shape_bounds(problem: PlanProblem) -> dict[str, float]:
@@ -28,7 +31,7 @@ def shape_bounds(problem: PlanProblem) -> dict[str, float]:
     speeds = costs.speeds(W)
     per_stage = sum(durations[d] for d in problem.dirs)
     bounds = {
-        "critical_path": float((durations[FORWARD].sum() + durations[problem.dirs[1]].sum()) / speeds.max()),
+        "critical_path": float(_downstream(problem).max() / speeds.max()),
         "work": float(B * per_stage.sum() / speeds.sum()),
     }
     if problem.memory_limit:
@@ -41,14 +44,14 @@ def mapping_bounds(problem: PlanProblem, compute: np.ndarray) -> dict[str, float
     """Bounds for one fixed mapping (``compute`` over the simulator's item ids)."""
     W, S, B = problem.shape
     costs = problem.costs
-    batch, stage, direction = problem.item_arrays()
+    batch, stage, direction = problem.items.arrays()
     speeds = costs.speeds(W)
     durations = costs.durations(S)
     seconds = np.array([durations[d][s] for s, d in zip(stage, direction)]) / speeds[compute]
     bounds = shape_bounds(problem)
     bounds["busiest_worker"] = float(np.bincount(compute, weights=seconds, minlength=W).max())
     if problem.memory_limit:
-        keeper = direction == (BACKWARD_INPUT if problem.split_backward else problem.last_backward)
+        keeper = direction == dataflow.first_backward(problem.split_backward)
         live = _live_time(problem) / speeds.max()
         held = np.bincount(compute[keeper], weights=(live * problem.stash_sizes)[stage[keeper]], minlength=W)
         bounds["memory_time"] = float(held.max() / problem.memory_limit)
@@ -57,11 +60,20 @@ def mapping_bounds(problem: PlanProblem, compute: np.ndarray) -> dict[str, float
 
 def _live_time(problem: PlanProblem) -> np.ndarray:
     """Shortest time a stash of each stage is held (forward start to releasing backward end)."""
-    S = problem.shape.num_stages
-    durations = problem.costs.durations(S)
-    back = durations[problem.dirs[1]]
-    later = np.cumsum((durations[FORWARD] + back)[::-1])[::-1]
+    later = _downstream(problem)
     if problem.split_backward:
-        share = problem.costs.input_grad_frees
-        later = later + (1.0 - share) * durations[BACKWARD_WEIGHT]
+        durations = problem.costs.durations(problem.shape.num_stages)
+        later = later + (1.0 - problem.costs.input_grad_frees) * durations[BACKWARD_WEIGHT]
     return later
+
+
+def _downstream(problem: PlanProblem) -> np.ndarray:
+    """Per stage s: the longest forward-then-backward path from F(s) to the end
+    of s's first backward pass, through the stages downstream of s."""
+    graph = problem.stage_graph
+    durations = problem.costs.durations(graph.num_stages)
+    own = durations[FORWARD] + durations[dataflow.first_backward(problem.split_backward)]
+    longest = np.zeros(graph.num_stages)
+    for s in reversed(list(nx.topological_sort(graph.graph))):
+        longest[s] = own[s] + max((longest[t] for t in graph.successors[s]), default=0.0)
+    return longest

@@ -7,8 +7,8 @@ forward and its backward(s), so a stash never moves.  A stage has one weight
 worker; a worker computing a stage it does not hold waits ``fetch`` for the
 weights and sends the gradient back ``fetch`` after its last backward.  A
 worker may hold at most ``max_stages_per_worker`` stages (its own and
-fetched ones).  Activations and gradients take ``comm`` only when consecutive
-stages of a batch run on different workers.  Redundant cumulatives (all work
+fetched ones).  Activations and gradients take ``comm`` only when the two ends
+of an edge of the stage graph run on different workers for that batch.  Redundant cumulatives (all work
 with capacity W; all live activations with capacity W*M) tighten the bound.
 
 The search starts from a complete feasible hint (the best schedule found so
@@ -28,7 +28,8 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from unisched.plan.order import Solved, make_solver, memory_demands
+from unisched import dataflow
+from unisched.plan.order import Solved, live_stashes, make_solver, memory_demands
 from unisched.plan.problem import TimedProblem
 from unisched.work import FORWARD
 
@@ -207,39 +208,42 @@ def _solve(
 
     same = {}
     for b in range(B):
-        for s in range(S - 1):
-            z = [model.new_bool_var(f"z{s},{b},{w}") for w in range(W)]
+        for p, t in problem.stage_graph.graph.edges:
+            z = [model.new_bool_var(f"z{p},{t},{b},{w}") for w in range(W)]
             for w in range(W):
-                model.add_implication(z[w], x[s, b, w])
-                model.add_implication(z[w], x[s + 1, b, w])
-            same[s, b] = z
-    for u, v, s in timed.data_edges():
+                model.add_implication(z[w], x[p, b, w])
+                model.add_implication(z[w], x[t, b, w])
+            same[p, t, b] = z
+    edges = timed.data_edges()
+    for u, v, s in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist()):
         su, sv = int(timed.stage[u]), int(timed.stage[v])
         if su == sv:
             model.add(start[v] >= end[u])
         else:
-            lower = min(su, sv)
+            upstream, downstream = (su, sv) if timed.direction[u] == FORWARD else (sv, su)
             c = int(comm[s])
-            model.add(start[v] >= end[u] + c - c * sum(same[lower, int(timed.batch[u])]))
+            model.add(start[v] >= end[u] + c - c * sum(same[upstream, downstream, int(timed.batch[u])]))
 
-    last = problem.last_backward
+    grid = problem.item_grid()
+    forward = problem.dirs.index(FORWARD)
+    last = problem.dirs.index(dataflow.gradient_pass(problem.split_backward))
     for s in range(S):
         if not fetch[s]:
             continue
         for b in range(B):
-            f = problem.item(b, s, FORWARD)
-            r = problem.item(b, s, last)
+            f, r = grid[b, s, forward], grid[b, s, last]
             for w in range(W):
                 model.add(start[f] >= int(fetch[s])).only_enforce_if([x[s, b, w], owner[s, w].Not()])
                 model.add(makespan >= end[r] + int(fetch[s])).only_enforce_if([x[s, b, w], owner[s, w].Not()])
 
     _memory(model, timed, x, start, end, horizon)
 
+    first = problem.stage_graph.sources[0]
     if free_batches is None:
         for b in range(B - 1):
-            model.add(start[problem.item(b, 0, FORWARD)] <= start[problem.item(b + 1, 0, FORWARD)])
+            model.add(start[grid[b, first, forward]] <= start[grid[b + 1, first, forward]])
         if uniform and problem.costs.worker_speed is None and not problem.costs.links:
-            model.add(x[0, 0, 0] == 1)
+            model.add(x[first, 0, 0] == 1)
 
     if hint is not None:
         _add_hint(model, timed, hint, x, owner, held, same, start, makespan)
@@ -248,9 +252,9 @@ def _solve(
                 if b in free_batches:
                     continue
                 for s in range(S):
-                    model.add(x[s, b, int(hint.compute[problem.item(b, s, FORWARD)])] == 1)
+                    model.add(x[s, b, int(hint.compute[grid[b, s, forward]])] == 1)
             for s in range(S):
-                model.add(owner[s, int(hint.weight[problem.item(0, s, FORWARD)])] == 1)
+                model.add(owner[s, int(hint.weight[grid[0, s, forward]])] == 1)
     model.minimize(makespan)
     solver = make_solver(time_limit, num_workers, seed)
     collector = _Collector(x, owner, start, (W, S, B), timed)
@@ -275,25 +279,17 @@ def _memory(model, timed: TimedProblem, x, start, end, horizon) -> None:
     problem = timed.problem
     if problem.memory_limit is None:
         return
-    demands, capacity, _ = memory_demands(timed)
-    W, S, B = problem.shape
+    _, capacity, _ = memory_demands(timed)
+    W = problem.shape.num_workers
     per_worker: list[tuple[list, list]] = [([], []) for _ in range(W)]
     everything, amounts = [], []
-    for b in range(B):
-        for s in range(S):
-            f = problem.item(b, s, FORWARD)
-            for d in problem.dirs[1:]:
-                r = problem.item(b, s, d)
-                demand = demands[(s, d)]
-                if not demand:
-                    continue
-                size = model.new_int_var(0, horizon, f"live{r}")
-                everything.append(model.new_interval_var(start[f], size, end[r], f"l{r}"))
-                amounts.append(demand)
-                for w in range(W):
-                    per_worker[w][0].append(model.new_optional_interval_var(
-                        start[f], size, end[r], x[s, b, w], f"l{r},{w}"))
-                    per_worker[w][1].append(demand)
+    for s, b, f, r, demand in live_stashes(timed):
+        size = model.new_int_var(0, horizon, f"live{r}")
+        everything.append(model.new_interval_var(start[f], size, end[r], f"l{r}"))
+        amounts.append(demand)
+        for w in range(W):
+            per_worker[w][0].append(model.new_optional_interval_var(start[f], size, end[r], x[s, b, w], f"l{r},{w}"))
+            per_worker[w][1].append(demand)
     for intervals, demand in per_worker:
         if sum(demand) > capacity:
             model.add_cumulative(intervals, demand, capacity)
@@ -305,18 +301,19 @@ def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
     """Relabel micro-batches (by first-stage start) and workers (batch 0's first
     stage on worker 0) so the hint satisfies the model's symmetry breaking."""
     problem = timed.problem
-    W, S, B = problem.shape
-    per_batch = S * len(problem.dirs)
-    firsts = [hint.starts[problem.item(b, 0, FORWARD)] for b in range(B)]
-    order = sorted(range(B), key=lambda b: (firsts[b], b))
-    rows = np.concatenate([np.arange(b * per_batch, (b + 1) * per_batch) for b in order])
-    compute, weight, starts = hint.compute[rows], hint.weight[rows], hint.starts[rows]
+    W = problem.shape.num_workers
+    grid = problem.item_grid()
+    first = grid[:, problem.stage_graph.sources[0], problem.dirs.index(FORWARD)]
+    order = sorted(range(len(grid)), key=lambda b: (hint.starts[first[b]], b))
+    compute, weight, starts = (np.empty_like(a) for a in (hint.compute, hint.weight, hint.starts))
+    for relabelled, a in ((compute, hint.compute), (weight, hint.weight), (starts, hint.starts)):
+        relabelled[grid] = a[grid[order]]
     symmetric = bool(np.all(timed.duration == timed.duration[:, :1])) and timed.problem.costs.worker_speed is None \
         and not timed.problem.costs.links
     if symmetric:
-        first = int(compute[problem.item(0, 0, FORWARD)])
+        leader = int(compute[first[0]])
         swap = np.arange(W)
-        swap[[0, first]] = swap[[first, 0]]
+        swap[[0, leader]] = swap[[leader, 0]]
         compute, weight = swap[compute], swap[weight]
     return Incumbent(compute, weight, starts, hint.makespan)
 
@@ -324,20 +321,21 @@ def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
 def _add_hint(model, timed: TimedProblem, hint: Incumbent, x, owner, held, same, start, makespan) -> None:
     problem = timed.problem
     W, S, B = problem.shape
+    forwards = problem.item_grid()[:, :, problem.dirs.index(FORWARD)]
     where = {}
     for b in range(B):
         for s in range(S):
-            where[s, b] = int(hint.compute[problem.item(b, s, FORWARD)])
+            where[s, b] = int(hint.compute[forwards[b, s]])
             for w in range(W):
                 model.add_hint(x[s, b, w], where[s, b] == w)
-    owners = [int(hint.weight[problem.item(0, s, FORWARD)]) for s in range(S)]
+    owners = [int(hint.weight[forwards[0, s]]) for s in range(S)]
     for s in range(S):
         for w in range(W):
             model.add_hint(owner[s, w], owners[s] == w)
             model.add_hint(held[w, s], owners[s] == w or any(where[s, b] == w for b in range(B)))
-    for (s, b), z in same.items():
+    for (p, t, b), z in same.items():
         for w in range(W):
-            model.add_hint(z[w], where[s, b] == w and where[s + 1, b] == w)
+            model.add_hint(z[w], where[p, b] == w and where[t, b] == w)
     for i, v in enumerate(start):
         model.add_hint(v, int(hint.starts[i]))
     model.add_hint(makespan, int(hint.makespan))
@@ -350,17 +348,17 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts) -> Incumbent | 
     W, S, B = problem.shape
     compute = np.asarray(compute, dtype=np.int64)
     weight = np.asarray(weight, dtype=np.int64)
-    per_pair = compute.reshape(B, S, len(problem.dirs))
+    grid = problem.item_grid()
+    per_pair = compute[grid]
     if np.any(per_pair != per_pair[:, :, :1]):
         return None
-    owners = weight.reshape(B, S, len(problem.dirs))
+    owners = weight[grid]
     if np.any(owners != owners[:1, :, :1]):
         return None
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]
     fetch = timed.fetch.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
-    borrowed = compute != weight
-    last = timed.direction == problem.last_backward
-    tails = np.where(borrowed & last, fetch[timed.stage], 0)
+    returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
+    tails = np.where(returning, fetch[timed.stage], 0)
     makespan = int(np.max(ends + tails))
     return Incumbent(compute, weight, starts, makespan)

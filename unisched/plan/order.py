@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
+from unisched import dataflow
 from unisched.plan.problem import PlanInputError, TimedProblem, Ticks
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from unisched.work import FORWARD
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,11 @@ def solve_order(
     model = cp_model.CpModel()
     n = len(compute)
     duration = timed.duration[np.arange(n), compute]
-    tails = _tails(timed, compute, weight)
+    tails = step_tails(timed, compute, weight)
     release = _releases(timed, compute, weight)
     edges = timed.data_edges()
-    delay = [
-        int(timed.comm[compute[u], compute[v], s]) if compute[u] != compute[v] else 0 for u, v, s in edges
-    ]
-    horizon = int(duration.sum() + sum(delay) + release.max(initial=0) + tails.max(initial=0) + 1)
+    delay = timed.delays(edges, compute)
+    horizon = int(duration.sum() + delay.sum() + release.max(initial=0) + tails.max(initial=0) + 1)
     if hint_starts is not None:
         horizon = min(horizon, int(max(np.max(hint_starts + duration + tails), 0)) + 1) if len(hint_starts) else horizon
 
@@ -86,7 +85,7 @@ def solve_order(
         mine = [intervals[i] for i in np.flatnonzero(compute == w)]
         if len(mine) > 1:
             model.add_no_overlap(mine)
-    for (u, v, _), d in zip(edges, delay):
+    for u, v, d in zip(edges.src.tolist(), edges.dst.tolist(), delay.tolist()):
         model.add(start[v] >= end[u] + d)
     for i in range(n):
         model.add(makespan >= end[i] + int(tails[i]))
@@ -155,25 +154,21 @@ def _releases(timed: TimedProblem, compute, weight) -> np.ndarray:
     return release
 
 
-def _tails(timed: TimedProblem, compute, weight) -> np.ndarray:
-    """Ticks the step lasts after an item: gradient return, then the all-reduce of replicated stages."""
+def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
+    """Ticks the step lasts after each item: gradient return, then the all-reduce of replicated stages."""
     problem = timed.problem
-    costs = problem.costs
     W, S, B = problem.shape
-    last = timed.direction == problem.last_backward
+    last = timed.direction == dataflow.gradient_pass(problem.split_backward)
     tails = np.zeros(len(compute), dtype=np.int64)
-    returning = last & (compute != weight)
+    returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails[returning] = timed.fetch[compute[returning], weight[returning], timed.stage[returning]]
-    wbytes = costs.per_stage("weight_bytes", S)
-    for s in range(S):
-        rows = last & (timed.stage == s)
-        replicas = np.unique(weight[rows])
-        if len(replicas) < 2:
-            continue
-        k = len(replicas)
-        link = costs.link(int(replicas[0]), int(replicas[1]))
-        allreduce = 2 * (k - 1) * link.latency + 2 * (k - 1) / k * wbytes[s] / link.bandwidth
-        tails[rows] += timed.ticks(allreduce)
+    wbytes = problem.costs.per_stage("weight_bytes", S)
+    for s, replicas in enumerate(dataflow.replicas(timed.stage[last], weight[last], S)):
+        if len(replicas) > 1:
+            k = len(replicas)
+            link = problem.costs.link(replicas[0], replicas[1])
+            allreduce = 2 * (k - 1) * link.latency + 2 * (k - 1) / k * wbytes[s] / link.bandwidth
+            tails[last & (timed.stage == s)] += timed.ticks(allreduce)
     return tails
 
 
@@ -181,35 +176,38 @@ def memory_demands(timed: TimedProblem) -> tuple[dict, int, Ticks]:
     """Integer demand of each backward's share of its stash, and the limit, in one unit."""
     problem = timed.problem
     sizes = problem.stash_sizes
-    share = problem.costs.input_grad_frees
-    shares = {BACKWARD: 1.0, BACKWARD_INPUT: share, BACKWARD_WEIGHT: 1.0 - share}
-    values = [sizes[s] * shares[d] for s in range(len(sizes)) for d in problem.dirs[1:]]
+    shares = dataflow.stash_shares(problem.split_backward, problem.costs.input_grad_frees)
+    values = [sizes[s] * share for s in range(len(sizes)) for share in shares.values()]
     unit = Ticks.for_times(values + [problem.memory_limit or 0.0])
-    demands = {(s, d): unit(sizes[s] * shares[d]) for s in range(len(sizes)) for d in problem.dirs[1:]}
+    demands = {(s, d): unit(sizes[s] * share) for s in range(len(sizes)) for d, share in shares.items()}
     capacity = int(np.floor(problem.memory_limit * unit.scale + 1e-6))
     return demands, capacity, unit
+
+
+def live_stashes(timed: TimedProblem) -> list[tuple[int, int, int, int, int]]:
+    """(stage, batch, forward id, freeing pass id, demand) of every stash share that
+    takes memory: it is live from the forward's start to that pass's end."""
+    problem = timed.problem
+    demands, _, _ = memory_demands(timed)
+    grid = problem.item_grid()
+    W, S, B = problem.shape
+    k = {d: i for i, d in enumerate(problem.dirs)}
+    return [(s, b, int(grid[b, s, k[FORWARD]]), int(grid[b, s, k[d]]), demands[s, d])
+            for b in range(B) for s in range(S) for d in problem.dirs if demands.get((s, d))]
 
 
 def _memory(model, timed: TimedProblem, compute, start, end, horizon) -> None:
     problem = timed.problem
     if problem.memory_limit is None:
         return
-    demands, capacity, _ = memory_demands(timed)
-    W, S, B = problem.shape
-    per_worker: dict[int, tuple[list, list]] = {w: ([], []) for w in range(W)}
-    for b in range(B):
-        for s in range(S):
-            f = problem.item(b, s, FORWARD)
-            for d in problem.dirs[1:]:
-                r = problem.item(b, s, d)
-                demand = demands[(s, d)]
-                if demand == 0:
-                    continue
-                size = model.new_int_var(0, horizon, f"live{r}")
-                live = model.new_interval_var(start[f], size, end[r], f"l{r}")
-                intervals, amounts = per_worker[int(compute[r])]
-                intervals.append(live)
-                amounts.append(demand)
+    _, capacity, _ = memory_demands(timed)
+    per_worker: dict[int, tuple[list, list]] = {w: ([], []) for w in range(problem.shape.num_workers)}
+    for _, _, f, r, demand in live_stashes(timed):
+        size = model.new_int_var(0, horizon, f"live{r}")
+        live = model.new_interval_var(start[f], size, end[r], f"l{r}")
+        intervals, amounts = per_worker[int(compute[r])]
+        intervals.append(live)
+        amounts.append(demand)
     for w, (intervals, amounts) in per_worker.items():
         if intervals and sum(amounts) > capacity:
             model.add_cumulative(intervals, amounts, capacity)
@@ -218,19 +216,17 @@ def _memory(model, timed: TimedProblem, compute, start, end, horizon) -> None:
 def _symmetry(model, timed: TimedProblem, compute, weight, start, fifo: bool) -> None:
     """Order interchangeable micro-batches (same workers for every item)."""
     problem = timed.problem
-    W, S, B = problem.shape
-    per_batch = S * len(problem.dirs)
+    grid = problem.item_grid()
+    first, forward = problem.stage_graph.sources[0], problem.dirs.index(FORWARD)
     groups: dict[bytes, list[int]] = {}
-    for b in range(B):
-        rows = slice(b * per_batch, (b + 1) * per_batch)
+    for b, rows in enumerate(grid):
         groups.setdefault(compute[rows].tobytes() + weight[rows].tobytes(), []).append(b)
     for batches in groups.values():
         for a, b in zip(batches, batches[1:]):
-            model.add(start[problem.item(a, 0, FORWARD)] <= start[problem.item(b, 0, FORWARD)])
+            model.add(start[grid[a, first, forward]] <= start[grid[b, first, forward]])
             if fifo:
-                for s in range(S):
-                    for d in problem.dirs:
-                        model.add(start[problem.item(a, s, d)] <= start[problem.item(b, s, d)])
+                for u, v in zip(grid[a].ravel().tolist(), grid[b].ravel().tolist()):
+                    model.add(start[u] <= start[v])
 
 
 def check_mapping_memory(timed: TimedProblem, compute: np.ndarray) -> None:

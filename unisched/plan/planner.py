@@ -281,15 +281,12 @@ def constructed_members(problem: PlanProblem) -> list[tuple[str, Strategy, str]]
 def _rows_of(problem: PlanProblem, t) -> np.ndarray:
     """Timeline row of each of the problem's item ids."""
     rows = np.empty(problem.num_items, dtype=np.int64)
-    offsets = np.zeros(4, dtype=np.int64)
-    offsets[list(problem.dirs)] = np.arange(len(problem.dirs))
-    ids = (t.batch * problem.shape.num_stages + t.stage) * len(problem.dirs) + offsets[t.direction]
-    rows[ids] = np.arange(len(t))
+    rows[problem.items.id(t.batch, t.stage, t.direction)] = np.arange(len(t))
     return rows
 
 
 def _map(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
-    batch, stage, direction = problem.item_arrays()
+    batch, stage, direction = problem.items.arrays()
     if strategy.map_arrays is not None:
         compute, weight = strategy.map_arrays(batch, stage, direction)
         return np.asarray(compute, dtype=np.int64), np.asarray(weight, dtype=np.int64)

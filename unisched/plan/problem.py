@@ -23,13 +23,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from unisched.errors import ShapeError
+from unisched import dataflow
 from unisched.costs import Costs, Link
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Shape, directions
+from unisched.errors import ShapeError
+from unisched.work import Direction, Shape, StageGraph, chain
 
 PREFETCH_AT_START = 1_000_000
 """A prefetch depth no step reaches: every weight fetch is issued at time 0."""
@@ -108,28 +109,39 @@ class PlanProblem:
 
     # ------------------------------------------------------------------ items
     @property
+    def items(self) -> dataflow.Items:
+        """The step's work items and their ids (the encoding every layer shares)."""
+        W, S, B = self.shape
+        return dataflow.Items(S, B, self.split_backward)
+
+    @property
+    def stage_graph(self) -> StageGraph:
+        """The planner plans chains: its bounds (critical path, live times) and
+        its symmetry breaking (stage 0 starts every micro-batch) assume one."""
+        return chain(self.shape.num_stages)
+
+    @property
     def dirs(self) -> tuple[Direction, ...]:
-        return directions(self.split_backward)
+        return self.items.dirs
 
     @property
     def num_items(self) -> int:
-        W, S, B = self.shape
-        return B * S * len(self.dirs)
+        return self.items.count
 
     def item(self, batch: int, stage: int, direction: Direction) -> int:
-        """The simulator's item id: ``(batch * S + stage) * D + k``."""
-        D = len(self.dirs)
-        return (batch * self.shape.num_stages + stage) * D + self.dirs.index(Direction(direction))
+        """The id of ``Work(batch, stage, direction)`` (see :class:`unisched.dataflow.Items`)."""
+        return int(self.items.id(batch, stage, direction))
 
     def item_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        W, S, B = self.shape
-        D = len(self.dirs)
-        ids = np.arange(self.num_items)
-        return ids // (S * D), (ids // D) % S, np.asarray(self.dirs, dtype=np.int64)[ids % D]
+        """(batch, stage, direction) of every item id."""
+        return self.items.arrays()
 
-    @property
-    def last_backward(self) -> Direction:
-        return BACKWARD_WEIGHT if self.split_backward else BACKWARD
+    def item_grid(self) -> np.ndarray:
+        """A (B, S, D) array: the id of Work(b, s, dirs[k]) at [b, s, k]."""
+        W, S, B = self.shape
+        items = self.items
+        return items.id(np.arange(B)[:, None, None], np.arange(S)[None, :, None],
+                        np.asarray(items.dirs, dtype=np.int64)[None, None, :])
 
     @property
     def stash_sizes(self) -> np.ndarray:
@@ -173,8 +185,8 @@ class PlanProblem:
     def min_memory_mapped(self, compute: np.ndarray) -> tuple[float, int]:
         """The least memory limit a fixed mapping runs with, and the worker that needs it:
         the most stashes of one micro-batch kept on one worker."""
-        batch, stage, direction = self.item_arrays()
-        keep = direction == (BACKWARD_INPUT if self.split_backward else BACKWARD)
+        batch, stage, direction = self.items.arrays()
+        keep = direction == dataflow.first_backward(self.split_backward)
         sizes = self.stash_sizes
         W, S, B = self.shape
         table = np.zeros((B, W))
@@ -226,6 +238,17 @@ class Ticks:
         return float(ticks) / self.scale
 
 
+class DataEdges(NamedTuple):
+    """Every dependency between items, as parallel arrays (see :func:`unisched.dataflow.edges`)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    stage: np.ndarray
+    """The stage whose activation, gradient or stash moves when src and dst run on different workers."""
+    moves: np.ndarray
+    """What moves: an index into ``unisched.timeline.TRANSFER_KINDS``."""
+
+
 @dataclass(frozen=True)
 class TimedProblem:
     """Everything the CP-SAT models need, in ticks, per item, worker and stage."""
@@ -243,10 +266,8 @@ class TimedProblem:
     def build(cls, problem: PlanProblem) -> "TimedProblem":
         W, S, B = problem.shape
         costs = problem.costs
-        batch, stage, direction = problem.item_arrays()
-        base = costs.durations(S)
-        speeds = costs.speeds(W)
-        seconds = np.stack([base[Direction(d)][s] / speeds for s, d in zip(stage, direction)])
+        batch, stage, direction = problem.items.arrays()
+        seconds = costs.item_time(stage[:, None], direction[:, None], np.arange(W)[None, :], S, W)
         act = costs.per_stage("activation_bytes", S)
         wbytes = costs.per_stage("weight_bytes", S)
         comm = np.zeros((W, W, S))
@@ -264,19 +285,11 @@ class TimedProblem:
     def shape(self) -> Shape:
         return self.problem.shape
 
-    def data_edges(self) -> list[tuple[int, int, int]]:
-        """Every dependency (src item, dst item, stage whose data moves)."""
-        W, S, B = self.shape
-        split = self.problem.split_backward
-        back = BACKWARD_INPUT if split else BACKWARD
-        item = self.problem.item
-        edges = []
-        for b in range(B):
-            for s in range(S):
-                if s + 1 < S:
-                    edges.append((item(b, s, FORWARD), item(b, s + 1, FORWARD), s + 1))
-                    edges.append((item(b, s + 1, back), item(b, s, back), s + 1))
-                edges.append((item(b, s, FORWARD), item(b, s, back), s))
-                if split:
-                    edges.append((item(b, s, BACKWARD_INPUT), item(b, s, BACKWARD_WEIGHT), s))
-        return edges
+    def data_edges(self) -> DataEdges:
+        """Every dependency of the step, from :func:`unisched.dataflow.edges` over the problem's stage graph."""
+        src, dst, _, moves = dataflow.edges(self.problem.items, self.problem.stage_graph)
+        return DataEdges(src, dst, dataflow.moved_stage(self.stage[src], self.stage[dst], moves), moves)
+
+    def delays(self, edges: DataEdges, compute: np.ndarray) -> np.ndarray:
+        """Ticks each edge's data takes to reach its destination's worker (0 on the same worker)."""
+        return self.comm[compute[edges.src], compute[edges.dst], edges.stage]

@@ -23,6 +23,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
+from unisched.network import ring_allreduce_time
 from unisched.plan.problem import PlanInputError, TimedProblem, Ticks
 from unisched.work import FORWARD
 
@@ -155,7 +156,9 @@ def _releases(timed: TimedProblem, compute, weight) -> np.ndarray:
 
 
 def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
-    """Ticks the step lasts after each item: gradient return, then the all-reduce of replicated stages."""
+    """Ticks the step lasts after each item: the return of its weight gradient to
+    the weight worker, then the ring all-reduce of a replicated stage (both
+    priced by :mod:`unisched.network`, as the simulator books them)."""
     problem = timed.problem
     W, S, B = problem.shape
     last = timed.direction == dataflow.gradient_pass(problem.split_backward)
@@ -165,10 +168,7 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     wbytes = problem.costs.per_stage("weight_bytes", S)
     for s, replicas in enumerate(dataflow.replicas(timed.stage[last], weight[last], S)):
         if len(replicas) > 1:
-            k = len(replicas)
-            link = problem.costs.link(replicas[0], replicas[1])
-            allreduce = 2 * (k - 1) * link.latency + 2 * (k - 1) / k * wbytes[s] / link.bandwidth
-            tails[last & (timed.stage == s)] += timed.ticks(allreduce)
+            tails[last & (timed.stage == s)] += timed.ticks(ring_allreduce_time(problem.costs, replicas, wbytes[s]))
     return tails
 
 

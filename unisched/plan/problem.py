@@ -30,6 +30,8 @@ import numpy as np
 from unisched import dataflow
 from unisched.costs import Costs, Link
 from unisched.errors import ShapeError
+from unisched.network import transfer_matrix
+from unisched.timeline import TRANSFER_KINDS
 from unisched.work import Direction, Shape, StageGraph, chain
 
 PREFETCH_AT_START = 1_000_000
@@ -251,13 +253,16 @@ class DataEdges(NamedTuple):
 
 @dataclass(frozen=True)
 class TimedProblem:
-    """Everything the CP-SAT models need, in ticks, per item, worker and stage."""
+    """Everything the CP-SAT models need, in ticks, per item, worker and stage.
+
+    Transfer times come from :mod:`unisched.network`, as in the simulator."""
 
     problem: PlanProblem
     ticks: Ticks
     duration: np.ndarray  # (items, workers)
     comm: np.ndarray  # (src worker, dst worker, stage): activation/gradient of that stage
     fetch: np.ndarray  # (owner, worker, stage): weights to a borrowing worker, or gradient back
+    stash: np.ndarray  # (src worker, dst worker, stage): a stash that follows its backward elsewhere
     batch: np.ndarray
     stage: np.ndarray
     direction: np.ndarray
@@ -268,18 +273,13 @@ class TimedProblem:
         costs = problem.costs
         batch, stage, direction = problem.items.arrays()
         seconds = costs.item_time(stage[:, None], direction[:, None], np.arange(W)[None, :], S, W)
-        act = costs.per_stage("activation_bytes", S)
-        wbytes = costs.per_stage("weight_bytes", S)
-        comm = np.zeros((W, W, S))
-        fetch = np.zeros((W, W, S))
-        for a in range(W):
-            for b in range(W):
-                if a != b:
-                    comm[a, b] = [costs.transfer_time(a, b, x) for x in act]
-                    fetch[a, b] = [costs.transfer_time(a, b, x) for x in wbytes]
-        ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel()]))
+        comm = transfer_matrix(costs, W, costs.per_stage("activation_bytes", S))
+        fetch = transfer_matrix(costs, W, costs.per_stage("weight_bytes", S))
+        stash = transfer_matrix(costs, W, costs.per_stage("stash_bytes", S))
+        ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel(), stash.ravel()]))
         to_ticks = np.vectorize(ticks, otypes=[np.int64])
-        return cls(problem, ticks, to_ticks(seconds), to_ticks(comm), to_ticks(fetch), batch, stage, direction)
+        return cls(problem, ticks, to_ticks(seconds), to_ticks(comm), to_ticks(fetch), to_ticks(stash),
+                   batch, stage, direction)
 
     @property
     def shape(self) -> Shape:
@@ -292,4 +292,6 @@ class TimedProblem:
 
     def delays(self, edges: DataEdges, compute: np.ndarray) -> np.ndarray:
         """Ticks each edge's data takes to reach its destination's worker (0 on the same worker)."""
-        return self.comm[compute[edges.src], compute[edges.dst], edges.stage]
+        a, b = compute[edges.src], compute[edges.dst]
+        stash = edges.moves == TRANSFER_KINDS.index("stash")
+        return np.where(stash, self.stash[a, b, edges.stage], self.comm[a, b, edges.stage])

@@ -128,10 +128,10 @@ def test_check_counts_a_gang_item_on_each_of_its_workers():
 def test_check_names_the_worker_over_its_memory_limit_and_the_stash_that_did_it():
     t = simulate(4, 4, 8, gpipe).timeline  # worker 0 holds 8 stashes
     t.check(8)
-    with pytest.raises(TimelineError, match=r"worker 0 holds 5 stashes .* over its memory_limit 4.*\(0F4\)") as caught:
+    with pytest.raises(TimelineError, match=r"worker 0 holds 5 stashed activations .* over its memory_limit 4.*\(0F4\)") as caught:
         t.check(4)
     assert caught.value.workers == [0] and caught.value.items == [Work(4, 0, FORWARD)]
-    with pytest.raises(TimelineError, match="worker 1 holds 3 stashes"):
+    with pytest.raises(TimelineError, match="worker 1 holds 3 stashed activations"):
         t.check([8, 2, 8, 8])
 
 

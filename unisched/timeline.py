@@ -448,7 +448,7 @@ class Timeline:
         elif limits.shape != (W,):
             raise ShapeError(f"memory_limit has {limits.size} entries but there are {W} workers")
         in_bytes = self.costs is not None and self.costs.has_sizes
-        unit = "bytes" if in_bytes else "stashes"
+        unit = "bytes of stashed activations" if in_bytes else "stashed activations"
         for w, curve in enumerate(self.memory("activations", "bytes" if in_bytes else "units")):
             over = np.flatnonzero(curve.values > limits[w] + tolerance * max(1.0, abs(limits[w])))
             if not len(over):
@@ -457,7 +457,7 @@ class Timeline:
             taken = self._stashes_taken(rows, w, at, slack)
             named = ", ".join(_named(self.work(i)) for i in taken[:4].tolist()) or "nothing new"
             raise TimelineError(
-                f"worker {w} holds {curve.values[over[0]]:g} {unit} of stashed activations from time {at:g} "
+                f"worker {w} holds {curve.values[over[0]]:g} {unit} from time {at:g} "
                 f"(peak {curve.peak:g}), over its memory_limit {limits[w]:g}; it took the stash of {named} then. "
                 f"Raise the limit to at least {curve.peak:g}, or run backwards that free worker {w}'s stashes earlier",
                 items=[self.work(i) for i in taken.tolist()], workers=[w],

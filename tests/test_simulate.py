@@ -24,6 +24,7 @@ from unisched import (
     Work,
     simulate,
 )
+from unisched import network
 from unisched.simulate.priorities import BackwardFirst, OldestStageFirst
 
 from seed_notebook import run_seed_cells
@@ -567,7 +568,7 @@ def test_unlimited_link_bandwidth_round_trips_as_null(tmp_path):
     path = tmp_path / "costs.json"
     costs.save(path)
     assert '"bandwidth": null' in path.read_text()
-    assert Costs.load(path).transfer_time(0, 1, 100.0) == 1.0
+    assert network.transfer_time(Costs.load(path), 0, 1, 100.0) == 1.0
 
 
 def test_measured_latency_counts_from_the_first_item():

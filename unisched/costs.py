@@ -167,10 +167,6 @@ class Costs:
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst)) or Link(self.latency, self.bandwidth)
 
-    def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
-        link = self.link(src, dst)
-        return link.latency + nbytes / link.bandwidth
-
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -18,7 +18,7 @@ from unisched.simulate import (
     shape_lower_bound,
     simulate,
 )
-from unisched.strategy import Gang, Strategy, as_strategy
+from unisched.strategy import Gang, Strategy, as_strategy, fixed_strategy
 from unisched.timeline import Timeline, TransferRecord, Transfers, WorkRecord
 import unisched.render  # noqa: F401,E402  (fills in Timeline.to_text, to_html, figure, save, ...)
 from unisched.work import (
@@ -66,6 +66,7 @@ __all__ = [
     "all_work",
     "as_strategy",
     "dependencies",
+    "fixed_strategy",
     "memory_curves",
     "shape_lower_bound",
     "simulate",

@@ -22,7 +22,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.costs import Costs
 from unisched.errors import ShapeError, TimelineError, UniSchedError
-from unisched.strategy import Gang, Strategy
+from unisched.strategy import Strategy, fixed_strategy
 from unisched.work import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -615,68 +615,3 @@ def _named(work: Work) -> str:
 
 
 # ---------------------------------------------------------------------- fixed schedules
-def fixed_strategy(
-    shape: Shape | Sequence[int],
-    compute: Sequence[int],
-    weight: Sequence[int],
-    worker_orders: dict[int, Sequence[Work]],
-    *,
-    split_backward: bool = False,
-    stage_graph: StageGraph | nx.DiGraph | None = None,
-    gang: Sequence[int] | None = None,
-    gang_members: Sequence[Sequence[int]] = (),
-    gang_collective: Sequence[bool] = (),
-    memory_limit: float | Sequence[float] | None = None,
-    name: str = "fixed",
-    description: str = "",
-) -> Strategy:
-    """A Strategy that fixes everything: ``compute[i]``, ``weight[i]`` (and
-    ``gang[i]``, an index into ``gang_members`` or -1) are the workers of the
-    item with id i (:class:`unisched.dataflow.Items`), ``worker_orders`` the
-    sequence each worker runs.  What a plan and a timeline replay as
-    (:meth:`Timeline.as_strategy`)."""
-    shape = Shape(*shape)
-    W, S, B = shape
-    items = dataflow.Items(S, B, split_backward)
-    compute, weight = _ints(compute), _ints(weight)
-    if len(compute) != items.count or len(weight) != items.count:
-        raise ShapeError(
-            f"a fixed strategy needs the workers of all {items.count} items of W={W}, S={S}, B={B}, "
-            f"split_backward={split_backward}; got {len(compute)} compute and {len(weight)} weight workers"
-        )
-
-    def item(work: Work) -> int:
-        if not (0 <= work.batch < B and 0 <= work.stage < S):
-            raise ShapeError(f"{work!r} is not a work item of the fixed schedule {name!r} (S={S}, B={B})")
-        return int(items.id(work.batch, work.stage, work.direction))
-
-    def mapping(work: Work) -> ComputeAndWeightWorkers:
-        i = item(work)
-        return ComputeAndWeightWorkers(int(compute[i]), int(weight[i]))
-
-    def map_arrays(batch, stage, direction):
-        ids = items.id(batch, stage, direction)
-        return compute[ids], weight[ids]
-
-    gang_of = None
-    if gang is not None and np.any(_ints(gang) >= 0):
-        gang = _ints(gang)
-        collective = tuple(gang_collective) or (True,) * len(gang_members)
-        groups = [Gang(tuple(m), bool(c)) for m, c in zip(gang_members, collective)]
-
-        def gang_of(work: Work) -> Gang | None:
-            g = int(gang[item(work)])
-            return groups[g] if g >= 0 else None
-
-    return Strategy(
-        mapping=mapping,
-        name=name,
-        description=description or "fixed workers and a fixed order of work on each worker",
-        memory_limit=memory_limit,
-        split_backward=split_backward,
-        worker_orders={int(w): list(order) for w, order in worker_orders.items()},
-        shape=shape,
-        map_arrays=map_arrays,
-        stage_graph=stage_graph,
-        gang=gang_of,
-    )

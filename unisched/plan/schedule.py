@@ -10,8 +10,7 @@ import numpy as np
 
 from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
-from unisched.strategy import Strategy
-from unisched.timeline import fixed_strategy
+from unisched.strategy import Strategy, fixed_strategy
 from unisched.work import Direction, Work
 
 from unisched.plan.problem import PlanProblem

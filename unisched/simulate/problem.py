@@ -308,22 +308,25 @@ def _sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items) -> 
     if unknown:
         raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
     for w, order in orders.items():
-        ids = []
-        for work in _in_directions(order, dirs):
-            d = Direction(work.direction)
-            if d not in dirs or not (0 <= work.batch < B and 0 <= work.stage < S):
-                raise StrategyError(f"worker {w}'s order has {work!r}, which is not a work item of this shape")
-            item = int(items.id(work.batch, work.stage, d))
-            if compute[item] != w:
-                raise StrategyError(
-                    f"worker {w}'s order has {work!r}, but the mapping sends it to worker {compute[item]}"
-                )
-            if seen[item]:
-                raise StrategyError(f"{work!r} appears twice in the fixed orders")
-            seen[item] = True
-            ids.append(item)
-        src.extend(ids[:-1])
-        dst.extend(ids[1:])
+        works = list(_in_directions(order, dirs))
+        batch, stage, direction = np.array([(u.batch, u.stage, int(u.direction)) for u in works], dtype=np.int64).reshape(-1, 3).T
+        outside = ~np.isin(direction, dirs) | (batch < 0) | (batch >= B) | (stage < 0) | (stage >= S)
+        if outside.any():
+            work = works[int(np.argmax(outside))]
+            raise StrategyError(f"worker {w}'s order has {work!r}, which is not a work item of this shape")
+        ids = items.id(batch, stage, direction)
+        elsewhere = compute[ids] != w
+        if elsewhere.any():
+            i = int(np.argmax(elsewhere))
+            raise StrategyError(
+                f"worker {w}'s order has {works[i]!r}, but the mapping sends it to worker {compute[ids[i]]}"
+            )
+        repeated = seen[ids] | _repeats(ids)
+        if repeated.any():
+            raise StrategyError(f"{works[int(np.argmax(repeated))]!r} appears twice in the fixed orders")
+        seen[ids] = True
+        src.append(ids[:-1])
+        dst.append(ids[1:])
     if not seen.all():
         item = int(np.flatnonzero(~seen)[0])
         work = items.work(item)
@@ -331,7 +334,16 @@ def _sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items) -> 
             f"the fixed orders leave out {int((~seen).sum())} work item(s), e.g. {work!r} on worker "
             f"{compute[item]}; every item must appear in its worker's order"
         )
-    return np.array([src, dst, [EDGE_SEQUENCE] * len(src), [-1] * len(src)], dtype=np.int64).reshape(4, -1)
+    src = np.concatenate(src) if src else np.zeros(0, dtype=np.int64)
+    dst = np.concatenate(dst) if dst else np.zeros(0, dtype=np.int64)
+    return np.stack([src, dst, np.full(len(src), EDGE_SEQUENCE), np.full(len(src), -1)]).astype(np.int64)
+
+
+def _repeats(ids: np.ndarray) -> np.ndarray:
+    """Per position: whether the same id came earlier in ``ids``."""
+    first = np.zeros(len(ids), dtype=bool)
+    first[np.unique(ids, return_index=True)[1]] = True
+    return ~first
 
 
 def _in_directions(order, dirs):

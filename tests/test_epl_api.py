@@ -502,24 +502,56 @@ def test_groups_are_gangs_in_the_simulation():
     assert simulation.latency == pytest.approx(one_device_each.latency / 2)
 
 
-@pytest.mark.parametrize("micro, segments", [(1, 1), (4, 1), (4, 2), (2, 4), (8, 3)])
-def test_pass_orders_run_every_pass_once_and_bound_the_stash(micro, segments):
-    from unisched.epl.trainer import pass_order
-
-    for position in range(segments):
-        for strategy, bound in (("PreferBackward", min(micro, segments - position)), ("PreferForward", micro)):
-            order = pass_order(micro, segments, position, strategy)
-            assert sorted(order) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+@pytest.mark.parametrize("micro, stages", [(1, 1), (4, 1), (4, 2), (2, 4), (8, 3)])
+def test_simulated_orders_run_every_pass_once_and_bound_the_stash(micro, stages):
+    """The order the groups runtime follows (the compiled strategy's
+    simulation) is a valid pipeline order with 1F1B's and fill-drain's bounds."""
+    for strategy in ("PreferBackward", "PreferForward"):
+        _pipeline(stages, micro, strategy)
+        orders = epl.simulate(world_size=stages).timeline.worker_orders()
+        for position in range(stages):
+            bound = min(micro, stages - position) if strategy == "PreferBackward" else micro
+            order = orders[position]
+            directions = (unisched.FORWARD, unisched.BACKWARD)
+            passes = [unisched.Work(m, position, d) for m in range(micro) for d in directions]
+            assert sorted(order) == sorted(passes)
             held, peak = set(), 0
-            for op, m in order:
-                if op == "F":
-                    held.add(m)
+            for work in order:
+                if work.direction == unisched.FORWARD:
+                    held.add(work.batch)
                 else:
-                    assert m in held, f"backward of {m} before its forward"
-                    held.remove(m)
+                    assert work.batch in held, f"backward of {work.batch} before its forward"
+                    held.remove(work.batch)
                 peak = max(peak, len(held))
             assert peak == bound
-            assert [m for op, m in order if op == "B"] == list(range(micro))
+            assert [w.batch for w in order if w.direction == unisched.BACKWARD] == list(range(micro))
+
+
+def test_colocated_taskgraphs_in_one_process_run_stage_by_stage_in_the_simulated_order():
+    """Colocated TaskGraphs share one worker, whose simulated order need not
+    keep a micro-batch's stages together (fill-drain runs stage by stage);
+    the trainer follows it item by item and still trains as one model."""
+    torch.manual_seed(0)
+    epl.init(epl.Config({"cluster.colocate_split_and_replicate": True, "pipeline.num_micro_batch": 2,
+                         "pipeline.strategy": "PreferForward"}))
+    with epl.replicate(1):
+        first = nn.Sequential(nn.Linear(3, 5), nn.Tanh())
+    with epl.replicate(1):
+        second = nn.Linear(5, 2)
+    reference = [copy.deepcopy(first), copy.deepcopy(second)]
+    trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    losses = [trainer.step(x, y) for _ in range(2)]
+    simulated = trainer.simulate().timeline.worker_orders()[0]
+    assert trainer.last_order == trainer.order == simulated
+    assert [str(w) for w in simulated] == ["0F0", "0F1", "1F0", "1F1", "1B0", "1B1", "0B0", "0B1"]
+    expected_losses, expected = train_one_process(
+        reference, nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1), [(x, y)] * 2
+    )
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+    state = trainer.gather_state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0)
 
 
 def _saved_bytes_in_forward(recompute: bool) -> int:

@@ -166,6 +166,11 @@ def regression_apart(world):
     return x, y, nn.MSELoss()
 
 
+def pipeline_fill_drain(world):
+    """The pipeline snippet with ``pipeline.strategy: PreferForward`` (GPipe's fill-drain)."""
+    return pipeline(world, **{"pipeline.strategy": "PreferForward"})
+
+
 def pipeline_zero(world):
     """The pipeline snippet with ``zero.level: v1``: weights of truth sharded over the replicas."""
     return pipeline(world, **{"zero.level": "v1"})
@@ -214,12 +219,17 @@ def data_parallel_offload(world):
 SCENARIOS = {
     2: [("data_parallel", data_parallel, "auto"), ("default_data_parallel", default_data_parallel, "auto"),
         ("split_whole_model", split_whole_model, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
-        ("moe", moe, "auto"), ("pipeline_offload", pipeline_offload, "auto")],
+        ("moe", moe, "auto"), ("pipeline_offload", pipeline_offload, "auto"),
+        ("pipeline", pipeline, "auto"), ("pipeline_on_groups", pipeline, "groups"),
+        ("pipeline_fill_drain", pipeline_fill_drain, "auto"),
+        ("pipeline_fill_drain_on_groups", pipeline_fill_drain, "groups")],
     4: [
         ("data_parallel", data_parallel, "auto"),
         ("split_whole_model", split_whole_model, "auto"),
         ("pipeline", pipeline, "auto"),
         ("pipeline_on_groups", pipeline, "groups"),
+        ("pipeline_fill_drain", pipeline_fill_drain, "auto"),
+        ("pipeline_fill_drain_on_groups", pipeline_fill_drain, "groups"),
         ("pipeline_zero", pipeline_zero, "schedule"),
         ("resnet_classifier", resnet_classifier, "auto"),
         ("resnet_classifier_zero", resnet_classifier_zero, "auto"),
@@ -263,7 +273,18 @@ def run_scenario(build, world, runtime="auto") -> dict:
         "host": _host_report(trainer, fetched_copies),
         "device": str(trainer.device),
         "backend": dist.get_backend() if dist.is_initialized() else None,
+        "worker": trainer.placement.group(*trainer.placement.stages_of(trainer.rank)[0])[0],
+        "executed": None if trainer.last_order is None else [str(work) for work in trainer.last_order],
+        "measured": _orders(trainer.last_timeline),
+        "simulated": _orders(epl.simulate(world_size=world).timeline),
     }
+
+
+def _orders(timeline) -> dict[int, list[str]] | None:
+    """Each worker's items in the order it ran them."""
+    if timeline is None:
+        return None
+    return {w: [str(work) for work in order] for w, order in timeline.worker_orders().items()}
 
 
 def _watch_fetches(trainer) -> list[bool]:
@@ -367,6 +388,60 @@ def test_two_ranks_match_one_process(two, name):
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS[4]])
 def test_four_ranks_match_one_process(four, name):
     check(four, name)
+
+
+def _one_f_one_b(stage: int, stages: int, batches: range) -> list[str]:
+    ahead = min(len(batches), stages - stage - 1)
+    order = [f"{stage}F{b}" for b in batches[:ahead]]
+    for f, b in zip(batches[ahead:], batches):
+        order += [f"{stage}F{f}", f"{stage}B{b}"]
+    return order + [f"{stage}B{b}" for b in batches[len(batches) - ahead:]]
+
+
+def _fill_drain(stage: int, stages: int, batches: range) -> list[str]:
+    return [f"{stage}F{b}" for b in batches] + [f"{stage}B{b}" for b in batches]
+
+
+ORDERS = {"pipeline": _one_f_one_b, "pipeline_on_groups": _one_f_one_b,
+          "pipeline_fill_drain": _fill_drain, "pipeline_fill_drain_on_groups": _fill_drain}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_pipeline_runs_the_simulated_order(request, world, name):
+    """Both runtimes run each worker's passes in the order the simulated
+    compiled strategy gives: 1F1B for PreferBackward, fill-drain for
+    PreferForward (the groups runtime records what each rank ran, the
+    schedule runtime's measured timeline on rank 0 what every rank ran)."""
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])
+    first = check(results, name)
+    simulated = first["simulated"]
+    for rank in range(world):
+        replica, stage = divmod(rank, 2)
+        batches = range(4 * replica, 4 * replica + 4)
+        assert simulated[rank] == ORDERS[name](stage, 2, batches), f"simulated order of worker {rank}"
+    if first["runtime"] == "groups":
+        for rank, by_name in enumerate(results):
+            assert by_name[name]["executed"] == simulated[rank], f"rank {rank} ran another order"
+    else:
+        assert name in ("pipeline", "pipeline_fill_drain") and first["runtime"] == "schedule"
+        assert first["measured"] == simulated
+        assert all(by_name[name]["executed"] is None for by_name in results)
+
+
+def test_every_groups_scenario_runs_the_simulated_order(two, four):
+    """Colocated TaskGraphs, replicate(k) and split groups, offload: every
+    member of a group runs what the simulation gives the group's first device."""
+    ran = 0
+    for results in (two, four):
+        for name in results[0]:
+            if "error" in results[0][name] or results[0][name]["runtime"] != "groups":
+                continue
+            for rank, by_name in enumerate(results):
+                result = by_name[name]
+                assert result["executed"] == result["simulated"][result["worker"]], f"{name}: rank {rank}"
+                ran += 1
+    assert ran >= 30
 
 
 def test_pipeline_on_four_ranks_is_two_way_data_parallel(four):

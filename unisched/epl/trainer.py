@@ -32,17 +32,26 @@ available, gloo otherwise).
 
 Every micro-batch's loss is weighted by its share of the global batch, so the
 gradients are those of the mean loss over the global batch, as in
-``unisched.Trainer``.  Each pipeline position runs its passes in the order of
-``pipeline.strategy``: 1F1B for ``PreferBackward``, fill-drain for
-``PreferForward`` (:func:`pass_order`).  Sends do not wait; receives do,
-which these orders make deadlock-free.
+``unisched.Trainer``.
+
+Both runtimes follow one order: the simulation of the strategy EPL compiles
+(:meth:`Trainer.simulate`, what ``epl.simulate`` draws).  On ``"groups"``
+each rank runs, item by item, the forward and backward passes
+``Work(batch, stage, direction)`` that the simulation gives its group's
+first device (the compute worker; every member of a group runs the same
+items in the same order, so the group's collectives meet); colocated
+TaskGraphs are separate items there, so their graph is cut between
+TaskGraphs.  Sends do not wait; receives do.  That cannot deadlock: every
+item the simulation runs starts after the items it reads from have ended,
+so the earliest blocked item would be waiting for one that already ran.
+``Trainer.last_order`` is what this rank ran in the last step.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -65,6 +74,7 @@ from unisched.epl.tensor_parallel import (
     split_plan,
 )
 from unisched.strategy import Strategy
+from unisched.work import BACKWARD, FORWARD, Work
 
 FULL, ROWS, CLASSES = "full", "rows", "classes"
 """Layouts of a tensor in a group: whole on every device, 1/k of the rows
@@ -83,6 +93,23 @@ class _Stash:
     loss: torch.Tensor | None
 
 
+@dataclass
+class _StepState:
+    """One step on the groups runtime: the batch, what each (stage,
+    micro-batch) keeps for its backward, what colocated TaskGraphs hand each
+    other, the sends still in flight and the loss counted here."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    rows: int
+    size: int
+    contribution: torch.Tensor
+    stashes: dict = field(default_factory=dict)
+    handoff: dict = field(default_factory=dict)
+    grads: dict = field(default_factory=dict)
+    pending: list = field(default_factory=list)
+
+
 class Trainer:
     """Train the model annotated since the last ``epl.init``.
 
@@ -90,16 +117,23 @@ class Trainer:
     ``optimizer`` is a function from parameters to a torch optimizer.
 
     ``runtime`` picks who runs the step: ``"schedule"`` hands the stages and
-    the simulated compiled strategy to :class:`unisched.Trainer`, which follows
-    the schedule's order item by item (1F1B for ``PreferBackward``, weight
-    fetches for ``zero.level: v1``); ``"groups"`` is this module's runtime,
-    which also runs groups of devices (``replicate(k > 1)``, ``split``),
-    shards optimizer state for ``zero.level: v1`` and keeps the weights of
-    truth in host memory for ``offload.level: v0``.  ``"auto"`` takes
+    the simulated compiled strategy (:attr:`simulation`) to
+    :class:`unisched.Trainer`, which follows it item by item (weight fetches
+    for ``zero.level: v1``); ``"groups"`` is this module's runtime, which
+    follows the same simulation (:attr:`order`) and also runs groups of
+    devices (``replicate(k > 1)``, ``split``), shards optimizer state for
+    ``zero.level: v1`` and keeps the weights of truth in host memory for
+    ``offload.level: v0``.  ``"auto"`` takes
     ``"schedule"`` whenever it can run the placement (every TaskGraph on one
     device per replica, no offload, a process group set up) and ``"groups"``
     otherwise.  ``device`` overrides :func:`compute_device` on ``"groups"``;
     other ``options`` (e.g. ``timeout``) go to :class:`unisched.Trainer`.
+
+    :attr:`simulation` is the schedule both runtimes follow; on ``"groups"``
+    :attr:`order` is this rank's share of it and :attr:`last_order` the
+    items the last step ran, in the order it ran them (None on
+    ``"schedule"``, whose measured :attr:`last_timeline` on rank 0 says the
+    same for every rank).
     """
 
     def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto",
@@ -118,14 +152,15 @@ class Trainer:
         self.scheduled = None
         self.offloaded: dict[int, _HostWeights] = {}
         self.shards: dict[int, _Shard] = {}
+        self.simulation = self.simulate()
+        self.order: list[Work] | None = None
+        self.last_order: list[Work] | None = None
         if self.runtime == SCHEDULE:
             from unisched.execute import Trainer as ScheduledTrainer
-            from unisched.simulate import simulate
 
             if self.recompute:
                 for stage in self.stages:
                     _recompute_forward(stage)
-            self.simulation = simulate(*self.strategy.shape, self.strategy)
             if device is not None:
                 options["device"] = device
             self.scheduled = ScheduledTrainer(self.stages, self.simulation, loss_fn, optimizer, **options)
@@ -145,6 +180,7 @@ class Trainer:
         self._process_groups = _make_process_groups(self.placement)
         self.replica, self.segment = self._my_segment()
         try:
+            self.order = self._my_order()
             for s in self.segment:
                 if self.placement.stages[s].kind == SPLIT:
                     with self.env.paused():
@@ -181,9 +217,30 @@ class Trainer:
         replica = mine[0][0]
         return replica, [s for r, s in mine if r == replica]
 
-    def _segments(self) -> list[list[int]]:
-        S = self.placement.num_stages
-        return [list(range(S))] if self.placement.colocate else [[s] for s in range(S)]
+    def _my_order(self) -> list[Work]:
+        """The items this rank runs, in the order the simulated compiled
+        strategy runs them on its group's first device (the compute worker;
+        every member of a group follows the same order)."""
+        P = self.placement
+        leader = P.group(self.replica, self.segment[0])[0]
+        order = self.simulation.timeline.worker_orders()[leader]
+        M = P.num_micro_batch
+        batches = range(self.replica * M, self.replica * M + M)
+        expected = {Work(b, s, d) for b in batches for s in self.segment for d in (FORWARD, BACKWARD)}
+        for work in order:
+            if work not in expected:
+                raise ScopeError(
+                    f"the simulated schedule gives worker {leader} (rank {self.rank}'s group) the item {work}, "
+                    f"which is not a forward or backward of replica {self.replica}'s TaskGraph(s) {self.segment}; "
+                    "the 'groups' runtime runs only those, so it cannot run this simulation"
+                )
+        missing = expected - set(order)
+        if missing or len(order) != len(expected):
+            raise ScopeError(
+                f"the simulated schedule runs {len(order)} items on worker {leader} (rank {self.rank}'s group), "
+                f"not each of the {len(expected)} expected once (missing: {sorted(missing)[:4]})"
+            )
+        return order
 
     def _layout_in(self, stage: int) -> str:
         info = self.placement.stages[stage]
@@ -216,25 +273,16 @@ class Trainer:
                     f"{info.device_count} devices; make the global batch a multiple of "
                     f"{P.num_batches * info.device_count}"
                 )
-        segments = self._segments()
-        position = next(i for i, seg in enumerate(segments) if seg == self.segment)
-        micro = [slice((self.replica * P.num_micro_batch + m) * size, (self.replica * P.num_micro_batch + m + 1) * size)
-                 for m in range(P.num_micro_batch)]
-        pending: list = []
-        stashes: dict[int, _Stash] = {}
-        contribution = torch.zeros((), device=self.device)
-        for op, m in pass_order(len(micro), len(segments), position, self.config.pipeline.strategy):
-            if op == "F":
-                x, target = inputs[micro[m]].to(self.device), targets[micro[m]].to(self.device)
-                stashes[m] = self._forward(x, target, position, segments, rows, pending)
-                continue
-            stash = stashes.pop(m)
-            self._backward(stash, position, segments, pending)
-            leads = stash.layout == ROWS or self.group(self.replica, self.segment[-1]).index == 0
-            if stash.loss is not None and leads:
-                contribution += stash.loss.detach()
-        for work in pending:
-            work.wait()
+        run = _StepState(inputs, targets, rows, size, torch.zeros((), device=self.device))
+        self.last_order = []
+        for work in self.order:
+            if work.direction == FORWARD:
+                self._forward(work, run)
+            else:
+                self._backward(work, run)
+            self.last_order.append(work)
+        for sent in run.pending:
+            sent.wait()
         for host in self.offloaded.values():
             host.fetch()
         self._reduce_gradients()
@@ -252,35 +300,45 @@ class Trainer:
             for parameter in self.weights_of_truth(s):
                 parameter.grad = None
         if _distributed():
-            dist.all_reduce(contribution)
-        return float(contribution)
+            dist.all_reduce(run.contribution)
+        return float(run.contribution)
 
-    def _forward(self, x, target, position, segments, global_rows, pending) -> _Stash:
-        group = self.group(self.replica, self.segment[0])
-        if position == 0:
-            leaf = None
+    def _forward(self, work: Work, run: "_StepState") -> None:
+        """Stage s's forward of one micro-batch: its input comes from the
+        batch (s = 0), from the TaskGraph before on these devices
+        (colocated, the graph is cut there so each stage goes back on its
+        own), or from the previous group's first device; its output goes
+        the same ways forward."""
+        P, s, b = self.placement, work.stage, work.batch
+        group = self.group(self.replica, s)
+        rows = slice(b * run.size, (b + 1) * run.size)
+        if s == 0:
+            x, layout, leaf = run.inputs[rows].to(self.device), FULL, None
         else:
-            source = self.placement.group(self.replica, segments[position - 1][-1])[0]
-            x = _share(_recv(source, self.device) if group.index == 0 else None, group, self.device)
+            if s - 1 in self.segment:
+                x, layout = run.handoff.pop((s - 1, b))
+            else:
+                source = P.group(self.replica, s - 1)[0]
+                x = _share(_recv(source, self.device, b) if group.index == 0 else None, group, self.device)
+                layout = FULL
             leaf = x.requires_grad_(True) if x.is_floating_point() else None
-        layout = FULL
-        for s in self.segment:
-            if s in self.offloaded:
-                self.offloaded[s].fetch()
-            group = self.group(self.replica, s)
-            x = _convert(x, layout, self._layout_in(s), group)
-            x = checkpoint(self.stages[s], x, use_reentrant=False) if self.recompute else self.stages[s](x)
-            layout = self._layout_out(s)
+        if s in self.offloaded:
+            self.offloaded[s].fetch()
+        x = _convert(x, layout, self._layout_in(s), group)
+        x = checkpoint(self.stages[s], x, use_reentrant=False) if self.recompute else self.stages[s](x)
+        layout = self._layout_out(s)
         loss = None
-        if position == len(segments) - 1:
+        if s == P.num_stages - 1:
+            target = run.targets[rows].to(self.device)
             share = len(target) / (group.size if layout == ROWS else 1)
-            loss = self._loss(x, target, layout, group) * (share / global_rows)
+            loss = self._loss(x, target, layout, group) * (share / run.rows)
+        elif s + 1 in self.segment:
+            run.handoff[(s, b)] = (x.detach(), layout)
         elif group.index == 0 or layout == ROWS:
             whole = _all_gather_rows(x.detach(), group) if layout == ROWS else x.detach()
             if group.index == 0:
-                destination = self.placement.group(self.replica, segments[position + 1][0])[0]
-                pending.extend(_send(whole, destination))
-        return _Stash(leaf, x, layout, loss)
+                run.pending.extend(_send(whole, P.group(self.replica, s + 1)[0], b))
+        run.stashes[(s, b)] = _Stash(leaf, x, layout, loss)
 
     def _loss(self, output, target, layout, group) -> torch.Tensor:
         if layout == ROWS:
@@ -290,19 +348,33 @@ class Trainer:
             return sharded_cross_entropy(output, target, group, classifier.class_offset)
         return self.loss_fn(output, target)
 
-    def _backward(self, stash: _Stash, position, segments, pending) -> None:
-        group = self.group(self.replica, self.segment[-1])
+    def _backward(self, work: Work, run: "_StepState") -> None:
+        """Stage s's backward of one micro-batch: the output's gradient comes
+        from the loss, the TaskGraph after on these devices, or the next
+        group's first device; the input's goes back the same ways."""
+        P, s, b = self.placement, work.stage, work.batch
+        stash = run.stashes.pop((s, b))
+        group = self.group(self.replica, s)
         if stash.loss is not None:
             stash.loss.backward()
+            if stash.layout == ROWS or group.index == 0:
+                run.contribution += stash.loss.detach()
         elif stash.output.is_floating_point():
-            source = self.placement.group(self.replica, segments[position + 1][0])[0]
-            grad = _share(_recv(source, self.device) if group.index == 0 else None, group, self.device)
+            if s + 1 in self.segment:
+                grad = run.grads.pop((s, b))
+            else:
+                source = P.group(self.replica, s + 1)[0]
+                grad = _share(_recv(source, self.device, b) if group.index == 0 else None, group, self.device)
+                grad = _own_rows(grad, group) if stash.layout == ROWS else grad
             if stash.output.requires_grad:
-                torch.autograd.backward(stash.output, _own_rows(grad, group) if stash.layout == ROWS else grad)
-        if stash.leaf is not None and self.group(self.replica, self.segment[0]).index == 0:
-            destination = self.placement.group(self.replica, segments[position - 1][-1])[0]
-            grad = stash.leaf.grad if stash.leaf.grad is not None else torch.zeros_like(stash.leaf)
-            pending.extend(_send(grad, destination))
+                torch.autograd.backward(stash.output, grad)
+        if stash.leaf is None:
+            return
+        grad = stash.leaf.grad if stash.leaf.grad is not None else torch.zeros_like(stash.leaf)
+        if s - 1 in self.segment:
+            run.grads[(s - 1, b)] = grad
+        elif group.index == 0:
+            run.pending.extend(_send(grad, P.group(self.replica, s - 1)[0], b))
 
     def _reduce_gradients(self) -> None:
         for s in self.segment:
@@ -468,20 +540,6 @@ def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- model assembly
 SCHEDULE, GROUPS = "schedule", "groups"
-
-
-def pass_order(num_micro: int, num_segments: int, position: int, strategy: str) -> list[tuple[str, int]]:
-    """The order of forward ("F") and backward ("B") passes of one pipeline
-    position: fill-drain for ``PreferForward``; for ``PreferBackward`` 1F1B,
-    which starts ``min(M, n - position - 1)`` forwards ahead and then
-    alternates, so a position holds at most ``n - position`` micro-batches."""
-    if strategy == "PreferForward":
-        return [("F", m) for m in range(num_micro)] + [("B", m) for m in range(num_micro)]
-    ahead = min(num_micro, num_segments - position - 1)
-    order = [("F", m) for m in range(ahead)]
-    for m in range(num_micro - ahead):
-        order += [("F", ahead + m), ("B", m)]
-    return order + [("B", m) for m in range(num_micro - ahead, num_micro)]
 
 
 def compute_device(device: torch.device | str | None = None) -> torch.device:
@@ -676,17 +734,18 @@ def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tens
     return torch.empty(values[2 : 2 + ndim], dtype=dtype, device=device)
 
 
-def _send(x: torch.Tensor, destination: int) -> list:
-    """Shape then data, without waiting: the works are waited on at the step's end."""
+def _send(x: torch.Tensor, destination: int, batch: int) -> list:
+    """Shape then data, tagged with the micro-batch, without waiting: the
+    works are waited on at the step's end."""
     payload = x.detach().contiguous()
-    return [dist.isend(_header(payload), destination), dist.isend(payload, destination)]
+    return [dist.isend(_header(payload), destination, tag=batch), dist.isend(payload, destination, tag=batch)]
 
 
-def _recv(source: int, device: torch.device) -> torch.Tensor:
+def _recv(source: int, device: torch.device, batch: int) -> torch.Tensor:
     header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=device)
-    dist.recv(header, source)
+    dist.recv(header, source, tag=batch)
     x = _empty_like_header(header, device)
-    dist.recv(x, source)
+    dist.recv(x, source, tag=batch)
     return x
 
 

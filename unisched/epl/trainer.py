@@ -49,7 +49,6 @@ so the earliest blocked item would be waiting for one that already ran.
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -558,14 +557,15 @@ def compute_device(device: torch.device | str | None = None) -> torch.device:
 
 def _ensure_process_group(timeout: float) -> None:
     """Under torchrun (``RANK`` and ``WORLD_SIZE`` set) with no process group
-    yet, start one: NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, gloo
-    otherwise."""
+    yet, start one as :mod:`unisched.execute` does (NCCL on
+    ``cuda:LOCAL_RANK`` when CUDA is available, gloo otherwise); without
+    torchrun's variables EPL runs in one process, where the executor would
+    raise."""
     if _distributed() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    from unisched.execute.runtime import _ensure_process_group as start
+
+    start(timeout)
 
 
 def _agree(error: Exception | None) -> None:

@@ -457,17 +457,6 @@ def test_unisched_run_prints_programs_and_the_torchrun_command(capsys):
     assert "--steps 3" in command
 
 
-def test_a_stage_graph_that_is_not_a_chain_is_refused():
-    import networkx as nx
-
-    graph = nx.DiGraph([(0, 2), (1, 2)])
-    schedule = simulate(3, 3, 2, lambda w: ComputeAndWeightWorkers(w.stage, w.stage), stage_graph=graph)
-    from unisched.execute.runtime import _schedule_timeline
-
-    with pytest.raises(ProgramError, match="chains of stages"):
-        _schedule_timeline(schedule)
-
-
 # ---------------------------------------------------------------------- review fixes
 def _tensor_result(rank: int, world: int):
     return torch.full((3,), float(rank))
@@ -578,7 +567,7 @@ def test_shape_probe_leaves_batchnorm_statistics_and_modes_alone():
     stages[1][0].eval()  # a submodule in eval mode stays so
     before = {k: v.clone() for k, v in stages[0].state_dict().items()}
     metas = _bare_trainer(stages)._infer_shapes(torch.randn(4, WIDTH) * 5 + 3)
-    assert [tuple(shape) for shape, _ in metas] == [(4, WIDTH), (4, WIDTH)]
+    assert [tuple(shape) for shape, _ in metas] == [(4, WIDTH), (4, 3)]
     for key, value in stages[0].state_dict().items():
         assert torch.equal(value, before[key]), key
     assert stages[0].training and stages[0][1].training and stages[1].training and not stages[1][0].training

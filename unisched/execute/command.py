@@ -98,7 +98,8 @@ def _print_program(args: argparse.Namespace, workers: int) -> int:
     from unisched.execute.program import compile_program, describe
 
     schedule, S, B = make_schedule(args, workers)
-    program = compile_program(schedule.timeline, num_stages=S, world_size=workers)
+    program = compile_program(schedule.timeline, num_stages=S, world_size=workers,
+                              stage_graph=getattr(schedule, "stage_graph", None))
     if args.json:
         print(json.dumps({"workers": workers, "stages": S, "batches": B,
                           "ranks": [[str(a) for a in actions] for actions in program.actions]}))

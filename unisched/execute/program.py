@@ -2,19 +2,27 @@
 
 A schedule says which worker runs each work item and in what order (the
 Timeline's per-worker order) and whose weights it uses (the mapping's weight
-worker).  Everything a rank must do follows from that, as in DESIGN.md §1:
+worker).  What each item reads and what moves between ranks is not decided
+here: it is :func:`unisched.dataflow.flows` over the schedule's stage graph
+(DESIGN.md §1 and §5), turned into messages:
 
 - ``2F0``: run a work item (stage 2, forward, micro-batch 0; ``B``, ``I``,
   ``W`` for a backward and its input- and weight-gradient halves);
-- a message is named after the item that consumes it, the same on both ends:
-  ``2F0>2`` on rank 1 sends the input of 2F0 (the output of 1F0) to rank 2,
-  and ``2F0<1`` on rank 2 posts its receive; ``1B0>1`` / ``1B0<2`` carry the
-  gradient 1B0 starts from (2B0's input gradient), ``I`` the same for a split
-  backward;
-- ``1X0>3`` / ``1X0<0``: the stash, stage 1's input of micro-batch 0, sent to
-  the rank that runs its backward elsewhere (it recomputes the forward);
-- ``1V0>3`` / ``1V0<2``: the output gradient a weight-gradient pass needs when
-  it runs on another rank than its input-gradient pass;
+- an *activation* dependency between ranks is a message named after the
+  item that consumes it, the same on both ends: ``2F0>2`` on rank 1 sends
+  the input of 2F0 (the output of 1F0) to rank 2, and ``2F0<1`` on rank 2
+  posts its receive.  A stage's output goes once to each rank that needs it,
+  named after the first of its consumers there (in stage order);
+- a *gradient* dependency: ``1B0>1`` / ``1B0<2`` carry the gradient 1B0
+  starts from (2B0's gradient of its input from stage 1), ``I`` the same for
+  a split backward; a stage with several consumers gets one from each, and
+  its output gradient is their sum;
+- a *stash* dependency: ``1X0>3`` / ``1X0<0``: stage 1's inputs of
+  micro-batch 0 (one message per predecessor stage; a source stage's input
+  is the micro-batch, which every rank has), sent to the rank that runs its
+  backward elsewhere (it recomputes the forward); ``1V0>3`` / ``1V0<2``: the
+  output gradient a weight-gradient pass needs when it runs on another rank
+  than its input-gradient pass (what that rank does not already hold);
 - ``2w>3`` / ``2w<1``: serve / fetch stage 2's weights;
 - ``2r>1`` / ``2r<3``: return stage 2's accumulated gradient to its weight
   worker / accept it there;
@@ -29,6 +37,10 @@ in the order the sender sends on that pair of ranks, which is what NCCL
 needs to match them.  :func:`validate` replays every rank's list against the
 others and reports the ranks and actions of any deadlock before a single
 byte moves.
+
+What cannot run is refused by name: a stage graph with several sinks (the
+loss needs one output) and items run by a gang of workers (tensor
+parallelism), which one rank per item would silently train wrong.
 """
 
 from __future__ import annotations
@@ -36,11 +48,14 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
+import networkx as nx
+
+from unisched.dataflow import Flow, Items, first_backward, flows, gradient_pass, replicas, returns_gradient
 from unisched.errors import DeadlockError, UniSchedError
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
+from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, StageGraph, Work, as_stage_graph
 
 
 class ProgramError(UniSchedError, ValueError):
@@ -63,10 +78,11 @@ MESSAGE_KINDS = {
 @dataclass(frozen=True)
 class Message:
     """One point-to-point transfer of one tensor (or one stage's flat weights
-    or gradient).  ``key`` names the value on both ends: ``("x", s, b)`` stage
-    s's input of micro-batch b, ``("g", s, b)`` the gradient of stage s's
-    output, ``("w", s)`` weights, ``("r", s)`` a returned gradient.
-    ``seq`` is its position among the messages ``src`` sends to ``dst``."""
+    or gradient).  ``key`` names the value on the receiving rank, ``value``
+    what the sender reads (see :func:`output`, :func:`stashed`,
+    :func:`gradient`; ``("w", s)`` weights, ``("r", s)`` a returned
+    gradient).  ``stage`` and ``batch`` name the item it feeds.  ``seq`` is
+    its position among the messages ``src`` sends to ``dst``."""
 
     index: int
     letter: str
@@ -76,10 +92,46 @@ class Message:
     batch: int
     key: tuple
     seq: int = 0
+    value: tuple = ()
 
     @property
     def kind(self) -> str:
         return MESSAGE_KINDS[self.letter]
+
+
+# ---------------------------------------------------------------------- values
+def output(stage: int, batch: int) -> tuple:
+    """Stage ``stage``'s output for micro-batch ``batch`` (an input of each of its consumers)."""
+    return ("y", stage, batch)
+
+
+def stashed(stage: int, batch: int, predecessor: int) -> tuple:
+    """Stage ``stage``'s input from ``predecessor``, received as a stash by a backward that runs away from the forward."""
+    return ("x", stage, batch, predecessor)
+
+
+def gradient(stage: int, batch: int, consumer: int | None = None) -> tuple:
+    """The gradient of stage ``stage``'s output: ``consumer``'s share, or (None) their sum."""
+    return ("g", stage, batch) if consumer is None else ("g", stage, batch, consumer)
+
+
+def value_stage(key: tuple) -> int:
+    """The stage whose output a value is shaped like (to size a receive buffer)."""
+    return key[3] if key[0] == "x" else key[1]
+
+
+class Reads(NamedTuple):
+    """What a work item reads on its rank: the stage's inputs (empty where
+    the rank kept the forward's graph, or for a source stage, whose input is
+    the micro-batch) and the gradients of its output that it sums (empty at
+    the loss, or where the graph with the gradient was kept)."""
+
+    inputs: tuple[tuple, ...] = ()
+    gradients: tuple[tuple, ...] = ()
+
+    @property
+    def keys(self) -> tuple[tuple, ...]:
+        return self.inputs + self.gradients
 
 
 @dataclass(frozen=True)
@@ -145,8 +197,8 @@ class Program:
     """Every rank's instruction list, and what the runtime needs around it.
 
     ``replicas[s]``: the weight workers of stage s (they hold its weights of
-    truth; several means replicas, all-reduced).  ``keep_graph``: items whose
-    forward keeps its autograd graph for a backward on the same rank.
+    truth; several means replicas, all-reduced).  ``stage_graph``: which
+    stage feeds which; its one sink computes the loss.
     """
 
     num_ranks: int
@@ -159,6 +211,12 @@ class Program:
     weight_worker: dict[Work, int]
     compute_worker: dict[Work, int]
     uses: list[dict[tuple, int]] = field(default_factory=list)
+    stage_graph: StageGraph | None = None
+    _flows_memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _reads_memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.stage_graph = as_stage_graph(self.num_stages, self.stage_graph)
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
@@ -166,14 +224,50 @@ class Program:
     def compute_order(self, rank: int) -> list[Work]:
         return [a.work for a in self.actions[rank] if a.is_compute]
 
+    @property
+    def loss_stage(self) -> int:
+        """The stage whose output the loss takes: the stage graph's one sink."""
+        return loss_stage(self.stage_graph)
+
     def loss_rank(self, batch: int) -> int:
         """The rank that evaluates the loss of micro-batch ``batch``."""
-        last = BACKWARD_INPUT if self.split_backward else BACKWARD
-        return self.compute_worker[Work(batch, self.num_stages - 1, last)]
+        return self.compute_worker[Work(batch, self.loss_stage, first_backward(self.split_backward))]
+
+    def reads(self, work: Work, rank: int) -> Reads:
+        """What ``work`` reads on ``rank`` (whether local or received)."""
+        reads = self._reads_memo.get((work, rank))
+        if reads is None:
+            reads = self._reads_memo[(work, rank)] = _reads(work, rank, self.flows(work), self.compute_worker,
+                                                            self.stage_graph)
+        return reads
+
+    def flows(self, work: Work) -> tuple[Flow, ...]:
+        """``work``'s dependencies and what each moves (:func:`unisched.dataflow.flows` over the stage graph)."""
+        found = self._flows_memo.get(work)
+        if found is None:
+            found = self._flows_memo[work] = flows(
+                work, self.num_stages, split_backward=self.split_backward, stage_graph=self.stage_graph
+            )
+        return found
 
     def groups(self) -> list[tuple[int, ...]]:
         """Distinct replica sets with more than one member, in a fixed order."""
         return sorted({g for g in self.replicas if len(g) > 1})
+
+
+def loss_stage(graph: StageGraph) -> int:
+    """The one sink of ``graph``; a graph with several cannot be trained with one loss."""
+    if len(graph.sinks) != 1:
+        raise ProgramError(
+            f"the stage graph has {len(graph.sinks)} sinks, stages {list(graph.sinks)}, but the loss takes one "
+            f"output; add a stage that joins them (it receives their outputs as its inputs, in stage order)"
+        )
+    return graph.sinks[0]
+
+
+def topological_order(graph: StageGraph) -> list[int]:
+    """The stages in an order where each comes after its predecessors (smallest first among the ready)."""
+    return list(nx.lexicographical_topological_sort(graph.graph))
 
 
 # ---------------------------------------------------------------------- compile
@@ -183,11 +277,14 @@ def compile_program(
     num_stages: int | None = None,
     world_size: int | None = None,
     lookahead: int = 1,
+    stage_graph: StageGraph | nx.DiGraph | None = None,
 ) -> Program:
     """Turn a schedule's Timeline into per-rank programs, checked by :func:`validate`.
 
     ``num_stages`` and ``world_size`` are what the caller has (stage modules,
     processes); a schedule made for other numbers is an error that says so.
+    ``stage_graph``: the schedule's (e.g. a Simulation's), by default the
+    Timeline's own; neither means a chain.
     """
     W, S, B = timeline.shape
     if world_size is not None and world_size != W:
@@ -200,34 +297,15 @@ def compile_program(
             f"the schedule has {S} stages but {num_stages} stage modules were given; "
             f"pass one nn.Module per stage or simulate with num_stages={num_stages}"
         )
+    graph = schedule_graph(timeline, stage_graph)
+    loss_stage(graph)
+    _refuse_gangs(timeline)
     split = bool(timeline.split_backward)
     orders = [timeline.worker_order(w) for w in range(W)]
     compute, weight = _mapping(timeline, split)
 
-    replicas = [tuple(sorted({weight[w] for w in compute if w.stage == s})) for s in range(S)]
-    builder = _Builder(W)
-    builder.replicas = replicas
-    for rank, stage, source in _fetches(orders, weight, replicas):
-        builder.message("w", source, rank, stage, -1, ("w", stage))
-    for rank in range(W):
-        returns = _returns(orders[rank], rank, weight, replicas, split)
-        for work in orders[rank]:
-            for letter, dst, key in _sends_after(work, rank, compute, S, split):
-                builder.message(letter, rank, dst, key[1], key[2], key)
-            if work in returns:
-                builder.message("r", rank, returns[work], work.stage, -1, ("r", work.stage))
-        builder.returns[rank] = returns
-    returned = {m.stage for m in builder.messages if m.letter == "r"}
-    builder.reduces = _reduce_points(orders, replicas, split, returned)
-    for rank in range(W):
-        builder.emit_rank(rank, orders[rank], compute, S, split, lookahead)
-    for rank in range(W):
-        for s in builder.reduces[rank].get(len(orders[rank]), []):
-            builder.programs[rank].append(Action("R", s, group=replicas[s]))
-        for s in range(S):
-            if rank in replicas[s]:
-                builder.programs[rank].append(Action("O", s))
-
+    held = replicas(timeline.stage, timeline.weight_worker, S)
+    builder = _Builder(W, held)
     program = Program(
         num_ranks=W,
         num_stages=S,
@@ -235,13 +313,65 @@ def compile_program(
         split_backward=split,
         actions=[builder.programs[r] for r in range(W)],
         messages=builder.messages,
-        replicas=replicas,
+        replicas=held,
         weight_worker=weight,
         compute_worker=compute,
+        stage_graph=graph,
     )
+    routes = _Routes(program)
+    for rank, stage, source in _fetches(orders, weight, held):
+        builder.message("w", source, rank, stage, -1, ("w", stage))
+    for rank in range(W):
+        returns = _returns(orders[rank], rank, weight, held, split)
+        for work in orders[rank]:
+            builder.sends[work] = [builder.message(*send) for send in routes.sends_after(work)]
+            if work in returns:
+                builder.sends[work].append(builder.message("r", rank, returns[work], work.stage, -1, ("r", work.stage)))
+    returned = {m.stage for m in builder.messages if m.letter == "r"}
+    builder.reduces = _reduce_points(orders, held, split, returned)
+    for rank in range(W):
+        builder.emit_rank(rank, orders[rank], program.reads, lookahead)
+    for rank in range(W):
+        for s in builder.reduces[rank].get(len(orders[rank]), []):
+            builder.programs[rank].append(Action("R", s, group=held[s]))
+        for s in range(S):
+            if rank in held[s]:
+                builder.programs[rank].append(Action("O", s))
     program.uses = [_uses(program, r) for r in range(W)]
     validate(program)
     return program
+
+
+def schedule_graph(timeline: Timeline, stage_graph: StageGraph | nx.DiGraph | None = None) -> StageGraph:
+    """The stage graph a schedule was made for: ``stage_graph`` or the
+    Timeline's own (they must agree when both are given); a chain when neither says."""
+    S = timeline.num_stages
+    own = getattr(timeline, "stage_graph", None)
+    graph = as_stage_graph(S, stage_graph if stage_graph is not None else own)
+    if stage_graph is not None and own is not None:
+        theirs = as_stage_graph(S, own)
+        if set(theirs.graph.edges) != set(graph.graph.edges):
+            raise ProgramError(
+                f"the timeline was made for the stage graph {sorted(theirs.graph.edges)} but stage_graph= gives "
+                f"{sorted(graph.graph.edges)}; pass the schedule that made the timeline, or no stage_graph"
+            )
+    return graph
+
+
+def _refuse_gangs(timeline: Timeline) -> None:
+    """A gang item (tensor parallelism) needs its workers to run it jointly;
+    a program runs each item on one rank, so it is refused, not run alone."""
+    ganged = [i for i in timeline.order() if timeline.gang[i] >= 0]
+    if not ganged:
+        return
+    first = ganged[0]
+    members = list(timeline.gang_members[timeline.gang[first]])
+    raise ProgramError(
+        f"work item {timeline.work(first)} runs on the gang of workers {members} (tensor parallelism), but a "
+        f"program runs each item on one rank: worker {int(timeline.worker[first])} would run the whole stage alone, "
+        f"without the shards and collectives the schedule counts on ({len(ganged)} gang item(s) in all); train "
+        f"tensor-parallel models with unisched.epl's Trainer (runtime='groups'), or schedule the strategy without gang="
+    )
 
 
 def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Work, int]]:
@@ -257,17 +387,17 @@ def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Wor
         weight[work] = int(timeline.weight_worker[i])
         if not (0 <= compute[work] < W and 0 <= weight[work] < W):
             raise ProgramError(f"work item {work} is mapped to workers outside 0..{W - 1}")
-    dirs = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (FORWARD, BACKWARD)
-    expected = [Work(b, s, d) for b in range(B) for s in range(S) for d in dirs]
-    missing = [w for w in expected if w not in compute]
+    items = Items(S, B, split)
+    missing = [w for w in items if w not in compute]
     if missing:
         raise ProgramError(
             f"the schedule leaves out {len(missing)} work item(s), e.g. {missing[0]}; every forward and backward "
             f"of every (stage, micro-batch) must run once"
         )
-    unexpected = sorted(set(compute) - set(expected), key=lambda w: (w.batch, w.stage, int(w.direction)))
+    expected = set(items)
+    unexpected = sorted(set(compute) - expected, key=lambda w: (w.batch, w.stage, int(w.direction)))
     if unexpected:
-        names = "/".join(Direction(d).name for d in dirs)
+        names = "/".join(Direction(d).name for d in items.dirs)
         raise ProgramError(
             f"the schedule has {len(unexpected)} work item(s) outside its {S} stage(s) x {B} micro-batch(es) x "
             f"{names}, e.g. {unexpected[0]} (split_backward={split}); remove them"
@@ -275,30 +405,31 @@ def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Wor
     return compute, weight
 
 
-def _fetches(orders, weight, replicas) -> Iterable[tuple[int, int, int]]:
+def _fetches(orders, weight, held) -> Iterable[tuple[int, int, int]]:
     """(rank, stage, source): a rank that computes a stage it holds no replica
     of fetches its weights once, from the weight worker of its first item."""
     for rank, order in enumerate(orders):
         seen = set()
         for work in order:
-            if work.stage in seen or rank in replicas[work.stage]:
+            if work.stage in seen or rank in held[work.stage]:
                 continue
             seen.add(work.stage)
             yield rank, work.stage, weight[work]
 
 
-def _returns(order, rank, weight, replicas, split) -> dict[Work, int]:
-    """Last gradient-producing item of each stage this rank holds no replica
-    of -> the weight worker (of that item) its accumulated gradient returns to."""
-    grads = BACKWARD_WEIGHT if split else BACKWARD
+def _returns(order, rank, weight, held, split) -> dict[Work, int]:
+    """Last item of each stage that returns a weight gradient
+    (:func:`unisched.dataflow.returns_gradient`) from a rank that holds no
+    replica of the stage -> the weight worker its accumulated gradient goes to.
+    A rank holding a replica computes with its own copy and all-reduces instead."""
     last = {}
     for work in order:
-        if work.direction == grads and rank not in replicas[work.stage]:
+        if rank not in held[work.stage] and returns_gradient(work.direction, rank, weight[work], split):
             last[work.stage] = work
     return {work: weight[work] for work in last.values()}
 
 
-def _reduce_points(orders, replicas, split, returned: set[int]) -> list[dict[int, list[int]]]:
+def _reduce_points(orders, held, split, returned: set[int]) -> list[dict[int, list[int]]]:
     """Where each replica posts each stage's gradient all-reduce: per rank,
     compute position -> stages to all-reduce right after that item (-1:
     before the first, len(order): at the end).
@@ -310,10 +441,10 @@ def _reduce_points(orders, replicas, split, returned: set[int]) -> list[dict[int
     of its backward) and every stage before it in that order is posted.
     Stages that receive returned gradients are all-reduced at the end, after
     the returns arrive."""
-    grads = BACKWARD_WEIGHT if split else BACKWARD
+    grads = gradient_pass(split)
     points: list[dict[int, list[int]]] = [defaultdict(list) for _ in orders]
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for s, group in enumerate(replicas):
+    for s, group in enumerate(held):
         if len(group) > 1:
             groups[group].append(s)
     for group, stages in groups.items():
@@ -331,76 +462,136 @@ def _reduce_points(orders, replicas, split, returned: set[int]) -> list[dict[int
     return points
 
 
-def _sends_after(work: Work, rank: int, compute, S: int, split: bool) -> list[tuple[str, int, tuple]]:
-    """What ``work`` sends when it finishes on ``rank``: (letter, dst, key)."""
-    b, s, d = work.batch, work.stage, Direction(work.direction)
-    back = BACKWARD_INPUT if split else BACKWARD
-    sends = []
-    if d is FORWARD:
-        if s + 1 < S and compute[Work(b, s + 1, FORWARD)] != rank:
-            sends.append(("F", compute[Work(b, s + 1, FORWARD)], ("x", s + 1, b)))
-        backward_rank = compute[Work(b, s, back)]
-        if s > 0 and backward_rank != rank:
-            sends.append(("X", backward_rank, ("x", s, b)))
-    elif d is back:
-        if s > 0 and compute[Work(b, s - 1, back)] != rank:
-            sends.append((d.letter, compute[Work(b, s - 1, back)], ("g", s - 1, b)))
-        if split:
-            weight_rank = compute[Work(b, s, BACKWARD_WEIGHT)]
-            if weight_rank != rank:
-                if s > 0 and compute[Work(b, s, FORWARD)] != weight_rank:
-                    sends.append(("X", weight_rank, ("x", s, b)))
-                if s + 1 < S and compute[Work(b, s + 1, BACKWARD_INPUT)] != weight_rank:
-                    sends.append(("V", weight_rank, ("g", s, b)))
-    return sends
+# ---------------------------------------------------------------------- data flow -> messages
+_KIND_ORDER = {"activation": 0, "gradient": 1, "stash": 2}
 
 
-def inputs_of(work: Work, rank: int, compute, S: int, split: bool) -> list[tuple]:
-    """Keys of the values ``work`` reads on ``rank`` (whether local or received):
-    ``("x", s, b)`` stage s's input, ``("g", s, b)`` the gradient of its output."""
-    b, s, d = work.batch, work.stage, Direction(work.direction)
-    back = BACKWARD_INPUT if split else BACKWARD
-    if d is FORWARD:
-        return [("x", s, b)] if s > 0 else []
-    if d is back:
-        keys = []
-        if s > 0 and compute[Work(b, s, FORWARD)] != rank:
-            keys.append(("x", s, b))
-        if s + 1 < S:
-            keys.append(("g", s, b))
-        return keys
-    if compute[Work(b, s, BACKWARD_INPUT)] == rank:
-        return []
-    keys = [("x", s, b)] if s > 0 else []
-    if s + 1 < S:
-        keys.append(("g", s, b))
-    return keys
+class _Routes:
+    """The messages one mapping's data flow implies: every dependency
+    (:func:`unisched.dataflow.flows` over the stage graph) whose two items run
+    on different ranks becomes the messages that carry its data, posted after
+    the item it waits for."""
+
+    def __init__(self, program: Program):
+        self.graph, self.compute = program.stage_graph, program.compute_worker
+        self.waiting: dict[Work, list] = defaultdict(list)
+        for work in Items(program.num_stages, program.num_batches, program.split_backward):
+            for flow in program.flows(work):
+                self.waiting[flow.source].append((work, flow))
+        for waiting in self.waiting.values():
+            waiting.sort(key=lambda pair: (_KIND_ORDER[pair[1].kind], pair[0].stage, int(pair[0].direction)))
+
+    def sends_after(self, work: Work) -> list[tuple]:
+        """(letter, src, dst, stage, batch, key, value) of each message ``work`` sends when it is done."""
+        rank, b = self.compute[work], work.batch
+        sends, reached = [], set()
+        for consumer, flow in self.waiting[work]:
+            dst, s = self.compute[consumer], consumer.stage
+            if dst == rank:
+                continue
+            if flow.kind == "activation":
+                if dst not in reached:
+                    reached.add(dst)
+                    sends.append(("F", rank, dst, s, b, output(work.stage, b), output(work.stage, b)))
+            elif flow.kind == "gradient":
+                key = gradient(s, b, work.stage)
+                sends.append((Direction(consumer.direction).letter, rank, dst, s, b, key, key))
+            elif work.direction == FORWARD:
+                sends.extend(("X", rank, dst, s, b, stashed(s, b, p), output(p, b)) for p in self.graph.predecessors[s])
+            else:
+                sends.extend(self._follow_input_pass(work, dst))
+        return sends
+
+    def _follow_input_pass(self, work: Work, dst: int) -> list[tuple]:
+        """The stash and output gradient a weight pass on ``dst`` takes from
+        its input pass ``work``, less what ``dst`` already holds."""
+        rank, s, b = self.compute[work], work.stage, work.batch
+        has_inputs, has_gradients = _holds_for_weight_pass(Work(b, s, BACKWARD_WEIGHT), dst, self.compute, self.graph)
+        sends = []
+        if not has_inputs:
+            forward_here = self.compute[Work(b, s, FORWARD)] == rank
+            for p in self.graph.predecessors[s]:
+                sends.append(("X", rank, dst, s, b, stashed(s, b, p), output(p, b) if forward_here else stashed(s, b, p)))
+        if not has_gradients:
+            sends.append(("V", rank, dst, s, b, gradient(s, b), gradient(s, b)))
+        return sends
+
+
+def _holds_for_weight_pass(work: Work, rank: int, compute, graph: StageGraph) -> tuple[bool, bool]:
+    """Whether ``rank``, running the weight pass ``work`` away from its input
+    pass, already holds the stage's inputs (it ran the forward) and every
+    share of its output gradient (it ran every consumer's input pass)."""
+    b, s = work.batch, work.stage
+    has_inputs = compute[Work(b, s, FORWARD)] == rank
+    has_gradients = all(compute[Work(b, t, BACKWARD_INPUT)] == rank for t in graph.successors[s])
+    return has_inputs, has_gradients
+
+
+def _reads(work: Work, rank: int, dependencies: Sequence[Flow], compute, graph: StageGraph) -> Reads:
+    """What ``work`` reads on ``rank``, from its ``dependencies``
+    (:func:`unisched.dataflow.flows`): its predecessors' outputs, its
+    consumers' gradients and, where it runs away from the item that holds
+    them, the stash."""
+    b, s = work.batch, work.stage
+    inputs: list[tuple] = []
+    gradients: list[tuple] = []
+    for flow in dependencies:
+        source = flow.source
+        if flow.kind == "activation":
+            inputs.append(output(source.stage, b))
+        elif flow.kind == "gradient":
+            gradients.append(gradient(s, b, source.stage))
+        elif compute[source] == rank:
+            continue
+        elif source.direction == FORWARD:
+            inputs.extend(stashed(s, b, p) for p in graph.predecessors[s])
+        else:
+            has_inputs, has_gradients = _holds_for_weight_pass(work, rank, compute, graph)
+            inputs.extend(output(p, b) if has_inputs else stashed(s, b, p) for p in graph.predecessors[s])
+            if has_gradients:
+                gradients.extend(gradient(s, b, t) for t in graph.successors[s])
+            else:
+                gradients.append(gradient(s, b))
+    return Reads(tuple(inputs), tuple(gradients))
+
+
+def _produces(work: Work, graph: StageGraph, split: bool) -> set[tuple]:
+    """The values ``work`` leaves on its rank: a forward its output; the first
+    backward pass its gradient for each predecessor and, when a weight pass
+    follows, the output gradient it summed."""
+    b, s = work.batch, work.stage
+    if work.direction == FORWARD:
+        return {output(s, b)}
+    if work.direction != first_backward(split):
+        return set()
+    made = {gradient(p, b, s) for p in graph.predecessors[s]}
+    if split and graph.successors[s]:
+        made.add(gradient(s, b))
+    return made
 
 
 class _Builder:
-    def __init__(self, num_ranks: int):
+    def __init__(self, num_ranks: int, held: list[tuple[int, ...]]):
         self.messages: list[Message] = []
         self.by_dst_key: dict[tuple[int, tuple], Message] = {}
-        self.by_send: dict[tuple, Message] = {}
+        self.sends: dict[Work, list[Message]] = {}
         self.channel_count: dict[tuple[int, int], int] = defaultdict(int)
         self.programs: dict[int, list[Action]] = {r: [] for r in range(num_ranks)}
-        self.returns: dict[int, dict[Work, int]] = {}
         self.reduces: list[dict[int, list[int]]] = []
-        self.replicas: list[tuple[int, ...]] = []
+        self.replicas = held
 
-    def message(self, letter, src, dst, stage, batch, key) -> Message:
+    def message(self, letter, src, dst, stage, batch, key, value=None) -> Message:
         """Messages are created in the order their sender posts them, so
         ``seq`` is the sender's order on the (src, dst) pair."""
         seq = self.channel_count[(src, dst)]
         self.channel_count[(src, dst)] += 1
-        msg = Message(len(self.messages), letter, src, dst, stage, batch, key, seq)
+        msg = Message(len(self.messages), letter, src, dst, stage, batch, key, seq, key if value is None else value)
         self.messages.append(msg)
         if letter not in "wr":
             self.by_dst_key[(dst, key)] = msg
-        self.by_send[(src, dst, letter, key)] = msg
         return msg
 
-    def emit_rank(self, rank, order, compute, S, split, lookahead):
+    def emit_rank(self, rank, order, reads, lookahead):
         """Lay out one rank's list: serves and fetches first, then each item
         with its receives posted ``lookahead`` items ahead and its sends
         right after, then the remaining receives (returned gradients)."""
@@ -428,10 +619,8 @@ class _Builder:
                 post(m)
 
         def inbound_of(work: Work) -> list[Message]:
-            keys = inputs_of(work, rank, compute, S, split)
-            return [self.by_dst_key[(rank, k)] for k in keys if (rank, k) in self.by_dst_key]
+            return [self.by_dst_key[(rank, k)] for k in reads(work, rank).keys if (rank, k) in self.by_dst_key]
 
-        returns = self.returns.get(rank, {})
         reduces = self.reduces[rank]
         for s in reduces.get(-1, []):
             acts.append(Action("R", s, group=self.replicas[s]))
@@ -440,12 +629,8 @@ class _Builder:
                 for msg in inbound_of(ahead):
                     post(msg)
             acts.append(Action(Direction(work.direction).letter, work.stage, work.batch))
-            for letter, dst, key in _sends_after(work, rank, compute, S, split):
-                msg = self.by_send[(rank, dst, letter, key)]
-                acts.append(Action(letter + ">", msg.stage, msg.batch, dst, msg.index))
-            if work in returns:
-                msg = self.by_send[(rank, returns[work], "r", ("r", work.stage))]
-                acts.append(Action("r>", msg.stage, -1, msg.dst, msg.index))
+            for msg in self.sends[work]:
+                acts.append(Action(msg.letter + ">", msg.stage, msg.batch, msg.dst, msg.index))
             for s in reduces.get(i, []):
                 acts.append(Action("R", s, group=self.replicas[s]))
         for src, queue in channels.items():
@@ -455,14 +640,13 @@ class _Builder:
 
 def _uses(program: Program, rank: int) -> dict[tuple, int]:
     """How many actions on ``rank`` read each value, so the runtime can free it after the last."""
-    compute, S, split = program.compute_worker, program.num_stages, program.split_backward
     counts: dict[tuple, int] = defaultdict(int)
     for action in program.actions[rank]:
         if action.is_compute:
-            for key in inputs_of(action.work, rank, compute, S, split):
+            for key in program.reads(action.work, rank).keys:
                 counts[key] += 1
         elif action.is_send and action.op[0] in "FBIXV":
-            counts[program.messages[action.message].key] += 1
+            counts[program.messages[action.message].value] += 1
     return dict(counts)
 
 
@@ -489,7 +673,7 @@ def validate(program: Program) -> None:
     def blocker(rank: int, action: Action) -> str | None:
         if action.is_compute:
             needed = [weights.get((rank, action.stage))]
-            for key in inputs_of(action.work, rank, program.compute_worker, program.num_stages, program.split_backward):
+            for key in program.reads(action.work, rank).keys:
                 needed.append(inbound.get((rank, key)))
             for msg in needed:
                 if msg is not None and msg.index not in sent:
@@ -537,8 +721,9 @@ def validate(program: Program) -> None:
 
 
 def _check_local_inputs(program: Program) -> None:
-    """Every value an item reads locally must have been produced earlier on that rank."""
-    compute, S, split = program.compute_worker, program.num_stages, program.split_backward
+    """Every value an item reads locally, and every item it depends on that
+    runs on the same rank, must come earlier on that rank."""
+    compute, graph, split = program.compute_worker, program.stage_graph, program.split_backward
     received = {(m.dst, m.key) for m in program.messages}
     for rank, acts in enumerate(program.actions):
         done: set[Work] = set()
@@ -547,7 +732,7 @@ def _check_local_inputs(program: Program) -> None:
             if not action.is_compute:
                 continue
             work = action.work
-            for key in inputs_of(work, rank, compute, S, split):
+            for key in program.reads(work, rank).keys:
                 if (rank, key) not in received and key not in produced:
                     raise ProgramError(
                         f"rank {rank} runs {action} (position {position}) before it has {_key_text(key)}, which "
@@ -561,27 +746,25 @@ def _check_local_inputs(program: Program) -> None:
                         f"rank {rank} runs {action} (position {position}) before its forward {forward}; "
                         f"reorder worker {rank}'s items\n" + _grid(program, {rank: position})
                     )
-            if work.direction == BACKWARD_WEIGHT:
-                first = Work(work.batch, work.stage, BACKWARD_INPUT)
-                if compute[first] == rank and first not in done:
-                    raise ProgramError(f"rank {rank} runs {action} before {first}; reorder worker {rank}'s items")
+            for flow in program.flows(work):
+                if compute[flow.source] == rank and flow.source not in done:
+                    raise ProgramError(
+                        f"rank {rank} runs {action} (position {position}) before {flow.source}, whose {flow.kind} "
+                        f"it needs; reorder worker {rank}'s items\n" + _grid(program, {rank: position})
+                    )
             done.add(work)
-            b, s, d = work.batch, work.stage, Direction(work.direction)
-            if d is FORWARD and s + 1 < S:
-                produced.add(("x", s + 1, b))
-            if d is FORWARD:
-                produced.add(("x", s, b))
-            if d in (BACKWARD, BACKWARD_INPUT) and s > 0:
-                produced.add(("g", s - 1, b))
-            if d is BACKWARD_INPUT:
-                produced.add(("x", s, b))
-                produced.add(("g", s, b))
+            produced |= _produces(work, graph, split)
 
 
 def _key_text(key: tuple) -> str:
-    if key[0] == "x":
-        return f"the input of stage {key[1]} for micro-batch {key[2]}"
-    return f"the output gradient of stage {key[1]} for micro-batch {key[2]}"
+    kind, stage, batch = key[:3]
+    if kind == "y":
+        return f"the output of stage {stage} for micro-batch {batch}"
+    if kind == "x":
+        return f"stage {stage}'s input from stage {key[3]} for micro-batch {batch}"
+    if len(key) == 4:
+        return f"stage {key[3]}'s gradient of stage {stage}'s output for micro-batch {batch}"
+    return f"the output gradient of stage {stage} for micro-batch {batch}"
 
 
 def _message_text(msg: Message) -> str:
@@ -616,8 +799,12 @@ __all__ = [
     "Message",
     "Program",
     "ProgramError",
+    "Reads",
     "compile_program",
     "describe",
+    "loss_stage",
     "parse_action",
+    "schedule_graph",
+    "topological_order",
     "validate",
 ]

@@ -47,9 +47,20 @@ from unisched.execute.faults import (
     Watchdog,
 )
 from unisched.execute.measure import Clock, RankNotes, assemble
-from unisched.execute.program import Action, Program, ProgramError, compile_program, inputs_of
+from unisched.dataflow import first_backward
+from unisched.execute.program import (
+    Action,
+    Program,
+    ProgramError,
+    Reads,
+    compile_program,
+    gradient,
+    output,
+    topological_order,
+    value_stage,
+)
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Work
+from unisched.work import BACKWARD_WEIGHT, StageGraph, Work, as_stage_graph
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -58,9 +69,11 @@ class Trainer:
     """Train ``stages`` under ``schedule`` on torch.distributed, one process per worker.
 
     ``stages``: one ``nn.Module`` per pipeline stage, built the same way on
-    every rank; each takes one tensor and returns one.  ``schedule``: a
-    :class:`unisched.Simulation` (or anything with ``.simulate()`` returning
-    one, or a Timeline) for W = world size workers.  ``loss_fn(output,
+    every rank; each returns one tensor and takes one per predecessor in the
+    schedule's stage graph, in stage order (a source stage takes the
+    micro-batch).  ``schedule``: a :class:`unisched.Simulation` (or anything
+    with ``.simulate()`` returning one, or a Timeline) for W = world size
+    workers.  ``loss_fn(output,
     target)`` returns a scalar.  ``optimizer``: a callable ``params ->
     torch.optim.Optimizer``, run on the weight workers of each stage.
     ``timeout`` (seconds) bounds every wait and every step.
@@ -78,7 +91,7 @@ class Trainer:
         record: bool = True,
         device: torch.device | str | None = None,
     ):
-        self.timeline_in, self.label = _schedule_timeline(schedule)
+        self.timeline_in, self.label, graph = _schedule_timeline(schedule)
         _ensure_process_group(timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -92,7 +105,8 @@ class Trainer:
         try:
             _check_stages(self.stages)
             program = compile_program(
-                self.timeline_in, num_stages=len(self.stages), world_size=self.world_size, lookahead=lookahead
+                self.timeline_in, num_stages=len(self.stages), world_size=self.world_size, lookahead=lookahead,
+                stage_graph=graph,
             )
             self._set_up_stages(program, optimizer)
         except Exception as caught:
@@ -115,15 +129,16 @@ class Trainer:
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
         self._fetch = {m.stage: m for m in program.messages if m.dst == self.rank and m.letter == "w"}
+        self._reads = {i: program.reads(a.work, self.rank) for i, a in enumerate(self._actions) if a.is_compute}
         self._awaits = {
-            i: [self._inbound[k].index for k in inputs_of(a.work, self.rank, program.compute_worker, program.num_stages,
-                                                      program.split_backward) if k in self._inbound]
-            for i, a in enumerate(self._actions) if a.is_compute
+            i: [self._inbound[k].index for k in reads.keys if k in self._inbound] for i, reads in self._reads.items()
         }
-        self._back = BACKWARD_INPUT if program.split_backward else BACKWARD
+        self._graph = program.stage_graph
+        self._back = first_backward(program.split_backward)
+        self._loss_stage = program.loss_stage
         self._last_loss_item = max(
             (i for i, a in enumerate(self._actions)
-             if a.is_compute and a.stage == program.num_stages - 1 and a.op == self._back.letter),
+             if a.is_compute and a.stage == self._loss_stage and a.op == self._back.letter),
             default=-1,
         )
         self._meta: tuple | None = None
@@ -157,7 +172,7 @@ class Trainer:
         try:
             signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
             if self._meta is None or self._meta[0] != signature:
-                self._meta = (signature, self._infer_shapes(micro_in[0]))
+                self._meta = (signature, self._infer_shapes(micro_in[0], self._graph))
             loss = self._run(state)
             # inside the try: a timeout interrupt posted before this returns lands here
             self._watchdog.disarm(ticket)
@@ -265,28 +280,30 @@ class Trainer:
             return [0.0] * self.world_size
         return [t for _, t in seen]
 
-    def _infer_shapes(self, sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
-        """Input shape and dtype of every stage for one micro-batch (to size receive buffers).
+    def _infer_shapes(self, sample: torch.Tensor, graph: StageGraph | None = None) -> list[tuple[torch.Size, torch.dtype]]:
+        """Output shape and dtype of every stage for one micro-batch (every
+        transferred tensor is a stage's output or its gradient), the stages
+        run in topological order of ``graph`` (a chain by default).
 
         The probe runs in eval mode, so that it leaves no trace in the
         stages' state (BatchNorm running statistics); each submodule's
         training flag is restored afterwards."""
-        metas = []
+        graph = as_stage_graph(len(self.stages), graph)
+        outputs: dict[int, torch.Tensor] = {}
         modes = [(module, module.training) for stage in self.stages for module in stage.modules()]
         try:
             for stage in self.stages:
                 stage.eval()
             with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                x = sample
-                for stage in self.stages:
-                    metas.append((x.shape, x.dtype))
-                    x = stage(x)
-                    if not isinstance(x, torch.Tensor):
-                        raise ShapeError(f"stage {len(metas) - 1} returned {type(x).__name__}; each stage must return one tensor")
+                for s in topological_order(graph):
+                    inputs = [outputs[p] for p in graph.predecessors[s]] or [sample]
+                    outputs[s] = self.stages[s](*inputs)
+                    if not isinstance(outputs[s], torch.Tensor):
+                        raise ShapeError(f"stage {s} returned {type(outputs[s]).__name__}; each stage must return one tensor")
         finally:
             for module, training in modes:
                 module.training = training
-        return metas
+        return [(outputs[s].shape, outputs[s].dtype) for s in range(len(self.stages))]
 
     # ------------------------------------------------------------------ the step
     def _run(self, st: "_StepState") -> float:
@@ -304,7 +321,7 @@ class Trainer:
         for index, action in enumerate(self._actions):
             st.current = action
             if action.is_compute:
-                self._compute(st, action, self._awaits[index])
+                self._compute(st, action, index)
                 if index == self._last_loss_item:
                     self._post_losses(st)
             elif action.is_recv:
@@ -327,81 +344,93 @@ class Trainer:
         except Exception as error:
             raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({_first_line(error)})") from error
 
-    def _compute(self, st: "_StepState", action: Action, awaits: list[int]) -> None:
+    def _compute(self, st: "_StepState", action: Action, index: int) -> None:
         """Wait for the item's inputs, then run it (only the run is timed)."""
-        s, b = action.stage, action.batch
+        s, b, reads = action.stage, action.batch, self._reads[index]
         if s in self._fetch:
             self._load_weights(st, s)
-        for index in awaits:
-            if index in st.pending:
-                st.values[self.program.messages[index].key] = self._wait(st, index)
+        for message in self._awaits[index]:
+            if message in st.pending:
+                st.values[self.program.messages[message].key] = self._wait(st, message)
         start = st.clock.mark() if self.record else None
         if action.op == "F":
-            self._forward(st, s, b)
+            self._forward(st, s, b, reads)
         elif action.op == "W":
-            self._weight_pass(st, s, b)
+            self._weight_pass(st, s, b, reads)
         else:
-            self._backward(st, s, b, input_only=action.op == "I")
+            self._backward(st, s, b, reads, input_only=action.op == "I")
         if self.record:
             st.items.append((action.work, start, st.clock.mark()))
 
-    def _forward(self, st, s: int, b: int) -> None:
-        x = st.micro_in[b] if s == 0 else st.take(("x", s, b))
+    def _forward(self, st, s: int, b: int, reads: Reads) -> None:
+        xs = self._inputs(st, s, b, reads.inputs)
         if self.program.compute_worker[Work(b, s, self._back)] == self.rank:
-            if s > 0:
-                x = x.detach().requires_grad_(x.is_floating_point())
-            y = self.stages[s](x)
-            st.graphs[(s, b)] = (x, y)
+            if self._graph.predecessors[s]:
+                xs = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
+            y = self.stages[s](*xs)
+            st.graphs[(s, b)] = (xs, y)
         else:
             with torch.no_grad():
-                y = self.stages[s](x)
-        if s + 1 < self.program.num_stages:
-            st.put(("x", s + 1, b), y.detach())
+                y = self.stages[s](*xs)
+        st.put(output(s, b), y.detach())
 
-    def _backward(self, st, s: int, b: int, input_only: bool) -> None:
-        x, y = st.graphs.pop((s, b), (None, None))
+    def _backward(self, st, s: int, b: int, reads: Reads, input_only: bool) -> None:
+        xs, y = st.graphs.pop((s, b), (None, None))
         if y is None:
-            x, y = self._recompute(st, s, b, needs_input_grad=True)
-        root, grad = self._root(st, s, b, y, record_loss=True)
+            xs, y = self._recompute(st, s, b, reads.inputs, needs_input_grad=True)
+        root, grad = self._root(st, s, b, y, reads.gradients, record_loss=True)
+        upstream = [(p, x) for p, x in zip(self._graph.predecessors[s], xs) if x.requires_grad]
         if not input_only:
             torch.autograd.backward(root, grad)
-            if s > 0:
-                st.put(("g", s - 1, b), x.grad)
+            for p, x in upstream:
+                st.put(gradient(p, b, s), x.grad if x.grad is not None else torch.zeros_like(x))
             return
         keep = self.program.compute_worker[Work(b, s, BACKWARD_WEIGHT)] == self.rank
-        if s > 0 and x.requires_grad:
-            (dx,) = torch.autograd.grad(root, x, grad, retain_graph=keep)
-            st.put(("g", s - 1, b), dx)
+        if upstream:
+            grads = torch.autograd.grad(root, [x for _, x in upstream], grad, retain_graph=keep, allow_unused=True)
+            for (p, x), dx in zip(upstream, grads):
+                st.put(gradient(p, b, s), dx if dx is not None else torch.zeros_like(x))
         if keep:
             st.weight_graphs[(s, b)] = (root, grad)
+        elif grad is not None:
+            st.put(gradient(s, b), grad)
 
-    def _weight_pass(self, st, s: int, b: int) -> None:
+    def _weight_pass(self, st, s: int, b: int, reads: Reads) -> None:
         root, grad = st.weight_graphs.pop((s, b), (None, None))
         if root is None:
-            _, y = self._recompute(st, s, b, needs_input_grad=False)
-            root, grad = self._root(st, s, b, y, record_loss=False)
+            _, y = self._recompute(st, s, b, reads.inputs, needs_input_grad=False)
+            root, grad = self._root(st, s, b, y, reads.gradients, record_loss=False)
         params = self._params[s]
         if params:
             torch.autograd.backward(root, grad, inputs=params)
 
-    def _recompute(self, st, s: int, b: int, needs_input_grad: bool):
-        """The forward again, from the stashed input, this time keeping the graph."""
-        x = st.micro_in[b] if s == 0 else st.take(("x", s, b))
-        x = x.detach()
-        if needs_input_grad and s > 0 and x.is_floating_point():
-            x.requires_grad_(True)
-        return x, self.stages[s](x)
+    def _inputs(self, st, s: int, b: int, keys: tuple) -> list[torch.Tensor]:
+        """A stage's inputs: its predecessors' outputs in stage order, or the micro-batch at a source."""
+        if not self._graph.predecessors[s]:
+            return [st.micro_in[b]]
+        return [st.take(key) for key in keys]
 
-    def _root(self, st, s: int, b: int, y: torch.Tensor, record_loss: bool):
-        """What to differentiate: the micro-batch's share of the mean loss at the last stage, else the output."""
-        if s == self.program.num_stages - 1:
+    def _recompute(self, st, s: int, b: int, keys: tuple, needs_input_grad: bool):
+        """The forward again, from the stashed inputs, this time keeping the graph."""
+        xs = [x.detach() for x in self._inputs(st, s, b, keys)]
+        if needs_input_grad and self._graph.predecessors[s]:
+            xs = [x.requires_grad_(x.is_floating_point()) for x in xs]
+        return xs, self.stages[s](*xs)
+
+    def _root(self, st, s: int, b: int, y: torch.Tensor, gradients: tuple, record_loss: bool):
+        """What to differentiate: the micro-batch's share of the mean loss at
+        the loss stage, else the output, with the sum of its consumers' gradients."""
+        if s == self._loss_stage:
             loss = self.loss_fn(y, st.micro_t[b])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {b}")
             if record_loss:
                 st.losses[b] = loss.detach().reshape(())
             return loss.reshape(()) / self.program.num_batches, None
-        return y, st.take(("g", s, b))
+        grad = st.take(gradients[0])
+        for key in gradients[1:]:
+            grad = grad + st.take(key)
+        return y, grad
 
     # ------------------------------------------------------------------ transfers
     def _post_recv(self, st, action: Action) -> None:
@@ -409,8 +438,7 @@ class Trainer:
         if msg.letter in "wr":
             buffer = _flat_like(self._params[msg.stage], self.device)
         else:
-            kind, stage = msg.key[0], msg.key[1]
-            shape, dtype = self._meta[1][stage if kind == "x" else stage + 1]
+            shape, dtype = self._meta[1][value_stage(msg.key)]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
         work = dist.irecv(buffer, src=msg.src, group=self._p2p, tag=msg.seq)
         st.pending[msg.index] = (work, buffer, action)
@@ -422,7 +450,7 @@ class Trainer:
         elif msg.letter == "r":
             tensor = _flatten([_grad(p) for p in self._params[msg.stage]], self.device)
         else:
-            tensor = st.take(msg.key).contiguous()
+            tensor = st.take(msg.value).contiguous()
         if self.record:
             st.sends[msg.index] = time.perf_counter()
         st.outgoing.append((dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), tensor, action, msg.dst))
@@ -552,13 +580,21 @@ class Trainer:
         everyone = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(notes, everyone, dst=0, group=self._control)
         if self.rank == 0:
-            S = self.program.num_stages
-            activation_bytes = [
-                float(math.prod(shape) * torch.empty((), dtype=dtype).element_size()) for shape, dtype in self._meta[1]
-            ]
             self.last_timeline = assemble(
-                self.program, everyone, activation_bytes[:S], self.weight_bytes, self._offsets, label=self.label
+                self.program, everyone, self._input_bytes(), self.weight_bytes, self._offsets, label=self.label
             )
+
+    def _input_bytes(self) -> list[float]:
+        """Per stage, the bytes of its inputs for one micro-batch (what a forward stashes)."""
+        (sample_shape, sample_dtype), outputs = self._meta
+
+        def size(shape, dtype) -> float:
+            return float(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+
+        return [
+            sum(size(*outputs[p]) for p in preds) if preds else size(sample_shape, sample_dtype)
+            for preds in self._graph.predecessors
+        ]
 
     # ------------------------------------------------------------------ faults
     def _failure(self, error: BaseException, st: "_StepState") -> ExecutionError:
@@ -641,22 +677,22 @@ class _StepState:
 
 
 # ---------------------------------------------------------------------- helpers
-def _schedule_timeline(schedule) -> tuple[Timeline, str]:
-    """Accept a Simulation, anything with ``.simulate()`` (a plan), or a Timeline."""
+def _schedule_timeline(schedule) -> tuple[Timeline, str, StageGraph | None]:
+    """Accept a Simulation, anything with ``.simulate()`` (a plan), or a
+    Timeline: its timeline, label and stage graph (None: the Timeline's own,
+    which :func:`compile_program` reads)."""
     if hasattr(schedule, "simulate") and not hasattr(schedule, "timeline"):
         schedule = schedule.simulate()
     if isinstance(schedule, Timeline):
-        return schedule, schedule.label
+        return schedule, schedule.label, None
     timeline = getattr(schedule, "timeline", None)
     if not isinstance(timeline, Timeline):
         raise TypeError(
             f"schedule must be a unisched.Simulation, a plan with .simulate(), or a Timeline; got {type(schedule).__name__}"
         )
-    graph = getattr(schedule, "stage_graph", None)
-    if graph is not None and not getattr(graph, "is_chain", True):
-        raise ProgramError("the executor runs chains of stages (each stage feeds the next); this schedule has a stage DAG")
     strategy = getattr(schedule, "strategy", None)
-    return timeline, getattr(strategy, "name", "") or timeline.label
+    return timeline, getattr(strategy, "name", "") or timeline.label, getattr(schedule, "stage_graph", None)
+
 
 
 def _ensure_process_group(timeout: float) -> None:

@@ -1,0 +1,243 @@
+"""The executor over stage graphs: its messages come from unisched.dataflow, a
+stage DAG trains on gloo like one process, and what cannot run (several
+sinks, gangs) is refused by name at compile time."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import unisched
+from unisched import ComputeAndWeightWorkers, Direction, Work, simulate
+from unisched.execute import ProgramError, Trainer, compile_program, train_one_process
+from unisched.execute.launch import run_local
+from unisched.strategy import Strategy
+
+from test_execute import WIDTH, batch, optimizer
+
+TWO_LEGS = [(0, 2), (1, 2)]
+DIAMOND = [(0, 1), (0, 2), (1, 3), (2, 3)]
+W, B = 3, 4
+
+
+# ---------------------------------------------------------------------- model and schedules
+class Join(nn.Module):
+    """One Linear per input, summed: swapping two inputs changes the result."""
+
+    def __init__(self, inputs: int):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(inputs))
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(sum(linear(x) for linear, x in zip(self.linears, xs)))
+
+
+def graph_of(edges) -> nx.DiGraph:
+    return nx.DiGraph(edges)
+
+
+def make_stages(edges) -> list[nn.Module]:
+    graph = graph_of(edges)
+    torch.manual_seed(0)
+    return [Join(max(1, graph.in_degree(s))) for s in range(graph.number_of_nodes())]
+
+
+def on_table(table: dict[int, int]):
+    """Stage s on worker table[s], its weights there too."""
+    return lambda w: ComputeAndWeightWorkers(table[w.stage], table[w.stage])
+
+
+def head_backward_away(w: Work) -> ComputeAndWeightWorkers:
+    """Stage s on worker s, but the head's backward of micro-batch b on worker b mod 2."""
+    if w.stage == 2 and w.direction == Direction.BACKWARD:
+        return ComputeAndWeightWorkers(w.batch % 2, 2)
+    return ComputeAndWeightWorkers(w.stage % W, w.stage % W)
+
+
+def scattered_halves(w: Work) -> ComputeAndWeightWorkers:
+    """A split backward whose halves wander away from their forward and from each other."""
+    worker = w.stage % W
+    if w.direction == Direction.BACKWARD_INPUT and w.batch % 2 == 0:
+        worker = (w.stage + 1) % W
+    if w.direction == Direction.BACKWARD_WEIGHT and w.batch % 3 == 0:
+        worker = (w.stage + 2) % W
+    return ComputeAndWeightWorkers(worker, w.stage % W)
+
+
+def data_parallel(w: Work) -> ComputeAndWeightWorkers:
+    return ComputeAndWeightWorkers(w.batch % W, w.batch % W)
+
+
+# name -> (edges, mapping, split_backward)
+CASES = {
+    "legs": (TWO_LEGS, on_table({0: 0, 1: 1, 2: 2}), False),
+    "legs_head_backward_away": (TWO_LEGS, head_backward_away, False),
+    "legs_scattered_halves": (TWO_LEGS, scattered_halves, True),
+    "diamond": (DIAMOND, on_table({0: 0, 1: 1, 2: 2, 3: 0}), False),
+    "diamond_legs_share_a_rank": (DIAMOND, on_table({0: 0, 1: 1, 2: 1, 3: 2}), False),
+    "diamond_scattered_halves": (DIAMOND, scattered_halves, True),
+    "diamond_data_parallel": (DIAMOND, data_parallel, False),
+}
+
+
+def schedule(name: str):
+    edges, mapping, split = CASES[name]
+    S = graph_of(edges).number_of_nodes()
+    return simulate(W, S, B, mapping, stage_graph=graph_of(edges), split_backward=split)
+
+
+def single_process(edges, steps: int = 2) -> dict[str, torch.Tensor]:
+    batches = (batch(step) for step in range(steps))
+    return train_one_process(make_stages(edges), nn.functional.mse_loss, optimizer, batches, stage_graph=graph_of(edges))[1]
+
+
+def gang_schedule():
+    """A chain whose stage 1 runs on the gang of workers 1 and 2 (tensor parallelism)."""
+    strategy = Strategy(
+        mapping=lambda w: ComputeAndWeightWorkers(w.stage, w.stage),
+        name="tensor_parallel_stage_1",
+        gang=lambda w: (1, 2) if w.stage == 1 else None,
+    )
+    return simulate(W, 3, B, strategy)
+
+
+# ---------------------------------------------------------------------- compiled programs
+def test_a_two_legged_head_receives_both_legs_and_returns_a_gradient_to_each():
+    program = compile_program(schedule("legs").timeline, num_stages=3, world_size=W)
+    head = [str(a) for a in program.actions[2]]
+    assert head[:3] == ["2F0<0", "2F0<1", "2F0"]
+    assert "0B0>0" in head and "1B0>1" in head
+    assert program.loss_stage == 2 and program.loss_rank(0) == 2
+    assert program.reads(Work(0, 2, Direction.FORWARD), 2).inputs == (("y", 0, 0), ("y", 1, 0))
+
+
+def test_a_backward_away_from_its_forward_gets_every_input_of_the_stage():
+    program = compile_program(schedule("legs_head_backward_away").timeline)
+    stashes = [m for m in program.messages if m.letter == "X" and m.batch == 1]
+    assert [(m.src, m.dst, m.key, m.value) for m in stashes] == [
+        (2, 1, ("x", 2, 1, 0), ("y", 0, 1)),
+        (2, 1, ("x", 2, 1, 1), ("y", 1, 1)),
+    ]
+    assert program.reads(Work(1, 2, Direction.BACKWARD), 1).inputs == (("x", 2, 1, 0), ("x", 2, 1, 1))
+
+
+def test_an_output_goes_once_to_each_rank_and_its_gradient_sums_every_consumer():
+    program = compile_program(schedule("diamond_legs_share_a_rank").timeline)
+    to_legs = [str(a) for a in program.actions[0] if a.is_send and a.batch == 0 and a.op == "F>"]
+    assert to_legs == ["1F0>1"], "stages 1 and 2 on rank 1 share one copy of stage 0's output"
+    from_legs = [program.messages[a.message].key for a in program.actions[0] if a.is_recv and a.batch == 0]
+    assert from_legs == [("g", 0, 0, 1), ("g", 0, 0, 2)]
+    assert program.reads(Work(0, 0, Direction.BACKWARD), 0).gradients == (("g", 0, 0, 1), ("g", 0, 0, 2))
+
+
+def test_a_weight_pass_away_from_its_input_pass_gets_the_summed_output_gradient():
+    program = compile_program(schedule("diamond_scattered_halves").timeline)
+    # micro-batch 0: I(0) on worker 1, W(0) on worker 2, stage 0's consumers' input passes on 2 and 0
+    sums = [m for m in program.messages if m.letter == "V" and m.stage == 0 and m.batch == 0]
+    assert [(m.src, m.dst, m.key) for m in sums] == [(1, 2, ("g", 0, 0))]
+    assert program.reads(Work(0, 0, Direction.BACKWARD_WEIGHT), 2).gradients == (("g", 0, 0),)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([TWO_LEGS, DIAMOND]), st.integers(1, 3), st.integers(1, 3), st.booleans(),
+       st.randoms(use_true_random=False))
+def test_any_mapping_of_a_dag_compiles_to_matched_messages(edges, workers, batches, split, rng):
+    S = graph_of(edges).number_of_nodes()
+    table = {w: (rng.randrange(workers), rng.randrange(workers)) for w in unisched.all_work(S, batches, split_backward=split)}
+    sim = simulate(workers, S, batches, lambda w: ComputeAndWeightWorkers(*table[w]), stage_graph=graph_of(edges),
+                   split_backward=split)
+    program = compile_program(sim.timeline)
+    sends = [a.message for acts in program.actions for a in acts if a.is_send]
+    recvs = [a.message for acts in program.actions for a in acts if a.is_recv]
+    assert sorted(sends) == sorted(recvs) == list(range(len(program.messages)))
+    for m in program.messages:
+        if m.letter == "F":
+            assert m.key[0] == "y" and graph_of(edges).has_edge(m.key[1], m.stage)
+
+
+def test_several_sinks_are_refused_by_name():
+    sim = simulate(2, 3, 2, on_table({0: 0, 1: 1, 2: 1}), stage_graph=nx.DiGraph([(0, 1), (0, 2)]))
+    with pytest.raises(ProgramError, match=r"2 sinks, stages \[1, 2\].*loss takes one output"):
+        compile_program(sim.timeline)
+    with pytest.raises(ProgramError, match=r"2 sinks, stages \[1, 2\]"):
+        train_one_process(make_stages([(0, 1), (0, 2)]), nn.functional.mse_loss, optimizer, [batch()],
+                          stage_graph=nx.DiGraph([(0, 1), (0, 2)]))
+
+
+def test_a_stage_graph_that_contradicts_the_timeline_is_refused():
+    with pytest.raises(ProgramError, match=r"made for the stage graph \[\(0, 2\), \(1, 2\)\]"):
+        compile_program(schedule("legs").timeline, stage_graph=nx.path_graph(3, create_using=nx.DiGraph))
+
+
+def test_a_gang_schedule_is_refused_naming_its_first_item_and_workers():
+    from unisched.execute.runtime import _schedule_timeline
+
+    sim = gang_schedule()
+    assert np.any(sim.timeline.gang >= 0)
+    for given_schedule in (sim, sim.timeline):
+        timeline, _, graph = _schedule_timeline(given_schedule)
+        with pytest.raises(ProgramError, match=r"work item 1F0 runs on the gang of workers \[1, 2\].*unisched\.epl"):
+            compile_program(timeline, stage_graph=graph)
+
+
+# ---------------------------------------------------------------------- real runs on gloo
+def _train_dags(rank: int, world: int):
+    out = {}
+    for name, (edges, _, _) in CASES.items():
+        sim = schedule(name)
+        for form, given_schedule in (("simulation", sim), ("timeline", sim.timeline)):
+            trainer = Trainer(make_stages(edges), given_schedule, nn.functional.mse_loss, optimizer, timeout=30)
+            for step in range(2):
+                trainer.step(*batch(step))
+            out[(name, form)] = {
+                "state": {k: v.numpy() for k, v in trainer.gather_state_dict().items()},
+                "loss": trainer.last_loss,
+                "measured": None if trainer.last_timeline is None else len(trainer.last_timeline),
+            }
+            trainer.close()
+    gang = gang_schedule()
+    for form, given_schedule in (("simulation", gang), ("timeline", gang.timeline)):
+        try:
+            Trainer(make_stages([(0, 1), (1, 2)]), given_schedule, nn.functional.mse_loss, optimizer, timeout=30)
+            out[("gang", form)] = None
+        except ProgramError as error:
+            out[("gang", form)] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    results = run_local(_train_dags, W, timeout=300)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
+@pytest.mark.parametrize("form", ["simulation", "timeline"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_stage_dag_trains_like_one_process(trained, name, form):
+    edges, _, split = CASES[name]
+    reference = single_process(edges)
+    initial = {f"{s}.{k}": v for s, stage in enumerate(make_stages(edges)) for k, v in stage.state_dict().items()}
+    assert max(float((reference[k] - initial[k]).abs().max()) for k in reference) > 1e-2, "training must move weights"
+    for rank, rows in enumerate(trained):
+        state = rows[(name, form)]["state"]
+        assert set(state) == set(reference)
+        for key, expected in reference.items():
+            assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{name} ({form}): rank {rank} differs in {key}"
+    assert len({rows[(name, form)]["loss"] for rows in trained}) == 1
+    S = graph_of(edges).number_of_nodes()
+    assert trained[0][(name, form)]["measured"] == S * B * (3 if split else 2)
+
+
+@pytest.mark.parametrize("form", ["simulation", "timeline"])
+def test_a_trainer_refuses_a_gang_schedule_on_every_rank(trained, form):
+    for rows in trained:
+        error = rows[("gang", form)]
+        assert error is not None and "work item 1F0 runs on the gang of workers [1, 2]" in error
+        assert "unisched.epl" in error

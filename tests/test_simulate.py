@@ -450,7 +450,8 @@ def test_work_text_form_round_trips():
 )
 def test_compiled_greedy_matches_the_engine(W, S, B, split, durations, seed):
     from unisched.simulate import engine, fast
-    from unisched.simulate.problem import EDGE_PRIMARY, build
+    from unisched.dataflow import EDGE_PRIMARY
+    from unisched.simulate.problem import build
     from unisched.simulate.priorities import OldestBatchFirst
     from unisched.work import Shape, StageGraph
 

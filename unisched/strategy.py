@@ -133,15 +133,14 @@ def fixed_strategy(
         ids = items.id(batch, stage, direction)
         return compute[ids], weight[ids]
 
-    gang_of = None
-    if gang is not None and np.any(_int_array(gang) >= 0):
-        gang = _int_array(gang)
-        collective = tuple(gang_collective) or (True,) * len(gang_members)
-        groups = [Gang(tuple(m), bool(c)) for m, c in zip(gang_members, collective)]
+    ganged = gang is not None and bool(np.any(_int_array(gang) >= 0))
+    gang = _int_array(gang) if ganged else None
+    collective = tuple(gang_collective) or (True,) * len(gang_members)
+    groups = [Gang(tuple(m), bool(c)) for m, c in zip(gang_members, collective)]
 
-        def gang_of(work: Work) -> Gang | None:
-            g = int(gang[item(work)])
-            return groups[g] if g >= 0 else None
+    def gang_of(work: Work) -> Gang | None:
+        g = int(gang[item(work)])
+        return groups[g] if g >= 0 else None
 
     return Strategy(
         mapping=mapping,
@@ -153,7 +152,7 @@ def fixed_strategy(
         shape=shape,
         map_arrays=map_arrays,
         stage_graph=stage_graph,
-        gang=gang_of,
+        gang=gang_of if ganged else None,
     )
 
 

@@ -27,7 +27,6 @@ from unisched.work import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
-    ComputeAndWeightWorkers,
     Direction,
     Shape,
     StageGraph,

@@ -19,8 +19,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from unisched.errors import ShapeError
 from unisched.costs import Costs
+from unisched.dataflow import first_backward
+from unisched.errors import ShapeError
+from unisched.execute.program import value_stage
 from unisched.simulate import Simulation, simulate
 from unisched.timeline import Timeline, TransferRecord, WorkRecord
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
@@ -77,8 +79,16 @@ class RankNotes:
     end: float = 0.0
 
 
-def assemble(program, notes: Sequence[RankNotes], activation_bytes, weight_bytes, offsets=None, label="") -> Timeline:
-    """One measured Timeline from every rank's notes, times from the earliest step start."""
+def assemble(program, notes: Sequence[RankNotes], activation_bytes, weight_bytes, offsets=None, label="",
+             output_bytes=None) -> Timeline:
+    """One measured Timeline from every rank's notes, times from the earliest step start.
+
+    ``activation_bytes[s]``: stage s's inputs for one micro-batch;
+    ``output_bytes[s]``: its output, the size of every message that carries
+    that output, a stash of it, or its gradient (default: ``activation_bytes``
+    of the stage it feeds, which is exact for a chain)."""
+    if output_bytes is None:
+        output_bytes = [activation_bytes[c[0]] if c else 0.0 for c in program.stage_graph.successors]
     offsets = offsets or [0.0] * len(notes)
     origin = min(n.begin - offsets[n.rank] for n in notes)
 
@@ -100,7 +110,7 @@ def assemble(program, notes: Sequence[RankNotes], activation_bytes, weight_bytes
             start = sent.get(index, at(n.rank, wait_start))
             end = max(at(n.rank, wait_end), start)
             transfers.append(
-                TransferRecord(msg.kind, msg.src, msg.dst, start, end, _message_bytes(msg, activation_bytes, weight_bytes), _served_work(program, msg))
+                TransferRecord(msg.kind, msg.src, msg.dst, start, end, _message_bytes(msg, output_bytes, weight_bytes), _served_work(program, msg))
             )
         for group, nbytes, start, end in n.reduces:
             nxt = group[(group.index(n.rank) + 1) % len(group)]
@@ -112,16 +122,16 @@ def assemble(program, notes: Sequence[RankNotes], activation_bytes, weight_bytes
         activation_bytes=np.asarray(activation_bytes, dtype=float),
         weight_bytes=np.asarray(weight_bytes, dtype=float),
         split_backward=program.split_backward,
+        stage_graph=program.stage_graph,
         source="measured",
         label=label,
     )
 
 
-def _message_bytes(msg, activation_bytes, weight_bytes) -> float:
+def _message_bytes(msg, output_bytes, weight_bytes) -> float:
     if msg.letter in "wr":
         return float(weight_bytes[msg.stage])
-    kind, stage = msg.key[0], msg.key[1]
-    return float(activation_bytes[stage if kind == "x" else min(stage + 1, len(activation_bytes) - 1)])
+    return float(output_bytes[value_stage(msg.key)])
 
 
 def _served_work(program, msg) -> Work | None:
@@ -129,7 +139,7 @@ def _served_work(program, msg) -> Work | None:
     if msg.letter in "FBI":
         return Work(msg.batch, msg.stage, Direction.from_letter(msg.letter))
     if msg.letter in "XV":
-        direction = BACKWARD_INPUT if program.split_backward else BACKWARD
+        direction = first_backward(program.split_backward)
         if msg.letter == "V" or program.compute_worker[Work(msg.batch, msg.stage, direction)] != msg.dst:
             direction = BACKWARD_WEIGHT
         return Work(msg.batch, msg.stage, direction)

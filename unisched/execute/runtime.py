@@ -581,20 +581,22 @@ class Trainer:
         dist.gather_object(notes, everyone, dst=0, group=self._control)
         if self.rank == 0:
             self.last_timeline = assemble(
-                self.program, everyone, self._input_bytes(), self.weight_bytes, self._offsets, label=self.label
+                self.program, everyone, self._input_bytes(), self.weight_bytes, self._offsets, label=self.label,
+                output_bytes=self._output_bytes(),
             )
 
     def _input_bytes(self) -> list[float]:
         """Per stage, the bytes of its inputs for one micro-batch (what a forward stashes)."""
-        (sample_shape, sample_dtype), outputs = self._meta
-
-        def size(shape, dtype) -> float:
-            return float(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-
+        (sample_shape, sample_dtype), _ = self._meta
+        outputs = self._output_bytes()
         return [
-            sum(size(*outputs[p]) for p in preds) if preds else size(sample_shape, sample_dtype)
+            sum(outputs[p] for p in preds) if preds else _nbytes(sample_shape, sample_dtype)
             for preds in self._graph.predecessors
         ]
+
+    def _output_bytes(self) -> list[float]:
+        """Per stage, the bytes of its output for one micro-batch (what its messages carry)."""
+        return [_nbytes(shape, dtype) for shape, dtype in self._meta[1]]
 
     # ------------------------------------------------------------------ faults
     def _failure(self, error: BaseException, st: "_StepState") -> ExecutionError:
@@ -731,6 +733,10 @@ def _check_stages(stages) -> None:
         dtypes = {p.dtype for p in stage.parameters()}
         if len(dtypes) > 1:
             raise ShapeError(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage")
+
+
+def _nbytes(shape, dtype) -> float:
+    return float(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,9 @@ from bisect import bisect_right
 from heapq import heappop, heappush
 
 from unisched import network
+from unisched.dataflow import EDGE_PRIMARY
 from unisched.errors import DeadlockError
-from unisched.simulate.problem import EDGE_PRIMARY, EDGE_SEQUENCE, Problem
+from unisched.simulate.problem import EDGE_SEQUENCE, Problem
 
 INF = math.inf
 _EPS = 1e-9

@@ -16,7 +16,7 @@ import numpy as np
 
 from unisched import dataflow, network
 from unisched.costs import Costs
-from unisched.dataflow import EDGE_PRIMARY, EDGE_STASH, Items
+from unisched.dataflow import EDGE_STASH, Items
 from unisched.errors import ShapeError, StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.strategy import Gang, Strategy

@@ -11,11 +11,12 @@ from typing import Any, Callable, Sequence
 import networkx as nx
 import numpy as np
 
+from unisched.costs import DEFAULT_COSTS, Costs
+from unisched.dataflow import EDGE_PRIMARY
 from unisched.errors import ShapeError
 from unisched.simulate import engine, fast
-from unisched.costs import DEFAULT_COSTS, Costs
 from unisched.simulate.priorities import OldestBatchFirst
-from unisched.simulate.problem import EDGE_PRIMARY, build
+from unisched.simulate.problem import build
 from unisched.simulate.transfers import transfers
 from unisched.strategy import Strategy, as_strategy
 from unisched.timeline import Timeline

@@ -611,6 +611,3 @@ def _named(work: Work) -> str:
     """``"backward of stage 1, batch 0 (1B0)"``: readable, and the compact form to search for."""
     direction = Direction(work.direction).name.lower().replace("_", " ")
     return f"{direction} of stage {work.stage}, batch {work.batch} ({work})"
-
-
-# ---------------------------------------------------------------------- fixed schedules

@@ -62,7 +62,8 @@ class ProgramError(UniSchedError, ValueError):
     """A schedule that cannot be compiled into programs for these ranks and stages."""
 
 
-COMPUTE_OPS = "FBIW"
+COMPUTE_OPS = "".join(d.letter for d in Direction)
+"""Letters of the compute actions: one per :class:`~unisched.Direction`."""
 MESSAGE_KINDS = {
     "F": "activation",
     "B": "gradient",
@@ -175,7 +176,7 @@ class Action:
         return f"{self.stage}{self.op}"
 
 
-_TEXT = re.compile(r"^(\d+)([FBIWXVwrRO])(\d*)(?:([<>])(\d+))?(?:\[([\d,]*)\])?$")
+_TEXT = re.compile(rf"^(\d+)([{COMPUTE_OPS}XVwrRO])(\d*)(?:([<>])(\d+))?(?:\[([\d,]*)\])?$")
 
 
 def parse_action(text: str) -> Action:

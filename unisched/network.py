@@ -27,7 +27,8 @@ Tensor-parallel collective
     better model of it changes one function.
 
 Contention (transfers queueing on a busy link) is not modelled here: it
-depends on what else is in flight, which only the simulator knows.
+depends on what else is in flight, which only the simulator knows; it books
+the serialisation part of :func:`link_times` on its link calendars.
 """
 
 from __future__ import annotations
@@ -44,8 +45,16 @@ def transfer_time(costs: Costs, src: int, dst: int, nbytes):
     """Time to move ``nbytes`` (a number or an array) from worker src to dst."""
     if src == dst:
         return np.zeros_like(np.asarray(nbytes, dtype=float)) if np.ndim(nbytes) else 0.0
+    latency, serialisation = link_times(costs, src, dst, nbytes)
+    return latency + serialisation
+
+
+def link_times(costs: Costs, src: int, dst: int, nbytes) -> tuple:
+    """The two parts of a transfer from src to dst (src != dst): the link's
+    latency, and the time ``nbytes`` occupy the link (what queues transfers
+    on a busy link, which the simulator books)."""
     link = costs.link(src, dst)
-    return link.latency + nbytes / link.bandwidth
+    return link.latency, nbytes / link.bandwidth
 
 
 def ring_allreduce_time(costs: Costs, members: Sequence[int], nbytes):
@@ -95,6 +104,7 @@ def transfer_matrix(costs: Costs, num_workers: int, nbytes) -> np.ndarray:
 
 __all__ = [
     "link_arrays",
+    "link_times",
     "ring_allreduce_time",
     "tensor_parallel_time",
     "transfer_matrix",

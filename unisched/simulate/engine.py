@@ -222,12 +222,12 @@ class _Communication:
         self.grads_left = dict(p.gradient_returns)
 
     def _send(self, kind: str, src: int, dst: int, ready: float, nbytes: float, item: int) -> float:
-        occupy = nbytes / self.p.link(src, dst)[1]
+        latency, occupy = network.link_times(self.p.costs, src, dst, nbytes)
         link = self.links.get((src, dst))
         if link is None:
             link = self.links[(src, dst)] = _Calendar()
         begin = link.book(ready, occupy)
-        arrive = begin + network.transfer_time(self.p.costs, src, dst, nbytes)
+        arrive = begin + latency + occupy
         self.rows.append((kind, src, dst, begin, arrive, nbytes, item))
         return arrive
 

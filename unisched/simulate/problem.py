@@ -39,8 +39,6 @@ EDGE_SEQUENCE = 2
 @dataclass(eq=False)
 class Problem:
     shape: Shape
-    split_backward: bool
-    dirs: tuple[Direction, ...]
     batch: np.ndarray
     stage: np.ndarray
     direction: np.ndarray
@@ -81,6 +79,10 @@ class Problem:
     def num_items(self) -> int:
         return len(self.worker_array)
 
+    @property
+    def split_backward(self) -> bool:
+        return self.items.split_backward
+
     @cached_property
     def worker(self) -> list:
         return self.worker_array.tolist()
@@ -114,10 +116,6 @@ class Problem:
         w = self.work(item)
         return f"{Direction(w.direction).letter}(stage {w.stage}, batch {w.batch})"
 
-    def link(self, src: int, dst: int) -> tuple[float, float]:
-        link = self.costs.link(src, dst)
-        return link.latency, link.bandwidth
-
     @cached_property
     def succ_moves(self) -> tuple[list, list]:
         """For each followed edge (CSR order): what it moves and how many bytes."""
@@ -150,7 +148,6 @@ def build(
     (default: when the costs give sizes) or stashes."""
     W, S, B = shape
     items = Items(S, B, split_backward)
-    dirs = items.dirs
     n = items.count
     batch, stage, direction = items.arrays()
 
@@ -198,8 +195,6 @@ def build(
 
     return Problem(
         shape=shape,
-        split_backward=split_backward,
-        dirs=dirs,
         items=items,
         batch=batch,
         stage=stage,

@@ -39,6 +39,7 @@ Weights
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, NamedTuple
 
 import networkx as nx
@@ -78,10 +79,15 @@ class Items:
         """The id of ``Work(batch, stage, direction)``; works on ints and on arrays."""
         return (np.asarray(batch) * self.num_stages + np.asarray(stage)) * len(self.dirs) + self._position(direction)
 
-    def _position(self, direction):
+    @cached_property
+    def _positions(self) -> np.ndarray:
+        """Direction code -> its position k in ``dirs`` (-1: not a pass of this step; the last slot catches codes out of range)."""
         table = np.full(5, -1, dtype=np.int64)
         table[list(self.dirs)] = np.arange(len(self.dirs))
-        position = table[np.clip(np.asarray(direction, dtype=np.int64), -1, 4)]
+        return table
+
+    def _position(self, direction):
+        position = self._positions[np.clip(np.asarray(direction, dtype=np.int64), -1, 4)]
         if np.any(position < 0):
             raise ShapeError(f"direction {direction!r} is not a pass of this step (split_backward={self.split_backward})")
         return position if np.ndim(position) else int(position)

@@ -258,15 +258,12 @@ def test_data_edges_are_the_chain_rule(S, B, split):
     assert set(found) == chain_edges_as_written_before(problem)
 
 
-def test_item_ids_are_the_dataflow_encoding():
+def test_the_item_grid_is_the_dataflow_encoding():
     problem = PlanProblem(Shape(2, 3, 4), split_backward=True)
-    batch, stage, direction = problem.item_arrays()
-    assert problem.num_items == len(batch) == 4 * 3 * 3
-    for i in (0, 5, 17, 35):
-        assert problem.item(batch[i], stage[i], direction[i]) == i
+    assert problem.num_items == problem.items.count == 4 * 3 * 3
     grid = problem.item_grid()
     assert grid.shape == (4, 3, 3) and np.array_equal(np.sort(grid.ravel()), np.arange(36))
-    assert grid[2, 1, problem.dirs.index(BACKWARD_WEIGHT)] == problem.item(2, 1, BACKWARD_WEIGHT)
+    assert grid[2, 1, problem.dirs.index(BACKWARD_WEIGHT)] == problem.items.id(2, 1, BACKWARD_WEIGHT)
 
 
 # ---------------------------------------------------------------------- the order model is exact

@@ -248,7 +248,7 @@ def _item(problem: PlanProblem, text: Any, source: str) -> int:
             f"{source}: {text!r} is not a work item of W={W}, S={S}, B={B} (expected e.g. '0F0'); "
             "the file is for another shape or is damaged"
         )
-    return problem.item(work.batch, work.stage, work.direction)
+    return int(problem.items.id(work.batch, work.stage, work.direction))
 
 
 def jsonable(value):

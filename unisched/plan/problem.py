@@ -130,14 +130,6 @@ class PlanProblem:
     def num_items(self) -> int:
         return self.items.count
 
-    def item(self, batch: int, stage: int, direction: Direction) -> int:
-        """The id of ``Work(batch, stage, direction)`` (see :class:`unisched.dataflow.Items`)."""
-        return int(self.items.id(batch, stage, direction))
-
-    def item_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(batch, stage, direction) of every item id."""
-        return self.items.arrays()
-
     def item_grid(self) -> np.ndarray:
         """A (B, S, D) array: the id of Work(b, s, dirs[k]) at [b, s, k]."""
         W, S, B = self.shape

@@ -11,7 +11,7 @@ import numpy as np
 from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy, fixed_strategy
-from unisched.work import Direction, Work
+from unisched.work import Work
 
 from unisched.plan.problem import PlanProblem
 
@@ -41,11 +41,7 @@ class Schedule:
         return self.problem.items.work(item)
 
     def worker_orders(self) -> dict[int, list[Work]]:
-        batch, stage, direction = self.problem.item_arrays()
-        return {
-            w: [Work(int(batch[i]), int(stage[i]), Direction(int(direction[i]))) for i in order]
-            for w, order in self.orders.items()
-        }
+        return {w: [self.work(i) for i in order] for w, order in self.orders.items()}
 
     def strategy(self, description: str = "") -> Strategy:
         """The strategy the simulator and the executor replay this schedule as."""

@@ -563,9 +563,9 @@ def _ensure_process_group(timeout: float) -> None:
     raise."""
     if _distributed() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return
-    from unisched.execute.runtime import _ensure_process_group as start
+    from unisched.execute.runtime import ensure_process_group
 
-    start(timeout)
+    ensure_process_group(timeout)
 
 
 def _agree(error: Exception | None) -> None:

@@ -210,9 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = None
     try:
         if not dist.is_initialized():
-            from unisched.execute.runtime import _ensure_process_group
+            from unisched.execute.runtime import ensure_process_group
 
-            _ensure_process_group(args.timeout)
+            ensure_process_group(args.timeout)
         workers = dist.get_world_size()
         schedule, S, B = make_schedule(args, workers)
         stages, loss_fn, data = build(args.model, S, args.width)

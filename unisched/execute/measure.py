@@ -79,16 +79,13 @@ class RankNotes:
     end: float = 0.0
 
 
-def assemble(program, notes: Sequence[RankNotes], activation_bytes, weight_bytes, offsets=None, label="",
-             output_bytes=None) -> Timeline:
+def assemble(program, notes: Sequence[RankNotes], activation_bytes, output_bytes, weight_bytes, offsets=None,
+             label="") -> Timeline:
     """One measured Timeline from every rank's notes, times from the earliest step start.
 
     ``activation_bytes[s]``: stage s's inputs for one micro-batch;
     ``output_bytes[s]``: its output, the size of every message that carries
-    that output, a stash of it, or its gradient (default: ``activation_bytes``
-    of the stage it feeds, which is exact for a chain)."""
-    if output_bytes is None:
-        output_bytes = [activation_bytes[c[0]] if c else 0.0 for c in program.stage_graph.successors]
+    that output, a stash of it, or its gradient."""
     offsets = offsets or [0.0] * len(notes)
     origin = min(n.begin - offsets[n.rank] for n in notes)
 

@@ -92,7 +92,7 @@ class Trainer:
         device: torch.device | str | None = None,
     ):
         self.timeline_in, self.label, graph = _schedule_timeline(schedule)
-        _ensure_process_group(timeout)
+        ensure_process_group(timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.timeout = float(timeout)
@@ -581,8 +581,8 @@ class Trainer:
         dist.gather_object(notes, everyone, dst=0, group=self._control)
         if self.rank == 0:
             self.last_timeline = assemble(
-                self.program, everyone, self._input_bytes(), self.weight_bytes, self._offsets, label=self.label,
-                output_bytes=self._output_bytes(),
+                self.program, everyone, self._input_bytes(), self._output_bytes(), self.weight_bytes, self._offsets,
+                label=self.label,
             )
 
     def _input_bytes(self) -> list[float]:
@@ -697,7 +697,10 @@ def _schedule_timeline(schedule) -> tuple[Timeline, str, StageGraph | None]:
 
 
 
-def _ensure_process_group(timeout: float) -> None:
+def ensure_process_group(timeout: float) -> None:
+    """Start the default process group from torchrun's variables (NCCL with
+    CUDA, gloo otherwise) unless one is running; the one bootstrap of
+    unisched, used by the Trainer, the examples and :mod:`unisched.epl`."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

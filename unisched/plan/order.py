@@ -149,7 +149,7 @@ def make_solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSo
 def _releases(timed: TimedProblem, compute, weight) -> np.ndarray:
     """Ticks before which an item cannot start: its borrowed weights' arrival."""
     stage = timed.stage
-    borrowed = compute != weight
+    borrowed = dataflow.fetches_weights(compute, weight)
     release = np.zeros(len(compute), dtype=np.int64)
     release[borrowed] = timed.fetch[weight[borrowed], compute[borrowed], stage[borrowed]]
     return release

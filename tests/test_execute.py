@@ -558,6 +558,7 @@ def test_example_saves_the_timeline_from_short_runs(tmp_path):
 def _bare_trainer(stages) -> Trainer:
     trainer = Trainer.__new__(Trainer)
     trainer.stages, trainer.device = stages, torch.device("cpu")
+    trainer.world_size, trainer.rank, trainer._runs = 1, 0, set(range(len(stages)))
     return trainer
 
 

@@ -1,6 +1,8 @@
-"""The executor over stage graphs: its messages come from unisched.dataflow, a
-stage DAG trains on gloo like one process, and what cannot run (several
-sinks, gangs) is refused by name at compile time."""
+"""The executor over stage graphs and gangs: its messages come from
+unisched.dataflow, a stage DAG and a stage run by a gang of ranks (tensor
+parallel or sharing rows) train on gloo like one process, and what cannot
+run (several sinks, a gang with a split backward) is refused by name at
+compile time."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ from torch import nn
 import unisched
 from unisched import ComputeAndWeightWorkers, Direction, Work, simulate
 from unisched.execute import ProgramError, Trainer, compile_program, train_one_process
+from unisched.execute.program import validate
 from unisched.execute.launch import run_local
-from unisched.strategy import Strategy
+from unisched.strategy import Gang, Strategy
 
 from test_execute import WIDTH, batch, optimizer
 
 TWO_LEGS = [(0, 2), (1, 2)]
+CHAIN = [(0, 1), (1, 2)]
 DIAMOND = [(0, 1), (0, 2), (1, 3), (2, 3)]
 W, B = 3, 4
 
@@ -96,14 +100,19 @@ def single_process(edges, steps: int = 2) -> dict[str, torch.Tensor]:
     return train_one_process(make_stages(edges), nn.functional.mse_loss, optimizer, batches, stage_graph=graph_of(edges))[1]
 
 
-def gang_schedule():
-    """A chain whose stage 1 runs on the gang of workers 1 and 2 (tensor parallelism)."""
+def gang_schedule(collective: bool = True, split_backward: bool = False):
+    """A chain whose stage 1 runs on the gang of workers 1 and 2: tensor
+    parallel (each member runs the whole micro-batch; with unsplit modules
+    the shards are whole copies) or sharing the rows."""
     strategy = Strategy(
         mapping=lambda w: ComputeAndWeightWorkers(w.stage, w.stage),
-        name="tensor_parallel_stage_1",
-        gang=lambda w: (1, 2) if w.stage == 1 else None,
+        name="tensor_parallel_stage_1" if collective else "rows_stage_1",
+        gang=lambda w: Gang((1, 2), collective) if w.stage == 1 else None,
     )
-    return simulate(W, 3, B, strategy)
+    return simulate(W, 3, B, strategy, split_backward=split_backward)
+
+
+GANGS = {"tensor_parallel": True, "rows": False}
 
 
 # ---------------------------------------------------------------------- compiled programs
@@ -174,15 +183,45 @@ def test_a_stage_graph_that_contradicts_the_timeline_is_refused():
         compile_program(schedule("legs").timeline, stage_graph=nx.path_graph(3, create_using=nx.DiGraph))
 
 
-def test_a_gang_schedule_is_refused_naming_its_first_item_and_workers():
-    from unisched.execute.runtime import _schedule_timeline
+@pytest.mark.parametrize("kind", list(GANGS))
+def test_every_gang_member_runs_the_gang_items_and_only_the_first_member_talks(kind):
+    program = compile_program(gang_schedule(GANGS[kind]).timeline)
+    ranks = [str(program).splitlines()[r] for r in range(W)]
+    gang_items = [w for w in program.compute_order(1) if w.stage == 1]
+    assert len(gang_items) == 2 * B and [w for w in program.compute_order(2) if w.stage == 1] == gang_items
+    assert "1F0<0" in ranks[1] and "1F0<" not in ranks[2], "only the first member receives the gang's input"
+    assert "0B0>0" in ranks[1] and "0B0>" not in ranks[2], "only the first member sends its input gradient"
+    if GANGS[kind]:
+        assert program.shares[1] == {1: 0, 2: 1}, "member i holds shard i"
+        assert "1w" not in str(program) and "1r" not in str(program)
+    else:
+        assert program.shares[1] == {1: 0}, "a gang that shares rows computes with the weight worker's whole stage"
+        assert "1w>2" in ranks[1] and "1r>1" in ranks[2]
 
-    sim = gang_schedule()
-    assert np.any(sim.timeline.gang >= 0)
-    for given_schedule in (sim, sim.timeline):
-        timeline, _, graph = _schedule_timeline(given_schedule)
-        with pytest.raises(ProgramError, match=r"work item 1F0 runs on the gang of workers \[1, 2\].*unisched\.epl"):
-            compile_program(timeline, stage_graph=graph)
+
+def test_a_gang_with_a_split_backward_is_refused_naming_its_item():
+    with pytest.raises(ProgramError, match=r"work item 1F0 runs on the gang of workers \[1, 2\].*split_backward"):
+        compile_program(gang_schedule(split_backward=True).timeline)
+
+
+def test_a_gang_whose_backward_runs_elsewhere_is_refused():
+    strategy = Strategy(
+        mapping=lambda w: ComputeAndWeightWorkers(w.stage, w.stage),
+        name="forward_only_gang",
+        gang=lambda w: Gang((1, 2)) if w.stage == 1 and w.direction == Direction.FORWARD else None,
+    )
+    with pytest.raises(ProgramError, match=r"1F0 runs on the gang of workers \[1, 2\] but its backward 1B0 on \[1\]"):
+        compile_program(simulate(W, 3, B, strategy).timeline)
+
+
+def test_a_gang_replay_blocks_members_until_the_first_member_has_its_input():
+    """The deadlock replay treats a gang item as a collective: a member waits
+    at it until the first member arrives with its input."""
+    program = compile_program(gang_schedule().timeline)
+    validate(program)
+    program.actions[2] = [a for a in program.actions[2] if not (a.is_compute and a.work == Work(3, 1, Direction.BACKWARD))]
+    with pytest.raises(unisched.DeadlockError, match=r"ranks \[2\] to join the gang item 1B3"):
+        validate(program)
 
 
 # ---------------------------------------------------------------------- real runs on gloo
@@ -200,13 +239,18 @@ def _train_dags(rank: int, world: int):
                 "measured": None if trainer.last_timeline is None else len(trainer.last_timeline),
             }
             trainer.close()
-    gang = gang_schedule()
-    for form, given_schedule in (("simulation", gang), ("timeline", gang.timeline)):
-        try:
-            Trainer(make_stages([(0, 1), (1, 2)]), given_schedule, nn.functional.mse_loss, optimizer, timeout=30)
-            out[("gang", form)] = None
-        except ProgramError as error:
-            out[("gang", form)] = str(error)
+    for kind, collective in GANGS.items():
+        gang = gang_schedule(collective)
+        for form, given_schedule in (("simulation", gang), ("timeline", gang.timeline)):
+            trainer = Trainer(make_stages(CHAIN), given_schedule, nn.functional.mse_loss, optimizer, timeout=30)
+            for step in range(2):
+                trainer.step(*batch(step))
+            out[(kind, form)] = {
+                "state": {k: v.numpy() for k, v in trainer.gather_state_dict().items()},
+                "order": [str(w) for w in trainer.program.compute_order(rank)],
+                "measured": None if trainer.last_timeline is None else trainer.last_timeline.worker_orders(),
+            }
+            trainer.close()
     return out
 
 
@@ -236,8 +280,14 @@ def test_a_stage_dag_trains_like_one_process(trained, name, form):
 
 
 @pytest.mark.parametrize("form", ["simulation", "timeline"])
-def test_a_trainer_refuses_a_gang_schedule_on_every_rank(trained, form):
-    for rows in trained:
-        error = rows[("gang", form)]
-        assert error is not None and "work item 1F0 runs on the gang of workers [1, 2]" in error
-        assert "unisched.epl" in error
+@pytest.mark.parametrize("kind", list(GANGS))
+def test_a_gang_stage_trains_like_one_process(trained, kind, form):
+    reference = single_process(CHAIN)
+    simulated = gang_schedule(GANGS[kind]).timeline
+    expected = simulated.per_worker().worker_orders()
+    for rank, rows in enumerate(trained):
+        state = rows[(kind, form)]["state"]
+        for key, value in reference.items():
+            assert np.abs(state[key] - value.numpy()).max() < 1e-5, f"{kind} ({form}): rank {rank} differs in {key}"
+        assert rows[(kind, form)]["order"] == [str(w) for w in expected[rank]], f"rank {rank} runs another order"
+    assert trained[0][(kind, form)]["measured"] == simulated.worker_orders()

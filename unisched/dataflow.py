@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
@@ -259,6 +259,22 @@ def replicas(stage: np.ndarray, weight: np.ndarray, num_stages: int) -> list[tup
     return [tuple(sorted(h)) for h in held]
 
 
+# ---------------------------------------------------------------------- gangs
+def weight_share(members: Sequence[int], collective: bool, worker: int) -> int:
+    """Which share of its stage's weights ``worker`` computes with as a member
+    of a gang: a tensor-parallel gang (``collective``) cuts them in
+    ``len(members)`` shards, member i taking shard i; a gang that splits the
+    micro-batch's rows, or a worker alone, uses the whole stage (share 0)."""
+    return list(members).index(worker) if collective else 0
+
+
+def share_holder(weight_worker: int, share: int, weight_gang: Sequence[int] | None) -> int:
+    """The worker that holds the weights of truth of ``share``: the member at
+    that position of the tensor-parallel gang the weight worker computes the
+    stage with, or the weight worker itself for a whole stage."""
+    return weight_worker if weight_gang is None else int(weight_gang[share])
+
+
 __all__ = [
     "EDGE_PRIMARY",
     "EDGE_STASH",
@@ -274,6 +290,8 @@ __all__ = [
     "moved_stage",
     "replicas",
     "returns_gradient",
+    "share_holder",
     "stash_share_array",
     "stash_shares",
+    "weight_share",
 ]

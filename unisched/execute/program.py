@@ -51,11 +51,22 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import networkx as nx
+import numpy as np
 
-from unisched.dataflow import Flow, Items, first_backward, flows, gradient_pass, replicas, returns_gradient
+from unisched.dataflow import (
+    Flow,
+    Items,
+    first_backward,
+    flows,
+    gradient_pass,
+    returns_gradient,
+    share_holder,
+    weight_share,
+)
 from unisched.errors import DeadlockError, UniSchedError
+from unisched.strategy import Gang
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, StageGraph, Work, as_stage_graph
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, StageGraph, Work, as_stage_graph
 
 
 class ProgramError(UniSchedError, ValueError):
@@ -197,9 +208,14 @@ def parse_action(text: str) -> Action:
 class Program:
     """Every rank's instruction list, and what the runtime needs around it.
 
-    ``replicas[s]``: the weight workers of stage s (they hold its weights of
-    truth; several means replicas, all-reduced).  ``stage_graph``: which
-    stage feeds which; its one sink computes the loss.
+    ``replicas[s]``: the ranks that hold stage s's weights of truth;
+    ``shares[s]`` says which share each holds (0: the whole stage, i: shard
+    i of a tensor-parallel gang); holders of one share are replicas that
+    all-reduce it.  ``offloaded``: (rank, stage) pairs whose weights of
+    truth the rank keeps in host memory (a schedule's host worker).
+    ``gangs``: the items several ranks run jointly (their first member
+    receives and sends for the gang).  ``stage_graph``: which stage feeds
+    which; its one sink computes the loss.
     """
 
     num_ranks: int
@@ -213,6 +229,9 @@ class Program:
     compute_worker: dict[Work, int]
     uses: list[dict[tuple, int]] = field(default_factory=list)
     stage_graph: StageGraph | None = None
+    gangs: dict[Work, Gang] = field(default_factory=dict)
+    shares: list[dict[int, int]] = field(default_factory=list)
+    offloaded: set[tuple[int, int]] = field(default_factory=set)
     _flows_memo: dict = field(default_factory=dict, repr=False, compare=False)
     _reads_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -234,8 +253,21 @@ class Program:
         """The rank that evaluates the loss of micro-batch ``batch``."""
         return self.compute_worker[Work(batch, self.loss_stage, first_backward(self.split_backward))]
 
+    def members(self, work: Work) -> tuple[int, ...]:
+        """The ranks that run ``work``: its gang, or its compute worker alone."""
+        gang = self.gangs.get(work)
+        return tuple(gang.workers) if gang is not None else (self.compute_worker[work],)
+
+    def reduce_group(self, rank: int, stage: int) -> tuple[int, ...]:
+        """The holders of the same share of ``stage`` as ``rank``: the replicas it all-reduces with."""
+        shares = self.shares[stage]
+        return tuple(sorted(h for h, share in shares.items() if share == shares[rank]))
+
     def reads(self, work: Work, rank: int) -> Reads:
-        """What ``work`` reads on ``rank`` (whether local or received)."""
+        """What ``work`` reads on ``rank`` (whether local or received); a gang
+        member other than the first gets everything from the gang."""
+        if rank != self.compute_worker[work]:
+            return Reads()
         reads = self._reads_memo.get((work, rank))
         if reads is None:
             reads = self._reads_memo[(work, rank)] = _reads(work, rank, self.flows(work), self.compute_worker,
@@ -253,7 +285,12 @@ class Program:
 
     def groups(self) -> list[tuple[int, ...]]:
         """Distinct replica sets with more than one member, in a fixed order."""
-        return sorted({g for g in self.replicas if len(g) > 1})
+        return sorted({g for s, shares in enumerate(self.shares) for r in shares
+                       if len(g := self.reduce_group(r, s)) > 1})
+
+    def gang_groups(self) -> list[tuple[int, ...]]:
+        """Distinct gangs, in a fixed order."""
+        return sorted({tuple(g.workers) for g in self.gangs.values()})
 
 
 def loss_stage(graph: StageGraph) -> int:
@@ -288,11 +325,7 @@ def compile_program(
     Timeline's own; neither means a chain.
     """
     W, S, B = timeline.shape
-    if world_size is not None and world_size != W:
-        raise ProgramError(
-            f"the schedule is for {W} workers but the world has {world_size} ranks; "
-            f"launch {W} processes (torchrun --nproc-per-node {W}) or simulate the strategy for {world_size} workers"
-        )
+    ranks = _ranks(timeline, world_size)
     if num_stages is not None and num_stages != S:
         raise ProgramError(
             f"the schedule has {S} stages but {num_stages} stage modules were given; "
@@ -300,47 +333,76 @@ def compile_program(
         )
     graph = schedule_graph(timeline, stage_graph)
     loss_stage(graph)
-    _refuse_gangs(timeline)
     split = bool(timeline.split_backward)
-    orders = [timeline.worker_order(w) for w in range(W)]
     compute, weight = _mapping(timeline, split)
+    gangs = _gangs(timeline, compute, split, ranks)
+    per_worker = timeline.per_worker().worker_orders()
+    orders = [per_worker[r] for r in range(ranks)]
+    weights = _Weights(compute, weight, gangs, ranks, S)
 
-    held = replicas(timeline.stage, timeline.weight_worker, S)
-    builder = _Builder(W, held)
+    held = [tuple(sorted(shares)) for shares in weights.shares]
+    builder = _Builder(ranks)
     program = Program(
-        num_ranks=W,
+        num_ranks=ranks,
         num_stages=S,
         num_batches=B,
         split_backward=split,
-        actions=[builder.programs[r] for r in range(W)],
+        actions=[builder.programs[r] for r in range(ranks)],
         messages=builder.messages,
         replicas=held,
-        weight_worker=weight,
+        weight_worker=weights.weight,
         compute_worker=compute,
         stage_graph=graph,
+        gangs=gangs,
+        shares=weights.shares,
+        offloaded=weights.offloaded,
     )
+    builder.reduce_group = program.reduce_group
     routes = _Routes(program)
-    for rank, stage, source in _fetches(orders, weight, held):
+    for rank, stage, source in _fetches(orders, weights):
         builder.message("w", source, rank, stage, -1, ("w", stage))
-    for rank in range(W):
-        returns = _returns(orders[rank], rank, weight, held, split)
+    for rank in range(ranks):
+        returns = _returns(orders[rank], rank, weights, split)
         for work in orders[rank]:
-            builder.sends[work] = [builder.message(*send) for send in routes.sends_after(work)]
+            sends = routes.sends_after(work) if compute[work] == rank else []
+            builder.sends[(rank, work)] = [builder.message(*send) for send in sends]
             if work in returns:
-                builder.sends[work].append(builder.message("r", rank, returns[work], work.stage, -1, ("r", work.stage)))
+                builder.sends[(rank, work)].append(
+                    builder.message("r", rank, returns[work], work.stage, -1, ("r", work.stage)))
     returned = {m.stage for m in builder.messages if m.letter == "r"}
-    builder.reduces = _reduce_points(orders, held, split, returned)
-    for rank in range(W):
+    builder.reduces = _reduce_points(orders, program, split, returned)
+    for rank in range(ranks):
         builder.emit_rank(rank, orders[rank], program.reads, lookahead)
-    for rank in range(W):
+    for rank in range(ranks):
         for s in builder.reduces[rank].get(len(orders[rank]), []):
-            builder.programs[rank].append(Action("R", s, group=held[s]))
+            builder.programs[rank].append(Action("R", s, group=program.reduce_group(rank, s)))
         for s in range(S):
             if rank in held[s]:
                 builder.programs[rank].append(Action("O", s))
-    program.uses = [_uses(program, r) for r in range(W)]
+    program.uses = [_uses(program, r) for r in range(ranks)]
     validate(program)
     return program
+
+
+def _ranks(timeline: Timeline, world_size: int | None) -> int:
+    """How many ranks run the schedule.  Workers from ``world_size`` on may
+    only hold weights: worker ``world_size + d`` is rank d's host memory
+    (weights of truth offloaded there), so a schedule may have up to twice
+    as many workers as ranks."""
+    W = timeline.num_workers
+    if world_size is None or world_size == W:
+        return W
+    busy = set(timeline.occupancy()[1].tolist())
+    if world_size < W <= 2 * world_size and max(busy, default=0) < world_size:
+        return world_size
+    hosts = ""
+    if W > world_size:
+        hosts = (f" (workers {world_size}.. may only hold weights, as rank d's host memory {world_size} + d, "
+                 f"but worker {max(busy)} computes)") if W <= 2 * world_size else ""
+    raise ProgramError(
+        f"the schedule is for {W} workers but the world has {world_size} ranks{hosts}; "
+        f"launch {W} processes (torchrun --nproc-per-node {W}) or simulate the strategy for {world_size} workers"
+    )
 
 
 def schedule_graph(timeline: Timeline, stage_graph: StageGraph | nx.DiGraph | None = None) -> StageGraph:
@@ -359,20 +421,100 @@ def schedule_graph(timeline: Timeline, stage_graph: StageGraph | nx.DiGraph | No
     return graph
 
 
-def _refuse_gangs(timeline: Timeline) -> None:
-    """A gang item (tensor parallelism) needs its workers to run it jointly;
-    a program runs each item on one rank, so it is refused, not run alone."""
-    ganged = [i for i in timeline.order() if timeline.gang[i] >= 0]
-    if not ganged:
-        return
-    first = ganged[0]
-    members = list(timeline.gang_members[timeline.gang[first]])
-    raise ProgramError(
-        f"work item {timeline.work(first)} runs on the gang of workers {members} (tensor parallelism), but a "
-        f"program runs each item on one rank: worker {int(timeline.worker[first])} would run the whole stage alone, "
-        f"without the shards and collectives the schedule counts on ({len(ganged)} gang item(s) in all); train "
-        f"tensor-parallel models with unisched.epl's Trainer (runtime='groups'), or schedule the strategy without gang="
-    )
+def _gangs(timeline: Timeline, compute: dict[Work, int], split: bool, ranks: int) -> dict[Work, Gang]:
+    """The items a gang of ranks runs jointly.  Its first member is the
+    item's compute worker, and the forward and the backward of a micro-batch
+    run on one gang (it keeps the forward's graph for the backward, so a
+    split backward or a backward elsewhere is refused by name)."""
+    found: dict[Work, Gang] = {}
+    for row in np.flatnonzero(timeline.gang >= 0).tolist():
+        index = int(timeline.gang[row])
+        members = tuple(timeline.gang_members[index])
+        work = timeline.work(row)
+        if members[0] != compute[work] or max(members) >= ranks:
+            raise ProgramError(
+                f"work item {work} runs on the gang of workers {list(members)}, whose first member must be its "
+                f"compute worker {compute[work]} and every member one of the {ranks} ranks; list the gang that way"
+            )
+        found[work] = Gang(members, bool(timeline.gang_collective[index]))
+    if found and split:
+        first = min(found, key=lambda w: (w.batch, w.stage, int(w.direction)))
+        raise ProgramError(
+            f"work item {first} runs on the gang of workers {list(found[first].workers)}, but the schedule splits "
+            f"its backwards into input and weight passes; a gang runs each backward in one pass, so schedule it "
+            f"without split_backward"
+        )
+    for work, gang in found.items():
+        if work.direction != FORWARD:
+            continue
+        back = Work(work.batch, work.stage, BACKWARD)
+        if found.get(back) != gang:
+            where = found[back].workers if back in found else (compute[back],)
+            raise ProgramError(
+                f"work item {work} runs on the gang of workers {list(gang.workers)} but its backward {back} on "
+                f"{list(where)}; a gang keeps the forward's graph for its backward, so map both to the same gang"
+            )
+    return found
+
+
+class _Weights:
+    """Who holds the weights each rank computes with.
+
+    A weight worker from the ranks' number on is the host memory of rank
+    ``worker - ranks``: that rank holds the weights of truth there
+    (``offloaded``).  A member of a tensor-parallel gang computes with its
+    shard (:func:`unisched.dataflow.weight_share`), whose truth is held by
+    the member at that position of the gang the weight worker runs the stage
+    with (:func:`unisched.dataflow.share_holder`)."""
+
+    def __init__(self, compute: dict[Work, int], weight: dict[Work, int], gangs: dict[Work, Gang], ranks: int,
+                 num_stages: int):
+        self.gangs = gangs
+        self.offloaded: set[tuple[int, int]] = set()
+        self.weight: dict[Work, int] = {}
+        on_device: set[tuple[int, int]] = set()
+        for work, worker in weight.items():
+            rank = worker - ranks if worker >= ranks else worker
+            (self.offloaded if worker >= ranks else on_device).add((rank, work.stage))
+            self.weight[work] = rank
+        mixed = self.offloaded & on_device
+        if mixed:
+            rank, stage = min(mixed)
+            raise ProgramError(
+                f"stage {stage}'s weights are held both by rank {rank} and by its host memory (worker "
+                f"{rank + ranks}); give each stage's weights one place per rank"
+            )
+        self.tensor_parallel = {
+            (compute[work], work.stage): tuple(gang.workers) for work, gang in gangs.items() if gang.collective
+        }
+        self.shares: list[dict[int, int]] = [{} for _ in range(num_stages)]
+        for work in compute:
+            for rank in gangs[work].workers if work in gangs else (compute[work],):
+                holder, share = self.holder(work, rank)
+                if self.shares[work.stage].setdefault(holder, share) != share:
+                    raise ProgramError(
+                        f"rank {holder} would hold two shares of stage {work.stage}'s weights (for {work} on rank "
+                        f"{rank}); give each tensor-parallel gang of a stage the same size and its own weight worker"
+                    )
+
+    def holder(self, work: Work, rank: int) -> tuple[int, int]:
+        """(rank holding the weights of truth, share) that ``rank`` computes ``work`` with."""
+        worker, gang = self.weight[work], self.gangs.get(work)
+        if gang is None or not gang.collective:
+            return worker, 0
+        share = weight_share(gang.workers, True, rank)
+        weight_gang = self.tensor_parallel.get((worker, work.stage))
+        if weight_gang is None or len(weight_gang) != len(gang.workers):
+            raise ProgramError(
+                f"work item {work} runs tensor-parallel on the gang {list(gang.workers)}, but its weight worker "
+                f"{worker} runs stage {work.stage} on no gang of {len(gang.workers)}, so no rank holds shard {share} "
+                f"of its weights; make the weight worker one that computes the stage with such a gang"
+            )
+        return share_holder(worker, share, weight_gang), share
+
+    def holds(self, rank: int, work: Work) -> bool:
+        """Whether ``rank`` holds the share of the weights it computes ``work`` with."""
+        return self.shares[work.stage].get(rank, -1) == self.holder(work, rank)[1]
 
 
 def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Work, int]]:
@@ -406,31 +548,32 @@ def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Wor
     return compute, weight
 
 
-def _fetches(orders, weight, held) -> Iterable[tuple[int, int, int]]:
-    """(rank, stage, source): a rank that computes a stage it holds no replica
-    of fetches its weights once, from the weight worker of its first item."""
+def _fetches(orders, weights: _Weights) -> Iterable[tuple[int, int, int]]:
+    """(rank, stage, source): a rank that computes a stage without holding
+    its share of the weights fetches them once, from the holder for its first item."""
     for rank, order in enumerate(orders):
         seen = set()
         for work in order:
-            if work.stage in seen or rank in held[work.stage]:
+            if work.stage in seen or weights.holds(rank, work):
                 continue
             seen.add(work.stage)
-            yield rank, work.stage, weight[work]
+            yield rank, work.stage, weights.holder(work, rank)[0]
 
 
-def _returns(order, rank, weight, held, split) -> dict[Work, int]:
+def _returns(order, rank, weights: _Weights, split) -> dict[Work, int]:
     """Last item of each stage that returns a weight gradient
     (:func:`unisched.dataflow.returns_gradient`) from a rank that holds no
-    replica of the stage -> the weight worker its accumulated gradient goes to.
+    replica of its share -> the holder its accumulated gradient goes to.
     A rank holding a replica computes with its own copy and all-reduces instead."""
     last = {}
     for work in order:
-        if rank not in held[work.stage] and returns_gradient(work.direction, rank, weight[work], split):
+        holder = weights.holder(work, rank)[0]
+        if not weights.holds(rank, work) and returns_gradient(work.direction, rank, holder, split):
             last[work.stage] = work
-    return {work: weight[work] for work in last.values()}
+    return {work: weights.holder(work, rank)[0] for work in last.values()}
 
 
-def _reduce_points(orders, held, split, returned: set[int]) -> list[dict[int, list[int]]]:
+def _reduce_points(orders, program: Program, split, returned: set[int]) -> list[dict[int, list[int]]]:
     """Where each replica posts each stage's gradient all-reduce: per rank,
     compute position -> stages to all-reduce right after that item (-1:
     before the first, len(order): at the end).
@@ -445,9 +588,10 @@ def _reduce_points(orders, held, split, returned: set[int]) -> list[dict[int, li
     grads = gradient_pass(split)
     points: list[dict[int, list[int]]] = [defaultdict(list) for _ in orders]
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for s, group in enumerate(held):
-        if len(group) > 1:
-            groups[group].append(s)
+    for s, shares in enumerate(program.shares):
+        for group in {program.reduce_group(r, s) for r in shares}:
+            if len(group) > 1:
+                groups[group].append(s)
     for group, stages in groups.items():
         last = {r: {} for r in group}
         for r in group:
@@ -572,14 +716,14 @@ def _produces(work: Work, graph: StageGraph, split: bool) -> set[tuple]:
 
 
 class _Builder:
-    def __init__(self, num_ranks: int, held: list[tuple[int, ...]]):
+    def __init__(self, num_ranks: int):
         self.messages: list[Message] = []
         self.by_dst_key: dict[tuple[int, tuple], Message] = {}
-        self.sends: dict[Work, list[Message]] = {}
+        self.sends: dict[tuple[int, Work], list[Message]] = {}
         self.channel_count: dict[tuple[int, int], int] = defaultdict(int)
         self.programs: dict[int, list[Action]] = {r: [] for r in range(num_ranks)}
         self.reduces: list[dict[int, list[int]]] = []
-        self.replicas = held
+        self.reduce_group = None
 
     def message(self, letter, src, dst, stage, batch, key, value=None) -> Message:
         """Messages are created in the order their sender posts them, so
@@ -624,16 +768,16 @@ class _Builder:
 
         reduces = self.reduces[rank]
         for s in reduces.get(-1, []):
-            acts.append(Action("R", s, group=self.replicas[s]))
+            acts.append(Action("R", s, group=self.reduce_group(rank, s)))
         for i, work in enumerate(order):
             for ahead in order[i : i + 1 + lookahead]:
                 for msg in inbound_of(ahead):
                     post(msg)
             acts.append(Action(Direction(work.direction).letter, work.stage, work.batch))
-            for msg in self.sends[work]:
+            for msg in self.sends[(rank, work)]:
                 acts.append(Action(msg.letter + ">", msg.stage, msg.batch, msg.dst, msg.index))
             for s in reduces.get(i, []):
-                acts.append(Action("R", s, group=self.replicas[s]))
+                acts.append(Action("R", s, group=self.reduce_group(rank, s)))
         for src, queue in channels.items():
             if cursor[src] < len(queue):
                 post(queue[-1])
@@ -669,6 +813,7 @@ def validate(program: Program) -> None:
     for m in program.messages:
         to_rank[m.dst].append(m)
     reached: dict[int, set[int]] = defaultdict(set)
+    joined: dict[Work, set[int]] = defaultdict(set)
     waiting: dict[int, str] = {}
 
     def blocker(rank: int, action: Action) -> str | None:
@@ -679,6 +824,12 @@ def validate(program: Program) -> None:
             for msg in needed:
                 if msg is not None and msg.index not in sent:
                     return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
+            if action.work in program.gangs:
+                members = program.gangs[action.work].workers
+                joined[action.work].add(rank)
+                missing = [m for m in members if m not in joined[action.work]]
+                if missing:
+                    return f"ranks {missing} to join the gang item {action}"
         elif action.op == "R":
             for msg in to_rank[rank]:
                 if msg.letter == "r" and msg.stage == action.stage and msg.index not in sent:
@@ -688,7 +839,7 @@ def validate(program: Program) -> None:
             for msg in to_rank[rank]:
                 if msg.index not in sent:
                     return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
-            group = program.replicas[action.stage]
+            group = program.reduce_group(rank, action.stage)
             missing = [r for r in group if len(group) > 1 and r not in reached[action.stage]]
             if missing:
                 return f"ranks {missing} to join the all-reduce of stage {action.stage}"

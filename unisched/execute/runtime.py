@@ -60,7 +60,7 @@ from unisched.execute.program import (
     value_stage,
 )
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD_WEIGHT, StageGraph, Work, as_stage_graph
+from unisched.work import BACKWARD_WEIGHT, FORWARD, StageGraph, Work, as_stage_graph
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -69,9 +69,20 @@ class Trainer:
     """Train ``stages`` under ``schedule`` on torch.distributed, one process per worker.
 
     ``stages``: one ``nn.Module`` per pipeline stage, built the same way on
-    every rank; each returns one tensor and takes one per predecessor in the
-    schedule's stage graph, in stage order (a source stage takes the
-    micro-batch).  ``schedule``: a :class:`unisched.Simulation` (or anything
+    every rank, or a factory ``stage_index -> nn.Module`` that the Trainer
+    calls for each stage during its set-up (an error there stops every rank
+    with the same message); each stage returns one tensor and takes one per
+    predecessor in the schedule's stage graph, in stage order (a source
+    stage takes the micro-batch).
+
+    An item the schedule gives to a gang of workers runs on every member:
+    a tensor-parallel gang (``Gang(..., collective=True)``) gives each
+    member the whole micro-batch and the first member's output (the stage
+    module, built for its member, does the collectives its shards need); a
+    gang that splits rows gives member i the i-th share of the rows and
+    gathers their outputs.  Weights held by a host worker (worker
+    ``world_size + d``) are kept in rank d's host memory with their
+    optimizer state, copied to the device for each step and released after.  ``schedule``: a :class:`unisched.Simulation` (or anything
     with ``.simulate()`` returning one, or a Timeline) for W = world size
     workers.  ``loss_fn(output,
     target)`` returns a scalar.  ``optimizer``: a callable ``params ->
@@ -99,15 +110,15 @@ class Trainer:
         self.record = record
         self.loss_fn = loss_fn
         self.device = _pick_device(device)
-        self.stages = list(stages)
+        self.stages: list[nn.Module] = []
 
         error, program = None, None
         try:
-            _check_stages(self.stages)
             program = compile_program(
-                self.timeline_in, num_stages=len(self.stages), world_size=self.world_size, lookahead=lookahead,
-                stage_graph=graph,
+                self.timeline_in, num_stages=None if _is_factory(stages) else len(stages),
+                world_size=self.world_size, lookahead=lookahead, stage_graph=graph,
             )
+            self.stages = _build_stages(stages, program.num_stages)
             self._set_up_stages(program, optimizer)
         except Exception as caught:
             error = caught
@@ -121,8 +132,10 @@ class Trainer:
             self._control = None
             raise
         self.program: Program = program
+        self._release_host_weights()
         self._p2p = dist.new_group(timeout=delta)
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
+        self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
         self._board = FaultBoard(_default_store(), f"unisched/{self._control.group_name}")
         self._offsets = self._clock_offsets()
 
@@ -135,6 +148,7 @@ class Trainer:
         }
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
+        self._runs = {a.stage for a in self._actions if a.is_compute}
         self._loss_stage = program.loss_stage
         self._last_loss_item = max(
             (i for i, a in enumerate(self._actions)
@@ -170,6 +184,7 @@ class Trainer:
         self._step_no += 1
         ticket = self._watchdog.arm()
         try:
+            self._load_host_weights()
             signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
             if self._meta is None or self._meta[0] != signature:
                 self._meta = (signature, self._infer_shapes(micro_in[0], self._graph))
@@ -188,14 +203,28 @@ class Trainer:
         return loss
 
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{"<stage>.<name>": tensor}``: every stage's weights of truth, on every rank (CPU tensors)."""
-        out = {}
-        for s, stage in enumerate(self.stages):
-            owner = self.program.replicas[s][0]
-            for name, tensor in stage.state_dict().items():
+        """``{"<stage>.<name>": tensor}``: every stage's weights of truth, on
+        every rank (CPU tensors); of a stage sharded over a tensor-parallel
+        gang, shard 0 (:meth:`gather_shares` gives every shard)."""
+        return {f"{s}.{name}": tensor for s in range(len(self.stages))
+                for name, tensor in self.gather_shares(s)[0].items()}
+
+    def gather_shares(self, stage: int) -> list[dict[str, torch.Tensor]]:
+        """Per share of ``stage``'s weights (one, or one per member of a
+        tensor-parallel gang), its state dict as its first holder has it, on
+        every rank (CPU tensors)."""
+        shares = self.program.shares[stage]
+        owners = [min(h for h, share in shares.items() if share == i) for i in sorted(set(shares.values()))]
+        self._load_host_weights()
+        out = []
+        for owner in owners:
+            state = {}
+            for name, tensor in self.stages[stage].state_dict().items():
                 buffer = tensor.detach().clone()
                 dist.broadcast(buffer, src=owner, group=self._p2p)
-                out[f"{s}.{name}"] = buffer.cpu()
+                state[name] = buffer.cpu()
+            out.append(state)
+        self._release_host_weights()
         return out
 
     def calibrate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3, **options):
@@ -223,8 +252,9 @@ class Trainer:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""
         self._watchdog.stop()
         self._failed = self._failed or "it was closed"
-        groups = [g for g in (*self._replica_groups.values(), self._p2p, self._control) if g is not None]
-        self._replica_groups, self._p2p, self._control = {}, None, None
+        groups = [g for g in (*self._replica_groups.values(), *self._gang_groups.values(), self._p2p, self._control)
+                  if g is not None]
+        self._replica_groups, self._gang_groups, self._p2p, self._control = {}, {}, None, None
         if dist.is_initialized():
             for group in groups:
                 dist.destroy_process_group(group)
@@ -236,17 +266,24 @@ class Trainer:
     # ------------------------------------------------------------------ set-up checks
     def _set_up_stages(self, program: Program, optimizer) -> None:
         """Local set-up that may fail on one rank only (user code: the
-        optimizer factory, moving stages): done before the ranks agree."""
+        optimizer factory, moving stages): done before the ranks agree.
+        The optimizer steps the weights of truth this rank holds: the stage's
+        own parameters, or their host copies where they are offloaded."""
         for stage in self.stages:
             stage.to(self.device)
         self._params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
         self._owned = [s for s in range(program.num_stages) if self.rank in program.replicas[s]]
-        owned_params = [p for s in self._owned for p in self._params[s]]
-        self.optimizer = optimizer(owned_params) if owned_params else None
         self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
+        pin = self.device.type == "cuda"
+        self.host_weights: dict[int, list[nn.Parameter]] = {
+            s: [nn.Parameter(_host_copy(p, pin)) for p in self._params[s]]
+            for s in self._owned if (self.rank, s) in program.offloaded
+        }
+        truth = [p for s in self._owned for p in self.host_weights.get(s, self._params[s])]
+        self.optimizer = optimizer(truth) if truth else None
         self._flat_grads = {
             s: _flat_like(self._params[s], self.device)
-            for s in self._owned if len(program.replicas[s]) > 1 and self._params[s]
+            for s in self._owned if len(program.reduce_group(self.rank, s)) > 1 and self._params[s]
         }
 
     def _agree(self, error: Exception | None) -> None:
@@ -282,13 +319,17 @@ class Trainer:
 
     def _infer_shapes(self, sample: torch.Tensor, graph: StageGraph | None = None) -> list[tuple[torch.Size, torch.dtype]]:
         """Output shape and dtype of every stage for one micro-batch (every
-        transferred tensor is a stage's output or its gradient), the stages
-        run in topological order of ``graph`` (a chain by default).
+        transferred tensor is a stage's output or its gradient).
 
-        The probe runs in eval mode, so that it leaves no trace in the
-        stages' state (BatchNorm running statistics); each submodule's
-        training flag is restored afterwards."""
+        In topological order of the stage graph, the ranks that compute a
+        stage run it (on their own predecessors' outputs, zeros of the agreed
+        shape for the others'), and the rank that runs its first forward
+        tells every rank what it returned; a stage no rank here computes is
+        never run here.  The probe runs in eval mode, so that it leaves no
+        trace in the stages' state (BatchNorm running statistics); each
+        submodule's training flag is restored afterwards."""
         graph = as_stage_graph(len(self.stages), graph)
+        specs: dict[int, tuple[torch.Size, torch.dtype]] = {}
         outputs: dict[int, torch.Tensor] = {}
         modes = [(module, module.training) for stage in self.stages for module in stage.modules()]
         try:
@@ -296,14 +337,30 @@ class Trainer:
                 stage.eval()
             with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 for s in topological_order(graph):
-                    inputs = [outputs[p] for p in graph.predecessors[s]] or [sample]
-                    outputs[s] = self.stages[s](*inputs)
-                    if not isinstance(outputs[s], torch.Tensor):
-                        raise ShapeError(f"stage {s} returned {type(outputs[s]).__name__}; each stage must return one tensor")
+                    told = None
+                    if s in self._runs:
+                        inputs = [outputs[p] if p in outputs else torch.zeros(specs[p][0], dtype=specs[p][1],
+                                                                             device=self.device)
+                                  for p in graph.predecessors[s]] or [sample]
+                        try:
+                            outputs[s] = self.stages[s](*inputs)
+                            told = (tuple(outputs[s].shape), outputs[s].dtype) if isinstance(outputs[s], torch.Tensor) \
+                                else f"stage {s} returned {type(outputs[s]).__name__}; each stage must return one tensor"
+                        except Exception as error:
+                            told = f"stage {s} raised {type(error).__name__}: {_first_line(error)} on rank {self.rank}"
+                    heard: list = [told]
+                    if self.world_size > 1:
+                        heard = [None] * self.world_size
+                        dist.all_gather_object(heard, told, group=self._control)
+                    failed = next((h for h in heard if isinstance(h, str)), None)
+                    if failed is not None:
+                        raise ShapeError(failed)
+                    first = self.program.compute_worker[Work(0, s, FORWARD)] if self.world_size > 1 else 0
+                    specs[s] = (torch.Size(heard[first][0]), heard[first][1])
         finally:
             for module, training in modes:
                 module.training = training
-        return [(outputs[s].shape, outputs[s].dtype) for s in range(len(self.stages))]
+        return [specs[s] for s in range(len(self.stages))]
 
     # ------------------------------------------------------------------ the step
     def _run(self, st: "_StepState") -> float:
@@ -353,13 +410,16 @@ class Trainer:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._wait(st, message)
         start = st.clock.mark() if self.record else None
-        if action.op == "F":
+        gang = self.program.gangs.get(action.work)
+        if gang is not None:
+            self._gang_pass(st, s, b, reads, gang, forward=action.op == "F")
+        elif action.op == "F":
             self._forward(st, s, b, reads)
         elif action.op == "W":
             self._weight_pass(st, s, b, reads)
         else:
             self._backward(st, s, b, reads, input_only=action.op == "I")
-        if self.record:
+        if self.record and self.program.compute_worker[action.work] == self.rank:
             st.items.append((action.work, start, st.clock.mark()))
 
     def _forward(self, st, s: int, b: int, reads: Reads) -> None:
@@ -373,6 +433,73 @@ class Trainer:
             with torch.no_grad():
                 y = self.stages[s](*xs)
         st.put(output(s, b), y.detach())
+
+    # ------------------------------------------------------------------ gangs
+    def _gang_pass(self, st, s: int, b: int, reads: Reads, gang, forward: bool) -> None:
+        """A forward or backward that every member of ``gang`` runs: the first
+        member hands out what it received, each runs its share, the first
+        member collects the result (see the class docstring)."""
+        members = tuple(gang.workers)
+        group, first = self._gang_groups[members], members[0]
+        lead = self.rank == first
+        rows = not gang.collective
+        if forward:
+            if self._graph.predecessors[s]:
+                xs = self._inputs(st, s, b, reads.inputs) if lead else [None] * len(self._graph.predecessors[s])
+                specs = [self._meta[1][p] for p in self._graph.predecessors[s]]
+                xs = [self._hand_out(x, spec, members, group, rows, f"stage {p}'s output to stage {s}")
+                      for x, spec, p in zip(xs, specs, self._graph.predecessors[s])]
+                xs = [x.requires_grad_(x.is_floating_point()) for x in xs]
+            else:
+                x = st.micro_in[b]
+                xs = [_rows_of(x, members, self.rank, s) if rows else x]
+            y = self.stages[s](*xs)
+            whole = self._collect(y.detach(), members, group, rows) if rows else y.detach()
+            st.graphs[(s, b)] = (xs, y, whole)
+            if lead:
+                st.put(output(s, b), whole)
+            return
+        xs, y, whole = st.graphs.pop((s, b))
+        grad = None
+        if lead:
+            if s == self._loss_stage:
+                whole = whole.detach().requires_grad_(True)
+                loss, _ = self._root(st, s, b, whole, (), record_loss=True)
+                (grad,) = torch.autograd.grad(loss, [whole])
+            else:
+                _, grad = self._root(st, s, b, whole, reads.gradients, record_loss=False)
+        grad = self._hand_out(grad, self._meta[1][s], members, group, rows, f"the gradient of stage {s}'s output")
+        torch.autograd.backward(y, grad)
+        for p, x in zip(self._graph.predecessors[s], xs):
+            if not x.requires_grad:
+                continue
+            dx = x.grad if x.grad is not None else torch.zeros_like(x)
+            dx = self._collect(dx, members, group, rows) if rows else dx
+            if lead:
+                st.put(gradient(p, b, s), dx)
+
+    def _hand_out(self, x, spec, members, group, rows: bool, what: str) -> torch.Tensor:
+        """The first member's ``x`` on every member: whole (a tensor-parallel
+        gang) or its share of the rows."""
+        shape, dtype = torch.Size(spec[0]), spec[1]
+        first = members[0]
+        if not rows:
+            buffer = x.detach().contiguous() if self.rank == first else torch.empty(shape, dtype=dtype, device=self.device)
+            self._collective(lambda: dist.broadcast(buffer, src=first, group=group), f"handing out {what}")
+            return buffer
+        share = _rows_shape(shape, len(members), what)
+        buffer = torch.empty(share, dtype=dtype, device=self.device)
+        pieces = [c.contiguous() for c in x.detach().chunk(len(members))] if self.rank == first else None
+        self._collective(lambda: dist.scatter(buffer, pieces, src=first, group=group), f"handing out {what}")
+        return buffer
+
+    def _collect(self, x: torch.Tensor, members, group, rows: bool) -> torch.Tensor:
+        """Every member's share of the rows, concatenated on the first member."""
+        first = members[0]
+        x = x.contiguous()
+        pieces = [torch.empty_like(x) for _ in members] if self.rank == first else None
+        self._collective(lambda: dist.gather(x, pieces, dst=first, group=group), "collecting a gang's rows")
+        return torch.cat(pieces) if self.rank == first else x
 
     def _backward(self, st, s: int, b: int, reads: Reads, input_only: bool) -> None:
         xs, y = st.graphs.pop((s, b), (None, None))
@@ -503,6 +630,20 @@ class Trainer:
                 f"rank {self.rank} lost a peer in {what} ({_first_line(error)})"
             ) from error
 
+    def _load_host_weights(self) -> None:
+        """Copy the offloaded weights of truth to the device (before a step)."""
+        with torch.no_grad():
+            for s, host in self.host_weights.items():
+                for p, h in zip(self._params[s], host):
+                    p.data = h.detach().to(self.device, non_blocking=True)
+
+    def _release_host_weights(self) -> None:
+        """Free the device copies of offloaded weights (after a step)."""
+        for s in self.host_weights:
+            for p in self._params[s]:
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                p.grad = None
+
     def _load_weights(self, st, s: int) -> None:
         msg = self._fetch[s]
         if msg.index not in st.pending:
@@ -555,10 +696,17 @@ class Trainer:
 
         for s, flat in st.returned:
             self._accept(s, flat)
+        for s, host in self.host_weights.items():
+            for p, h in zip(self._params[s], host):
+                h.grad = None if p.grad is None else p.grad.detach().to(h.device)
         if self.optimizer is not None:
             self.optimizer.step()
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
+        for host in self.host_weights.values():
+            for h in host:
+                h.grad = None
+        self._release_host_weights()
         st.clock.sync()
         st.end = time.perf_counter()
         self.last_step_seconds = st.end - st.begin
@@ -727,6 +875,42 @@ def _default_store():
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+def _is_factory(stages) -> bool:
+    return callable(stages) and not isinstance(stages, nn.Module)
+
+
+def _build_stages(stages, num_stages: int) -> list[nn.Module]:
+    """The stage modules: as given, or made by the factory for each stage index."""
+    if _is_factory(stages):
+        stages = [stages(s) for s in range(num_stages)]
+    stages = list(stages)
+    _check_stages(stages)
+    return stages
+
+
+def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host-memory copy of ``tensor`` (pinned when it feeds a GPU)."""
+    copy = tensor.detach().to("cpu", copy=True)
+    return copy.pin_memory() if pin else copy
+
+
+def _rows_shape(shape: torch.Size, parts: int, what: str) -> torch.Size:
+    """The shape of one of ``parts`` equal shares of the rows of ``shape``."""
+    if not len(shape) or shape[0] % parts:
+        rows = shape[0] if len(shape) else 0
+        raise ShapeError(
+            f"{what} has {rows} rows, which a gang of {parts} ranks cannot share evenly; "
+            f"use micro-batches whose rows are a multiple of {parts}"
+        )
+    return torch.Size((shape[0] // parts, *shape[1:]))
+
+
+def _rows_of(x: torch.Tensor, members: tuple[int, ...], rank: int, stage: int) -> torch.Tensor:
+    """``rank``'s share of the rows of a micro-batch, as a gang member of a source stage."""
+    _rows_shape(x.shape, len(members), f"the micro-batch of stage {stage}")
+    return x.chunk(len(members))[members.index(rank)]
 
 
 def _check_stages(stages) -> None:

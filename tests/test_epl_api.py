@@ -311,14 +311,22 @@ def test_zero_v1_shards_weights_over_replicas():
     assert strategy.params["zero"] == "v1"
 
 
-def test_offload_v0_adds_a_host_weight_worker():
+def test_offload_v0_moves_the_weights_to_each_devices_host_worker():
     _two_stages(epl.Config({"offload.level": "v0"}))
     strategy = epl.strategy(world_size=2)
-    assert strategy.shape == unisched.Shape(3, 2, 1)
-    assert strategy.params["host_worker"] == 2
+    assert strategy.shape == unisched.Shape(4, 2, 1)
+    assert strategy.params["host_workers"] == [2, 3]
     simulation = unisched.simulate(*strategy.shape, strategy)
-    assert simulation.worker_stats()["weight_storage"] == [0, 0, 2]
-    assert simulation.timeline.busy_time[2] == 0
+    assert simulation.worker_stats()["weight_storage"] == [0, 0, 1, 1]
+    assert list(simulation.timeline.busy_time[2:]) == [0, 0]
+
+
+def test_offload_with_zero_keeps_each_stage_on_one_host():
+    _two_stages(epl.Config({"offload.level": "v0", "zero.level": "v1"}))
+    strategy = epl.strategy(world_size=4)
+    assert strategy.params["host_workers"] == [4, 7]
+    simulation = unisched.simulate(*strategy.shape, strategy)
+    assert simulation.worker_stats()["weight_storage"] == [0, 0, 0, 0, 1, 0, 0, 1]
 
 
 def test_recompute_costs_a_forward_per_backward():
@@ -434,11 +442,11 @@ def test_one_process_offload_steps_on_host_copies():
     with epl.replicate(device_count=1):
         model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
     reference = copy.deepcopy(model)
-    with pytest.raises(ScopeError, match="offload.level.*'groups'"):
-        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1), runtime="schedule")
     optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
     trainer = epl.Trainer(nn.MSELoss(), optimizer)
-    host = trainer.offloaded[0].host
+    assert trainer.scheduled.program.offloaded == {(0, 0)}
+    host = trainer.scheduled.host_weights[0]
+    assert all(p.device.type == "cpu" for p in host)
     assert [id(p) for p in trainer.optimizer.param_groups[0]["params"]] == [id(p) for p in host]
     assert not {id(p) for p in model.parameters()} & {id(p) for p in host}
     x, y = torch.randn(6, 3), torch.randn(6, 2)
@@ -461,7 +469,7 @@ def test_batch_that_does_not_divide_is_an_error():
     with epl.replicate(1):
         nn.Linear(3, 1)
     trainer = epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
-    with pytest.raises(ScopeError, match="6 rows.*multiple of 4"):
+    with pytest.raises(unisched.ShapeError, match="6 rows.*multiple of 4"):
         trainer.step(torch.randn(6, 3), torch.randn(6, 1))
 
 
@@ -543,7 +551,8 @@ def test_colocated_taskgraphs_in_one_process_run_stage_by_stage_in_the_simulated
     x, y = torch.randn(6, 3), torch.randn(6, 2)
     losses = [trainer.step(x, y) for _ in range(2)]
     simulated = trainer.simulate().timeline.worker_orders()[0]
-    assert trainer.last_order == trainer.order == simulated
+    assert trainer.order == simulated
+    assert trainer.last_timeline.worker_orders()[0] == simulated
     assert [str(w) for w in simulated] == ["0F0", "0F1", "1F0", "1F1", "1B0", "1B1", "0B0", "0B1"]
     expected_losses, expected = train_one_process(
         reference, nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1), [(x, y)] * 2

@@ -217,32 +217,28 @@ def data_parallel_offload(world):
 
 
 SCENARIOS = {
-    2: [("data_parallel", data_parallel, "auto"), ("default_data_parallel", default_data_parallel, "auto"),
-        ("split_whole_model", split_whole_model, "auto"), ("resnet_classifier", resnet_classifier, "auto"),
-        ("moe", moe, "auto"), ("pipeline_offload", pipeline_offload, "auto"),
-        ("pipeline", pipeline, "auto"), ("pipeline_on_groups", pipeline, "groups"),
-        ("pipeline_fill_drain", pipeline_fill_drain, "auto"),
-        ("pipeline_fill_drain_on_groups", pipeline_fill_drain, "groups")],
+    2: [("data_parallel", data_parallel), ("default_data_parallel", default_data_parallel),
+        ("split_whole_model", split_whole_model), ("resnet_classifier", resnet_classifier),
+        ("moe", moe), ("pipeline_offload", pipeline_offload),
+        ("pipeline", pipeline), ("pipeline_fill_drain", pipeline_fill_drain)],
     4: [
-        ("data_parallel", data_parallel, "auto"),
-        ("split_whole_model", split_whole_model, "auto"),
-        ("pipeline", pipeline, "auto"),
-        ("pipeline_on_groups", pipeline, "groups"),
-        ("pipeline_fill_drain", pipeline_fill_drain, "auto"),
-        ("pipeline_fill_drain_on_groups", pipeline_fill_drain, "groups"),
-        ("pipeline_zero", pipeline_zero, "schedule"),
-        ("resnet_classifier", resnet_classifier, "auto"),
-        ("resnet_classifier_zero", resnet_classifier_zero, "auto"),
-        ("moe", moe, "auto"),
-        ("replicate_then_split_apart", replicate_then_split_apart, "auto"),
-        ("regression_apart", regression_apart, "auto"),
-        ("parameterless_first_stage", parameterless_first_stage, "groups"),
-        ("resnet_classifier_offload_zero", resnet_classifier_offload_zero, "auto"),
+        ("data_parallel", data_parallel),
+        ("split_whole_model", split_whole_model),
+        ("pipeline", pipeline),
+        ("pipeline_fill_drain", pipeline_fill_drain),
+        ("pipeline_zero", pipeline_zero),
+        ("resnet_classifier", resnet_classifier),
+        ("resnet_classifier_zero", resnet_classifier_zero),
+        ("moe", moe),
+        ("replicate_then_split_apart", replicate_then_split_apart),
+        ("regression_apart", regression_apart),
+        ("parameterless_first_stage", parameterless_first_stage),
+        ("resnet_classifier_offload_zero", resnet_classifier_offload_zero),
     ],
 }
 
 
-def run_scenario(build, world, runtime="auto") -> dict:
+def run_scenario(build, world) -> dict:
     torch.manual_seed(0)
     inputs, targets, loss_fn = build(world)
     env = epl.Env.get()
@@ -250,14 +246,15 @@ def run_scenario(build, world, runtime="auto") -> dict:
         reference = [copy.deepcopy(t.module()) for t in env.taskgraphs]
     initial = {f"{s}.{k}": v.clone() for s, stage in enumerate(reference) for k, v in stage.state_dict().items()}
     optimizer = getattr(build, "optimizer", torch.optim.SGD)
-    trainer = epl.Trainer(loss_fn, lambda params: optimizer(params, lr=0.2), runtime=runtime)
+    trainer = epl.Trainer(loss_fn, lambda params: optimizer(params, lr=0.2))
     fetched_copies = _watch_fetches(trainer)
     losses = [trainer.step(inputs, targets) for _ in range(STEPS)]
     reference_losses, expected = train_one_process(
         reference, loss_fn, lambda params: optimizer(params, lr=0.2), [(inputs, targets)] * STEPS
     )
     state = trainer.gather_state_dict()
-    return {
+    simulated = epl.simulate(world_size=world).timeline
+    result = {
         "keys": sorted(state),
         "expected_keys": sorted(expected),
         "max_diff": max((state[k] - expected[k]).abs().max().item() for k in expected if k in state),
@@ -269,15 +266,18 @@ def run_scenario(build, world, runtime="auto") -> dict:
         "split_groups": {int(k): [list(g) for g in v] for k, v in trainer.strategy.params["split_groups"].items()},
         "sharded": {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
         "runtime": trainer.runtime,
-        "optimized": _optimized_elements((trainer.scheduled or trainer).optimizer),
+        "optimized": _optimized_elements(trainer.optimizer),
         "host": _host_report(trainer, fetched_copies),
         "device": str(trainer.device),
         "backend": dist.get_backend() if dist.is_initialized() else None,
-        "worker": trainer.placement.group(*trainer.placement.stages_of(trainer.rank)[0])[0],
-        "executed": None if trainer.last_order is None else [str(work) for work in trainer.last_order],
+        "executed": [str(work) for work in trainer.order],
         "measured": _orders(trainer.last_timeline),
-        "simulated": _orders(epl.simulate(world_size=world).timeline),
+        "simulated": _orders(simulated),
+        "simulated_per_worker": _orders(simulated.per_worker()),
+        "full_shapes": [list(expected[k].shape) for k in sorted(expected)],
     }
+    trainer.close()
+    return result
 
 
 def _orders(timeline) -> dict[int, list[str]] | None:
@@ -288,41 +288,37 @@ def _orders(timeline) -> dict[int, list[str]] | None:
 
 
 def _watch_fetches(trainer) -> list[bool]:
-    """Before each forward of an offloaded stage: does the compute module
-    hold its own copy of every host weight (same shape and values, other memory)?"""
+    """Before each forward of a stage whose weights of truth this rank keeps
+    in host memory: does the module compute with its own device copy of
+    every host weight (same shape and values, other memory)?"""
     seen: list[bool] = []
-    for host in getattr(trainer, "offloaded", {}).values():
+    for s, host in trainer.scheduled.host_weights.items():
         def check(module, args, host=host):
             seen.append(all(
                 p.shape == h.shape and p.data_ptr() != h.data_ptr() and torch.equal(p.detach().cpu(), h.detach())
-                for p, h in zip(host.compute, host.host)
+                for p, h in zip(module.parameters(), host)
             ))
-        trainer.stages[next(s for s, h in trainer.offloaded.items() if h is host)].register_forward_pre_hook(check)
+        trainer.stages[s].register_forward_pre_hook(check)
     return seen
 
 
 def _host_report(trainer, fetched_copies: list[bool]) -> dict | None:
     """Where an offloading trainer keeps its weights of truth and optimizer state."""
-    if trainer.scheduled is not None or not trainer.offloaded:
+    held = trainer.scheduled.host_weights
+    if not trainer.scheduled.program.offloaded:
         return None
-    host = [p for h in trainer.offloaded.values() for p in h.host]
-    compute = [p for h in trainer.offloaded.values() for p in h.compute]
-    optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    shards, offloaded = trainer.shards, trainer.offloaded
-    truth = [p for s, h in offloaded.items() if s not in shards for p in h.host]
-    truth += [shard.parameter for shard in shards.values()]
+    host = [p for h in held.values() for p in h]
+    compute = [p for s in held for p in trainer.stages[s].parameters()]
+    optimizer = trainer.optimizer
+    optimized = [] if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
     return {
-        "optimizer_has_the_truth": [id(p) for p in optimized] == [id(p) for p in truth],
-        "shards_write_to_host": all(
-            len(shard.parameters) == len(offloaded[s].host)
-            and all(q is h for q, h in zip(shard.parameters, offloaded[s].host))
-            for s, shard in shards.items()
-        ),
-        "sharded": bool(shards) == (trainer.config.zero.level == "v1"),
+        "held": sorted(held),
+        "host_elements": sum(p.numel() for p in host),
+        "optimizer_has_the_truth": [id(p) for p in optimized] == [id(p) for p in host],
         "on_cpu": all(p.device.type == "cpu" for p in optimized + host),
         "compute_is_not_host": not {id(p) for p in compute} & {id(p) for p in host},
-        "state_on_host": all(v.device.type == "cpu" for state in trainer.optimizer.state.values()
-                             for v in state.values() if torch.is_tensor(v)),
+        "state_on_host": optimizer is None or all(
+            v.device.type == "cpu" for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)),
         "released_between_steps": all(p.numel() == 0 and p.grad is None for p in compute),
         "fetches": len(fetched_copies),
         "fetched_copies": all(fetched_copies),
@@ -339,9 +335,9 @@ def _optimized_elements(optimizer) -> int:
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     results = {}
-    for name, build, runtime in SCENARIOS[world]:
+    for name, build in SCENARIOS[world]:
         try:
-            results[name] = run_scenario(build, world, runtime)
+            results[name] = run_scenario(build, world)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
         verdicts = [None] * world
@@ -380,12 +376,12 @@ def check(results: list[dict], name: str) -> dict:
     return results[0][name]
 
 
-@pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS[2]])
+@pytest.mark.parametrize("name", [name for name, _ in SCENARIOS[2]])
 def test_two_ranks_match_one_process(two, name):
     check(two, name)
 
 
-@pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS[4]])
+@pytest.mark.parametrize("name", [name for name, _ in SCENARIOS[4]])
 def test_four_ranks_match_one_process(four, name):
     check(four, name)
 
@@ -402,17 +398,15 @@ def _fill_drain(stage: int, stages: int, batches: range) -> list[str]:
     return [f"{stage}F{b}" for b in batches] + [f"{stage}B{b}" for b in batches]
 
 
-ORDERS = {"pipeline": _one_f_one_b, "pipeline_on_groups": _one_f_one_b,
-          "pipeline_fill_drain": _fill_drain, "pipeline_fill_drain_on_groups": _fill_drain}
+ORDERS = {"pipeline": _one_f_one_b, "pipeline_fill_drain": _fill_drain}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", sorted(ORDERS))
 def test_pipeline_runs_the_simulated_order(request, world, name):
-    """Both runtimes run each worker's passes in the order the simulated
-    compiled strategy gives: 1F1B for PreferBackward, fill-drain for
-    PreferForward (the groups runtime records what each rank ran, the
-    schedule runtime's measured timeline on rank 0 what every rank ran)."""
+    """Each worker runs its passes in the order the simulated compiled
+    strategy gives: 1F1B for PreferBackward, fill-drain for PreferForward
+    (the measured timeline on rank 0 says what every rank ran)."""
     results = request.getfixturevalue({2: "two", 4: "four"}[world])
     first = check(results, name)
     simulated = first["simulated"]
@@ -420,36 +414,33 @@ def test_pipeline_runs_the_simulated_order(request, world, name):
         replica, stage = divmod(rank, 2)
         batches = range(4 * replica, 4 * replica + 4)
         assert simulated[rank] == ORDERS[name](stage, 2, batches), f"simulated order of worker {rank}"
-    if first["runtime"] == "groups":
-        for rank, by_name in enumerate(results):
-            assert by_name[name]["executed"] == simulated[rank], f"rank {rank} ran another order"
-    else:
-        assert name in ("pipeline", "pipeline_fill_drain") and first["runtime"] == "schedule"
-        assert first["measured"] == simulated
-        assert all(by_name[name]["executed"] is None for by_name in results)
+    assert first["measured"] == simulated
 
 
-def test_every_groups_scenario_runs_the_simulated_order(two, four):
-    """Colocated TaskGraphs, replicate(k) and split groups, offload: every
-    member of a group runs what the simulation gives the group's first device."""
+def test_every_scenario_runs_the_simulated_order(two, four):
+    """Colocated TaskGraphs, replicate(k) and split groups, ZeRO, offload:
+    every rank's program runs what the simulation gives its worker (a
+    group's items on each member), and the measured step ran the simulated
+    order on every worker."""
     ran = 0
     for results in (two, four):
         for name in results[0]:
-            if "error" in results[0][name] or results[0][name]["runtime"] != "groups":
-                continue
+            check(results, name)
+            measured = results[0][name]["measured"]
+            simulated = results[0][name]["simulated"]
+            assert {w: o for w, o in measured.items() if o} == {w: o for w, o in simulated.items() if o}, name
             for rank, by_name in enumerate(results):
                 result = by_name[name]
-                assert result["executed"] == result["simulated"][result["worker"]], f"{name}: rank {rank}"
+                assert result["runtime"] == "schedule"
+                assert result["executed"] == result["simulated_per_worker"][rank], f"{name}: rank {rank}"
                 ran += 1
-    assert ran >= 30
+    assert ran == 2 * len(SCENARIOS[2]) + 4 * len(SCENARIOS[4])
 
 
 def test_pipeline_on_four_ranks_is_two_way_data_parallel(four):
     result = check(four, "pipeline")
     assert result["data_parallel"] == 2
     assert result["split_groups"] == {}
-    assert result["runtime"] == "schedule"
-    assert check(four, "pipeline_on_groups")["runtime"] == "groups"
     assert check(four, "pipeline_zero")["strategy"].endswith("[zero-v1]")
 
 
@@ -483,51 +474,78 @@ def test_split_apart_uses_the_other_devices(four):
     assert [four[r]["replicate_then_split_apart"]["sharded"]["2.weight"] for r in (2, 3)] == [[8, 8]] * 2
 
 
-def test_zero_shards_the_optimizer_state(four):
+def test_zero_keeps_each_weight_of_truth_once(four):
+    """With ZeRO v1 each stage's weights of truth (and its optimizer state)
+    live on one replica: the ranks' optimizers together update each number
+    once, against once per replica without it."""
     check(four, "resnet_classifier_zero")
     sharded = [r["resnet_classifier_zero"]["optimized"] for r in four]
     whole = [r["resnet_classifier"]["optimized"] for r in four]
-    assert all(z * 2 <= w + 2 for z, w in zip(sharded, whole))
-    assert all(z < w for z, w in zip(sharded, whole))
+    total = sum(int(torch.Size(shape).numel()) for shape in _full_shapes(four, "resnet_classifier_zero"))
+    assert sum(sharded) == total
+    assert sum(whole) == 2 * total, "without ZeRO each of the 2 replicas holds every number"
+    assert all(z <= w for z, w in zip(sharded, whole))
+
+
+def _full_shapes(results, name) -> list[list[int]]:
+    """Shapes of the whole model's parameters (from the gathered state's keys)."""
+    return results[0][name]["full_shapes"]
 
 
 def test_offload_trains_from_host_copies(two, four):
-    for results, name, expected_fetches in ((two, "pipeline_offload", STEPS * 4),
-                                            (four, "resnet_classifier_offload_zero", STEPS * 2)):
+    for results, name, stages_per_rank in ((two, "pipeline_offload", 1), (four, "resnet_classifier_offload_zero", None)):
         check(results, name)
+        holders = 0
         for rank, by_name in enumerate(results):
-            report = by_name[name]
-            assert report["runtime"] == "groups"
-            host = report["host"]
-            assert host is not None, f"rank {rank} kept no host weights"
+            host = by_name[name]["host"]
+            assert host is not None, f"rank {rank} has no offloaded program"
+            if not host["held"]:
+                continue
+            holders += 1
             assert host["optimizer_has_the_truth"] and host["on_cpu"] and host["state_on_host"]
             assert host["compute_is_not_host"] and host["released_between_steps"]
-            assert host["shards_write_to_host"] and host["sharded"]
-            assert host["fetches"] >= expected_fetches and host["fetched_copies"]
-    sharded = [r["resnet_classifier_offload_zero"]["optimized"] for r in four]
-    whole = [r["resnet_classifier"]["optimized"] for r in four]
-    assert all(z < w for z, w in zip(sharded, whole))
+            assert host["fetches"] >= STEPS and host["fetched_copies"]
+            if stages_per_rank is not None:
+                assert len(host["held"]) == stages_per_rank
+        assert holders >= 2
+    total = sum(int(torch.Size(shape).numel()) for shape in _full_shapes(four, "resnet_classifier_offload_zero"))
+    assert sum(r["resnet_classifier_offload_zero"]["host"]["host_elements"] for r in four) == total, \
+        "with ZeRO each weight of truth is in one host memory"
 
 
-def _indivisible_split(rank: int, world: int) -> str:
-    epl.init()
-    with epl.replicate(1, name="body"):
-        mlp(4, 8)
-    with epl.split(2, name="head"):
-        nn.Linear(8, 5)
-    try:
-        epl.Trainer(nn.CrossEntropyLoss(), lambda params: torch.optim.SGD(params, lr=0.1))
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+def _setup_errors(rank: int, world: int) -> list[str]:
+    """An indivisible split (every rank cuts the layer) and an optimizer
+    factory that fails on rank 1 only."""
+    messages = []
+    for failing in ("split", "optimizer"):
+        epl.init()
+        with epl.replicate(1, name="body"):
+            mlp(4, 8)
+        with epl.split(2, name="head"):
+            nn.Linear(8, 5 if failing == "split" else 4)
+
+        def optimizer(params):
+            if failing == "optimizer" and rank == 1:
+                raise RuntimeError("no optimizer on rank 1")
+            return torch.optim.SGD(params, lr=0.1)
+
+        try:
+            epl.Trainer(nn.CrossEntropyLoss(), optimizer, timeout=30)
+            messages.append("no error")
+        except Exception as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
 
 
 def test_a_setup_error_on_some_ranks_stops_every_rank():
-    outcome = run_local(_indivisible_split, 3, timeout=60)
+    outcome = run_local(_setup_errors, 3, timeout=120)
     assert [r.error for r in outcome] == [None] * 3
-    messages = [r.value for r in outcome]
-    assert messages[0].startswith("ScopeError: rank 1 could not set up")
-    assert all("5 output features" in m and "2 devices" in m for m in messages)
+    split = [r.value[0] for r in outcome]
+    assert all("5 output features" in m and "2 devices" in m for m in split)
+    optimizer = [r.value[1] for r in outcome]
+    assert optimizer[1] == "RuntimeError: no optimizer on rank 1"
+    assert all(m.startswith("ProgramError: rank 1 cannot run this schedule") and "no optimizer" in m
+               for m in (optimizer[0], optimizer[2]))
 
 
 # ---------------------------------------------------------------------- on GPUs, with NCCL
@@ -536,11 +554,11 @@ def _nccl_worker(rank: int, world: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     build = resnet_classifier_offload_zero if world == 2 else data_parallel_offload
-    return run_scenario(build, world, "auto")
+    return run_scenario(build, world)
 
 
 @pytest.mark.gpu
-def test_nccl_groups_runtime_trains_on_cuda_with_offload():
+def test_nccl_trains_on_cuda_with_offload():
     """The classification snippet (one GPU: the data-parallel one) on
     ``cuda:rank`` with NCCL, weights of truth in pinned host memory."""
     world = min(2, torch.cuda.device_count())
@@ -549,7 +567,7 @@ def test_nccl_groups_runtime_trains_on_cuda_with_offload():
     for rank, result in enumerate(r.value for r in outcome):
         assert result["backend"] == "nccl"
         assert result["device"] == f"cuda:{rank}"
-        assert result["runtime"] == "groups"
+        assert result["runtime"] == "schedule"
         assert result["keys"] == result["expected_keys"]
         assert result["max_diff"] < 1e-4, f"rank {rank}: weights differ by {result['max_diff']}"
         assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-4)

@@ -135,9 +135,10 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
     - compute worker: the first device of the group running (replica, stage);
     - weight worker: that same device (replicas, all-reduced at the end), or
       with ``zero.level: v1`` the group of replica ``stage mod D`` (FSDP-style
-      sharding of the weights of truth over the D replicas), or with
-      ``offload.level: v0`` a host worker numbered ``world_size`` that only
-      stores weights;
+      sharding of the weights of truth over the D replicas); with
+      ``offload.level: v0`` the host memory of that device, worker
+      ``world_size + device``, which only stores weights (the executor keeps
+      them in that rank's host memory);
     - a group of k > 1 devices is a gang: ``Gang(ranks, collective=True)``
       for ``split`` (tensor parallelism all-reduces activations inside the
       group), ``collective=False`` for ``replicate`` (each device takes 1/k
@@ -150,14 +151,14 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
     S, B, D, M = P.num_stages, P.num_batches, P.data_parallel, P.num_micro_batch
     zero = config.zero.level == "v1"
     offload = config.offload.level == "v0"
-    host = P.world_size if offload else None
-    W = P.world_size + (1 if offload else 0)
+    W = num_workers(P, config)
     leaders = np.array([[P.groups[r][s][0] for s in range(S)] for r in range(D)], dtype=np.int64)
     weight_table = leaders.copy()
     if zero:
         weight_table = np.array([[leaders[s % D, s] for s in range(S)] for _ in range(D)], dtype=np.int64)
-    if host is not None:
-        weight_table[:] = host
+    if offload:
+        weight_table += P.world_size
+    hosts = sorted(set(weight_table.ravel().tolist())) if offload else []
 
     def mapping(work: Work) -> ComputeAndWeightWorkers:
         replica = work.batch // M
@@ -206,9 +207,15 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
             "recompute": config.gradient_checkpoint.type == "auto",
             "zero": config.zero.level,
             "offload": config.offload.level,
-            "host_worker": host,
+            "host_workers": hosts,
         },
     )
+
+
+def num_workers(placement: Placement, config: Config) -> int:
+    """Workers of the compiled strategy: the devices, and with
+    ``offload.level: v0`` each device's host memory after them."""
+    return placement.world_size * (2 if config.offload.level == "v0" else 1)
 
 
 def stash_limit(placement: Placement, config: Config, stash_bytes: Sequence[float] | None = None):
@@ -219,7 +226,7 @@ def stash_limit(placement: Placement, config: Config, stash_bytes: Sequence[floa
         return None
     P = placement
     S, D, M = P.num_stages, P.data_parallel, P.num_micro_batch
-    W = P.world_size + (1 if config.offload.level == "v0" else 0)
+    W = num_workers(P, config)
     size = np.ones(S) if stash_bytes is None else np.asarray(stash_bytes, dtype=float)
     per_worker = np.zeros(W)
     for r in range(D):

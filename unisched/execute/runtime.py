@@ -469,7 +469,7 @@ class Trainer:
             else:
                 _, grad = self._root(st, s, b, whole, reads.gradients, record_loss=False)
         grad = self._hand_out(grad, self._meta[1][s], members, group, rows, f"the gradient of stage {s}'s output")
-        torch.autograd.backward(y, grad)
+        _differentiate(y, grad)
         for p, x in zip(self._graph.predecessors[s], xs):
             if not x.requires_grad:
                 continue
@@ -508,7 +508,7 @@ class Trainer:
         root, grad = self._root(st, s, b, y, reads.gradients, record_loss=True)
         upstream = [(p, x) for p, x in zip(self._graph.predecessors[s], xs) if x.requires_grad]
         if not input_only:
-            torch.autograd.backward(root, grad)
+            _differentiate(root, grad)
             for p, x in upstream:
                 st.put(gradient(p, b, s), x.grad if x.grad is not None else torch.zeros_like(x))
             return
@@ -529,7 +529,7 @@ class Trainer:
             root, grad = self._root(st, s, b, y, reads.gradients, record_loss=False)
         params = self._params[s]
         if params:
-            torch.autograd.backward(root, grad, inputs=params)
+            _differentiate(root, grad, inputs=params)
 
     def _inputs(self, st, s: int, b: int, keys: tuple) -> list[torch.Tensor]:
         """A stage's inputs: its predecessors' outputs in stage order, or the micro-batch at a source."""
@@ -875,6 +875,13 @@ def _default_store():
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+def _differentiate(root: torch.Tensor, grad: torch.Tensor | None, inputs=None) -> None:
+    """Backpropagate from ``root``, unless nothing before it needs a gradient
+    (a stage without parameters whose input needs none)."""
+    if root.requires_grad:
+        torch.autograd.backward(root, grad, inputs=inputs)
 
 
 def _is_factory(stages) -> bool:

@@ -470,13 +470,22 @@ class _Weights:
     def __init__(self, compute: dict[Work, int], weight: dict[Work, int], gangs: dict[Work, Gang], ranks: int,
                  num_stages: int):
         self.gangs = gangs
+        self.weight = {work: worker - ranks if worker >= ranks else worker for work, worker in weight.items()}
+        self.tensor_parallel = {
+            (compute[work], work.stage): tuple(gang.workers) for work, gang in gangs.items() if gang.collective
+        }
+        self.shares: list[dict[int, int]] = [{} for _ in range(num_stages)]
         self.offloaded: set[tuple[int, int]] = set()
-        self.weight: dict[Work, int] = {}
         on_device: set[tuple[int, int]] = set()
-        for work, worker in weight.items():
-            rank = worker - ranks if worker >= ranks else worker
-            (self.offloaded if worker >= ranks else on_device).add((rank, work.stage))
-            self.weight[work] = rank
+        for work in compute:
+            for rank in gangs[work].workers if work in gangs else (compute[work],):
+                holder, share = self.holder(work, rank)
+                (self.offloaded if weight[work] >= ranks else on_device).add((holder, work.stage))
+                if self.shares[work.stage].setdefault(holder, share) != share:
+                    raise ProgramError(
+                        f"rank {holder} would hold two shares of stage {work.stage}'s weights (for {work} on rank "
+                        f"{rank}); give each tensor-parallel gang of a stage the same size and its own weight worker"
+                    )
         mixed = self.offloaded & on_device
         if mixed:
             rank, stage = min(mixed)
@@ -484,18 +493,6 @@ class _Weights:
                 f"stage {stage}'s weights are held both by rank {rank} and by its host memory (worker "
                 f"{rank + ranks}); give each stage's weights one place per rank"
             )
-        self.tensor_parallel = {
-            (compute[work], work.stage): tuple(gang.workers) for work, gang in gangs.items() if gang.collective
-        }
-        self.shares: list[dict[int, int]] = [{} for _ in range(num_stages)]
-        for work in compute:
-            for rank in gangs[work].workers if work in gangs else (compute[work],):
-                holder, share = self.holder(work, rank)
-                if self.shares[work.stage].setdefault(holder, share) != share:
-                    raise ProgramError(
-                        f"rank {holder} would hold two shares of stage {work.stage}'s weights (for {work} on rank "
-                        f"{rank}); give each tensor-parallel gang of a stage the same size and its own weight worker"
-                    )
 
     def holder(self, work: Work, rank: int) -> tuple[int, int]:
         """(rank holding the weights of truth, share) that ``rank`` computes ``work`` with."""

@@ -635,7 +635,7 @@ class Trainer:
         with torch.no_grad():
             for s, host in self.host_weights.items():
                 for p, h in zip(self._params[s], host):
-                    p.data = h.detach().to(self.device, non_blocking=True)
+                    p.data = h.detach().to(self.device, non_blocking=True, copy=True)
 
     def _release_host_weights(self) -> None:
         """Free the device copies of offloaded weights (after a step)."""

@@ -1,6 +1,7 @@
 """EPL seed, large-scale image classification: data parallelism for the
-ResNet, tensor parallelism for the classifier (sharded over its classes, with
-a distributed softmax cross-entropy), both on the same devices.
+ResNet, tensor parallelism for the classifier (sharded over its classes; the
+logits are gathered on each group's first device for the loss), both on the
+same devices.
 Run: ``python examples/epl_classifier.py --world 2`` (or 4: two replicas)."""
 
 import torch

@@ -38,9 +38,14 @@ needs to match them.  :func:`validate` replays every rank's list against the
 others and reports the ranks and actions of any deadlock before a single
 byte moves.
 
-What cannot run is refused by name: a stage graph with several sinks (the
-loss needs one output) and items run by a gang of workers (tensor
-parallelism), which one rank per item would silently train wrong.
+An item run by a gang of workers is in every member's list, at the same
+place; its first member (the compute worker) receives and sends for it, and
+each member computes with the share of the weights
+:func:`unisched.dataflow.weight_share` gives it.  A weight worker from the
+number of ranks on is a rank's host memory (``world_size + rank``).  What
+cannot run is refused by name: a stage graph with several sinks (the loss
+needs one output), a gang with a split backward or whose backward runs on
+another gang.
 """
 
 from __future__ import annotations

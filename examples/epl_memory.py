@@ -1,9 +1,13 @@
 """EPL's memory features on the pipeline snippet: ZeRO, CPU offload and
-recompute, each trained on N local gloo processes (the ``groups`` runtime)
-and compared with one process, with what every device keeps:
+recompute, each trained on N local gloo processes (on ``unisched.Trainer``,
+the one runtime) and compared with one process, with what every rank keeps:
 
-- optimizer state (numbers Adam keeps) and where it lives;
-- weight bytes left on the compute device between steps;
+- optimizer state (numbers Adam keeps; none on a rank whose optimizer
+  holds nothing);
+- weight bytes left on the compute device between steps, of the stages the
+  rank runs and of the stages it does not run;
+- weight bytes the rank keeps in host memory (offloaded weights of truth,
+  ``trainer.scheduled.host_weights``);
 - the peak of activation bytes autograd keeps for the backward during a
   step (parameters left out), next to what ``epl.simulate`` predicts from
   each TaskGraph's input and internal activation sizes measured in one process.
@@ -100,8 +104,11 @@ def train(rank: int, world: int, name: str, width: int, rows_per_micro: int, ste
     torch.manual_seed(0)
     loss_fn = build(FEATURES[name], width)
     inputs, targets = batch(world, rows_per_micro)
-    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.Adam(params, lr=1e-3), runtime="groups")
-    mine = [trainer.stages[s] for s in trainer.segment]
+    # record=False: no measured timeline, so the step times hold no gathering of notes
+    trainer = epl.Trainer(loss_fn, lambda params: torch.optim.Adam(params, lr=1e-3), record=False)
+    runs = sorted({work.stage for work in trainer.order})
+    mine = [trainer.stages[s] for s in runs]
+    idle = [stage for s, stage in enumerate(trainer.stages) if s not in runs]
     counter = SavedBytes(lambda: [p for m in mine for p in m.parameters()])
     times, losses = [], []
     for _ in range(steps):
@@ -109,20 +116,26 @@ def train(rank: int, world: int, name: str, width: int, rows_per_micro: int, ste
         with counter.hooks():
             losses.append(trainer.step(inputs, targets))
         times.append(time.perf_counter() - start)
-    optimizer = trainer.optimizer
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    optimizer = trainer.optimizer  # None on a rank that holds no weights of truth
+    state = [] if optimizer is None else [
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     weights = trainer.gather_state_dict()
-    return {
+    result = {
         "losses": losses,
         "state": {k: v.numpy() for k, v in weights.items()},
         "optimizer_numbers": sum(v.numel() for v in state),
-        "optimizer_on": sorted({v.device.type for v in state}),
-        "device_weight_bytes": sum(p.numel() * p.element_size() for m in mine for p in m.parameters()),
-        "host_weight_bytes": sum(p.numel() * p.element_size() for h in trainer.offloaded.values() for p in h.host),
+        "device_weight_bytes": _bytes(p for m in mine for p in m.parameters()),
+        "idle_weight_bytes": _bytes(p for m in idle for p in m.parameters()),
+        "host_weight_bytes": _bytes(p for host in trainer.scheduled.host_weights.values() for p in host),
         "peak_saved_bytes": counter.peak,
         "step_ms": 1000 * statistics.median(times[1:] or times),
-        "position": trainer.segment[0],
     }
+    trainer.close()
+    return result
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def reference(features: dict, width: int, world: int, rows_per_micro: int, steps: int):
@@ -165,8 +178,11 @@ def main() -> None:
 
     print(f"pipeline snippet, widths {args.width}, {MICRO} micro-batches of {args.rows} rows, "
           f"{args.world // 2} replica(s) of 2 stages, Adam, {args.steps} steps, gloo on CPU")
-    header = (f"{'feature':<15} {'max |dw|':>9} {'Adam numbers':>14} {'on':>5} {'device weights':>15} "
-              f"{'host weights':>13} {'saved peak':>16} {'simulated':>16} {'step ms':>9}")
+    ranks = range(args.world)
+    columns = [("Adam numbers", 28), ("device weights", 30), ("idle stages", 30), ("host weights", 30),
+               ("saved peak", 28), ("simulated", 28)]
+    header = (f"{'feature':<15} {'max |dw|':>9} " + " ".join(f"{title:>{width}}" for title, width in columns)
+              + f" {'step ms':>8}")
     print(header)
     for name, features in FEATURES.items():
         losses, expected, input_bytes, internal_bytes = reference(features, args.width, args.world, args.rows,
@@ -176,18 +192,17 @@ def main() -> None:
         results = check(run_local(train, args.world, name, args.width, args.rows, args.steps, timeout=300))
         diff = max((torch.from_numpy(results[0]["state"][k]) - v).abs().max().item() for k, v in expected.items())
         loss_diff = max(abs(a - b) for a, b in zip(results[0]["losses"], losses))
-        per_position = {r["position"]: r for r in reversed(results)}
-        cells = [per_position[p] for p in (0, 1)]
+        cells = [
+            [r[key] for r in results]
+            for key in ("optimizer_numbers", "device_weight_bytes", "idle_weight_bytes", "host_weight_bytes",
+                        "peak_saved_bytes")
+        ] + [[int(simulated[r]) for r in ranks]]
         print(f"{name:<15} {max(diff, loss_diff):>9.1e} "
-              f"{'/'.join(str(c['optimizer_numbers']) for c in cells):>14} "
-              f"{','.join(cells[0]['optimizer_on']):>5} "
-              f"{'/'.join(str(c['device_weight_bytes']) for c in cells):>15} "
-              f"{'/'.join(str(c['host_weight_bytes']) for c in cells):>13} "
-              f"{'/'.join(str(c['peak_saved_bytes']) for c in cells):>16} "
-              f"{'/'.join(str(int(simulated[p])) for p in (0, 1)):>16} "
-              f"{statistics.median(r['step_ms'] for r in results):>9.1f}")
-    print("(a/b: the devices of stage 0 / stage 1; weights in bytes between steps; "
-          "saved peak: most activation bytes autograd held at once during a step)")
+              + " ".join(f"{'/'.join(map(str, cell)):>{width}}" for cell, (_, width) in zip(cells, columns))
+              + f" {statistics.median(r['step_ms'] for r in results):>8.1f}")
+    print(f"(a/b/...: ranks 0..{args.world - 1}; rank r runs stage r mod 2 of replica r // 2; weights in bytes between "
+          "steps, of the stages the rank runs and of the idle stages it does not run; saved peak: most "
+          "activation bytes autograd held at once during a step)")
 
 
 if __name__ == "__main__":

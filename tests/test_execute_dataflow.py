@@ -242,7 +242,9 @@ def _train_dags(rank: int, world: int):
     for kind, collective in GANGS.items():
         gang = gang_schedule(collective)
         for form, given_schedule in (("simulation", gang), ("timeline", gang.timeline)):
-            trainer = Trainer(make_stages(CHAIN), given_schedule, nn.functional.mse_loss, optimizer, timeout=30)
+            # a factory (stage index -> module) builds the stages on the timeline runs
+            stages = make_stages(CHAIN) if form == "simulation" else (lambda s: make_stages(CHAIN)[s])
+            trainer = Trainer(stages, given_schedule, nn.functional.mse_loss, optimizer, timeout=30)
             for step in range(2):
                 trainer.step(*batch(step))
             out[(kind, form)] = {

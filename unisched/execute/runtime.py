@@ -149,6 +149,9 @@ class Trainer:
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
         self._runs = {a.stage for a in self._actions if a.is_compute}
+        self._gangs = {i: program.gangs[a.work] for i, a in enumerate(self._actions)
+                       if a.is_compute and a.work in program.gangs}
+        self._leads = {i for i, gang in self._gangs.items() if gang.workers[0] == self.rank}
         self._loss_stage = program.loss_stage
         self._last_loss_item = max(
             (i for i, a in enumerate(self._actions)
@@ -410,7 +413,7 @@ class Trainer:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._wait(st, message)
         start = st.clock.mark() if self.record else None
-        gang = self.program.gangs.get(action.work)
+        gang = self._gangs.get(index)
         if gang is not None:
             self._gang_pass(st, s, b, reads, gang, forward=action.op == "F")
         elif action.op == "F":
@@ -419,7 +422,7 @@ class Trainer:
             self._weight_pass(st, s, b, reads)
         else:
             self._backward(st, s, b, reads, input_only=action.op == "I")
-        if self.record and self.program.compute_worker[action.work] == self.rank:
+        if self.record and (index not in self._gangs or index in self._leads):
             st.items.append((action.work, start, st.clock.mark()))
 
     def _forward(self, st, s: int, b: int, reads: Reads) -> None:

@@ -187,7 +187,7 @@ def parameterless_first_stage(world):
 
 
 def resnet_classifier_zero(world):
-    """The classification snippet with ``zero.level: v1`` and Adam: optimizer state sharded."""
+    """The classification snippet with ``zero.level: v1`` and Adam: each stage's state on one replica."""
     return resnet_classifier(world, **{"zero.level": "v1"})
 
 

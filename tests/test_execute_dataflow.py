@@ -250,6 +250,7 @@ def _train_dags(rank: int, world: int):
             out[(kind, form)] = {
                 "state": {k: v.numpy() for k, v in trainer.gather_state_dict().items()},
                 "order": [str(w) for w in trainer.program.compute_order(rank)],
+                "stage_1_numbers": sum(p.numel() for p in trainer.stages[1].parameters()),
                 "measured": None if trainer.last_timeline is None else trainer.last_timeline.worker_orders(),
             }
             trainer.close()
@@ -293,3 +294,8 @@ def test_a_gang_stage_trains_like_one_process(trained, kind, form):
             assert np.abs(state[key] - value.numpy()).max() < 1e-5, f"{kind} ({form}): rank {rank} differs in {key}"
         assert rows[(kind, form)]["order"] == [str(w) for w in expected[rank]], f"rank {rank} runs another order"
     assert trained[0][(kind, form)]["measured"] == simulated.worker_orders()
+    held = sum(v.numel() for k, v in reference.items() if k.startswith("1."))
+    fetched_by_rank_2 = not GANGS[kind]
+    assert trained[2][(kind, form)]["stage_1_numbers"] == (0 if fetched_by_rank_2 else held), \
+        "weights fetched for a step are freed after it; weights of truth stay"
+    assert trained[1][(kind, form)]["stage_1_numbers"] == held

@@ -134,8 +134,9 @@ def compile_strategy(placement: Placement, config: Config) -> Strategy:
 
     - compute worker: the first device of the group running (replica, stage);
     - weight worker: that same device (replicas, all-reduced at the end), or
-      with ``zero.level: v1`` the group of replica ``stage mod D`` (FSDP-style
-      sharding of the weights of truth over the D replicas); with
+      with ``zero.level: v1`` the group of replica ``stage mod D`` (each
+      stage's weights of truth, and optimizer state, on one replica, which
+      the others fetch from and return gradients to); with
       ``offload.level: v0`` the host memory of that device, worker
       ``world_size + device``, which only stores weights (the executor keeps
       them in that rank's host memory);

@@ -3,9 +3,13 @@
 A pair of Linear layers ``A`` (column-parallel: each device keeps a slice of
 A's output features) and ``B`` (row-parallel: the matching slice of B's input
 features) with only element-wise layers between them needs one all-reduce in
-the forward and one in the backward.  A large classifier is sharded over its
-classes, and the softmax cross-entropy is computed on the shards (a max and
-two sums all-reduced over the group) without gathering the logits.
+the forward and one in the backward.  Any other Linear is column-parallel
+with its output gathered, so a split module takes and returns whole
+tensors, as the runtime's tensor-parallel gangs expect.  For a classifier
+too large to gather, :class:`ClassParallelLinear` and
+:func:`sharded_cross_entropy` keep the logits sharded over the classes (a
+max and two sums all-reduced over the group); ``epl.Trainer`` does not use
+them (it computes the loss on gathered logits).
 
 The layers are made *from* full ``nn.Linear`` layers: every process builds
 the whole model with the same seed, then keeps its shard, so a split model

@@ -26,7 +26,9 @@ Every process runs the same script and builds the whole model with the same
 seed, so every rank cuts its shards from the same initial weights.  Under
 torchrun the trainer starts the process group if none runs (NCCL on
 ``cuda:LOCAL_RANK`` with CUDA, gloo otherwise); in one process without
-torchrun it trains as a world of one (gloo over an in-process store).
+torchrun it trains as a world of one (over an in-process store; NCCL on the
+current GPU when there is one, gloo on the CPU otherwise).  It computes on
+:func:`compute_device` unless ``device=`` says otherwise.
 """
 
 from __future__ import annotations
@@ -96,8 +98,7 @@ class Trainer:
                 _recompute_forward(module)
             return module
 
-        if device is not None:
-            options["device"] = device
+        options["device"] = compute_device(device)
         self.scheduled = ScheduledTrainer(build, self.simulation, loss_fn, optimizer, **options)
         self.stages: list[nn.Module] = self.scheduled.stages
         self.device = self.scheduled.device
@@ -186,8 +187,8 @@ def _ensure_process_group(timeout: float) -> None:
 
         ensure_process_group(timeout)
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=timeout))
 
 
 def _tensor_parallel_groups(placement: Placement, plans: dict) -> dict[tuple[int, ...], object]:

@@ -132,7 +132,7 @@ class Trainer:
             self._control = None
             raise
         self.program: Program = program
-        self._release_host_weights()
+        self._release_weights()
         self._p2p = dist.new_group(timeout=delta)
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
@@ -190,6 +190,7 @@ class Trainer:
             self._load_host_weights()
             signature = (tuple(micro_in[0].shape), micro_in[0].dtype)
             if self._meta is None or self._meta[0] != signature:
+                self._stand_in_weights()  # the step's fetches replace them
                 self._meta = (signature, self._infer_shapes(micro_in[0], self._graph))
             loss = self._run(state)
             # inside the try: a timeout interrupt posted before this returns lands here
@@ -222,12 +223,14 @@ class Trainer:
         out = []
         for owner in owners:
             state = {}
-            for name, tensor in self.stages[stage].state_dict().items():
-                buffer = tensor.detach().clone()
+            mine = self.stages[stage].state_dict()
+            for name, (shape, dtype) in self._state_specs[stage].items():
+                buffer = (mine[name].detach().clone() if self.rank == owner
+                          else torch.empty(shape, dtype=dtype, device=self.device))
                 dist.broadcast(buffer, src=owner, group=self._p2p)
                 state[name] = buffer.cpu()
             out.append(state)
-        self._release_host_weights()
+        self._release_weights()
         return out
 
     def calibrate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3, **options):
@@ -277,6 +280,10 @@ class Trainer:
         self._params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
         self._owned = [s for s in range(program.num_stages) if self.rank in program.replicas[s]]
         self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
+        self._templates = [[torch.empty_like(p, device="meta") for p in ps] for ps in self._params]
+        self._state_specs = [{name: (t.shape, t.dtype) for name, t in stage.state_dict().items()}
+                             for stage in self.stages]
+        self._fetched = {m.stage for m in program.messages if m.dst == self.rank and m.letter == "w"}
         pin = self.device.type == "cuda"
         self.host_weights: dict[int, list[nn.Parameter]] = {
             s: [nn.Parameter(_host_copy(p, pin)) for p in self._params[s]]
@@ -566,7 +573,7 @@ class Trainer:
     def _post_recv(self, st, action: Action) -> None:
         msg = self.program.messages[action.message]
         if msg.letter in "wr":
-            buffer = _flat_like(self._params[msg.stage], self.device)
+            buffer = _flat_like(self._templates[msg.stage], self.device)
         else:
             shape, dtype = self._meta[1][value_stage(msg.key)]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
@@ -640,21 +647,27 @@ class Trainer:
                 for p, h in zip(self._params[s], host):
                     p.data = h.detach().to(self.device, non_blocking=True, copy=True)
 
-    def _release_host_weights(self) -> None:
-        """Free the device copies of offloaded weights (after a step)."""
-        for s in self.host_weights:
+    def _release_weights(self) -> None:
+        """Free the device copies of weights this rank does not hold on the
+        device between steps: offloaded ones, and fetched ones."""
+        for s in set(self.host_weights) | self._fetched:
             for p in self._params[s]:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 p.grad = None
+
+    def _stand_in_weights(self) -> None:
+        """Zeros in place of fetched weights, for a shape probe before the fetch."""
+        for s in self._fetched:
+            for p, template in zip(self._params[s], self._templates[s]):
+                p.data = torch.zeros(template.shape, dtype=template.dtype, device=self.device)
 
     def _load_weights(self, st, s: int) -> None:
         msg = self._fetch[s]
         if msg.index not in st.pending:
             return
         flat = self._wait(st, msg.index)
-        with torch.no_grad():
-            for p, chunk in zip(self._params[s], _split(flat, self._params[s])):
-                p.copy_(chunk)
+        for p, chunk in zip(self._params[s], _split(flat, self._templates[s])):
+            p.data = chunk
 
     # ------------------------------------------------------------------ end of step
     def _finish(self, st) -> float:
@@ -709,7 +722,7 @@ class Trainer:
         for host in self.host_weights.values():
             for h in host:
                 h.grad = None
-        self._release_host_weights()
+        self._release_weights()
         st.clock.sync()
         st.end = time.perf_counter()
         self.last_step_seconds = st.end - st.begin

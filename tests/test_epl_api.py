@@ -512,7 +512,7 @@ def test_groups_are_gangs_in_the_simulation():
 
 @pytest.mark.parametrize("micro, stages", [(1, 1), (4, 1), (4, 2), (2, 4), (8, 3)])
 def test_simulated_orders_run_every_pass_once_and_bound_the_stash(micro, stages):
-    """The order the groups runtime follows (the compiled strategy's
+    """The order the runtime follows (the compiled strategy's
     simulation) is a valid pipeline order with 1F1B's and fill-drain's bounds."""
     for strategy in ("PreferBackward", "PreferForward"):
         _pipeline(stages, micro, strategy)

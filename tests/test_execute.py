@@ -559,6 +559,7 @@ def _bare_trainer(stages) -> Trainer:
     trainer = Trainer.__new__(Trainer)
     trainer.stages, trainer.device = stages, torch.device("cpu")
     trainer.world_size, trainer.rank, trainer._runs = 1, 0, set(range(len(stages)))
+    trainer._mine = list(range(len(stages)))
     return trainer
 
 

@@ -81,6 +81,7 @@ _LAZY = {
     "ExecutionError": "unisched.execute",
     "NonFiniteLossError": "unisched.execute",
     "train_one_process": "unisched.execute",
+    "build_stages": "unisched.execute",
     "load_plan": "unisched.plan",
     "PlanFileError": "unisched.plan",
     "PlanInputError": "unisched.plan",

@@ -11,7 +11,7 @@ from unisched.execute.faults import CommunicationError, ExecutionError, NonFinit
 from unisched.execute.measure import calibrate_costs, predict
 from unisched.execute.program import Action, Message, Program, ProgramError, compile_program, parse_action
 from unisched.execute.reference import train_one_process
-from unisched.execute.runtime import Trainer
+from unisched.execute.runtime import Trainer, build_stages
 
 __all__ = [
     "Action",
@@ -22,6 +22,7 @@ __all__ = [
     "Program",
     "ProgramError",
     "Trainer",
+    "build_stages",
     "calibrate_costs",
     "compile_program",
     "parse_action",

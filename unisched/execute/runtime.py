@@ -69,11 +69,14 @@ class Trainer:
     """Train ``stages`` under ``schedule`` on torch.distributed, one process per worker.
 
     ``stages``: one ``nn.Module`` per pipeline stage, built the same way on
-    every rank, or a factory ``stage_index -> nn.Module`` that the Trainer
-    calls for each stage during its set-up (an error there stops every rank
-    with the same message); each stage returns one tensor and takes one per
-    predecessor in the schedule's stage graph, in stage order (a source
-    stage takes the micro-batch).
+    every rank, or a factory ``stage_index -> nn.Module``.  The Trainer calls
+    a factory only for the stages this rank computes or holds weights of
+    (``trainer.stages`` is None for the others), each under its own seed
+    (``seed`` and the stage index, see :func:`build_stages`), so whichever
+    rank builds a stage builds the same one; an error there stops every rank
+    with the same message.  Only those stages are moved to the device.  Each
+    stage returns one tensor and takes one per predecessor in the schedule's
+    stage graph, in stage order (a source stage takes the micro-batch).
 
     An item the schedule gives to a gang of workers runs on every member:
     a tensor-parallel gang (``Gang(..., collective=True)``) gives each
@@ -101,6 +104,7 @@ class Trainer:
         lookahead: int = 1,
         record: bool = True,
         device: torch.device | str | None = None,
+        seed: int = 0,
     ):
         self.timeline_in, self.label, graph = _schedule_timeline(schedule)
         ensure_process_group(timeout)
@@ -110,7 +114,8 @@ class Trainer:
         self.record = record
         self.loss_fn = loss_fn
         self.device = _pick_device(device)
-        self.stages: list[nn.Module] = []
+        self.stages: list[nn.Module | None] = []
+        self._mine: list[int] = []
 
         error, program = None, None
         try:
@@ -118,7 +123,9 @@ class Trainer:
                 self.timeline_in, num_stages=None if _is_factory(stages) else len(stages),
                 world_size=self.world_size, lookahead=lookahead, stage_graph=graph,
             )
-            self.stages = _build_stages(stages, program.num_stages)
+            self._mine = sorted({a.stage for a in program.actions[self.rank] if a.is_compute}
+                                | {s for s, held in enumerate(program.replicas) if self.rank in held})
+            self.stages = _build_stages(stages, program.num_stages, self._mine, seed)
             self._set_up_stages(program, optimizer)
         except Exception as caught:
             error = caught
@@ -210,7 +217,7 @@ class Trainer:
         """``{"<stage>.<name>": tensor}``: every stage's weights of truth, on
         every rank (CPU tensors); of a stage sharded over a tensor-parallel
         gang, shard 0 (:meth:`gather_shares` gives every shard)."""
-        return {f"{s}.{name}": tensor for s in range(len(self.stages))
+        return {f"{s}.{name}": tensor for s in range(self.program.num_stages)
                 for name, tensor in self.gather_shares(s)[0].items()}
 
     def gather_shares(self, stage: int) -> list[dict[str, torch.Tensor]]:
@@ -223,7 +230,7 @@ class Trainer:
         out = []
         for owner in owners:
             state = {}
-            mine = self.stages[stage].state_dict()
+            mine = self.stages[stage].state_dict() if self.rank == owner else {}
             for name, (shape, dtype) in self._state_specs[stage].items():
                 buffer = (mine[name].detach().clone() if self.rank == owner
                           else torch.empty(shape, dtype=dtype, device=self.device))
@@ -275,13 +282,14 @@ class Trainer:
         optimizer factory, moving stages): done before the ranks agree.
         The optimizer steps the weights of truth this rank holds: the stage's
         own parameters, or their host copies where they are offloaded."""
-        for stage in self.stages:
-            stage.to(self.device)
-        self._params = [[p for p in stage.parameters() if p.requires_grad] for stage in self.stages]
+        for s in self._mine:
+            self.stages[s].to(self.device)
+        self._params = [[] if stage is None else [p for p in stage.parameters() if p.requires_grad]
+                        for stage in self.stages]
         self._owned = [s for s in range(program.num_stages) if self.rank in program.replicas[s]]
         self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
         self._templates = [[torch.empty_like(p, device="meta") for p in ps] for ps in self._params]
-        self._state_specs = [{name: (t.shape, t.dtype) for name, t in stage.state_dict().items()}
+        self._state_specs = [None if stage is None else {name: (t.shape, t.dtype) for name, t in stage.state_dict().items()}
                              for stage in self.stages]
         self._fetched = {m.stage for m in program.messages if m.dst == self.rank and m.letter == "w"}
         pin = self.device.type == "cuda"
@@ -297,25 +305,33 @@ class Trainer:
         }
 
     def _agree(self, error: Exception | None) -> None:
-        """Every rank learns every rank's verdict, so all raise together instead of hanging."""
-        fingerprint = [[tuple(p.shape) for p in stage.parameters()] for stage in self.stages]
+        """Every rank learns every rank's verdict, so all raise together
+        instead of hanging; ranks that built the same stage check that they
+        built it alike, and every rank learns the sizes of the stages it did
+        not build."""
+        built = {}
+        if error is None:
+            built = {s: ([tuple(p.shape) for p in self.stages[s].parameters()], self._state_specs[s],
+                         self.weight_bytes[s]) for s in self._mine}
         verdicts: list = [None] * self.world_size
         message = None
         if error is not None:
             message = str(error) if isinstance(error, UniSchedError) else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(verdicts, (message, fingerprint), group=self._control)
+        dist.all_gather_object(verdicts, (message, built), group=self._control)
         if error is not None:
             raise error
         for rank, (message, _) in enumerate(verdicts):
             if message is not None:
                 raise ProgramError(f"rank {rank} cannot run this schedule: {message}")
-        for rank, (_, other) in enumerate(verdicts):
-            if other != fingerprint:
-                stage = next((s for s, (a, b) in enumerate(zip(other, fingerprint)) if a != b), min(len(other), len(fingerprint)))
-                raise ProgramError(
-                    f"rank {rank}'s stage {stage} has parameters of other shapes than rank {self.rank}'s; "
-                    f"build the stages the same way on every rank"
-                )
+        for rank, (_, theirs) in enumerate(verdicts):
+            for s, (shapes, specs, nbytes) in sorted(theirs.items()):
+                if s in built and shapes != built[s][0]:
+                    raise ProgramError(
+                        f"rank {rank}'s stage {s} has parameters of shapes {shapes[:4]} but rank {self.rank}'s "
+                        f"{built[s][0][:4]}; build the stages the same way on every rank"
+                    )
+                if self._state_specs[s] is None:
+                    self._state_specs[s], self.weight_bytes[s] = specs, nbytes
 
     def _clock_offsets(self) -> list[float]:
         """Per-rank clock offsets: zero on one host (perf_counter is shared), barrier-aligned across hosts."""
@@ -341,10 +357,10 @@ class Trainer:
         graph = as_stage_graph(len(self.stages), graph)
         specs: dict[int, tuple[torch.Size, torch.dtype]] = {}
         outputs: dict[int, torch.Tensor] = {}
-        modes = [(module, module.training) for stage in self.stages for module in stage.modules()]
+        modes = [(module, module.training) for s in self._mine for module in self.stages[s].modules()]
         try:
-            for stage in self.stages:
-                stage.eval()
+            for s in self._mine:
+                self.stages[s].eval()
             with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 for s in topological_order(graph):
                     told = None
@@ -374,8 +390,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def _run(self, st: "_StepState") -> float:
-        for stage in self.stages:
-            stage.zero_grad(set_to_none=True)
+        for s in self._mine:
+            self.stages[s].zero_grad(set_to_none=True)
         for s, flat in self._flat_grads.items():
             flat.zero_()
             for p, view in zip(self._params[s], _split(flat, self._params[s])):
@@ -702,8 +718,8 @@ class Trainer:
         losses = st.loss_sum
         bad = [b for b in range(B) if not math.isfinite(float(losses[b]))]
         if bad:
-            for stage in self.stages:
-                stage.zero_grad(set_to_none=True)
+            for s in self._mine:
+                self.stages[s].zero_grad(set_to_none=True)
             raise NonFiniteLossError(
                 f"the loss of micro-batch {bad[0]} is {float(losses[bad[0]])} (computed on rank "
                 f"{self.program.loss_rank(bad[0])}) in step {self._step_no}; no weights were changed. "
@@ -717,8 +733,8 @@ class Trainer:
                 h.grad = None if p.grad is None else p.grad.detach().to(h.device)
         if self.optimizer is not None:
             self.optimizer.step()
-        for stage in self.stages:
-            stage.zero_grad(set_to_none=True)
+        for s in self._mine:
+            self.stages[s].zero_grad(set_to_none=True)
         for host in self.host_weights.values():
             for h in host:
                 h.grad = None
@@ -904,12 +920,28 @@ def _is_factory(stages) -> bool:
     return callable(stages) and not isinstance(stages, nn.Module)
 
 
-def _build_stages(stages, num_stages: int) -> list[nn.Module]:
-    """The stage modules: as given, or made by the factory for each stage index."""
-    if _is_factory(stages):
-        stages = [stages(s) for s in range(num_stages)]
-    stages = list(stages)
-    _check_stages(stages)
+def build_stages(factory: Callable[[int], nn.Module], num_stages: int, seed: int = 0,
+                 only: Sequence[int] | None = None) -> list[nn.Module | None]:
+    """Call ``factory(s)`` for each stage (or those in ``only``; None for the
+    others), each under the seed ``seed * 100_003 + s`` with the CPU random
+    state restored after, so a stage is initialized the same on whichever
+    rank builds it, and the same as in a one-process reference built here."""
+    wanted = set(range(num_stages) if only is None else only)
+    stages: list[nn.Module | None] = []
+    for s in range(num_stages):
+        if s not in wanted:
+            stages.append(None)
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 100_003 + s)
+            stages.append(factory(s))
+    return stages
+
+
+def _build_stages(stages, num_stages: int, mine: Sequence[int], seed: int) -> list[nn.Module | None]:
+    """The stage modules: as given, or the factory's for the stages this rank needs."""
+    stages = build_stages(stages, num_stages, seed, only=mine) if _is_factory(stages) else list(stages)
+    _check_stages([stages[s] for s in mine], mine)
     return stages
 
 
@@ -936,8 +968,8 @@ def _rows_of(x: torch.Tensor, members: tuple[int, ...], rank: int, stage: int) -
     return x.chunk(len(members))[members.index(rank)]
 
 
-def _check_stages(stages) -> None:
-    for s, stage in enumerate(stages):
+def _check_stages(stages, indices) -> None:
+    for s, stage in zip(indices, stages):
         if not isinstance(stage, nn.Module):
             raise TypeError(f"stage {s} is a {type(stage).__name__}; Trainer needs one torch.nn.Module per stage")
         dtypes = {p.dtype for p in stage.parameters()}

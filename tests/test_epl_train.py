@@ -264,7 +264,8 @@ def run_scenario(build, world) -> dict:
         "strategy": trainer.strategy.name,
         "data_parallel": trainer.placement.data_parallel,
         "split_groups": {int(k): [list(g) for g in v] for k, v in trainer.strategy.params["split_groups"].items()},
-        "sharded": {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
+        "sharded": None if trainer.stages[-1] is None else  # a rank builds only the TaskGraphs it uses
+        {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
         "runtime": trainer.runtime,
         "optimized": _optimized_elements(trainer.optimizer),
         "host": _host_report(trainer, fetched_copies),

@@ -108,7 +108,7 @@ def train(rank: int, world: int, name: str, width: int, rows_per_micro: int, ste
     trainer = epl.Trainer(loss_fn, lambda params: torch.optim.Adam(params, lr=1e-3), record=False)
     runs = sorted({work.stage for work in trainer.order})
     mine = [trainer.stages[s] for s in runs]
-    idle = [stage for s, stage in enumerate(trainer.stages) if s not in runs]
+    idle = [stage for s, stage in enumerate(trainer.stages) if s not in runs and stage is not None]
     counter = SavedBytes(lambda: [p for m in mine for p in m.parameters()])
     times, losses = [], []
     for _ in range(steps):

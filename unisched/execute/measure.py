@@ -22,7 +22,7 @@ import numpy as np
 from unisched.costs import Costs
 from unisched.dataflow import first_backward
 from unisched.errors import ShapeError
-from unisched.execute.program import value_stage
+from unisched.execute.program import schedule_timeline, value_stage
 from unisched.simulate import Simulation, simulate
 from unisched.timeline import Timeline, TransferRecord, WorkRecord
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, Work
@@ -231,17 +231,10 @@ def predict(schedule, costs: Costs) -> Simulation:
     :meth:`Timeline.as_strategy`), as the executor does; only the times
     change.  No memory limit applies: the order already says when each
     forward runs, and the runtime does not wait for memory."""
-    if hasattr(schedule, "simulate") and not hasattr(schedule, "timeline"):
-        schedule = schedule.simulate()
-    timeline = getattr(schedule, "timeline", schedule)
-    if not isinstance(timeline, Timeline):
-        raise TypeError(
-            f"predict() needs a unisched.Simulation, a Timeline or a plan, got {type(schedule).__name__}"
-        )
+    timeline, _, _ = schedule_timeline(schedule)
     return simulate(
         *timeline.shape,
         timeline.as_strategy(),
-        getattr(schedule, "priority", None),
         costs=costs,
         split_backward=timeline.split_backward,
         stage_graph=timeline.stage_graph,

@@ -229,7 +229,6 @@ class Program:
     split_backward: bool
     actions: list[list[Action]]
     messages: list[Message]
-    replicas: list[tuple[int, ...]]
     weight_worker: dict[Work, int]
     compute_worker: dict[Work, int]
     uses: list[dict[tuple, int]] = field(default_factory=list)
@@ -257,6 +256,11 @@ class Program:
     def loss_rank(self, batch: int) -> int:
         """The rank that evaluates the loss of micro-batch ``batch``."""
         return self.compute_worker[Work(batch, self.loss_stage, first_backward(self.split_backward))]
+
+    @property
+    def replicas(self) -> list[tuple[int, ...]]:
+        """Per stage, the ranks that hold its weights of truth (any share)."""
+        return [tuple(sorted(shares)) for shares in self.shares]
 
     def members(self, work: Work) -> tuple[int, ...]:
         """The ranks that run ``work``: its gang, or its compute worker alone."""
@@ -345,7 +349,6 @@ def compile_program(
     orders = [per_worker[r] for r in range(ranks)]
     weights = _Weights(compute, weight, gangs, ranks, S)
 
-    held = [tuple(sorted(shares)) for shares in weights.shares]
     builder = _Builder(ranks)
     program = Program(
         num_ranks=ranks,
@@ -354,7 +357,6 @@ def compile_program(
         split_backward=split,
         actions=[builder.programs[r] for r in range(ranks)],
         messages=builder.messages,
-        replicas=held,
         weight_worker=weights.weight,
         compute_worker=compute,
         stage_graph=graph,
@@ -382,7 +384,7 @@ def compile_program(
         for s in builder.reduces[rank].get(len(orders[rank]), []):
             builder.programs[rank].append(Action("R", s, group=program.reduce_group(rank, s)))
         for s in range(S):
-            if rank in held[s]:
+            if rank in weights.shares[s]:
                 builder.programs[rank].append(Action("O", s))
     program.uses = [_uses(program, r) for r in range(ranks)]
     validate(program)
@@ -408,6 +410,23 @@ def _ranks(timeline: Timeline, world_size: int | None) -> int:
         f"the schedule is for {W} workers but the world has {world_size} ranks{hosts}; "
         f"launch {W} processes (torchrun --nproc-per-node {W}) or simulate the strategy for {world_size} workers"
     )
+
+
+def schedule_timeline(schedule) -> tuple[Timeline, str, StageGraph | None]:
+    """Accept a Simulation, anything with ``.simulate()`` (a plan), or a
+    Timeline: its timeline, label and stage graph (None: the Timeline's own,
+    which :func:`compile_program` reads)."""
+    if hasattr(schedule, "simulate") and not hasattr(schedule, "timeline"):
+        schedule = schedule.simulate()
+    if isinstance(schedule, Timeline):
+        return schedule, schedule.label, None
+    timeline = getattr(schedule, "timeline", None)
+    if not isinstance(timeline, Timeline):
+        raise TypeError(
+            f"schedule must be a unisched.Simulation, a plan with .simulate(), or a Timeline; got {type(schedule).__name__}"
+        )
+    strategy = getattr(schedule, "strategy", None)
+    return timeline, getattr(strategy, "name", "") or timeline.label, getattr(schedule, "stage_graph", None)
 
 
 def schedule_graph(timeline: Timeline, stage_graph: StageGraph | nx.DiGraph | None = None) -> StageGraph:
@@ -481,10 +500,11 @@ class _Weights:
         }
         self.shares: list[dict[int, int]] = [{} for _ in range(num_stages)]
         self.offloaded: set[tuple[int, int]] = set()
+        self._held_by: dict[tuple[Work, int], tuple[int, int]] = {}
         on_device: set[tuple[int, int]] = set()
         for work in compute:
             for rank in gangs[work].workers if work in gangs else (compute[work],):
-                holder, share = self.holder(work, rank)
+                holder, share = self._held_by[(work, rank)] = self._holder(work, rank)
                 (self.offloaded if weight[work] >= ranks else on_device).add((holder, work.stage))
                 if self.shares[work.stage].setdefault(holder, share) != share:
                     raise ProgramError(
@@ -501,6 +521,13 @@ class _Weights:
 
     def holder(self, work: Work, rank: int) -> tuple[int, int]:
         """(rank holding the weights of truth, share) that ``rank`` computes ``work`` with."""
+        return self._held_by[(work, rank)]
+
+    def holds(self, rank: int, work: Work) -> bool:
+        """Whether ``rank`` holds the share of the weights it computes ``work`` with."""
+        return self.shares[work.stage].get(rank, -1) == self.holder(work, rank)[1]
+
+    def _holder(self, work: Work, rank: int) -> tuple[int, int]:
         worker, gang = self.weight[work], self.gangs.get(work)
         if gang is None or not gang.collective:
             return worker, 0
@@ -513,10 +540,6 @@ class _Weights:
                 f"of its weights; make the weight worker one that computes the stage with such a gang"
             )
         return share_holder(worker, share, weight_gang), share
-
-    def holds(self, rank: int, work: Work) -> bool:
-        """Whether ``rank`` holds the share of the weights it computes ``work`` with."""
-        return self.shares[work.stage].get(rank, -1) == self.holder(work, rank)[1]
 
 
 def _mapping(timeline: Timeline, split: bool) -> tuple[dict[Work, int], dict[Work, int]]:
@@ -569,8 +592,7 @@ def _returns(order, rank, weights: _Weights, split) -> dict[Work, int]:
     A rank holding a replica computes with its own copy and all-reduces instead."""
     last = {}
     for work in order:
-        holder = weights.holder(work, rank)[0]
-        if not weights.holds(rank, work) and returns_gradient(work.direction, rank, holder, split):
+        if not weights.holds(rank, work) and returns_gradient(work.direction, rank, weights.holder(work, rank)[0], split):
             last[work.stage] = work
     return {work: weights.holder(work, rank)[0] for work in last.values()}
 
@@ -959,6 +981,7 @@ __all__ = [
     "loss_stage",
     "parse_action",
     "schedule_graph",
+    "schedule_timeline",
     "topological_order",
     "validate",
 ]

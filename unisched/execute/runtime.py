@@ -54,6 +54,7 @@ from unisched.execute.program import (
     ProgramError,
     Reads,
     compile_program,
+    schedule_timeline,
     gradient,
     output,
     topological_order,
@@ -106,7 +107,7 @@ class Trainer:
         device: torch.device | str | None = None,
         seed: int = 0,
     ):
-        self.timeline_in, self.label, graph = _schedule_timeline(schedule)
+        self.timeline_in, self.label, graph = schedule_timeline(schedule)
         ensure_process_group(timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -859,24 +860,6 @@ class _StepState:
 
 
 # ---------------------------------------------------------------------- helpers
-def _schedule_timeline(schedule) -> tuple[Timeline, str, StageGraph | None]:
-    """Accept a Simulation, anything with ``.simulate()`` (a plan), or a
-    Timeline: its timeline, label and stage graph (None: the Timeline's own,
-    which :func:`compile_program` reads)."""
-    if hasattr(schedule, "simulate") and not hasattr(schedule, "timeline"):
-        schedule = schedule.simulate()
-    if isinstance(schedule, Timeline):
-        return schedule, schedule.label, None
-    timeline = getattr(schedule, "timeline", None)
-    if not isinstance(timeline, Timeline):
-        raise TypeError(
-            f"schedule must be a unisched.Simulation, a plan with .simulate(), or a Timeline; got {type(schedule).__name__}"
-        )
-    strategy = getattr(schedule, "strategy", None)
-    return timeline, getattr(strategy, "name", "") or timeline.label, getattr(schedule, "stage_graph", None)
-
-
-
 def ensure_process_group(timeout: float) -> None:
     """Start the default process group from torchrun's variables (NCCL with
     CUDA, gloo otherwise) unless one is running; the one bootstrap of

@@ -46,6 +46,8 @@ from torch.utils.checkpoint import checkpoint
 from unisched.epl.placement import Placement, compile_strategy, place
 from unisched.epl.scopes import SPLIT, Env, ScopeError, TaskGraph, world_size
 from unisched.epl.tensor_parallel import Group, shard_dims, split_module, split_plan
+from unisched.execute.runtime import Trainer as ScheduledTrainer
+from unisched.execute.runtime import compute_device, ensure_process_group
 from unisched.strategy import Strategy
 from unisched.work import Work
 
@@ -71,8 +73,6 @@ class Trainer:
 
     def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto",
                  device: torch.device | str | None = None, **options):
-        from unisched.execute import Trainer as ScheduledTrainer
-
         _check_runtime(runtime)
         _ensure_process_group(float(options.get("timeout", 300.0)))
         self.env = Env.get()
@@ -151,20 +151,6 @@ class Trainer:
         return Group(process_groups.get(mine), mine, mine.index(self.rank))
 
 
-def compute_device(device: torch.device | str | None = None) -> torch.device:
-    """Where this rank computes: ``device`` if given; with an NCCL process
-    group (or none and CUDA present) ``cuda:LOCAL_RANK`` (else the current
-    CUDA device); the CPU otherwise (gloo moves CPU tensors)."""
-    if device is not None:
-        return torch.device(device)
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        return torch.device("cpu")
-    local = os.environ.get("LOCAL_RANK")
-    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-
-
 def _check_runtime(runtime: str) -> None:
     if runtime == "groups":
         warnings.warn(
@@ -183,8 +169,6 @@ def _ensure_process_group(timeout: float) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from unisched.execute.runtime import ensure_process_group
-
         ensure_process_group(timeout)
         return
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
@@ -234,4 +218,4 @@ def _checked(taskgraphs: list[TaskGraph]) -> list[TaskGraph]:
     return taskgraphs
 
 
-__all__ = ["Trainer", "compute_device"]
+__all__ = ["Trainer", "compute_device"]  # compute_device: the runtime's, kept here for EPL scripts

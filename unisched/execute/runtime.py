@@ -114,7 +114,7 @@ class Trainer:
         self.timeout = float(timeout)
         self.record = record
         self.loss_fn = loss_fn
-        self.device = _pick_device(device)
+        self.device = compute_device(device)
         self.stages: list[nn.Module | None] = []
         self._mine: list[int] = []
 
@@ -877,12 +877,18 @@ def ensure_process_group(timeout: float) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
 
 
-def _pick_device(device) -> torch.device:
+def compute_device(device: torch.device | str | None = None) -> torch.device:
+    """Where this rank computes: ``device`` if given; with an NCCL process
+    group (or none and CUDA present) ``cuda:LOCAL_RANK`` (else the current
+    CUDA device); the CPU otherwise (gloo moves CPU tensors)."""
     if device is not None:
         return torch.device(device)
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
 
 
 def _default_store():

@@ -157,6 +157,7 @@ class Trainer:
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
         self._runs = {a.stage for a in self._actions if a.is_compute}
+        self._first_forward = [program.compute_worker[Work(0, s, FORWARD)] for s in range(program.num_stages)]
         self._gangs = {i: program.gangs[a.work] for i, a in enumerate(self._actions)
                        if a.is_compute and a.work in program.gangs}
         self._leads = {i for i, gang in self._gangs.items() if gang.workers[0] == self.rank}
@@ -382,7 +383,7 @@ class Trainer:
                     failed = next((h for h in heard if isinstance(h, str)), None)
                     if failed is not None:
                         raise ShapeError(failed)
-                    first = self.program.compute_worker[Work(0, s, FORWARD)] if self.world_size > 1 else 0
+                    first = self._first_forward[s]
                     specs[s] = (torch.Size(heard[first][0]), heard[first][1])
         finally:
             for module, training in modes:

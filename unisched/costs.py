@@ -138,7 +138,8 @@ class Costs:
         """How long items take: their stage's duration for their pass, divided
         by their worker's speed.  The arguments broadcast, so a column of items
         against a row of workers gives every item's time on every worker."""
-        table = np.stack([self.durations(num_stages)[d] for d in Direction])
+        durations = self.durations(num_stages)
+        table = np.stack([durations[d] for d in Direction])
         return table[np.asarray(direction), np.asarray(stage)] / self.speeds(num_workers)[np.asarray(worker)]
 
     def speeds(self, num_workers: int) -> np.ndarray:

@@ -15,11 +15,11 @@ memory-time of the stashes it keeps against its own limit.
 
 from __future__ import annotations
 
-import networkx as nx
 import numpy as np
 
 from unisched import dataflow
 from unisched.plan.problem import PlanProblem
+from unisched.simulate.simulation import downstream_paths
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 
@@ -46,8 +46,7 @@ def mapping_bounds(problem: PlanProblem, compute: np.ndarray) -> dict[str, float
     costs = problem.costs
     batch, stage, direction = problem.items.arrays()
     speeds = costs.speeds(W)
-    durations = costs.durations(S)
-    seconds = np.array([durations[d][s] for s, d in zip(stage, direction)]) / speeds[compute]
+    seconds = costs.item_time(stage, direction, compute, S, W)
     bounds = shape_bounds(problem)
     bounds["busiest_worker"] = float(np.bincount(compute, weights=seconds, minlength=W).max())
     if problem.memory_limit:
@@ -68,12 +67,8 @@ def _live_time(problem: PlanProblem) -> np.ndarray:
 
 
 def _downstream(problem: PlanProblem) -> np.ndarray:
-    """Per stage s: the longest forward-then-backward path from F(s) to the end
-    of s's first backward pass, through the stages downstream of s."""
-    graph = problem.stage_graph
-    durations = problem.costs.durations(graph.num_stages)
-    own = durations[FORWARD] + durations[dataflow.first_backward(problem.split_backward)]
-    longest = np.zeros(graph.num_stages)
-    for s in reversed(list(nx.topological_sort(graph.graph))):
-        longest[s] = own[s] + max((longest[t] for t in graph.successors[s]), default=0.0)
-    return longest
+    """Per stage: :func:`unisched.simulate.simulation.downstream_paths` with
+    the forward and the first backward pass."""
+    durations = problem.costs.durations(problem.shape.num_stages)
+    first = dataflow.first_backward(problem.split_backward)
+    return downstream_paths(problem.stage_graph, durations[FORWARD], durations[first])

@@ -126,20 +126,19 @@ def shape_lower_bound(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward
     work_bound = B * per_stage.sum() / speeds.sum()
     graph = as_stage_graph(S, stage_graph)
     forward, backward = durations[directions(split_backward)[0]], durations[directions(split_backward)[1]]
-    path_bound = _longest_path(graph, forward, backward) / speeds.max()
+    path_bound = downstream_paths(graph, forward, backward).max(initial=0.0) / speeds.max()
     return float(max(work_bound, path_bound))
 
 
-def _longest_path(graph: StageGraph, forward: np.ndarray, backward: np.ndarray) -> float:
-    """Longest forward-then-backward path through the stage DAG of one batch."""
-    order = list(nx.topological_sort(graph.graph))
-    reach = {}
-    for s in order:
-        reach[s] = forward[s] + max((reach[p] for p in graph.predecessors[s]), default=0.0)
-    back = {}
-    for s in reversed(order):
-        back[s] = backward[s] + max((back[t] for t in graph.successors[s]), default=0.0)
-    return max(reach[s] + back[s] for s in order) if order else 0.0
+def downstream_paths(graph: StageGraph, forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """Per stage s: the longest path of one micro-batch from F(s) through the
+    forwards of the stages downstream of s and back through their backwards
+    to the end of s's backward.  Its maximum (at a source) is the batch's
+    critical path; it is also the least time a stash of s is held."""
+    longest = np.zeros(graph.num_stages)
+    for s in reversed(list(nx.topological_sort(graph.graph))):
+        longest[s] = forward[s] + backward[s] + max((longest[t] for t in graph.successors[s]), default=0.0)
+    return longest
 
 
 class Simulation:

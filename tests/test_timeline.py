@@ -81,6 +81,18 @@ def test_check_accepts_every_registered_strategy():
         assert sim.timeline.check(sim.memory_limit) is sim.timeline, name
 
 
+def test_check_counts_a_limit_in_the_unit_the_simulation_used():
+    """A strategy's own limit counts stashes even when the costs give sizes;
+    a limit passed to simulate counts bytes then."""
+    sized = Costs(activation_bytes=2.0)
+    own = simulate(4, 4, 8, policies.get("one_f_one_b", 4, 4, 8), costs=sized)
+    assert own.timeline.check(own.memory_limit) is own.timeline
+    given = simulate(4, 4, 8, gpipe, costs=sized, memory_limit=8.0)
+    given.timeline.check(8.0)
+    with pytest.raises(TimelineError, match=r"bytes of stashed activations"):
+        given.timeline.check(4.0)
+
+
 def test_check_names_a_missing_item():
     t = simulate(4, 4, 8, gpipe).timeline
     gone = t.index()[Work(3, 2, BACKWARD)]

@@ -202,6 +202,11 @@ class Timeline:
     gang_collective: tuple[bool, ...] = ()
     """Per gang: whether its items end with an all-reduce among its workers
     (default: every gang does, as :class:`~unisched.Gang`)."""
+    limit_in_bytes: bool | None = None
+    """Whether a memory limit for this step counts bytes of stashes (True) or
+    stashes: what the simulator's own limit counted (a strategy's limit
+    counts stashes, one passed to ``simulate`` bytes when the costs give
+    sizes).  None: bytes when ``costs`` give sizes."""
 
     def __post_init__(self):
         gang = np.full(len(self.batch), -1, dtype=np.int64) if self.gang is None else _ints(self.gang)
@@ -312,9 +317,10 @@ class Timeline:
         :func:`unisched.dataflow.dependencies` over ``stage_graph``); no
         worker ran two items at once (a gang item occupies all its workers);
         and, given ``memory_limit`` (one number or one per worker), no worker
-        held more stashed activations than that: bytes when ``costs`` give
-        sizes, else stashes, as :func:`unisched.simulate` reads a limit.
-        ``tolerance`` (relative to the largest time) absorbs float round-off.
+        held more stashed activations than that, counted in the unit the
+        simulation's own limit used (:attr:`limit_in_bytes`).
+        ``tolerance`` absorbs float round-off (relative to the largest time,
+        and to the limit for memory).
         Check a timeline, not its :meth:`per_worker` view, which repeats items."""
         rows = self._rows_by_item()
         slack = tolerance * max(1.0, float(np.abs(self.start).max(initial=0.0)), float(np.abs(self.end).max(initial=0.0)))
@@ -330,7 +336,9 @@ class Timeline:
         workers it ran on, every worker's items in the order it ran them
         (:meth:`worker_orders`), with the same gangs, backward form and stage
         graph.  Simulated with other costs, it re-times the order that ran
-        instead of letting the greedy choose another."""
+        instead of letting the greedy choose another.  ``memory_limit``
+        becomes the strategy's own limit, which counts stashes; pass a limit
+        in bytes to :func:`unisched.simulate` instead."""
         rows = self._rows_by_item()
         return fixed_strategy(
             self.shape,
@@ -446,7 +454,9 @@ class Timeline:
             limits = np.full(W, float(limits))
         elif limits.shape != (W,):
             raise ShapeError(f"memory_limit has {limits.size} entries but there are {W} workers")
-        in_bytes = self.costs is not None and self.costs.has_sizes
+        in_bytes = self.limit_in_bytes
+        if in_bytes is None:
+            in_bytes = self.costs is not None and self.costs.has_sizes
         unit = "bytes of stashed activations" if in_bytes else "stashed activations"
         for w, curve in enumerate(self.memory("activations", "bytes" if in_bytes else "units")):
             over = np.flatnonzero(curve.values > limits[w] + tolerance * max(1.0, abs(limits[w])))

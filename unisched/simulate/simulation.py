@@ -88,6 +88,7 @@ def simulate(
         stage_graph=graph,
         cache_weights=costs.cache_weights,
         costs=costs,
+        limit_in_bytes=limit_in_bytes if limit is not None else costs.has_sizes,
     )
     return Simulation(timeline, strategy, costs, limit, priority, graph)
 

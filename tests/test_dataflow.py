@@ -57,12 +57,13 @@ def test_vectorised_edges_are_the_per_item_flows(name, split):
         for flow in dataflow.flows(work, num_stages, split_backward=split, stage_graph=graph)
     }
     assert vectorised == per_item
-    # a stash edge is one that a gradient from downstream also leads to
+    # a stash edge (F -> its backward at a stage with successors) is one a gradient from downstream also leads to;
+    # every other edge is primary
     for a, b, k in zip(src, dst, kind):
-        if k == EDGE_STASH:
-            assert graph.successors[items.work(a).stage]
-        else:
-            assert k == EDGE_PRIMARY
+        first, then = items.work(a), items.work(b)
+        stash_of_inner_stage = (first.direction == FORWARD and then.stage == first.stage
+                                and then.direction != FORWARD and bool(graph.successors[first.stage]))
+        assert k == (EDGE_STASH if stash_of_inner_stage else EDGE_PRIMARY), (first, then)
 
 
 def test_flows_of_a_chain_say_what_moves():
@@ -87,9 +88,11 @@ def test_a_stage_with_two_consumers_waits_for_both_gradients():
 @pytest.mark.parametrize("split,frees", [(False, 0.5), (True, 0.0), (True, 0.3), (True, 1.0)])
 def test_backward_passes_free_the_whole_stash(split, frees):
     shares = dataflow.stash_shares(split, frees)
-    assert sum(shares.values()) == pytest.approx(1.0)
-    directions = np.array([FORWARD, *shares])
-    assert list(dataflow.stash_share_array(directions, split, frees)) == [0.0, *shares.values()]
+    expected = {BACKWARD_INPUT: frees, BACKWARD_WEIGHT: 1.0 - frees} if split else {BACKWARD: 1.0}
+    assert shares == pytest.approx(expected)
+    directions = np.array([FORWARD, BACKWARD_WEIGHT, *expected][: 2 + len(expected)])
+    table = dataflow.stash_share_array(directions, split, frees)
+    assert list(table) == pytest.approx([0.0, expected.get(BACKWARD_WEIGHT, 0.0), *expected.values()])
 
 
 def test_weight_traffic_follows_from_the_two_workers():

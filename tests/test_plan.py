@@ -19,7 +19,7 @@ from unisched.plan.family import stages_held
 from unisched.plan.order import solve_order
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape, Work
 
 
 def gpipe_member(W: int, S: int, B: int):
@@ -260,10 +260,12 @@ def test_data_edges_are_the_chain_rule(S, B, split):
 
 def test_the_item_grid_is_the_dataflow_encoding():
     problem = PlanProblem(Shape(2, 3, 4), split_backward=True)
-    assert problem.num_items == problem.items.count == 4 * 3 * 3
+    assert problem.num_items == 4 * 3 * 3
     grid = problem.item_grid()
     assert grid.shape == (4, 3, 3) and np.array_equal(np.sort(grid.ravel()), np.arange(36))
-    assert grid[2, 1, problem.dirs.index(BACKWARD_WEIGHT)] == problem.items.id(2, 1, BACKWARD_WEIGHT)
+    for (b, s, k), item in np.ndenumerate(grid):
+        assert problem.items.work(int(item)) == Work(b, s, problem.dirs[k])
+    assert problem.dirs[2] == BACKWARD_WEIGHT
 
 
 # ---------------------------------------------------------------------- the order model is exact

@@ -57,6 +57,19 @@ def link_times(costs: Costs, src: int, dst: int, nbytes) -> tuple:
     return link.latency, nbytes / link.bandwidth
 
 
+class LinkTable:
+    """:func:`link_times` for many transfers among ``num_workers``, with
+    every link looked up once (the simulator calls it once per transfer)."""
+
+    def __init__(self, costs: Costs, num_workers: int):
+        latency, bandwidth = link_arrays(costs, num_workers)
+        self._latency, self._bandwidth = latency.tolist(), bandwidth.tolist()
+
+    def times(self, src: int, dst: int, nbytes: float) -> tuple[float, float]:
+        """(latency, serialisation) of ``nbytes`` from src to dst, as :func:`link_times`."""
+        return self._latency[src][dst], nbytes / self._bandwidth[src][dst]
+
+
 def ring_allreduce_time(costs: Costs, members: Sequence[int], nbytes):
     """Time of a ring all-reduce of ``nbytes`` (a number or an array) among
     ``members``, in ring order: 2(k-1) steps of 1/k of the data, each as slow
@@ -103,6 +116,7 @@ def transfer_matrix(costs: Costs, num_workers: int, nbytes) -> np.ndarray:
 
 
 __all__ = [
+    "LinkTable",
     "link_arrays",
     "link_times",
     "ring_allreduce_time",

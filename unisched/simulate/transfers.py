@@ -93,18 +93,17 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     """A ring all-reduce per stage held by several weight workers, once every
     replica has its stage's gradient (its own backwards and returned ones)."""
     last_backward = p.direction == dataflow.gradient_pass(p.split_backward)
-    W = p.shape.num_workers
-    held = np.unique(p.stage[last_backward] * W + p.weight_worker_array[last_backward])
-    replicated = np.flatnonzero(np.bincount(held // W, minlength=p.shape.num_stages) > 1)
+    held = dataflow.replicas(p.stage[last_backward], p.weight_worker_array[last_backward], p.shape.num_stages)
     rows = []
-    for s in replicated:
+    for s, replicas in enumerate(held):
+        if len(replicas) < 2:
+            continue
         on_stage = last_backward & (p.stage == s)
-        replicas = held[held // W == s] % W
         returned = (moved["kind"] == _CODE["weight_gradient"]) & (moved["stage"] == s)
         ready = max(end[on_stage].max(), moved["end"][returned].max(initial=0.0))
         n = len(replicas)
         nbytes = 2 * (n - 1) / n * p.weight_bytes[s]
-        finish = ready + float(network.ring_allreduce_time(p.costs, [int(r) for r in replicas], p.weight_bytes[s]))
+        finish = ready + float(network.ring_allreduce_time(p.costs, replicas, p.weight_bytes[s]))
         some_item = int(np.flatnonzero(on_stage)[0])
         for i, r in enumerate(replicas):
             rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready, finish, nbytes, some_item))

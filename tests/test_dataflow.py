@@ -103,3 +103,10 @@ def test_weight_traffic_follows_from_the_two_workers():
     assert list(dataflow.returns_gradient(direction, compute, weight, split_backward=False)) == [False, False, True, False]
     assert list(dataflow.returns_gradient(direction, compute, weight, split_backward=True)) == [False, False, False, True]
     assert dataflow.replicas(np.array([0, 0, 1, 1]), np.array([2, 0, 1, 1]), 3) == [(0, 2), (1,), ()]
+
+
+def test_a_gang_member_uses_its_shard_or_the_whole_stage_held_where_the_share_rule_says():
+    assert dataflow.weight_share((3, 4), True, 4) == 1, "tensor-parallel member i uses shard i"
+    assert dataflow.weight_share((3, 4), False, 4) == 0, "a member sharing rows uses the whole stage"
+    assert dataflow.share_holder(5, 1, (5, 6)) == 6, "shard i lives on member i of the weight worker's gang"
+    assert dataflow.share_holder(5, 0, None) == 5, "a whole stage lives on its weight worker"

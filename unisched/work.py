@@ -1,10 +1,10 @@
 """The unified scheme's vocabulary: work items, the two workers a strategy picks
-for each, and the dependencies between work items.
+for each, and the stage graph.
 
 One training step over B micro-batches of an S-stage network is the set of
 work items ``Work(batch, stage, direction)``.  A *strategy* maps each item to a
 :class:`ComputeAndWeightWorkers` pair; everything else (transfers, memory,
-traffic) follows from that pair and the dependencies defined here.
+traffic) follows from that pair and the data flow of :mod:`unisched.dataflow`.
 
 ``Work`` is a ``NamedTuple``, so ``Work(3, 1, Direction.BACKWARD)`` and
 ``Work(batch=3, stage=1, direction=Direction.BACKWARD)`` are the same item, and

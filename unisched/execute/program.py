@@ -529,11 +529,10 @@ class _Weights:
 
     def _holder(self, work: Work, rank: int) -> tuple[int, int]:
         worker, gang = self.weight[work], self.gangs.get(work)
-        if gang is None or not gang.collective:
-            return worker, 0
-        share = weight_share(gang.workers, True, rank)
-        weight_gang = self.tensor_parallel.get((worker, work.stage))
-        if weight_gang is None or len(weight_gang) != len(gang.workers):
+        collective = gang is not None and gang.collective
+        share = weight_share(gang.workers if gang is not None else (rank,), collective, rank)
+        weight_gang = self.tensor_parallel.get((worker, work.stage)) if collective else None
+        if collective and (weight_gang is None or len(weight_gang) != len(gang.workers)):
             raise ProgramError(
                 f"work item {work} runs tensor-parallel on the gang {list(gang.workers)}, but its weight worker "
                 f"{worker} runs stage {work.stage} on no gang of {len(gang.workers)}, so no rank holds shard {share} "

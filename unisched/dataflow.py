@@ -81,13 +81,15 @@ class Items:
 
     @cached_property
     def _positions(self) -> np.ndarray:
-        """Direction code -> its position k in ``dirs`` (-1: not a pass of this step; the last slot catches codes out of range)."""
-        table = np.full(5, -1, dtype=np.int64)
+        """Direction code -> its position k in ``dirs`` (-1: not a pass of this step)."""
+        table = np.full(len(Direction), -1, dtype=np.int64)
         table[list(self.dirs)] = np.arange(len(self.dirs))
         return table
 
     def _position(self, direction):
-        position = self._positions[np.clip(np.asarray(direction, dtype=np.int64), -1, 4)]
+        code = np.asarray(direction, dtype=np.int64)
+        known = (code >= 0) & (code < len(Direction))
+        position = np.where(known, self._positions[np.where(known, code, 0)], -1)
         if np.any(position < 0):
             raise ShapeError(f"direction {direction!r} is not a pass of this step (split_backward={self.split_backward})")
         return position if np.ndim(position) else int(position)
@@ -233,7 +235,7 @@ def stash_shares(split_backward: bool, input_grad_frees: float) -> dict[Directio
 
 def stash_share_array(direction: np.ndarray, split_backward: bool, input_grad_frees: float) -> np.ndarray:
     """Per item: the share of its (stage, batch)'s stash it frees (0 for a forward)."""
-    table = np.zeros(4)
+    table = np.zeros(len(Direction))
     for d, share in stash_shares(split_backward, input_grad_frees).items():
         table[d] = share
     return table[np.asarray(direction, dtype=np.int64)]

@@ -380,7 +380,7 @@ def _memory(shape: Shape, memory_limit, items: Items, compute, stage, sizes, inp
     claims: list = [None] * n
     releases_of: list = [None] * n
     shares = dataflow.stash_shares(items.split_backward, input_grad_frees)
-    for f in range(0, n, D):
+    for f in range(0, n, D):  # the D passes of one (batch, stage) have consecutive ids (dataflow.Items)
         s = int(stage[f])
         mine = []
         for offset, d in enumerate(dirs[1:], start=1):

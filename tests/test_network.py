@@ -128,7 +128,7 @@ def test_planner_prices_a_moved_stash_by_its_size():
 
 def test_a_link_table_gives_the_times_of_link_times_for_every_pair():
     costs = Costs(latency=0.5, bandwidth=4.0, links={(0, 2): Link(latency=2.0, bandwidth=1.0), (2, 1): Link(0.1, 8.0)})
-    table = network.LinkTable(costs, 3)
+    table = network.LinkTable(costs)
     for src in range(3):
         for dst in range(3):
             if src != dst:

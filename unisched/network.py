@@ -58,16 +58,21 @@ def link_times(costs: Costs, src: int, dst: int, nbytes) -> tuple:
 
 
 class LinkTable:
-    """:func:`link_times` for many transfers among ``num_workers``, with
-    every link looked up once (the simulator calls it once per transfer)."""
+    """:func:`link_times` for many transfers: each link is looked up once, on
+    its first transfer (the simulator calls it once per transfer; a table of
+    every pair would be W² entries on a large cluster)."""
 
-    def __init__(self, costs: Costs, num_workers: int):
-        latency, bandwidth = link_arrays(costs, num_workers)
-        self._latency, self._bandwidth = latency.tolist(), bandwidth.tolist()
+    def __init__(self, costs: Costs):
+        self._costs = costs
+        self._links: dict[tuple[int, int], tuple[float, float]] = {}
 
     def times(self, src: int, dst: int, nbytes: float) -> tuple[float, float]:
         """(latency, serialisation) of ``nbytes`` from src to dst, as :func:`link_times`."""
-        return self._latency[src][dst], nbytes / self._bandwidth[src][dst]
+        link = self._links.get((src, dst))
+        if link is None:
+            found = self._costs.link(src, dst)
+            link = self._links[(src, dst)] = (found.latency, found.bandwidth)
+        return link[0], nbytes / link[1]
 
 
 def ring_allreduce_time(costs: Costs, members: Sequence[int], nbytes):

@@ -220,7 +220,7 @@ class _Communication:
         self.history = [[] for _ in range(p.num_workers)]  # start times, for prefetch
         self.resident = [set() for _ in range(p.num_workers)]
         self.grads_left = dict(p.gradient_returns)
-        self.link_table = network.LinkTable(p.costs, p.num_workers)
+        self.link_table = network.LinkTable(p.costs)
 
     def _send(self, kind: str, src: int, dst: int, ready: float, nbytes: float, item: int) -> float:
         latency, occupy = self.link_table.times(src, dst, nbytes)

@@ -48,7 +48,7 @@ def test_vectorised_edges_are_the_per_item_flows(name, split):
     src, dst, kind, moved = dataflow.edges(items, graph)
     stage_of = items.arrays()[1]
     vectorised = {
-        (items.work(a), items.work(b), TRANSFER_KINDS[m], int(s))
+        (items.work(a), items.work(b), TRANSFER_KINDS[m] if m != dataflow.MOVES_NOTHING else None, int(s))
         for a, b, m, s in zip(src, dst, moved, dataflow.moved_stage(stage_of[src], stage_of[dst], moved))
     }
     per_item = {

@@ -224,6 +224,83 @@ def test_a_gang_replay_blocks_members_until_the_first_member_has_its_input():
         validate(program)
 
 
+# ---------------------------------------------------------------------- the simulator books what the program sends
+def replicated_tensor_parallel(w: Work) -> ComputeAndWeightWorkers:
+    """Stage 1 tensor-parallel on gang (1, 2) for even micro-batches and (3, 4)
+    for odd ones, each gang holding its own replica of the shards."""
+    if w.stage == 1:
+        return ComputeAndWeightWorkers(1 + 2 * (w.batch % 2), 1 + 2 * (w.batch % 2))
+    return ComputeAndWeightWorkers(0, 0)
+
+
+def tensor_parallel_weights_elsewhere(w: Work) -> ComputeAndWeightWorkers:
+    """Stage 1 tensor-parallel as in :func:`replicated_tensor_parallel`, but
+    every micro-batch uses the shards gang (3, 4) holds: the members of gang
+    (1, 2) fetch theirs and return their gradients."""
+    if w.stage == 1:
+        return ComputeAndWeightWorkers(1 + 2 * (w.batch % 2), 3)
+    return ComputeAndWeightWorkers(0, 0)
+
+
+def tensor_parallel_by_batch(w: Work) -> Gang | None:
+    return Gang((1, 2) if w.batch % 2 == 0 else (3, 4)) if w.stage == 1 else None
+
+
+TRAFFIC_CASES = {
+    **{name: (graph_of(edges), mapping, split, None) for name, (edges, mapping, split) in CASES.items()},
+    "rows": (None, lambda w: ComputeAndWeightWorkers(w.stage, w.stage), False,
+             lambda w: Gang((1, 2), False) if w.stage == 1 else None),
+    "rows_replicas": (None, lambda w: ComputeAndWeightWorkers(w.stage if w.stage != 1 else 1 + 2 * (w.batch % 2),
+                                                              w.stage if w.stage != 1 else 1 + 2 * (w.batch % 2)),
+                      False, lambda w: Gang((1, 2) if w.batch % 2 == 0 else (3, 4), False) if w.stage == 1 else None),
+    "tensor_parallel_replicas": (None, replicated_tensor_parallel, False, tensor_parallel_by_batch),
+    "tensor_parallel_weights_elsewhere": (None, tensor_parallel_weights_elsewhere, False,
+                                          tensor_parallel_by_batch),
+    "backwards_away_from_a_source": (None, lambda w: ComputeAndWeightWorkers(
+        (w.stage + (w.direction != Direction.FORWARD)) % W, w.stage), False, None),
+}
+
+
+def traffic(columns, kinds: str) -> set:
+    rows = zip(columns.kind.tolist(), columns.src.tolist(), columns.dst.tolist(), columns.stage.tolist(),
+               columns.batch.tolist())
+    wanted = [unisched.timeline.TRANSFER_KINDS.index(k) for k in kinds.split()]
+    return {(src, dst, stage) + ((batch,) if kinds == "stash" else ()) for kind, src, dst, stage, batch in rows
+            if kind in wanted}
+
+
+@pytest.mark.parametrize("name", list(TRAFFIC_CASES))
+def test_the_simulator_books_the_weights_stashes_and_all_reduces_the_program_sends(name):
+    graph, mapping, split, gang = TRAFFIC_CASES[name]
+    S = graph.number_of_nodes() if graph is not None else 3
+    strategy = Strategy(mapping=mapping, name=name, gang=gang)
+    costs = unisched.Costs(activation_bytes=1.0, weight_bytes=8.0, bandwidth=4.0, cache_weights=True)
+    sim = simulate(5, S, B, strategy, stage_graph=graph, split_backward=split, costs=costs)
+    program = compile_program(sim.timeline)
+    sent = {letter: {(m.src, m.dst, m.stage) + ((m.batch,) if letter in "XV" else ()) for m in program.messages
+                     if m.letter == letter} for letter in "wrXV"}
+    booked = sim.timeline.transfers
+    assert traffic(booked, "weights") == sent["w"]
+    assert traffic(booked, "weight_gradient") == sent["r"]
+    assert traffic(booked, "stash") == sent["X"] | sent["V"]
+    rings = nx.Graph()
+    for src, dst, stage in traffic(booked, "allreduce"):
+        rings.add_edge((stage, src), (stage, dst))
+    booked_groups = {(group[0][0], tuple(sorted(w for _, w in group))) for group in map(sorted, nx.connected_components(rings))}
+    program_groups = {(s, program.reduce_group(r, s)) for s, shares in enumerate(program.shares) for r in shares
+                      if len(program.reduce_group(r, s)) > 1}
+    assert booked_groups == program_groups
+
+
+def test_a_replicated_tensor_parallel_stage_all_reduces_each_shard_among_its_holders():
+    _, mapping, _, gang = TRAFFIC_CASES["tensor_parallel_replicas"]
+    costs = unisched.Costs(weight_bytes=8.0, bandwidth=4.0)
+    sim = simulate(5, 3, B, Strategy(mapping=mapping, gang=gang), costs=costs)
+    reduced = [(tr.src, tr.dst, tr.nbytes) for tr in sim.timeline.transfers if tr.kind == "allreduce"]
+    half = 2 * (2 - 1) / 2 * 8.0 / 2  # a ring of two moves 2(k-1)/k of its shard, half the stage
+    assert sorted(reduced) == [(1, 3, half), (2, 4, half), (3, 1, half), (4, 2, half)]
+
+
 # ---------------------------------------------------------------------- real runs on gloo
 def _train_dags(rank: int, world: int):
     out = {}

@@ -18,7 +18,7 @@ from unisched.network import (
 from unisched.plan.order import solve_order, step_tails
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
-from unisched.work import BACKWARD, ComputeAndWeightWorkers, Shape
+from unisched.work import BACKWARD, ComputeAndWeightWorkers, Shape, Work
 
 
 # ---------------------------------------------------------------------- point to point
@@ -113,17 +113,18 @@ def test_planner_prices_an_allreduce_as_the_simulator_books_it(costs, slowest, f
     assert replay.latency == sim.latency
 
 
-def test_planner_prices_a_moved_stash_by_its_size():
-    """A forward on worker 0 and its backward on worker 1: the stash moves, at its own size."""
-    costs = Costs(bandwidth=1.0, activation_bytes=1.0, stash_bytes=3.0)
-    problem = PlanProblem(Shape(2, 1, 1), costs)
+def test_planner_prices_a_moved_stash_as_the_stage_inputs():
+    """Backwards on worker 1, forwards on worker 0: stage 1's stash moves as its
+    input (2 bytes, not the 7 it keeps); stage 0's input is the micro-batch."""
+    costs = Costs(bandwidth=1.0, activation_bytes=2.0, stash_bytes=7.0)
+    problem = PlanProblem(Shape(2, 2, 1), costs)
     timed = TimedProblem.build(problem)
     compute = np.where(timed.direction == BACKWARD, 1, 0)
     solved = solve_order(timed, compute, compute, time_limit=5)
     replay = Schedule.from_starts(problem, compute, compute, solved.starts).simulate()
-    stash = [r for r in replay.timeline.transfers if r.kind == "stash"]
-    assert [r.end - r.start for r in stash] == [3.0]
-    assert timed.ticks.time(solved.objective) == replay.latency == 1.0 + 3.0 + 2.0
+    stash = [(r.work, r.end - r.start) for r in replay.timeline.transfers if r.kind == "stash"]
+    assert stash == [(Work(0, 1, BACKWARD), 2.0)]
+    assert timed.ticks.time(solved.objective) == replay.latency == 1.0 + 1.0 + 2.0 + 2.0 + 2.0
 
 
 def test_a_link_table_gives_the_times_of_link_times_for_every_pair():

@@ -489,7 +489,11 @@ def test_gang_collective_costs_time():
     base = dict(activation_bytes=8.0, bandwidth=4.0)
     strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: (0, 1))
     sim = simulate(2, 1, 1, strategy, costs=Costs(**base))
-    assert sim.latency == pytest.approx(UNIT + 2 * (2 * 1 / 2 * 8.0 / 4.0))
+    all_reduce = 2 * 1 / 2 * 8.0 / 4.0  # per pass: 2(k-1)/k of the activation over the ring
+    hand_out = 8.0 / 4.0  # the backward's output gradient (from the loss) broadcast to member 1
+    assert sim.latency == pytest.approx(UNIT + 2 * all_reduce + hand_out)
+    moved = sim.timeline.transfers
+    assert [(tr.kind, tr.src, tr.dst, tr.nbytes) for tr in moved] == [("gradient", 0, 1, 8.0)]
 
 
 def test_gang_must_hold_its_compute_worker():
@@ -530,10 +534,19 @@ def test_random_gangs_never_overlap_their_workers(W, S, B, seed):
     assert_valid_timeline(t)
 
 
-def test_a_gang_without_collective_costs_no_all_reduce():
-    base = Costs(activation_bytes=8.0, bandwidth=4.0)
+def test_a_gang_without_collective_costs_no_all_reduce_only_its_rows():
+    base = Costs(activation_bytes=8.0, weight_bytes=16.0, bandwidth=4.0)
     shared = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: unisched.Gang((0, 1), False))
-    assert simulate(2, 1, 1, shared, costs=base).latency == UNIT
+    sim = simulate(2, 1, 1, shared, costs=base)
+    # member 1 fetches the whole stage (4) and returns its gradient; a source
+    # stage slices its rows from the micro-batch; the first member collects
+    # member 1's half of the output (1), then hands it half the output
+    # gradient (1); a source needs no input gradient back
+    assert sim.timeline.end.max() == pytest.approx(4.0 + UNIT + 2 * (4.0 / 4.0))
+    assert sorted((tr.kind, tr.src, tr.dst, tr.nbytes, tr.start) for tr in sim.timeline.transfers) == [
+        ("activation", 1, 0, 4.0, 5.0), ("gradient", 0, 1, 4.0, 6.0),
+        ("weight_gradient", 1, 0, 16.0, 9.0), ("weights", 0, 1, 16.0, 0.0),
+    ]
 
 
 def test_stash_bytes_count_in_memory_and_limits():
@@ -585,14 +598,15 @@ def test_a_strategys_own_limit_counts_stashes_even_with_sizes():
     assert stats(sim, "max_activation_storage") == [4, 3, 2, 1]
 
 
-def test_stash_bytes_alone_make_stashes_take_time():
-    def cuckoo(w):
-        moved = w.direction == BACKWARD and w.stage == 0
-        return ComputeAndWeightWorkers(1 if moved else w.stage, w.stage)
+def test_a_moved_stash_carries_the_stage_inputs_and_nothing_at_a_source():
+    def cuckoo(w):  # every backward on the other worker than its forward
+        return ComputeAndWeightWorkers(1 - w.stage if w.direction == BACKWARD else w.stage, w.stage)
 
-    sim = simulate(2, 2, 1, cuckoo, costs=Costs(stash_bytes=2.0, bandwidth=1.0))
-    stashes = [r for r in sim.timeline.transfers if r.kind == "stash"]
-    assert stashes and all(r.end - r.start == 2.0 for r in stashes)
+    sim = simulate(2, 2, 1, cuckoo, costs=Costs(activation_bytes=3.0, stash_bytes=50.0, bandwidth=1.0))
+    stashes = [(r.src, r.dst, r.nbytes, r.end - r.start, r.work) for r in sim.timeline.transfers if r.kind == "stash"]
+    # stage 1's backward recomputes its forward from its input (3 bytes); stage
+    # 0's input is the micro-batch, which worker 1 has already
+    assert stashes == [(1, 0, 3.0, 3.0, Work(0, 1, BACKWARD))]
 
 
 def test_all_reduce_is_as_slow_as_the_ring_s_slowest_hop():

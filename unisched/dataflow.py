@@ -22,6 +22,15 @@ Dependencies (over a :class:`~unisched.work.StageGraph`, a chain by default)
       to the backward's worker when the two differ;
     - W(s) needs I(s) (the stash, and the output gradient, follow it).
 
+What a move carries
+    An activation is its consumer's input (``activation_bytes`` of the
+    consumer, per predecessor); a gradient is the gradient of that input.  A
+    stash follows a backward pass that runs on another worker than the pass
+    it depends on (:func:`stash_needs`): the stage's inputs, from which that
+    worker recomputes the forward (nothing at a source stage: its input is
+    the micro-batch, which every worker has), and, for a weight pass away
+    from its input pass, the output gradient unless that worker computed it.
+
 Memory
     The input a forward stashes is held on the worker of the backward pass
     that frees it, from the forward's start to that pass's end.  A whole
@@ -34,6 +43,17 @@ Weights
     weight gradient (B, or W with a split backward) returns that gradient to
     the weight worker.  A stage with several weight workers has replicas,
     whose gradients are all-reduced once every replica has them.
+
+Gangs
+    A gang of workers runs one item jointly (:func:`gang_moves`).  A
+    tensor-parallel gang (``collective``) computes the whole micro-batch on
+    every member, each with its shard of the weights; a gang that shares rows
+    gives each member its share of the micro-batch and the whole stage.  The
+    first member (the compute worker) receives and sends for the gang: it
+    hands out the item's input (whole, or each member's rows) and, sharing
+    rows, collects the members' results.  Each member fetches the share of
+    the weights it computes with from where that share is held
+    (:func:`weight_share`, :func:`share_holder`).
 """
 
 from __future__ import annotations
@@ -134,8 +154,9 @@ class Flow(NamedTuple):
     dependency carries when the two run on different workers."""
 
     source: Work
-    kind: str
-    """"activation", "gradient" or "stash" (see ``unisched.timeline.TRANSFER_KINDS``)."""
+    kind: str | None
+    """"activation", "gradient" or "stash" (see ``unisched.timeline.TRANSFER_KINDS``),
+    or None: a source stage's stash, which moves nothing (:func:`stash_needs`)."""
     stage: int
     """The stage whose input size (activation, gradient) or stash size the data has."""
 
@@ -159,7 +180,7 @@ def flows(
     if (d is BACKWARD_INPUT) != split_backward:
         raise ShapeError(f"{work!r} does not match split_backward={split_backward}")
     upstream = tuple(Flow(Work(b, t, d), "gradient", t) for t in graph.successors[s])
-    return (*upstream, Flow(Work(b, s, FORWARD), "stash", s))
+    return (*upstream, Flow(Work(b, s, FORWARD), "stash" if graph.predecessors[s] else None, s))
 
 
 def dependencies(
@@ -187,7 +208,8 @@ _KIND_CODE = {"activation": 0, "gradient": 1, "stash": 2}
 def edges(items: Items, graph: StageGraph) -> np.ndarray:
     """Every dependency of every item, vectorised: a (4, E) array of
     source id, destination id, edge kind (``EDGE_*``) and the code of what it
-    moves (index into ``TRANSFER_KINDS``), in the rules of :func:`flows`."""
+    moves (index into ``TRANSFER_KINDS``, or ``MOVES_NOTHING``: a source
+    stage's stash, see :func:`stash_needs`), in the rules of :func:`flows`."""
     S, B, dirs = items.num_stages, items.num_batches, items.dirs
     D = len(dirs)
     k = {d: i for i, d in enumerate(dirs)}
@@ -202,15 +224,18 @@ def edges(items: Items, graph: StageGraph) -> np.ndarray:
         src = batches + src_stage[None, :] * D + k[src_dir]
         dst = batches + dst_stage[None, :] * D + k[dst_dir]
         n = src.size
-        pieces.append(np.stack([src.ravel(), dst.ravel(), np.full(n, kind), np.full(n, _KIND_CODE[moves])]))
+        code = MOVES_NOTHING if moves is None else _KIND_CODE[moves]
+        pieces.append(np.stack([src.ravel(), dst.ravel(), np.full(n, kind), np.full(n, code)]))
 
     pairs = np.array(list(graph.graph.edges), dtype=np.int64).reshape(-1, 2)
     add(pairs[:, 0], FORWARD, pairs[:, 1], FORWARD, EDGE_PRIMARY, "activation")
     add(pairs[:, 1], back, pairs[:, 0], back, EDGE_PRIMARY, "gradient")
-    sinks = np.array(graph.sinks, dtype=np.int64)
-    inner = np.array([s for s in range(S) if graph.successors[s]], dtype=np.int64)
-    add(sinks, FORWARD, sinks, back, EDGE_PRIMARY, "stash")
-    add(inner, FORWARD, inner, back, EDGE_STASH, "stash")
+    stages = np.arange(S)
+    has_inputs = np.array([bool(graph.predecessors[s]) for s in range(S)], dtype=bool)
+    is_sink = np.array([not graph.successors[s] for s in range(S)], dtype=bool)
+    for kind, chosen in ((EDGE_PRIMARY, is_sink), (EDGE_STASH, ~is_sink)):
+        add(stages[chosen & has_inputs], FORWARD, stages[chosen & has_inputs], back, kind, "stash")
+        add(stages[chosen & ~has_inputs], FORWARD, stages[chosen & ~has_inputs], back, kind, None)
     if items.split_backward:
         everything = np.arange(S)
         add(everything, BACKWARD_INPUT, everything, BACKWARD_WEIGHT, EDGE_PRIMARY, "stash")
@@ -223,6 +248,73 @@ def moved_stage(src_stage: np.ndarray, dst_stage: np.ndarray, moves: np.ndarray)
     """The stage whose size the data of each edge has (vectorised :attr:`Flow.stage`):
     an activation is its consumer's input, a gradient or stash its producer's."""
     return np.where(moves == _KIND_CODE["activation"], dst_stage, src_stage)
+
+
+def moved_data(items: Items, graph: StageGraph, edge_table: np.ndarray, compute: np.ndarray,
+               activation_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What each dependency of ``edge_table`` (rows src, dst, kind, moves as
+    :func:`edges` gives them) carries when ``compute`` (per item) puts its
+    ends on different workers: (moved-data code, bytes).  An activation or
+    gradient has its stage's input size; a stash carries what
+    :func:`stash_needs` says, and ``MOVES_NOTHING`` when that is nothing."""
+    src, dst, moves = edge_table[0], edge_table[1], edge_table[3].copy()
+    _, stage, direction = items.arrays()
+    act = np.asarray(activation_bytes, dtype=float)
+    size = moved_stage(stage[src], stage[dst], moves)
+    nbytes = np.where(moves == MOVES_NOTHING, 0.0, act[size])
+    stash = moves == _KIND_CODE["stash"]
+    nbytes[stash] = input_bytes(act, graph)[size[stash]]
+    crossing = np.flatnonzero(stash & (direction[dst] == BACKWARD_WEIGHT) & (compute[src] != compute[dst]))
+    if len(crossing):
+        parts = input_bytes(act, graph), output_bytes(act, graph)
+
+        def compute_of(work: Work) -> int:
+            return int(compute[items.id(work.batch, work.stage, work.direction)])
+
+        for e in crossing.tolist():
+            work = items.work(int(dst[e]))
+            needs = stash_needs(work, int(compute[dst[e]]), compute_of, graph)
+            nbytes[e] = sum(part[work.stage] for part, needed in zip(parts, needs) if needed)
+            if not any(needs):
+                moves[e] = MOVES_NOTHING
+    return moves, nbytes
+
+
+# ---------------------------------------------------------------------- what moves
+MOVES_NOTHING = -1
+"""The moved-data code of a dependency that carries nothing between workers."""
+
+
+def input_bytes(activation_bytes: np.ndarray, graph: StageGraph) -> np.ndarray:
+    """Per stage: the bytes of its inputs, one activation per predecessor
+    (0 at a source stage, whose input is the micro-batch)."""
+    return np.asarray(activation_bytes, dtype=float) * np.array(
+        [len(graph.predecessors[s]) for s in range(graph.num_stages)], dtype=float
+    )
+
+
+def output_bytes(activation_bytes: np.ndarray, graph: StageGraph) -> np.ndarray:
+    """Per stage: the bytes of its output, its first consumer's input; at a
+    sink, whose output goes to the loss, its own input size stands in."""
+    act = np.asarray(activation_bytes, dtype=float)
+    return np.array([act[graph.successors[s][0]] if graph.successors[s] else act[s] for s in range(graph.num_stages)])
+
+
+def stash_needs(work: Work, worker: int, compute_of, graph: StageGraph) -> tuple[bool, bool]:
+    """What the stash ``work`` (a backward pass) follows must carry to
+    ``worker``, where it runs away from the pass it depends on:
+    (the stage's inputs, its output gradient).  ``compute_of(Work)`` gives
+    any item's compute worker.
+
+    After a forward elsewhere the inputs, unless the stage is a source; a
+    weight pass after its input pass elsewhere also needs them unless it ran
+    the forward, and the output gradient unless it ran the input pass of
+    every consumer (a sink's comes from the loss, recomputed there)."""
+    b, s = work.batch, work.stage
+    has_inputs = bool(graph.predecessors[s]) and compute_of(Work(b, s, FORWARD)) != worker
+    if Direction(work.direction) is not BACKWARD_WEIGHT:
+        return has_inputs, False
+    return has_inputs, any(compute_of(Work(b, t, BACKWARD_INPUT)) != worker for t in graph.successors[s])
 
 
 # ---------------------------------------------------------------------- memory
@@ -270,6 +362,43 @@ def weight_share(members: Sequence[int], collective: bool, worker: int) -> int:
     return list(members).index(worker) if collective else 0
 
 
+class GangMove(NamedTuple):
+    """One transfer inside a gang for an item it runs."""
+
+    kind: str
+    """"activation" or "gradient" (see ``unisched.timeline.TRANSFER_KINDS``)."""
+    src: int
+    dst: int
+    data: str
+    """"input": the item's input (its stage's :func:`input_bytes`) or its
+    gradient; "output": the stage's output (:func:`output_bytes`) or its gradient."""
+    share: float
+    """The fraction of that data that moves."""
+    after: bool
+    """False: handed out before the members compute; True: collected after."""
+
+
+def gang_moves(direction: Direction, members: Sequence[int], collective: bool) -> tuple[GangMove, ...]:
+    """What moves inside a gang that runs an item of ``direction`` (see the
+    module docstring): the first member hands out what the item starts from
+    (a forward's input, a backward's output gradient), whole to a
+    tensor-parallel gang, a 1/n share of the rows otherwise; a gang that
+    shares rows then collects the members' results (outputs, input
+    gradients).  A weight pass starts from what its input pass left on each
+    member and moves nothing."""
+    direction = Direction(direction)
+    first, others = int(members[0]), [int(m) for m in members[1:]]
+    if direction is BACKWARD_WEIGHT or not others:
+        return ()
+    share = 1.0 if collective else 1.0 / len(members)
+    kind = "activation" if direction is FORWARD else "gradient"
+    start, result = ("input", "output") if direction is FORWARD else ("output", "input")
+    moves = [GangMove(kind, first, m, start, share, False) for m in others]
+    if not collective:
+        moves += [GangMove(kind, m, first, result, share, True) for m in others]
+    return tuple(moves)
+
+
 def share_holder(weight_worker: int, share: int, weight_gang: Sequence[int] | None) -> int:
     """The worker that holds the weights of truth of ``share``: the member at
     that position of the tensor-parallel gang the weight worker computes the
@@ -277,10 +406,24 @@ def share_holder(weight_worker: int, share: int, weight_gang: Sequence[int] | No
     return weight_worker if weight_gang is None else int(weight_gang[share])
 
 
+def gang_weights(members: Sequence[int], collective: bool, weight_worker: int,
+                 weight_gang: Sequence[int] | None) -> tuple[tuple[int, int, int, float], ...]:
+    """Per member of a gang: (member, the worker holding the share it computes
+    with, that share, the fraction of the stage's weights it is)."""
+    fraction = 1.0 / len(members) if collective else 1.0
+    rows = []
+    for member in members:
+        share = weight_share(members, collective, member)
+        rows.append((int(member), share_holder(weight_worker, share, weight_gang), share, fraction))
+    return tuple(rows)
+
+
 __all__ = [
     "EDGE_PRIMARY",
     "EDGE_STASH",
+    "MOVES_NOTHING",
     "Flow",
+    "GangMove",
     "Items",
     "all_work",
     "dependencies",
@@ -288,12 +431,18 @@ __all__ = [
     "fetches_weights",
     "first_backward",
     "flows",
+    "gang_moves",
+    "gang_weights",
     "gradient_pass",
+    "input_bytes",
+    "moved_data",
     "moved_stage",
+    "output_bytes",
     "replicas",
     "returns_gradient",
     "share_holder",
     "stash_share_array",
+    "stash_needs",
     "stash_shares",
     "weight_share",
 ]

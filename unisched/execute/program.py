@@ -631,7 +631,7 @@ def _reduce_points(orders, program: Program, split, returned: set[int]) -> list[
 
 
 # ---------------------------------------------------------------------- data flow -> messages
-_KIND_ORDER = {"activation": 0, "gradient": 1, "stash": 2}
+_KIND_ORDER = {"activation": 0, "gradient": 1, "stash": 2, None: 3}
 
 
 class _Routes:
@@ -655,7 +655,7 @@ class _Routes:
         sends, reached = [], set()
         for consumer, flow in self.waiting[work]:
             dst, s = self.compute[consumer], consumer.stage
-            if dst == rank:
+            if dst == rank or flow.kind is None:
                 continue
             if flow.kind == "activation":
                 if dst not in reached:
@@ -709,7 +709,7 @@ def _reads(work: Work, rank: int, dependencies: Sequence[Flow], compute, graph: 
             inputs.append(output(source.stage, b))
         elif flow.kind == "gradient":
             gradients.append(gradient(s, b, source.stage))
-        elif compute[source] == rank:
+        elif flow.kind is None or compute[source] == rank:
             continue
         elif source.direction == FORWARD:
             inputs.extend(stashed(s, b, p) for p in graph.predecessors[s])
@@ -924,8 +924,8 @@ def _check_local_inputs(program: Program) -> None:
             for flow in program.flows(work):
                 if compute[flow.source] == rank and flow.source not in done:
                     raise ProgramError(
-                        f"rank {rank} runs {action} (position {position}) before {flow.source}, whose {flow.kind} "
-                        f"it needs; reorder worker {rank}'s items\n" + _grid(program, {rank: position})
+                        f"rank {rank} runs {action} (position {position}) before {flow.source}, whose "
+                        f"{flow.kind or 'completion'} it needs; reorder worker {rank}'s items\n" + _grid(program, {rank: position})
                     )
             done.add(work)
             produced |= _produces(work, graph, split)

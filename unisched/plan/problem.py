@@ -30,7 +30,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.costs import Costs, Link
 from unisched.errors import ShapeError
-from unisched.network import transfer_matrix
+from unisched.network import transfer_matrix, transfer_time
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import Direction, Shape, StageGraph, chain
 
@@ -240,7 +240,9 @@ class DataEdges(NamedTuple):
     stage: np.ndarray
     """The stage whose activation, gradient or stash moves when src and dst run on different workers."""
     moves: np.ndarray
-    """What moves: an index into ``unisched.timeline.TRANSFER_KINDS``."""
+    """What moves: an index into ``unisched.timeline.TRANSFER_KINDS`` (or ``dataflow.MOVES_NOTHING``)."""
+    table: np.ndarray
+    """The (4, E) array of :func:`unisched.dataflow.edges` they come from."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,7 @@ class TimedProblem:
     duration: np.ndarray  # (items, workers)
     comm: np.ndarray  # (src worker, dst worker, stage): activation/gradient of that stage
     fetch: np.ndarray  # (owner, worker, stage): weights to a borrowing worker, or gradient back
-    stash: np.ndarray  # (src worker, dst worker, stage): a stash that follows its backward elsewhere
+    stash: np.ndarray  # (src worker, dst worker, stage): a stash that follows its backward elsewhere (its inputs)
     batch: np.ndarray
     stage: np.ndarray
     direction: np.ndarray
@@ -267,7 +269,7 @@ class TimedProblem:
         seconds = costs.item_time(stage[:, None], direction[:, None], np.arange(W)[None, :], S, W)
         comm = transfer_matrix(costs, W, costs.per_stage("activation_bytes", S))
         fetch = transfer_matrix(costs, W, costs.per_stage("weight_bytes", S))
-        stash = transfer_matrix(costs, W, costs.per_stage("stash_bytes", S))
+        stash = transfer_matrix(costs, W, dataflow.input_bytes(costs.per_stage("activation_bytes", S), problem.stage_graph))
         ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel(), stash.ravel()]))
         to_ticks = np.vectorize(ticks, otypes=[np.int64])
         return cls(problem, ticks, to_ticks(seconds), to_ticks(comm), to_ticks(fetch), to_ticks(stash),
@@ -279,11 +281,21 @@ class TimedProblem:
 
     def data_edges(self) -> DataEdges:
         """Every dependency of the step, from :func:`unisched.dataflow.edges` over the problem's stage graph."""
-        src, dst, _, moves = dataflow.edges(self.problem.items, self.problem.stage_graph)
-        return DataEdges(src, dst, dataflow.moved_stage(self.stage[src], self.stage[dst], moves), moves)
+        table = dataflow.edges(self.problem.items, self.problem.stage_graph)
+        src, dst, _, moves = table
+        return DataEdges(src, dst, dataflow.moved_stage(self.stage[src], self.stage[dst], moves), moves, table)
 
     def delays(self, edges: DataEdges, compute: np.ndarray) -> np.ndarray:
-        """Ticks each edge's data takes to reach its destination's worker (0 on the same worker)."""
+        """Ticks each edge's data takes to reach its destination's worker (0 on
+        the same worker, or when it carries nothing: :func:`unisched.dataflow.moved_data`)."""
+        problem = self.problem
         a, b = compute[edges.src], compute[edges.dst]
-        stash = edges.moves == TRANSFER_KINDS.index("stash")
-        return np.where(stash, self.stash[a, b, edges.stage], self.comm[a, b, edges.stage])
+        act = problem.costs.per_stage("activation_bytes", problem.shape.num_stages)
+        codes, nbytes = dataflow.moved_data(problem.items, problem.stage_graph, edges.table, compute, act)
+        delay = np.where(codes == TRANSFER_KINDS.index("stash"), self.stash[a, b, edges.stage], self.comm[a, b, edges.stage])
+        delay[codes == dataflow.MOVES_NOTHING] = 0
+        # a weight pass away from its input pass may also need the output gradient
+        for e in np.flatnonzero((codes == TRANSFER_KINDS.index("stash")) & (a != b)
+                                & (self.direction[edges.dst] == Direction.BACKWARD_WEIGHT)).tolist():
+            delay[e] = self.ticks(transfer_time(problem.costs, int(a[e]), int(b[e]), float(nbytes[e])))
+        return delay

@@ -20,7 +20,9 @@ scheduled.  When nothing can run and work remains, that is a deadlock.
 
 A gang item (tensor parallelism) needs all its workers free at once; it
 never waits in a late heap but is pushed back to the time its busiest member
-frees up.
+frees up.  With communication costs its members compute once the first
+member's hand-out has reached them, and the item ends when its collected
+results are back (:func:`unisched.dataflow.gang_moves`).
 
 The engine works on integer item ids and flat lists prepared by
 :mod:`unisched.simulate.problem`; it knows nothing of strategies or Work.
@@ -97,8 +99,12 @@ def run(p: Problem):
                     heappush(heap, (retry, key, item))
                 continue
 
-        begin = comm.fetch_weights(item, t) if comm is not None else t
-        finish = begin + duration[item]
+        if comm is None:
+            begin = t
+            finish = t + duration[item]
+        else:
+            begin = comm.hand_out(item, comm.fetch_weights(item, t))
+            finish = comm.collect(item, begin + duration[item])
         start[item] = begin
         end[item] = finish
         scheduled += 1
@@ -234,14 +240,25 @@ class _Communication:
 
     def move(self, edge: int, item: int, nxt: int, finish: float) -> float:
         src, dst = self.p.worker[item], self.p.worker[nxt]
-        if src == dst:
-            return finish
         kinds, nbytes = self.moves
+        if src == dst or kinds[edge] is None:
+            return finish
         return self._send(kinds[edge], src, dst, finish, nbytes[edge], nxt)
 
-    def fetch_weights(self, item: int, t: float) -> float:
+    def _links(self, item: int):
+        """(member, holder, share, bytes) of the weights ``item`` computes with."""
         p = self.p
-        w, owner = p.worker[item], p.weight_worker[item]
+        links = p.gang_weights.get(item)
+        if links is None:
+            return ((p.worker[item], p.weight_worker[item], 0, p.weight_bytes[p.stage_list[item]]),)
+        return links
+
+    def fetch_weights(self, item: int, t: float) -> float:
+        """When ``item`` has its weights on every worker that runs it."""
+        return max(self._fetch(item, member, holder, nbytes, t) for member, holder, _, nbytes in self._links(item))
+
+    def _fetch(self, item: int, w: int, owner: int, nbytes: float, t: float) -> float:
+        p = self.p
         history = self.history[w]
         history.append(t)
         if w == owner:
@@ -251,23 +268,40 @@ class _Communication:
             return t
         depth = p.prefetch_depth
         issue = history[-1 - depth] if depth and len(history) > depth else (0.0 if depth else t)
-        arrive = self._send("weights", owner, w, issue, p.weight_bytes[stage], item)
+        arrive = self._send("weights", owner, w, issue, nbytes, item)
         if p.cache_weights:
             self.resident[w].add(stage)
         if arrive > t:
             history[-1] = arrive
         return max(t, arrive)
 
+    def hand_out(self, item: int, t: float) -> float:
+        """When every member of ``item``'s gang has what the first member hands out."""
+        moves = self.p.gang_moves.get(item)
+        if not moves:
+            return t
+        return max([t] + [self._send(kind, src, dst, t, nbytes, item) for kind, src, dst, nbytes in moves[0]])
+
+    def collect(self, item: int, finish: float) -> float:
+        """When the first member of ``item``'s gang has collected the members' results."""
+        moves = self.p.gang_moves.get(item)
+        if not moves:
+            return finish
+        return max([finish] + [self._send(kind, src, dst, finish, nbytes, item) for kind, src, dst, nbytes in moves[1]])
+
     def on_finished(self, item: int, finish: float) -> None:
         p = self.p
         if not p.returns_gradient[item]:
             return
-        w, owner, stage = p.worker[item], p.weight_worker[item], p.stage_list[item]
-        if p.cache_weights:
-            self.grads_left[(w, stage)] -= 1
-            if self.grads_left[(w, stage)]:
-                return
-        self._send("weight_gradient", w, owner, finish, p.weight_bytes[stage], item)
+        stage = p.stage_list[item]
+        for w, owner, _, nbytes in self._links(item):
+            if w == owner:
+                continue
+            if p.cache_weights:
+                self.grads_left[(w, stage)] -= 1
+                if self.grads_left[(w, stage)]:
+                    continue
+            self._send("weight_gradient", w, owner, finish, nbytes, item)
 
 
 class _Calendar:

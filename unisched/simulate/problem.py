@@ -47,6 +47,7 @@ class Problem:
     duration: np.ndarray
     rank: np.ndarray
     items: Items
+    stage_graph: StageGraph
     edges: np.ndarray
     """(4, E): src, dst, kind and moved-data code of every dependency
     (:func:`unisched.dataflow.edges`, plus fixed-order edges)."""
@@ -74,6 +75,14 @@ class Problem:
     """Per item: index into ``gang_members``, or -1 for an item run by one worker."""
     gang_members: tuple[tuple[int, ...], ...]
     gang_collective: tuple[bool, ...]
+    gang_moves: dict
+    """Per gang item: (kind, src, dst, bytes) of what its first member hands
+    out before the members compute, and of what it collects after
+    (:func:`unisched.dataflow.gang_moves`)."""
+    gang_weights: dict
+    """Per gang item: (member, holder, share, bytes) of the weights each
+    member computes with (:func:`unisched.dataflow.gang_weights`); an item
+    run by one worker computes with the whole stage from its weight worker."""
 
     @property
     def num_items(self) -> int:
@@ -118,20 +127,33 @@ class Problem:
 
     @cached_property
     def succ_moves(self) -> tuple[list, list]:
-        """For each followed edge (CSR order): what it moves and how many bytes."""
+        """For each followed edge (CSR order): what it moves (None: nothing) and how many bytes."""
         src = np.repeat(np.arange(self.num_items), np.diff(self.succ_ptr))
-        kinds, nbytes = moves(self, src, self.succ_idx, self.succ_moved)
-        return [TRANSFER_KINDS[k] for k in kinds.tolist()], nbytes.tolist()
+        kinds, nbytes = moves(self, np.stack([src, self.succ_idx, self.succ_kind, self.succ_moved]))
+        return [TRANSFER_KINDS[k] if k >= 0 else None for k in kinds.tolist()], nbytes.tolist()
+
+    def weight_links(self) -> tuple[np.ndarray, ...]:
+        """(item, member, holder, share, bytes) of the weights every item's
+        workers compute with: its compute worker and its weight worker's
+        whole stage, or each member of its gang and its share."""
+        n = self.num_items
+        rows = [np.arange(n), self.worker_array, self.weight_worker_array, np.zeros(n, np.int64),
+                np.asarray(self.weight_bytes, dtype=float)[self.stage]]
+        if not self.gang_weights:
+            return tuple(rows)
+        alone = np.ones(n, dtype=bool)
+        alone[list(self.gang_weights)] = False
+        ganged = [(item, *link) for item, links in self.gang_weights.items() for link in links]
+        return tuple(np.concatenate([column[alone], np.array(extra, dtype=column.dtype)])
+                     for column, extra in zip(rows, zip(*ganged)))
 
 
-def moves(p: Problem, src: np.ndarray, dst: np.ndarray, moved: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The transfer kinds (codes into ``TRANSFER_KINDS``) of dependency edges
-    ``src -> dst`` with moved-data codes ``moved``, and their bytes: a stash
-    has the stage's stash size, an activation or gradient its input size."""
-    stage = dataflow.moved_stage(p.stage[src], p.stage[dst], moved)
-    is_stash = moved == TRANSFER_KINDS.index("stash")
-    nbytes = np.where(is_stash, p.stash_bytes[stage], p.activation_bytes[stage])
-    return moved.astype(np.int8), nbytes
+def moves(p: Problem, edge_table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The transfer kinds (codes into ``TRANSFER_KINDS``, -1: nothing) of
+    dependency edges (rows src, dst, kind, moved-data code) and their bytes,
+    as :func:`unisched.dataflow.moved_data` says for this mapping."""
+    codes, nbytes = dataflow.moved_data(p.items, p.stage_graph, edge_table, p.worker_array, p.activation_bytes)
+    return codes.astype(np.int8), nbytes
 
 
 def build(
@@ -189,13 +211,26 @@ def build(
         costs.input_grad_frees,
     )
 
+    moves_in_gang, weights_in_gang = _gang_traffic(
+        gang, gang_members, gang_collective, compute, weight, stage, direction,
+        dataflow.input_bytes(act_bytes, stage_graph), dataflow.output_bytes(act_bytes, stage_graph), weight_bytes,
+    )
     returns_gradient = dataflow.returns_gradient(direction, compute, weight, split_backward)
-    pairs, counts = np.unique(np.stack([compute[returns_gradient], stage[returns_gradient]]), axis=1, return_counts=True)
-    gradient_returns = {(int(w), int(s)): int(c) for (w, s), c in zip(pairs.T, counts)}
+    gradient_returns: dict[tuple[int, int], int] = {}
+    for item in np.flatnonzero(returns_gradient & (gang < 0)).tolist():
+        key = (int(compute[item]), int(stage[item]))
+        gradient_returns[key] = gradient_returns.get(key, 0) + 1
+    gradient_pass = direction == dataflow.gradient_pass(split_backward)
+    for item, links in weights_in_gang.items():
+        borrowed = [(member, int(stage[item])) for member, holder, _, _ in links if member != holder]
+        returns_gradient[item] = bool(gradient_pass[item] and borrowed)
+        for key in borrowed if gradient_pass[item] else ():
+            gradient_returns[key] = gradient_returns.get(key, 0) + 1
 
     return Problem(
         shape=shape,
         items=items,
+        stage_graph=stage_graph,
         batch=batch,
         stage=stage,
         direction=direction,
@@ -223,6 +258,8 @@ def build(
         gang=gang,
         gang_members=gang_members,
         gang_collective=gang_collective,
+        gang_moves=moves_in_gang,
+        gang_weights=weights_in_gang,
     )
 
 
@@ -281,6 +318,32 @@ def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
             )
         gang[i] = members.setdefault((group, bool(collective)), len(members))
     return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
+
+
+def _gang_traffic(gang, gang_members, gang_collective, compute, weight, stage, direction,
+                  input_bytes, output_bytes, weight_bytes) -> tuple[dict, dict]:
+    """Per gang item: what moves among its members (``Problem.gang_moves``)
+    and which weights each computes with (``Problem.gang_weights``)."""
+    tensor_parallel = {}  # (worker, stage) -> the gang that worker computes the stage with
+    for item in np.flatnonzero(gang >= 0).tolist():
+        if gang_collective[gang[item]]:
+            tensor_parallel[(int(compute[item]), int(stage[item]))] = gang_members[gang[item]]
+    sizes = {"input": input_bytes, "output": output_bytes}
+    moves, weights = {}, {}
+    for item in np.flatnonzero(gang >= 0).tolist():
+        members, collective, s = gang_members[gang[item]], gang_collective[gang[item]], int(stage[item])
+        planned = dataflow.gang_moves(Direction(int(direction[item])), members, collective)
+        moved = [(m, float(sizes[m.data][s] * m.share)) for m in planned]
+        moves[item] = tuple(
+            tuple((m.kind, m.src, m.dst, nbytes) for m, nbytes in moved if m.after is after and nbytes > 0)
+            for after in (False, True)
+        )
+        weight_gang = tensor_parallel.get((int(weight[item]), s)) if collective else None
+        weights[item] = tuple(
+            (member, holder, share, float(weight_bytes[s] * fraction))
+            for member, holder, share, fraction in dataflow.gang_weights(members, collective, int(weight[item]), weight_gang)
+        )
+    return moves, weights
 
 
 def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:

@@ -6,8 +6,11 @@ paper's model) nothing a transfer does can change the schedule, so they are
 derived here afterwards, in bulk, by the same rules: a data dependency whose
 ends run on different workers moves an activation, gradient or stash; an item
 whose weight worker is another worker fetches weights (once per worker and
-stage when weights are cached) and returns its gradient.  The end-of-step
-all-reduce among a stage's replicas is added here in both cases.
+stage when weights are cached) and returns its gradient; a gang's first
+member hands out and collects (:func:`unisched.dataflow.gang_moves`), and
+each member fetches the share of the weights it computes with.  The
+end-of-step all-reduce among the holders of each share of a stage is added
+here in both cases.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from unisched import dataflow, network
-from unisched.simulate.problem import EDGE_SEQUENCE, Problem, moves
+from unisched.simulate.problem import Problem, moves
 from unisched.timeline import TRANSFER_KINDS, Transfers
 
 _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
@@ -54,28 +57,38 @@ def _from_booked(p: Problem, rows: list) -> dict:
 
 
 def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
-    compute, weight = p.worker_array, p.weight_worker_array
-    src, dst, kind, what = p.edges
-    moved = (kind != EDGE_SEQUENCE) & (compute[src] != compute[dst])
-    src, dst = src[moved], dst[moved]
-    kinds, nbytes = moves(p, src, dst, what[moved])
+    compute = p.worker_array
+    moved = (compute[p.edges[0]] != compute[p.edges[1]])
+    kinds, nbytes = moves(p, p.edges[:, moved])
+    src, dst = p.edges[0, moved], p.edges[1, moved]
+    some = kinds >= 0
+    kinds, nbytes, src, dst = kinds[some], nbytes[some], src[some], dst[some]
     data = _columns(kinds, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)
 
-    weight_bytes = np.asarray(p.weight_bytes)
-    fetching = np.flatnonzero(dataflow.fetches_weights(compute, weight))
-    returning = np.flatnonzero(np.asarray(p.returns_gradient))
+    item, member, holder, _, size = p.weight_links()
+    borrowed = member != holder
+    gradient = borrowed & np.asarray(p.returns_gradient, dtype=bool)[item]
+    fetching, returning = np.flatnonzero(borrowed), np.flatnonzero(gradient)
     if p.cache_weights:
-        fetching = _first_per_group(fetching, compute, p.stage, start)
-        returning = _first_per_group(returning, compute, p.stage, -end)
+        fetching = _first_per_group(fetching, member, p.stage[item], start[item])
+        returning = _first_per_group(returning, member, p.stage[item], -end[item])
     fetches = _columns(
-        np.full(len(fetching), _CODE["weights"]), weight[fetching], compute[fetching],
-        start[fetching], start[fetching], weight_bytes[p.stage[fetching]], fetching, p,
+        np.full(len(fetching), _CODE["weights"]), holder[fetching], member[fetching],
+        start[item[fetching]], start[item[fetching]], size[fetching], item[fetching], p,
     )
     returns = _columns(
-        np.full(len(returning), _CODE["weight_gradient"]), compute[returning], weight[returning],
-        end[returning], end[returning], weight_bytes[p.stage[returning]], returning, p,
+        np.full(len(returning), _CODE["weight_gradient"]), member[returning], holder[returning],
+        end[item[returning]], end[item[returning]], size[returning], item[returning], p,
     )
-    return _concat(data, fetches, returns)
+    handed = [(_CODE[kind], src, dst, start[i] if not after else end[i], nbytes, i)
+              for i, phases in p.gang_moves.items() for after, phase in enumerate(phases)
+              for kind, src, dst, nbytes in phase]
+    if handed:
+        code, src, dst, at, nbytes, items = zip(*handed)
+        gangs = _columns(code, src, dst, at, at, nbytes, items, p)
+    else:
+        gangs = _columns([], [], [], [], [], [], [], p)
+    return _concat(data, fetches, returns, gangs)
 
 
 def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
@@ -90,21 +103,29 @@ def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
 
 
 def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
-    """A ring all-reduce per stage held by several weight workers, once every
-    replica has its stage's gradient (its own backwards and returned ones)."""
-    last_backward = p.direction == dataflow.gradient_pass(p.split_backward)
-    held = dataflow.replicas(p.stage[last_backward], p.weight_worker_array[last_backward], p.shape.num_stages)
+    """A ring all-reduce per share of a stage held by several workers (the
+    holders of :meth:`Problem.weight_links`), once every replica has its
+    gradient (its own backwards and returned ones)."""
+    item, _, holder, share, size = p.weight_links()
+    last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
+    stage = p.stage[item]
+    groups: dict[tuple[int, int], set] = {}
+    nbytes_of: dict[tuple[int, int], float] = {}
+    for s, k, h, b in zip(stage[last].tolist(), share[last].tolist(), holder[last].tolist(), size[last].tolist()):
+        groups.setdefault((s, k), set()).add(h)
+        nbytes_of[(s, k)] = b
     rows = []
-    for s, replicas in enumerate(held):
-        if len(replicas) < 2:
+    for (s, k), held in sorted(groups.items()):
+        if len(held) < 2:
             continue
-        on_stage = last_backward & (p.stage == s)
+        replicas = sorted(held)
+        on_stage = last & (stage == s)
         returned = (moved["kind"] == _CODE["weight_gradient"]) & (moved["stage"] == s)
-        ready = max(end[on_stage].max(), moved["end"][returned].max(initial=0.0))
+        ready = max(end[item[on_stage]].max(), moved["end"][returned].max(initial=0.0))
         n = len(replicas)
-        nbytes = 2 * (n - 1) / n * p.weight_bytes[s]
-        finish = ready + float(network.ring_allreduce_time(p.costs, replicas, p.weight_bytes[s]))
-        some_item = int(np.flatnonzero(on_stage)[0])
+        nbytes = 2 * (n - 1) / n * nbytes_of[(s, k)]
+        finish = ready + float(network.ring_allreduce_time(p.costs, replicas, nbytes_of[(s, k)]))
+        some_item = int(item[np.flatnonzero(on_stage)[0]])
         for i, r in enumerate(replicas):
             rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready, finish, nbytes, some_item))
     if not rows:

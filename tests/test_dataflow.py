@@ -110,3 +110,28 @@ def test_a_gang_member_uses_its_shard_or_the_whole_stage_held_where_the_share_ru
     assert dataflow.weight_share((3, 4), False, 4) == 0, "a member sharing rows uses the whole stage"
     assert dataflow.share_holder(5, 1, (5, 6)) == 6, "shard i lives on member i of the weight worker's gang"
     assert dataflow.share_holder(5, 0, None) == 5, "a whole stage lives on its weight worker"
+
+
+def test_a_gang_hands_out_what_an_item_starts_from_and_collects_rows():
+    tensor_parallel = dataflow.gang_moves(FORWARD, (3, 4, 5), True)
+    assert [(m.kind, m.src, m.dst, m.data, m.share, m.after) for m in tensor_parallel] == [
+        ("activation", 3, 4, "input", 1.0, False), ("activation", 3, 5, "input", 1.0, False)
+    ]
+    rows = dataflow.gang_moves(BACKWARD, (3, 4), False)
+    assert [(m.kind, m.src, m.dst, m.data, m.share, m.after) for m in rows] == [
+        ("gradient", 3, 4, "output", 0.5, False), ("gradient", 4, 3, "input", 0.5, True)
+    ]
+    assert dataflow.gang_moves(BACKWARD_WEIGHT, (3, 4), False) == ()
+    assert dataflow.gang_weights((3, 4), True, 7, (7, 8)) == ((3, 7, 0, 0.5), (4, 8, 1, 0.5))
+    assert dataflow.gang_weights((3, 4), False, 3, None) == ((3, 3, 0, 1.0), (4, 3, 0, 1.0))
+
+
+def test_a_moved_stash_carries_inputs_except_at_a_source_and_a_gradient_the_weight_pass_lacks():
+    graph = as_stage_graph(3, None)
+    where = {Work(0, 0, FORWARD): 0, Work(0, 1, FORWARD): 0, Work(0, 2, BACKWARD_INPUT): 2, Work(0, 1, BACKWARD_INPUT): 1}
+    assert dataflow.stash_needs(Work(0, 0, BACKWARD), 1, where.get, graph) == (False, False)
+    assert dataflow.stash_needs(Work(0, 1, BACKWARD), 1, where.get, graph) == (True, False)
+    assert dataflow.stash_needs(Work(0, 1, BACKWARD_WEIGHT), 2, where.get, graph) == (True, False)
+    assert dataflow.stash_needs(Work(0, 1, BACKWARD_WEIGHT), 0, where.get, graph) == (False, True)
+    assert list(dataflow.input_bytes([5.0, 6.0, 7.0], graph)) == [0.0, 6.0, 7.0]
+    assert list(dataflow.output_bytes([5.0, 6.0, 7.0], graph)) == [6.0, 7.0, 7.0]

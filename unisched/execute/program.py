@@ -66,6 +66,7 @@ from unisched.dataflow import (
     gradient_pass,
     returns_gradient,
     share_holder,
+    stash_needs,
     weight_share,
 )
 from unisched.errors import DeadlockError, UniSchedError
@@ -672,27 +673,18 @@ class _Routes:
 
     def _follow_input_pass(self, work: Work, dst: int) -> list[tuple]:
         """The stash and output gradient a weight pass on ``dst`` takes from
-        its input pass ``work``, less what ``dst`` already holds."""
+        its input pass ``work``, less what ``dst`` already holds
+        (:func:`unisched.dataflow.stash_needs`)."""
         rank, s, b = self.compute[work], work.stage, work.batch
-        has_inputs, has_gradients = _holds_for_weight_pass(Work(b, s, BACKWARD_WEIGHT), dst, self.compute, self.graph)
+        needs_inputs, needs_gradient = stash_needs(Work(b, s, BACKWARD_WEIGHT), dst, self.compute.__getitem__, self.graph)
         sends = []
-        if not has_inputs:
+        if needs_inputs:
             forward_here = self.compute[Work(b, s, FORWARD)] == rank
             for p in self.graph.predecessors[s]:
                 sends.append(("X", rank, dst, s, b, stashed(s, b, p), output(p, b) if forward_here else stashed(s, b, p)))
-        if not has_gradients:
+        if needs_gradient:
             sends.append(("V", rank, dst, s, b, gradient(s, b), gradient(s, b)))
         return sends
-
-
-def _holds_for_weight_pass(work: Work, rank: int, compute, graph: StageGraph) -> tuple[bool, bool]:
-    """Whether ``rank``, running the weight pass ``work`` away from its input
-    pass, already holds the stage's inputs (it ran the forward) and every
-    share of its output gradient (it ran every consumer's input pass)."""
-    b, s = work.batch, work.stage
-    has_inputs = compute[Work(b, s, FORWARD)] == rank
-    has_gradients = all(compute[Work(b, t, BACKWARD_INPUT)] == rank for t in graph.successors[s])
-    return has_inputs, has_gradients
 
 
 def _reads(work: Work, rank: int, dependencies: Sequence[Flow], compute, graph: StageGraph) -> Reads:
@@ -714,9 +706,9 @@ def _reads(work: Work, rank: int, dependencies: Sequence[Flow], compute, graph: 
         elif source.direction == FORWARD:
             inputs.extend(stashed(s, b, p) for p in graph.predecessors[s])
         else:
-            has_inputs, has_gradients = _holds_for_weight_pass(work, rank, compute, graph)
-            inputs.extend(output(p, b) if has_inputs else stashed(s, b, p) for p in graph.predecessors[s])
-            if has_gradients:
+            needs_inputs, needs_gradient = stash_needs(work, rank, compute.__getitem__, graph)
+            inputs.extend(stashed(s, b, p) if needs_inputs else output(p, b) for p in graph.predecessors[s])
+            if not needs_gradient:
                 gradients.extend(gradient(s, b, t) for t in graph.successors[s])
             else:
                 gradients.append(gradient(s, b))

@@ -12,20 +12,24 @@ from unisched.execute.measure import calibrate_costs, predict
 from unisched.execute.program import Action, Message, Program, ProgramError, compile_program, parse_action
 from unisched.execute.reference import train_one_process
 from unisched.execute.runtime import Trainer, build_stages
+from unisched.execute.split import ModelStages, SplitError, split_model
 
 __all__ = [
     "Action",
     "CommunicationError",
     "ExecutionError",
     "Message",
+    "ModelStages",
     "NonFiniteLossError",
     "Program",
     "ProgramError",
+    "SplitError",
     "Trainer",
     "build_stages",
     "calibrate_costs",
     "compile_program",
     "parse_action",
     "predict",
+    "split_model",
     "train_one_process",
 ]

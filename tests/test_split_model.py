@@ -1,0 +1,245 @@
+"""split_model: a balanced contiguous partition, stages that compute what the
+model computes under its own parameter names, the pipelining tracer for other
+models, and clear refusals (too many stages, a cut the Trainer cannot pass,
+tied weights across stages when asked to refuse)."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.pipelining import SplitPoint
+
+import unisched
+from unisched.execute import ModelStages, SplitError, build_stages, split_model
+from unisched.execute.split import balanced_partition
+
+
+# ---------------------------------------------------------------------- the partition
+def brute_force(weights: list[int], parts: int) -> int:
+    n = len(weights)
+    best = None
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        largest = max(sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+        best = largest if best is None else min(best, largest)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=9), st.data())
+def test_partition_minimises_the_heaviest_stage(weights, data):
+    parts = data.draw(st.integers(1, len(weights)))
+    ranges = balanced_partition(weights, parts)
+    assert len(ranges) == parts and all(len(r) for r in ranges)
+    assert [i for r in ranges for i in r] == list(range(len(weights)))
+    assert max(sum(weights[i] for i in r) for r in ranges) == brute_force(weights, parts)
+
+
+def test_partition_balances_the_rest_and_gives_earlier_stages_the_extra():
+    assert [len(r) for r in balanced_partition([1] * 10, 4)] == [3, 3, 2, 2]
+    assert [len(r) for r in balanced_partition([1] * 8, 4)] == [2, 2, 2, 2]
+    # a heavy first and last block stand alone; the light middle is shared
+    assert balanced_partition([5, 1, 1, 1, 1, 1, 5], 3) == [range(0, 1), range(1, 6), range(6, 7)]
+    assert balanced_partition([0.1, 0.2, 0.3], 1) == [range(0, 3)]
+
+
+def test_partition_refuses_more_parts_than_blocks_and_bad_weights():
+    with pytest.raises(SplitError, match="cannot cut 3 blocks into 4 non-empty stages; ask for at most 3"):
+        balanced_partition([1, 1, 1], 4)
+    with pytest.raises(SplitError, match="finite and not negative"):
+        balanced_partition([1, -1, 1], 2)
+
+
+# ---------------------------------------------------------------------- nn.Sequential
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def chain(stages, x):
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+def test_a_sequential_splits_by_parameter_count_under_its_own_names():
+    model = mlp()
+    stages = split_model(model, 3)
+    assert isinstance(stages, ModelStages) and stages.kind == "sequential"
+    assert stages.weights == [20, 0, 40, 0, 72, 0, 18]
+    # the heaviest block (72) stands alone; layers without parameters join the earlier stage
+    assert stages.blocks == [range(0, 4), range(4, 6), range(6, 7)]
+    assert [list(s.state_dict()) for s in stages] == [
+        ["0.weight", "0.bias", "2.weight", "2.bias"], ["4.weight", "4.bias"], ["6.weight", "6.bias"]]
+    assert stages[0][0] is model[0], "stages share the model's layers"
+    x = torch.randn(5, 4)
+    assert torch.equal(chain(stages, x), model(x))
+
+
+def test_uniform_given_and_timed_weights():
+    model = mlp()
+    assert [len(r) for r in split_model(model, 3, balance="uniform").blocks] == [3, 2, 2]
+    given_ = split_model(model, 2, balance=[1, 0, 1, 0, 1, 0, 5])
+    assert given_.blocks == [range(0, 6), range(6, 7)] and given_.stage_weights == [3, 5]
+    timed = split_model(model, 2, balance="time", example=torch.randn(16, 4), repeats=1)
+    assert len(timed.weights) == 7 and all(w > 0 for w in timed.weights)
+    assert all(p.grad is None for p in model.parameters()), "timing leaves no gradients behind"
+    with pytest.raises(SplitError, match="gives 2 weights but the nn.Sequential .* has 7 blocks"):
+        split_model(model, 2, balance=[1, 2])
+    with pytest.raises(SplitError, match="pass example="):
+        split_model(model, 2, balance="time")
+    with pytest.raises(SplitError, match="balance must be one of parameters, uniform, time"):
+        split_model(model, 2, balance="layers")
+
+
+def test_more_stages_than_blocks_is_refused_with_the_count():
+    with pytest.raises(SplitError, match=r"cannot split the nn.Sequential \(7 layers\) into 8 stages: it has 7 blocks"):
+        split_model(mlp(), 8)
+    with pytest.raises(SplitError, match="at least 1"):
+        split_model(mlp(), 0)
+
+
+def test_the_result_is_a_list_and_a_factory():
+    stages = split_model(mlp(), 3)
+    assert stages(1) is stages[1]
+    assert build_stages(stages, 3) == list(stages)
+    with pytest.raises(SplitError, match="stage 3 was asked for, but the model was split into 3 stages"):
+        stages(3)
+    again = pickle.loads(pickle.dumps(stages))
+    assert isinstance(again, ModelStages) and again.blocks == stages.blocks and again(2) is again[2]
+    state = {f"{s}.{k}": v for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
+    assert stages.model_state_dict(state).keys() == mlp().state_dict().keys()
+    assert unisched.split_model is split_model and unisched.SplitError is SplitError
+
+
+# ---------------------------------------------------------------------- tied weights
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 6), nn.Linear(6, 10, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), head)
+
+
+def test_tied_weights_across_stages_are_untied_with_a_warning_or_refused():
+    model = tied_model()
+    with pytest.warns(UserWarning, match=r"4.weight is 0.weight \(stages 0 and 1\); the later stage gets its own copy"):
+        stages = split_model(model, 2, balance="uniform")
+    assert stages.untied == ["4.weight"]
+    copy, original = stages[1][-1].weight, stages[0][0].weight
+    assert copy is not original and torch.equal(copy, original)
+    assert original is model[0].weight and model[4].weight is model[0].weight, "the model itself stays tied"
+    assert stages[1][0].weight is model[3].weight, "untied parameters are still shared with the model"
+    x = torch.randint(0, 10, (3, 5))
+    assert torch.equal(chain(stages, x), model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split_model(tied_model(), 2, balance="uniform", tied="untie")
+        assert split_model(tied_model(), 1).untied == [], "a tie inside one stage stays"
+    with pytest.raises(SplitError, match=r"tied weights fall into different stages: 4.weight is 0.weight"):
+        split_model(tied_model(), 2, balance="uniform", tied="refuse")
+
+
+# ---------------------------------------------------------------------- traced models
+class Residual(nn.Module):
+    """An embedding, a ModuleList of residual blocks and a head: not a Sequential."""
+
+    def __init__(self, blocks: int = 6, tie: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+        self.head = nn.Linear(8, 16, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        h = self.embed(x) * 2
+        for layer in self.layers:
+            h = torch.relu(layer(h)) + h
+        return self.head(h)
+
+
+# torch.export warns about its own deprecations while tracing
+traced = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@traced
+def test_another_model_is_traced_by_pipelining_and_cut_between_blocks():
+    torch.manual_seed(0)
+    model = Residual()
+    x = torch.randint(0, 16, (2, 5))
+    stages = split_model(model, 3, example=x)
+    assert stages.kind == "traced" and stages.blocks == [range(0, 2), range(2, 4), range(4, 6)]
+    assert [sorted(s.state_dict())[0] for s in stages] == ["embed.weight", "layers.2.bias", "head.weight"]
+    out = chain(stages, x)
+    assert torch.equal(out, model(x))
+    out.sum().backward()
+    model(x).sum().backward()
+    assert torch.allclose(stages[1].get_parameter("layers.2.weight").grad, model.layers[2].weight.grad)
+    assert "forward" not in model.layers[2].__dict__, "the tracer's split marks are taken off the model"
+    again = split_model(model, 2, example=x, balance="time", repeats=1)
+    assert len(again) == 2 and len(again.weights) == 6
+    explicit = split_model(model, 2, example=x, split_spec={"layers.5": SplitPoint.BEGINNING})
+    assert sorted(explicit[1].state_dict()) == ["head.weight", "layers.5.bias", "layers.5.weight"]
+
+
+@traced
+def test_the_models_own_pipe_split_calls_are_used():
+    from torch.distributed.pipelining import pipe_split
+
+    class Marked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            pipe_split()
+            return self.b(x)
+
+    model = Marked()
+    x = torch.randn(3, 4)
+    stages = split_model(model, 2, example=x, split_spec={})
+    assert torch.allclose(chain(stages, x), model(x))
+    with pytest.raises(SplitError, match="has 2 stages but 3 were asked for"):
+        split_model(model, 3, example=x, split_spec={})
+
+
+@traced
+def test_a_trace_the_trainer_cannot_run_is_refused():
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            first = self.layers[0](x)
+            h = first
+            for layer in self.layers[1:]:
+                h = layer(h)
+            return h + first
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x, scale):
+            return self.layers[1](self.layers[0](x) * scale)
+
+    with pytest.raises(SplitError, match="stage 1 of the traced Skip takes 2 values .* skip connection"):
+        split_model(Skip(), 2, example=torch.randn(2, 8))
+    with pytest.raises(SplitError, match="TwoInputs takes 2 inputs"):
+        split_model(TwoInputs(), 2, example=(torch.randn(2, 8), torch.randn(2, 8)))
+    with pytest.raises(SplitError, match="pass example="):
+        split_model(Residual(), 2)
+    with pytest.raises(SplitError, match=r"cannot split Residual \(6 blocks in layers\) into 7 stages"):
+        split_model(Residual(), 7, example=torch.randint(0, 16, (2, 5)))
+    with pytest.raises(SplitError, match="tied weights fall into different stages: head.weight is embed.weight"):
+        split_model(Residual(tie=True), 2, example=torch.randint(0, 16, (2, 5)), tied="refuse")

@@ -463,7 +463,7 @@ def test_compiled_greedy_matches_the_engine(W, S, B, split, durations, seed):
         p.worker_array, p.duration, p.rank, p.succ_ptr, p.succ_idx, p.succ_kind == EDGE_PRIMARY,
         p.num_deps, p.sources[0], p.rank[p.sources[1]], W,
     )
-    runners = [fast.greedy] + ([fast.compiled_greedy] if fast.compiled_greedy is not None else [])
+    runners = [fast.greedy] + ([fast.compiled_greedy()] if fast.compiled_greedy() is not None else [])
     for runner in runners:
         start, end = runner(*args)
         assert np.array_equal(start, reference_start) and np.array_equal(end, reference_end)

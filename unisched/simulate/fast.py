@@ -10,18 +10,21 @@ timelines, compiled and interpreted.  The heaps are flat arrays here (the
 main heap of ``(time, key, entry)`` triples, and one region of a shared
 array per worker for its late items) because that is what compiles to fast
 code.  Without numba installed the engine is used instead.
+
+numba (and what it imports: about a second and 80 MiB) is loaded on the
+first step large enough to use it (:data:`COMPILED_FROM`), so a training
+process that simulates its own few hundred items never loads it.
 """
 
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - numba is a dependency; this keeps the simulator usable without it
-    numba = None
+COMPILED_FROM = 4096
+"""Steps with fewer items run on the Python engine, in a few milliseconds."""
 
 
 def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
@@ -178,9 +181,14 @@ def _late_pop(lk, le, base, size):
     return size
 
 
-if numba is not None:
-    _jit = numba.njit(cache=True, nogil=True)
-    _before, _push, _pop, _late_push, _late_pop = (_jit(f) for f in (_before, _push, _pop, _late_push, _late_pop))
-    compiled_greedy = _jit(greedy)
-else:  # pragma: no cover
-    compiled_greedy = None
+@cache
+def compiled_greedy():
+    """:func:`greedy` compiled by numba (on first use), or None without numba."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency; this keeps the simulator usable without it
+        return None
+    global _before, _push, _pop, _late_push, _late_pop
+    jit = numba.njit(cache=True, nogil=True)
+    _before, _push, _pop, _late_push, _late_pop = (jit(f) for f in (_before, _push, _pop, _late_push, _late_pop))
+    return jit(greedy)

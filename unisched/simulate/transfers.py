@@ -108,26 +108,31 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     gradient (its own backwards and returned ones)."""
     item, _, holder, share, size = p.weight_links()
     last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
+    item, holder, share, size = item[last], holder[last], share[last], size[last]
     stage = p.stage[item]
-    groups: dict[tuple[int, int], set] = {}
-    nbytes_of: dict[tuple[int, int], float] = {}
-    for s, k, h, b in zip(stage[last].tolist(), share[last].tolist(), holder[last].tolist(), size[last].tolist()):
-        groups.setdefault((s, k), set()).add(h)
-        nbytes_of[(s, k)] = b
+    shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
+    held, first = np.unique((stage * shares + share) * holders + holder, return_index=True)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for c in held.tolist():
+        groups.setdefault(divmod(c // holders, shares), []).append(c % holders)
+    S = p.shape.num_stages
+    ready = np.full(S, -np.inf)
+    np.maximum.at(ready, stage, end[item])
+    returned = moved["kind"] == _CODE["weight_gradient"]
+    np.maximum.at(ready, moved["stage"][returned], moved["end"][returned])
+    some_item = np.full(S, -1)
+    some_item[stage[::-1]] = item[::-1]  # the first gradient pass of each stage
+    nbytes_of = {divmod(c // holders, shares): float(size[row]) for c, row in zip(held.tolist(), first.tolist())}
     rows = []
-    for (s, k), held in sorted(groups.items()):
-        if len(held) < 2:
-            continue
-        replicas = sorted(held)
-        on_stage = last & (stage == s)
-        returned = (moved["kind"] == _CODE["weight_gradient"]) & (moved["stage"] == s)
-        ready = max(end[item[on_stage]].max(), moved["end"][returned].max(initial=0.0))
+    for (s, k), replicas in sorted(groups.items()):
         n = len(replicas)
+        if n < 2:
+            continue
         nbytes = 2 * (n - 1) / n * nbytes_of[(s, k)]
-        finish = ready + float(network.ring_allreduce_time(p.costs, replicas, nbytes_of[(s, k)]))
-        some_item = int(item[np.flatnonzero(on_stage)[0]])
+        finish = ready[s] + float(network.ring_allreduce_time(p.costs, replicas, nbytes_of[(s, k)]))
         for i, r in enumerate(replicas):
-            rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready, finish, nbytes, some_item))
+            rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready[s], finish, nbytes,
+                         int(some_item[s])))
     if not rows:
         return _columns([], [], [], [], [], [], [], p)
     table = _columns(*zip(*rows), p)

@@ -67,28 +67,23 @@ class Costs:
     """Share of a stash freed by the input-gradient pass of a split backward."""
 
     def __post_init__(self):
-        for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
-                     "weight_bytes"):
+        for name in PER_STAGE_FIELDS:
             value = getattr(self, name)
-            if value is None:
+            if value is None and name in _DEFAULTED:
                 continue
-            array = np.asarray(value, dtype=float)
-            if array.ndim > 1 or np.any(array < 0) or np.any(~np.isfinite(array)):
-                raise ShapeError(f"Costs.{name} must be a non-negative number or a list of them, got {value!r}")
+            _check_per_stage(name, value)
+        if self.worker_speed is not None:
+            speeds = None if _is(self.worker_speed, "number") else _numbers(self.worker_speed)
+            if speeds is None or not all(math.isfinite(v) and v > 0 for v in speeds):
+                raise ShapeError(
+                    f"Costs.worker_speed must be a list of positive numbers, one per worker, got {self.worker_speed!r}"
+                )
         for name, kind in (("latency", "number"), ("bandwidth", "number"), ("input_grad_frees", "number"),
                            ("prefetch_depth", "integer"), ("cache_weights", "boolean")):
             if not _is(getattr(self, name), kind):
                 article = "an" if kind == "integer" else "a"
                 raise ShapeError(f"Costs.{name} must be {article} {kind}, got {getattr(self, name)!r}")
-        for name in ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
-                     "weight_bytes"):
-            value = getattr(self, name)
-            if value is not None and not all(_is(v, "number") for v in np.ravel(np.asarray(value, dtype=object))):
-                raise ShapeError(f"Costs.{name} must be a number or a list of numbers, got {value!r}")
-        if self.worker_speed is not None and np.any(np.asarray(self.worker_speed, dtype=float) <= 0):
-            raise ShapeError(f"Costs.worker_speed must be positive, got {self.worker_speed!r}")
-        if self.latency < 0 or self.bandwidth <= 0:
-            raise ShapeError("Costs.latency must be >= 0 and Costs.bandwidth > 0")
+        _check_link("Costs.", self.latency, self.bandwidth)
         if not 0 <= self.input_grad_frees <= 1:
             raise ShapeError(f"Costs.input_grad_frees must lie in [0, 1], got {self.input_grad_frees}")
         if self.prefetch_depth < 0:
@@ -97,19 +92,51 @@ class Costs:
             raise ShapeError(f"Costs.links must map 'src,dst' to {{latency, bandwidth}}, got {self.links!r}")
         links = {}
         for pair, link in dict(self.links).items():
-            src, dst = (int(x) for x in (pair.split(",") if isinstance(pair, str) else pair))
+            src, dst = _pair(pair)
             if not isinstance(link, Link):
                 try:
                     link = dict(link)
-                    if link.get("bandwidth", 0) is None:
+                    if "bandwidth" in link and link["bandwidth"] is None:
                         link["bandwidth"] = math.inf
                     link = Link(**link)
                 except (TypeError, ValueError):
                     raise ShapeError(
                         f"Costs.links[{pair!r}] must be {{'latency': seconds, 'bandwidth': bytes/s}}, got {link!r}"
                     ) from None
+            elif link.bandwidth is None:
+                link = Link(link.latency, math.inf)
+            _check_link(f"Costs.links[{src},{dst}].", link.latency, link.bandwidth)
             links[(src, dst)] = link
         object.__setattr__(self, "links", links)
+
+    def check(self, num_workers: int, num_stages: int) -> "Costs":
+        """Check that these costs describe a step of ``num_stages`` stages on
+        ``num_workers`` workers: one entry per stage where a list is given, one
+        speed per worker, links only between existing workers, and times that
+        add up to a finite step.  Returns the costs."""
+        for name in PER_STAGE_FIELDS:
+            self.per_stage(name, num_stages)
+        speeds = self.speeds(num_workers)
+        for src, dst in self.links:
+            if src >= num_workers or dst >= num_workers:
+                raise ShapeError(
+                    f"Costs.links names the link {src},{dst} but there are {num_workers} workers "
+                    f"(0..{num_workers - 1}); drop the link or give the costs of this world size"
+                )
+        hops = [self.link(src, dst) for src, dst in self.links] + [Link(self.latency, self.bandwidth)]
+        with np.errstate(over="ignore", invalid="ignore"):
+            work = sum(np.sum(d) for d in self.durations(num_stages).values()) / speeds.min(initial=np.inf)
+            most = max(np.max(self.per_stage(name, num_stages), initial=0.0)
+                       for name in ("activation_bytes", "stash_bytes", "weight_bytes"))
+            hop = max(h.latency for h in hops) + most / min(h.bandwidth for h in hops)
+            total = np.float64(work) + np.float64(hop) * (4.0 * num_stages)
+            if not total <= LARGEST_STEP:
+                raise ShapeError(
+                    f"the costs are too large to add up: one micro-batch's passes and transfers take {total:.3g}, "
+                    f"more than {LARGEST_STEP:g} (a step of many micro-batches would overflow a float); give the "
+                    "times, sizes and speeds in units that keep them far smaller"
+                )
+        return self
 
     # ------------------------------------------------------------------ per-stage views
     def per_stage(self, name: str, num_stages: int) -> np.ndarray:
@@ -201,6 +228,68 @@ class Costs:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+LARGEST_STEP = 1e290
+"""The most one micro-batch's passes and transfers may add up to: far below
+the largest float, so that a step's latency and its measures stay finite."""
+
+PER_STAGE_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
+                    "weight_bytes")
+_DEFAULTED = ("backward_input", "backward_weight", "stash_bytes")
+"""Per-stage fields whose None means a default derived from another field."""
+
+
+def _numbers(value) -> list[float] | None:
+    """The numbers in a number or a flat list of numbers, else None (strings, None, booleans, nesting)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+    if _is(value, "number"):
+        items = [value]
+    elif isinstance(value, (str, bytes, Mapping)) or value is None:
+        return None
+    else:
+        try:
+            items = list(value)
+        except TypeError:
+            return None
+    if not all(_is(v, "number") for v in items):
+        return None
+    try:
+        return [float(v) for v in items]
+    except OverflowError:  # an integer beyond float range
+        return [math.inf]
+
+
+def _check_per_stage(name: str, value) -> None:
+    numbers = _numbers(value)
+    if numbers is None or not all(math.isfinite(v) and v >= 0 for v in numbers):
+        raise ShapeError(
+            f"Costs.{name} must be a finite non-negative number or a list of them (one per stage), got {value!r}"
+        )
+
+
+def _check_link(where: str, latency, bandwidth) -> None:
+    """A latency is a finite time >= 0; a bandwidth a number > 0 (infinity: free)."""
+    if not _is(latency, "number") or not (math.isfinite(latency) and latency >= 0):
+        raise ShapeError(f"{where}latency must be a finite number >= 0 (seconds), got {latency!r}")
+    if not _is(bandwidth, "number") or not bandwidth > 0:
+        raise ShapeError(f"{where}bandwidth must be a number > 0 (bytes per second; null or inf: free), "
+                         f"got {bandwidth!r}")
+
+
+def _pair(pair) -> tuple[int, int]:
+    """A link's key: (src, dst) or "src,dst", two worker numbers >= 0."""
+    parts = pair.split(",") if isinstance(pair, str) else pair
+    try:
+        src, dst = parts
+        if isinstance(pair, str):
+            src, dst = int(src), int(dst)
+        if not (_is(src, "integer") and _is(dst, "integer")) or src < 0 or dst < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ShapeError(f"Costs.links keys must be (src, dst) worker pairs or 'src,dst' strings, got {pair!r}") from None
+    return int(src), int(dst)
 
 
 def _is(value, kind: str) -> bool:

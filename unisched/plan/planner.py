@@ -15,6 +15,7 @@ best family member simulated.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Iterable, TextIO
@@ -33,7 +34,7 @@ from unisched.plan.family import FamilyResult, Member, measures, registry_member
 from unisched.plan.mapping import incumbent_from, solve_mapping
 from unisched.plan.order import Solved, check_mapping_memory, solve_order_staged
 from unisched.plan.planfile import Plan
-from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 
 ORDER_SHARE = 0.3
@@ -82,11 +83,18 @@ def plan(
     ``(label, Strategy, "")`` candidates.  Raises a ``UniSchedError`` saying
     what is needed when the limits make every schedule impossible.
     """
+    if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
+            or not 0 < time_limit < math.inf):
+        raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     begin = time.perf_counter()
     deadline = begin + float(time_limit) * (1 - REPLAY_MARGIN)
-    problem = PlanProblem(Shape(num_workers, num_stages, num_batches), costs or Costs(), memory_limit,
-                          max_stages_per_worker, split_backward)
-    timed = TimedProblem.build(problem)
+    shape = Shape(num_workers, num_stages, num_batches).check()
+    check_plan_size(shape, split_backward)
+    if costs is not None and not isinstance(costs, Costs):
+        raise PlanInputError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
+    costs = (costs or Costs()).check(num_workers, num_stages)
+    problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split_backward)
+    timed = _timed(problem)
     if members is None:
         members = registry_members(problem, only=strategy)
     family = search_family(problem, members, progress=progress, memory_variants=strategy is None)
@@ -182,6 +190,55 @@ def plan(
         dropped=dropped,
         elapsed=time.perf_counter() - begin,
     )
+
+
+MAX_PLAN_ITEMS = 20_000
+"""The most work items :func:`plan` takes: its CP-SAT models have a few
+variables per item and worker, and its family search simulates dozens of
+strategies.  Larger steps are for :func:`unisched.simulate` and ``unisched compare``."""
+MAX_PLAN_CELLS = 4_000_000
+"""The most entries of the planner's per-item-and-worker and per-link-and-stage tables."""
+MAX_TICKS = 2**53
+"""The longest step, in the integer ticks CP-SAT works in."""
+
+
+def check_plan_size(shape: Shape, split_backward: bool = False) -> None:
+    """Refuse, before building anything, a step too large to plan."""
+    W, S, B = shape
+    items = S * B * (3 if split_backward else 2)
+    cells = max(items * W, W * W * S)
+    if items > MAX_PLAN_ITEMS or cells > MAX_PLAN_CELLS:
+        what = (f"{items:,} work items (at most {MAX_PLAN_ITEMS:,}, unisched.plan.planner.MAX_PLAN_ITEMS)"
+                if items > MAX_PLAN_ITEMS else
+                f"{cells:,} table entries of items or links by workers (at most {MAX_PLAN_CELLS:,}, "
+                "unisched.plan.planner.MAX_PLAN_CELLS)")
+        raise PlanInputError(
+            f"W={W}, S={S}, B={B} is too large to plan: {what}. Plan fewer micro-batches (a schedule found for "
+            "a few times W micro-batches shows the pattern), or compare strategies on this shape with "
+            "`unisched compare`"
+        )
+
+
+def _timed(problem: PlanProblem) -> TimedProblem:
+    """The problem in CP-SAT's integer ticks, refused when its times do not fit them."""
+    try:
+        timed = TimedProblem.build(problem)
+    except (OverflowError, ValueError) as error:
+        raise PlanInputError(
+            f"the costs do not fit the integer ticks CP-SAT counts time in ({error}): give the times in a "
+            "coarser unit (e.g. milliseconds instead of microseconds)"
+        ) from None
+    n = problem.num_items
+    horizon = (timed.duration.max(axis=1).astype(float).sum()
+               + 2.0 * n * float(max(timed.comm.max(initial=0), timed.stash.max(initial=0)))
+               + 2.0 * float(timed.fetch.max(initial=0)))
+    if horizon >= MAX_TICKS:
+        raise PlanInputError(
+            f"the step is {horizon:.3g} ticks long at the planner's resolution of 1/{timed.ticks.scale} time unit, "
+            f"more than CP-SAT's integers hold ({MAX_TICKS:.3g}): give the times in a coarser unit, or with "
+            "fewer significant digits"
+        )
+    return timed
 
 
 def _say(progress: TextIO | None, text: str) -> None:

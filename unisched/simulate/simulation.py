@@ -56,6 +56,8 @@ def simulate(
     costs = costs if costs is not None else DEFAULT_COSTS
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
+    check_size(shape, strategy.split_backward if split_backward is None else bool(split_backward))
+    costs.check(num_workers, num_stages)
     priority = priority_order or strategy.priority or OldestBatchFirst(num_stages, num_batches)
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
     limit_in_bytes = costs.has_sizes and memory_limit is not None  # a strategy's own limit counts stashes
@@ -91,6 +93,26 @@ def simulate(
         limit_in_bytes=limit_in_bytes if limit is not None else costs.has_sizes,
     )
     return Simulation(timeline, strategy, costs, limit, priority, graph)
+
+
+MAX_ITEMS = 20_000_000
+"""The most work items :func:`simulate` takes (about 350 bytes each on the
+compiled path, twice that with communication costs: 7 to 14 GB at the ceiling).
+Raise it on a machine with more memory."""
+
+
+def check_size(shape: Shape, split_backward: bool = False) -> None:
+    """Refuse, before allocating anything, a step too large to simulate in memory."""
+    W, S, B = shape
+    items = S * B * len(directions(split_backward))
+    if items > MAX_ITEMS or W > MAX_ITEMS:
+        what = f"{items:,} work items" if items > MAX_ITEMS else f"{W:,} workers"
+        raise ShapeError(
+            f"W={W}, S={S}, B={B} has {what}; the simulator takes at most {MAX_ITEMS:,} "
+            "(unisched.simulate.simulation.MAX_ITEMS, about 350 bytes per item): simulate fewer micro-batches "
+            "or stages (once the pipeline is full, every micro-batch adds the same time), or raise MAX_ITEMS "
+            "on a machine with the memory"
+        )
 
 
 MAX_ITEMS = 20_000_000

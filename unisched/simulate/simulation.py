@@ -115,26 +115,6 @@ def check_size(shape: Shape, split_backward: bool = False) -> None:
         )
 
 
-MAX_ITEMS = 20_000_000
-"""The most work items :func:`simulate` takes (about 350 bytes each on the
-compiled path, twice that with communication costs: 7 to 14 GB at the ceiling).
-Raise it on a machine with more memory."""
-
-
-def check_size(shape: Shape, split_backward: bool = False) -> None:
-    """Refuse, before allocating anything, a step too large to simulate in memory."""
-    W, S, B = shape
-    items = S * B * len(directions(split_backward))
-    if items > MAX_ITEMS or W > MAX_ITEMS:
-        what = f"{items:,} work items" if items > MAX_ITEMS else f"{W:,} workers"
-        raise ShapeError(
-            f"W={W}, S={S}, B={B} has {what}; the simulator takes at most {MAX_ITEMS:,} "
-            "(unisched.simulate.simulation.MAX_ITEMS, about 350 bytes per item): simulate fewer micro-batches "
-            "or stages (once the pipeline is full, every micro-batch adds the same time), or raise MAX_ITEMS "
-            "on a machine with the memory"
-        )
-
-
 def _run(problem):
     """The compiled greedy where it applies, else the general engine.
 

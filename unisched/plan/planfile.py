@@ -35,7 +35,7 @@ import numpy as np
 
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
-from unisched.simulate.simulation import Simulation
+from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work
 
@@ -134,26 +134,44 @@ class Plan:
                 f"lower bound {self.lower_bound:g}{', optimal' if self.optimal else ''}>")
 
 
-def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None) -> Plan:
-    """Read a plan file; with ``shape``, also check that it was made for that shape."""
+def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, num_workers: int | None = None,
+              num_stages: int | None = None) -> Plan:
+    """Read a plan file; with ``shape``, also check that it was made for that
+    shape; with ``num_workers`` (the world size) or ``num_stages`` (the
+    model's stages), that it fits them.
+
+    Nothing in the file is taken on trust: the plan is replayed, and a file
+    whose latency, bounds or optimality claim disagree with its replay is
+    refused."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as error:
         raise PlanFileError(f"cannot read plan file {path}: {error}") from error
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise PlanFileError(f"plan file {path} is not valid JSON: {error}; write it with `unisched plan --out`") from error
     plan = plan_from_dict(data, source=str(path))
+    W, S, B = plan.shape
     if shape is not None and tuple(shape) != tuple(plan.shape):
-        W, S, B = plan.shape
         raise PlanFileError(
             f"plan file {path} is for W={W}, S={S}, B={B} but W={shape[0]}, S={shape[1]}, B={shape[2]} was asked "
             "for; plan again for this shape with `unisched plan --workers ... --stages ... --batches ...`"
+        )
+    if num_workers is not None and num_workers != W:
+        raise PlanFileError(
+            f"plan file {path} is for {W} workers but the world has {num_workers}; launch {W} processes, "
+            f"or plan again with `unisched plan --workers {num_workers}`"
+        )
+    if num_stages is not None and num_stages != S:
+        raise PlanFileError(
+            f"plan file {path} is for a model of {S} stages but the model has {num_stages}; "
+            f"plan again with `unisched plan --stages {num_stages}`"
         )
     return plan
 
 
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:
+    """A plan from its JSON object, replayed and checked against what the object claims."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanFileError(f"{source} is not a unisched plan file (expected \"format\": \"{FORMAT}\")")
     if data.get("version") != VERSION:
@@ -164,34 +182,136 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     for name in ("shape", "costs", "mapping", "orders"):
         if not isinstance(data.get(name), dict):
             raise PlanFileError(f"{source} is malformed: {name!r} must be a JSON object")
+    split = data.get("split_backward", False)
+    if not isinstance(split, bool):
+        raise PlanFileError(f"{source} is malformed: 'split_backward' must be true or false, got {split!r}")
+    shape = _shape(data["shape"], source)
     try:
-        shape = Shape(**{k: int(v) for k, v in data["shape"].items()})
+        check_size(shape, split)
+    except UniSchedError as error:
+        raise PlanFileError(f"{source}: {error}") from None
+    try:
+        costs = Costs.from_dict(data["costs"]).check(shape.num_workers, shape.num_stages)
         problem = PlanProblem(
             shape,
-            Costs.from_dict(data["costs"]),
+            costs,
             memory_limit=data.get("memory_limit"),
             max_stages_per_worker=data.get("max_stages_per_worker"),
-            split_backward=bool(data.get("split_backward", False)),
+            split_backward=split,
         )
-        mapping, orders = data["mapping"], data["orders"]
-        latency = float(data["latency"])
-        lower_bound = float(data.get("lower_bound") or 0.0)
-    except (KeyError, TypeError, ValueError) as error:
-        if isinstance(error, UniSchedError):
-            raise PlanFileError(f"{source} describes an impossible problem: {error}") from error
-        raise PlanFileError(f"{source} is malformed: missing or bad field ({type(error).__name__}: {error})") from error
-    schedule = _schedule(problem, mapping, orders, source, data.get("strategy", "plan"))
+    except UniSchedError as error:
+        raise PlanFileError(f"{source} describes an impossible problem: {error}") from error
+    except (TypeError, ValueError) as error:
+        raise PlanFileError(f"{source} is malformed: bad costs or limits ({type(error).__name__}: {error})") from error
+    name = data.get("strategy", "plan")
+    if not isinstance(name, str):
+        raise PlanFileError(f"{source} is malformed: 'strategy' must be a string, got {name!r}")
+    claims = {key: _number(data, key, source, optional=key != "latency")
+              for key in ("latency", "model_latency", "lower_bound")}
+    bounds = data.get("bounds") or {}
+    if not isinstance(bounds, dict):
+        raise PlanFileError(f"{source} is malformed: 'bounds' must be a JSON object of numbers")
+    bounds = {str(k): _number(bounds, k, source, where="bounds") for k in bounds}
+    optimal = data.get("optimal", False)
+    if not isinstance(optimal, bool):
+        raise PlanFileError(f"{source} is malformed: 'optimal' must be true or false, got {optimal!r}")
+    candidates = _rows(data, "candidates", ("strategy", "source"), source, CANDIDATE_NUMBERS)
+    dropped = _rows(data, "dropped", ("strategy", "reason"), source)
+    schedule = _schedule(problem, data["mapping"], data["orders"], source, name)
+    latency = _replay(schedule, source)
+    _check_claims(source, latency, claims["latency"], claims["lower_bound"] or 0.0, bounds, optimal)
     return Plan(
         schedule=schedule,
-        strategy_name=str(data.get("strategy", "plan")),
+        strategy_name=name,
         latency=latency,
-        lower_bound=lower_bound,
-        bounds={k: float(v) for k, v in (data.get("bounds") or {}).items()},
-        optimal=bool(data.get("optimal", False)),
-        model_latency=data.get("model_latency"),
-        candidates=list(data.get("candidates") or []),
-        dropped=list(data.get("dropped") or []),
+        lower_bound=claims["lower_bound"] or 0.0,
+        bounds=bounds,
+        optimal=optimal,
+        model_latency=claims["model_latency"],
+        candidates=candidates,
+        dropped=dropped,
     )
+
+
+TOLERANCE = 1e-9
+"""Relative difference allowed between a file's latency and its replay (float round-off)."""
+
+
+def _replay(schedule: Schedule, source: str) -> float:
+    try:
+        latency = float(schedule.simulate().latency)
+    except UniSchedError as error:
+        raise PlanFileError(
+            f"{source} cannot be replayed: {str(error).splitlines()[0]}; the file was edited or damaged: plan again"
+        ) from None
+    if not (math.isfinite(latency) and latency >= 0):
+        raise PlanFileError(f"{source} replays to latency {latency!r}; plan again")
+    return latency
+
+
+def _check_claims(source: str, latency: float, claimed: float, lower_bound: float, bounds: Mapping[str, float],
+                  optimal: bool) -> None:
+    """What the file says about its schedule must be what the replay shows."""
+    slack = TOLERANCE * max(1.0, abs(latency))
+    if abs(claimed - latency) > slack:
+        raise PlanFileError(
+            f"{source} says its latency is {claimed:g} but its schedule replays to {latency:g}; the file was edited "
+            "or made with other costs: plan again (`unisched plan ... --out`)"
+        )
+    for name, bound in (("lower_bound", lower_bound), *((f"bounds.{k}", v) for k, v in bounds.items())):
+        if bound > latency + slack:
+            raise PlanFileError(
+                f"{source} claims a lower bound {name} = {bound:g} above its own replayed latency {latency:g}, "
+                "which no bound can be; the file was edited: plan again"
+            )
+    if optimal and lower_bound < latency - slack:
+        raise PlanFileError(
+            f"{source} claims to be optimal but its lower bound {lower_bound:g} is below its latency {latency:g} "
+            "(the planner claims optimality only when a bound reaches the latency); the file was edited: plan again"
+        )
+
+
+def _shape(fields: Mapping, source: str) -> Shape:
+    if set(fields) != set(Shape._fields):
+        raise PlanFileError(f"{source} is malformed: 'shape' must have exactly the fields {list(Shape._fields)}, "
+                            f"got {sorted(fields)}")
+    for key, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise PlanFileError(f"{source} is malformed: shape.{key} must be a positive integer, got {value!r}")
+    return Shape(**{k: fields[k] for k in Shape._fields})
+
+
+def _number(data: Mapping, key: str, source: str, optional: bool = False, where: str = "") -> float | None:
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        name = f"{where}.{key}" if where else key
+        raise PlanFileError(f"{source} is malformed: {name!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+CANDIDATE_NUMBERS = ("latency", "bubble", "peak_activations", "traffic", "gap", "model_latency")
+"""The numbers (or nulls) of a row of the candidates table."""
+
+
+def _rows(data: Mapping, key: str, text_fields: Sequence[str], source: str, numbers: Sequence[str] = ()) -> list[dict]:
+    """The table of candidates (or of dropped strategies): a list of JSON objects."""
+    rows = data.get(key)
+    if rows is None:
+        return []
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise PlanFileError(f"{source} is malformed: {key!r} must be a list of JSON objects, got {rows!r:.80}")
+    for row in rows:
+        for name in text_fields:
+            if not isinstance(row.get(name), str):
+                raise PlanFileError(f"{source} is malformed: every row of {key!r} needs a string {name!r}, "
+                                    f"got {row!r:.80}")
+        for name in numbers:
+            value = row.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise PlanFileError(f"{source} is malformed: {key}[].{name} must be a number, got {value!r:.80}")
+    return [dict(row) for row in rows]
 
 
 def _schedule(problem: PlanProblem, mapping: Any, orders: Any, source: str, name: str) -> Schedule:
@@ -203,8 +323,13 @@ def _schedule(problem: PlanProblem, mapping: Any, orders: Any, source: str, name
         raise PlanFileError(f"{source} is malformed: 'mapping' and 'orders' must be JSON objects")
     for text, pair in mapping.items():
         item = _item(problem, text, source)
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) and 0 <= v < W for v in pair)):
-            raise PlanFileError(f"{source}: mapping of {text} must be [compute worker, weight worker] in 0..{W - 1}, got {pair!r}")
+        if not (isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < W for v in pair)):
+            raise PlanFileError(
+                f"{source}: mapping of {text} must be [compute worker, weight worker] in 0..{W - 1}, got {pair!r}"
+            )
+        if compute[item] >= 0:
+            raise PlanFileError(f"{source}: the mapping gives {text} twice (as another spelling of the same item)")
         compute[item], weight[item] = pair
     missing = np.flatnonzero(compute < 0)
     if len(missing):
@@ -219,8 +344,10 @@ def _schedule(problem: PlanProblem, mapping: Any, orders: Any, source: str, name
             w = int(key)
         except ValueError:
             raise PlanFileError(f"{source}: orders key {key!r} is not a worker number") from None
-        if not 0 <= w < W or not isinstance(texts, list):
+        if not 0 <= w < W:
             raise PlanFileError(f"{source}: orders names worker {key!r}, but workers are 0..{W - 1}")
+        if not isinstance(texts, list):
+            raise PlanFileError(f"{source}: the order of worker {key} must be a list of work items, got {texts!r:.80}")
         items = [_item(problem, t, source) for t in texts]
         for item in items:
             if compute[item] != w or seen[item]:

@@ -8,7 +8,13 @@
     unisched run ...              run a schedule for real under torchrun
 
 Every verb takes ``--help``; ``--json`` prints one JSON object and nothing
-else on stdout.  Errors are one line on stderr and exit status 2.
+else on stdout.  Errors go to stderr with exit status 2: one line (details,
+such as a deadlock's blocked workers, indented on the lines after it), or
+with ``--json`` one JSON object ``{"error": ..., "details": [...], "type": ...}``.
+
+A strategy is named the same way everywhere: ``NAME`` or
+``NAME(key=value, ...)``, and ``--param key=value`` (repeatable) adds
+parameters to the strategy (or, in ``compare``, to every strategy listed).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -39,23 +46,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["simulate", *argv]  # the demo, e.g. `unisched -W 8`
-    parser = build_parser(verb=argv[0])
-    args = parser.parse_args(argv)
+    as_json = "--json" in argv
     try:
-        return int(args.handler(args) or 0)
-    except (UniSchedError, ValueError, OSError) as error:
-        message = str(error).strip() or type(error).__name__
-        print(f"unisched: error: {message}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # e.g. piped into head
+        parser = build_parser(verb=argv[0])
+        args = parser.parse_args(argv)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a reader that went away is noticed here, not at exit
+        return code
+    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
+        _silence_stdout()
         return 0
+    except CommandLineError as error:
+        if not as_json:
+            print(error.usage.rstrip(), file=sys.stderr)
+        return _fail(str(error), as_json, type(error).__name__, prefix=f"{error.prog}: ")
+    except (UniSchedError, ValueError, OSError) as error:
+        return _fail(str(error), as_json, type(error).__name__)
+
+
+class CommandLineError(UniSchedError):
+    """Arguments the command line cannot read (argparse's complaints)."""
+
+    def __init__(self, message: str, usage: str = "", prog: str = "unisched"):
+        super().__init__(message)
+        self.usage = usage
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, raising its complaints so that ``main`` prints them like every other error."""
+
+    def error(self, message):
+        raise CommandLineError(message, self.format_usage(), self.prog)
+
+
+def _fail(message: str, as_json: bool, kind: str, prefix: str = "unisched: ") -> int:
+    """Print an error: its summary on one line (a "To fix:" line joins it), details after."""
+    lines = [line for line in str(message).strip().splitlines() if line.strip()] or [kind]
+    fixes = [line.strip() for line in lines[1:] if line.strip().startswith("To fix")]
+    details = [line for line in lines[1:] if not line.strip().startswith("To fix")]
+    summary = " ".join([lines[0].strip(), *fixes])
+    if as_json:
+        print(json.dumps({"error": summary, "details": [d.strip() for d in details], "type": kind}), file=sys.stderr)
+    else:
+        print(f"{prefix}error: {summary}", file=sys.stderr)
+        for line in details:
+            print(line if line.startswith(" ") else "  " + line, file=sys.stderr)
+    return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that flushing it at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The whole command line.  Of the verbs that live in other packages only
     ``verb`` (the one being run) is imported: `unisched plan` need not load
     torch for `unisched run`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="unisched",
         description="Every distributed training strategy as a pair of functions: simulate, compare, plan, run.",
         epilog="With no arguments: a demo comparing strategies on a small shape.",
@@ -72,7 +125,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         description="Simulate one strategy and show its pipeline diagram and per-worker stats. "
         "Without --strategy, compare a few strategies on a small shape (the demo).",
     )
-    simulate.add_argument("--strategy", help="registered strategy name (see `unisched strategies`)")
+    simulate.add_argument(
+        "--strategy", help="NAME or NAME(key=value, ...), e.g. looped(group_size=2) (see `unisched strategies`)"
+    )
     _add_problem_arguments(simulate)
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
     simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
@@ -87,7 +142,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         description="Simulate several strategies on one shape and rank them by latency.",
     )
     compare.add_argument(
-        "--strategies", help="comma-separated names (default: every registered strategy that fits the shape)"
+        "--strategies",
+        help="comma-separated NAME or NAME(key=value, ...), e.g. gpipe,looped(group_size=2) "
+        "(default: every registered strategy setting that fits the shape)",
     )
     _add_problem_arguments(compare)
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -122,7 +179,8 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {DEMO_SHAPE[2]})")
     shape.add_argument(
-        "--param", action="append", default=[], metavar="K=V", help="strategy parameter, repeatable (e.g. group_size=2)"
+        "--param", action="append", default=[], metavar="K=V",
+        help="strategy parameter, repeatable (e.g. group_size=2); the same as NAME(K=V)",
     )
     costs = parser.add_argument_group("costs (default: forward 1, backward 2, free communication)")
     costs.add_argument("--forward", type=float, help="forward time per stage")
@@ -156,8 +214,11 @@ def cmd_strategies(args) -> int:
 
 def cmd_simulate(args) -> int:
     if not args.strategy:
+        if args.param:
+            raise UniSchedError("--param needs --strategy: it sets a parameter of the strategy simulated")
         return _demo(args)
-    sim = _simulate(args, args.strategy, _params(args.param))
+    check_size(_shape(args), _split(args))
+    sim = _simulate(args, *strategy_spec(args.strategy, _params(args.param)))
     if args.out:
         sim.save(args.out)
     if args.json:
@@ -175,9 +236,20 @@ def cmd_compare(args) -> int:
     from unisched import policies
 
     shape = _shape(args)
+    check_size(shape, _split(args))
     params = _params(args.param)
     if args.strategies:
-        candidates = [(name.strip(), params) for name in args.strategies.split(",") if name.strip()]
+        candidates = [strategy_spec(text, params) for text in split_strategies(args.strategies)]
+        if not candidates:
+            raise UniSchedError(f"--strategies names no strategy: {args.strategies!r}")
+        for name, values in candidates:  # a misspelt name or parameter is an error, not a skipped row
+            entry = policies.entry(name)
+            for key, value in values.items():
+                entry.param(key).coerce(entry.name, value)
+    elif params:
+        raise UniSchedError(
+            "--param needs --strategies: it sets a parameter of every strategy listed (or write NAME(K=V) in the list)"
+        )
     else:
         candidates = list(policies.variants(*shape))
     rows, skipped = _compare(args, candidates)
@@ -189,6 +261,42 @@ def cmd_compare(args) -> int:
     for name, reason in skipped:
         print(f"skipped {name}: {reason}")
     return 0
+
+
+def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict]:
+    """``NAME`` or ``NAME(key=value, ...)`` plus the ``--param`` values: (name, parameters).
+
+    A key given both ways must have one value."""
+    params = dict(params or {})
+    name, inline = str(text).strip(), {}
+    if "(" in name or ")" in name:
+        from unisched.plan.family import parse_label  # the grammar the planner's table prints
+
+        name, inline = parse_label(name)
+        inline = {key.replace("-", "_"): value for key, value in inline.items()}
+    for key in sorted(inline.keys() & params.keys()):
+        if str(inline[key]).strip() != str(params[key]).strip():
+            raise UniSchedError(
+                f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={params[key]}; give it once"
+            )
+    return name, {**inline, **params}
+
+
+def split_strategies(text: str) -> list[str]:
+    """A comma-separated list of strategies; commas inside NAME(...) belong to it."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            break
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    if depth != 0:
+        raise UniSchedError(f"unbalanced parentheses in {text!r}; write e.g. gpipe,looped(group_size=2)")
+    return [part.strip() for part in (*parts, current) if part.strip()]
 
 
 COMPARE_COLUMNS = (
@@ -207,7 +315,7 @@ COMPARE_COLUMNS = (
 def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]]]:
     rows, skipped = [], []
     for name, params in candidates:
-        label = name + ("(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+        label = name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
         try:
             sim = _simulate(args, name, params)
         except UniSchedError as error:
@@ -238,8 +346,10 @@ def _demo(args) -> int:
     from unisched import policies
 
     shape = _shape(args)
-    print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
-          f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
+    check_size(shape, _split(args))
+    if not args.json:
+        print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
+              f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
     candidates = []
     for name in DEMO_STRATEGIES:
         if name not in policies.names():
@@ -271,6 +381,18 @@ def _shape(args) -> tuple[int, int, int]:
     from unisched.work import Shape
 
     return tuple(Shape(W, S, B).check())
+
+
+def check_size(shape, split_backward: bool) -> None:
+    """Refuse a shape too large to simulate before building any strategy for it."""
+    from unisched.simulate.simulation import check_size as simulator_check
+
+    simulator_check(shape, split_backward)
+
+
+def _split(args) -> bool:
+    """Whether the flags split the backward (they give one of its halves)."""
+    return getattr(args, "backward_input", None) is not None or getattr(args, "backward_weight", None) is not None
 
 
 def _params(items: list[str]) -> dict:
@@ -320,9 +442,7 @@ def _simulate(args, name: str, params: dict):
 
     W, S, B = _shape(args)
     strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
-    split = None
-    if getattr(args, "backward_input", None) is not None or getattr(args, "backward_weight", None) is not None:
-        split = True
+    split = True if _split(args) else None
     priority = priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None
     return simulate(
         W, S, B, strategy, priority,

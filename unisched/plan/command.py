@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
 from unisched.work import Shape
 
-from unisched.plan.family import default_progress
+from unisched.plan.family import default_progress, label_of, parse_label
 from unisched.plan.planfile import Plan, jsonable
 from unisched.plan.planner import plan
 from unisched.plan.problem import PlanInputError, encode_costs
@@ -45,11 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--comm", type=float, default=0.0, help="time to move an activation or gradient between workers")
     costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--memory-limit", type=float,
-                        help="activations a worker may hold (bytes when the costs file gives activation_bytes)")
+    limits.add_argument("--memory-limit",
+                        help="activations a worker may hold (bytes when the costs file gives activation_bytes): "
+                        "one number, or one per worker separated by commas (the planner plans under the least)")
     limits.add_argument("--max-stages-per-worker", type=int, help="how many stages' weights a worker may hold")
     search = parser.add_argument_group("search")
-    search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work")
+    search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work: "
+                        "NAME or NAME(key=value, ...), e.g. looped(group_size=2)")
+    search.add_argument("--param", action="append", default=[], metavar="K=V",
+                        help="parameter of --strategy, repeatable (e.g. group_size=2); the same as NAME(K=V)")
     search.add_argument("--time-limit", type=float, default=None,
                         help=f"seconds for the whole search (default {DEFAULT_TIME_LIMIT:g})")
     output = parser.add_argument_group("output")
@@ -66,16 +71,17 @@ def run(args: argparse.Namespace) -> int:
         for i, value in enumerate((args.workers, args.stages, args.batches))
     )
     Shape(W, S, B).check()
-    memory_limit = DEFAULT_MEMORY_LIMIT if demo else args.memory_limit
+    memory_limit = DEFAULT_MEMORY_LIMIT if demo else _memory_limit(args.memory_limit, W)
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
-    if time_limit <= 0:
-        raise PlanInputError(f"--time-limit must be positive, got {time_limit:g}")
+    if not (time_limit > 0 and math.isfinite(time_limit)):
+        raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
+    strategy = _strategy(args.strategy, args.param)
     costs, split = _costs(args)
     result = plan(
         W, S, B, costs,
         memory_limit=memory_limit,
         max_stages_per_worker=args.max_stages_per_worker,
-        strategy=args.strategy,
+        strategy=strategy,
         time_limit=time_limit,
         split_backward=split,
         progress=default_progress(args.json),
@@ -89,6 +95,48 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote {args.out} (replay it: unisched.load_plan({args.out!r}).simulate())")
     return 0
+
+
+def _strategy(text: str | None, params: list[str]) -> str | None:
+    """``--strategy NAME(k=v, ...)`` and ``--param k=v`` as one label (the grammar of ``unisched simulate``)."""
+    given = {}
+    for item in params:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlanInputError(f"--param takes K=V, got {item!r}")
+        given[key.strip().replace("-", "_")] = value.strip()
+    if text is None:
+        if given:
+            raise PlanInputError("--param needs --strategy: it sets a parameter of the strategy whose mapping is kept")
+        return None
+    name, inline = parse_label(text)
+    inline = {key.replace("-", "_"): value for key, value in inline.items()}
+    for key in sorted(inline.keys() & given.keys()):
+        if inline[key] != given[key]:
+            raise PlanInputError(
+                f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={given[key]}; give it once"
+            )
+    return label_of(name, {**inline, **given})
+
+
+def _memory_limit(text: str | None, num_workers: int) -> float | None:
+    """One number, or one per worker separated by commas.  The planner's
+    models take one limit for every worker: a list plans under its least
+    value, which every worker's own limit allows."""
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise PlanInputError(f"--memory-limit takes a number or comma-separated numbers, got {text!r}") from None
+    if not all(v >= 0 and math.isfinite(v) for v in values):
+        raise PlanInputError(f"--memory-limit must be non-negative numbers, got {text!r}")
+    if len(values) > 1 and len(values) != num_workers:
+        raise PlanInputError(f"--memory-limit gives {len(values)} limits but there are {num_workers} workers")
+    if len(set(values)) > 1:
+        print(f"note: the planner plans under one memory limit for every worker: {min(values):g}, the least of "
+              f"{text}", file=sys.stderr)
+    return min(values)
 
 
 def summary(result: Plan) -> dict:
@@ -118,9 +166,10 @@ def report(result: Plan, width: int = 100, color: bool | None = None) -> str:
     ]
     for rank, row in enumerate(result.candidates[:12], start=1):
         lines.append(
-            f"{rank:>2}  {row['strategy'][:44]:<44} {row['source']:<13} {row['latency']:>8g} {row['bubble']:>7.1%} "
-            f"{row['peak_activations']:>8g} {row['traffic']:>7} {row['gap']:>7.1%}  "
-            f"{'yes' if row['optimal'] else ''}{' (pareto)' if row.get('pareto') else ''}"
+            f"{rank:>2}  {str(row.get('strategy'))[:44]:<44} {str(row.get('source', '')):<13} "
+            f"{_cell(row, 'latency', 'g'):>8} {_cell(row, 'bubble', '.1%'):>7} "
+            f"{_cell(row, 'peak_activations', 'g'):>8} {_cell(row, 'traffic', 'g'):>7} {_cell(row, 'gap', '.1%'):>7}  "
+            f"{'yes' if row.get('optimal') else ''}{' (pareto)' if row.get('pareto') else ''}"
         )
     if len(result.candidates) > 12:
         lines.append(f"    ... {len(result.candidates) - 12} more")
@@ -136,6 +185,12 @@ def report(result: Plan, width: int = 100, color: bool | None = None) -> str:
         _diagram(result, width, color),
     ]
     return "\n".join(lines)
+
+
+def _cell(row, key: str, spec: str) -> str:
+    """A number of the table, or "-" where a plan file left it out."""
+    value = row.get(key)
+    return "-" if value is None else format(value, spec)
 
 
 def _dropped(dropped) -> str:
@@ -161,10 +216,14 @@ def _diagram(result: Plan, width: int, color: bool | None) -> str:
 def _is_demo(args: argparse.Namespace) -> bool:
     given = (args.workers, args.stages, args.batches, args.forward, args.backward, args.backward_input,
              args.backward_weight, args.costs, args.memory_limit, args.max_stages_per_worker, args.strategy)
-    return all(value is None for value in given) and not args.comm and not args.fetch
+    return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
 
 
 def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
+    for flag in ("forward", "backward", "backward_input", "backward_weight", "comm", "fetch"):
+        value = getattr(args, flag)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise PlanInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value:g}")
     split = args.backward_input is not None or args.backward_weight is not None
     if args.costs:
         clashing = [flag for flag, value in (("--forward", args.forward), ("--backward", args.backward),

@@ -93,3 +93,122 @@ def test_every_verb_has_help():
             [sys.executable, "-m", "unisched", verb, "--help"], capture_output=True, text=True, timeout=120
         )
         assert result.returncode == 0 and "usage: unisched " + verb in result.stdout
+
+
+# ---------------------------------------------------------------------- one grammar for strategies
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ["--strategy", "looped(group_size=2)"],
+        ["--strategy", "looped", "--param", "group_size=2"],
+        ["--strategy", "looped(group-size=2)"],
+        ["--strategy", "looped(group_size=2)", "--param", "group_size=2"],
+    ],
+)
+def test_simulate_takes_parameters_in_either_form(capsys, spec):
+    code, out, _ = run(capsys, "simulate", *spec, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["latency"] == 28 and result["params"]["group_size"] == 2
+
+
+def test_compare_takes_parameters_in_its_list(capsys):
+    code, out, _ = run(capsys, "compare", "--strategies", "gpipe, looped(group_size=2),looped(group_size=4)", "--json")
+    assert code == 0
+    assert {r["strategy"]: r["latency"] for r in json.loads(out)["results"]} == {
+        "gpipe": 33, "looped(group_size=2)": 28, "looped(group_size=4)": 33
+    }
+    code, out, _ = run(capsys, "compare", "--strategies", "looped", "--param", "group_size=2", "--json")
+    assert code == 0 and [r["strategy"] for r in json.loads(out)["results"]] == ["looped(group_size=2)"]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["compare", "--strategies", "gpipe,nope"], "unknown strategy 'nope'"),
+        (["compare", "--strategies", "gpipe,looped(group_size=x)"], "group_size"),
+        (["compare", "--strategies", "gpipe", "--param", "group_size=2"], "has no parameter 'group_size'"),
+        (["compare", "--param", "group_size=2"], "--param needs --strategies"),
+        (["compare", "--strategies", "gpipe,looped(group_size=2"], "unbalanced parentheses"),
+        (["compare", "--strategies", ","], "names no strategy"),
+        (["simulate", "--param", "group_size=2"], "--param needs --strategy"),
+        (["simulate", "--strategy", "looped(group_size=2)", "--param", "group_size=4"], "give it once"),
+        (["plan", "--param", "group_size=2"], "--param needs --strategy"),
+        (["plan", "--strategy", "looped(group_size=2)", "--param", "group_size=4"], "give it once"),
+        (["plan", "--strategy", "gpipe", "--memory-limit", "1,2"], "2 limits but there are 4 workers"),
+        (["plan", "--strategy", "gpipe", "--memory-limit", "4,x"], "comma-separated numbers"),
+    ],
+)
+def test_grammar_mistakes_are_errors(capsys, argv, words):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec", [["--strategy", "looped(group_size=2)"], ["--strategy", "looped", "--param", "group_size=2"]])
+def test_plan_takes_parameters_in_either_form(capsys, spec):
+    code, out, _ = run(capsys, "plan", *spec, "--time-limit", "2", "--json")
+    assert code == 0 and json.loads(out)["strategy"].startswith("looped(group_size=2)")
+
+
+def test_plan_takes_a_memory_limit_per_worker(capsys):
+    code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--memory-limit", "4,3,2,1", "--time-limit", "2", "--json")
+    assert code == 0 and json.loads(out)["plan"]["memory_limit"] == 1
+    assert "the least of 4,3,2,1" in err
+    code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--memory-limit", "3,3,3,3", "--time-limit", "2", "--json")
+    assert code == 0 and json.loads(out)["plan"]["memory_limit"] == 3 and "note" not in err
+
+
+# ---------------------------------------------------------------------- output and errors
+class _ClosedPipe:
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_is_no_error(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    code = main(["simulate", "--strategy", "gpipe"])
+    monkeypatch.undo()
+    _, err = capsys.readouterr()
+    assert code == 0 and err == ""
+
+
+def test_piped_into_a_reader_that_closes():
+    process = subprocess.Popen([sys.executable, "-m", "unisched", "simulate", "--strategy", "gpipe"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # as `| head -1` does once it has its line
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0 and err == ""
+
+
+@pytest.mark.parametrize(
+    "argv, words, kind",
+    [
+        (["simulate", "--strategy", "nope"], "unknown strategy", "UnknownStrategyError"),
+        (["simulate", "-W", "x"], "invalid int value", "CommandLineError"),
+        (["compare", "--strategies", "gpipe,nope"], "unknown strategy", "UnknownStrategyError"),
+        (["plan", "--comm", "nan"], "--comm", "PlanInputError"),
+    ],
+)
+def test_errors_under_json_are_one_json_object_on_stderr(capsys, argv, words, kind):
+    code, out, err = run(capsys, *argv, "--json")
+    error = json.loads(err)
+    assert code == 2 and out == ""
+    assert words in error["error"] and error["type"] == kind and error["details"] == []
+
+
+def test_the_demo_under_json_is_pure_json(capsys):
+    code, out, _ = run(capsys, "--json")
+    assert code == 0 and len(json.loads(out)["results"]) >= 4
+
+
+def test_a_deadlock_is_summed_up_on_its_first_line(capsys):
+    code, out, err = run(capsys, "simulate", "--strategy", "cuckoo", "--memory-limit", "1")
+    first, *details = err.splitlines()
+    assert code == 2 and out == ""
+    assert first.startswith("unisched: error: deadlock:") and "To fix:" in first
+    assert details and all(line.startswith("  worker ") for line in details)
+    code, _, err = run(capsys, "simulate", "--strategy", "cuckoo", "--memory-limit", "1", "--json")
+    error = json.loads(err)
+    assert "To fix:" in error["error"] and error["details"][0].startswith("worker ")

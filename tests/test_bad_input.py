@@ -1,0 +1,223 @@
+"""Bad input is refused with a clear error that names what to change: costs,
+plan files, shapes too large to hold, and command-line numbers."""
+
+import json
+import math
+import time
+
+import pytest
+
+import unisched
+from unisched import Costs, Link, ShapeError, UniSchedError, simulate
+from unisched.cli import main
+from unisched.plan import PlanFileError, PlanInputError, load_plan, plan
+
+
+def gpipe(W=4, S=4, B=8):
+    return unisched.policies.get("gpipe", num_workers=W, num_stages=S, num_batches=B)
+
+
+# ---------------------------------------------------------------------- costs
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(links={(0, 1): Link(latency=-5)}), r"links\[0,1\]\.latency"),
+        (dict(links={(0, 1): Link(latency=math.nan)}), r"links\[0,1\]\.latency"),
+        (dict(links={(0, 1): Link(latency=math.inf)}), r"links\[0,1\]\.latency"),
+        (dict(links={(0, 1): Link(bandwidth=0)}), r"links\[0,1\]\.bandwidth"),
+        (dict(links={(0, 1): Link(bandwidth=math.nan)}), r"links\[0,1\]\.bandwidth"),
+        (dict(links={"0,1": {"latency": None}}), r"links\[0,1\]\.latency"),
+        (dict(links={"a,b": {"latency": 1}}), "links keys"),
+        (dict(links={(0, -1): Link()}), "links keys"),
+        (dict(latency=math.nan), "Costs.latency"),
+        (dict(latency=math.inf), "Costs.latency"),
+        (dict(bandwidth=0), "Costs.bandwidth"),
+        (dict(bandwidth=math.nan), "Costs.bandwidth"),
+        (dict(forward=None), "Costs.forward"),
+        (dict(backward=None), "Costs.backward"),
+        (dict(forward="fast"), "Costs.forward"),
+        (dict(forward=[1, "fast"]), "Costs.forward"),
+        (dict(forward=[[1, 2]]), "Costs.forward"),
+        (dict(weight_bytes=math.nan), "Costs.weight_bytes"),
+        (dict(worker_speed=[1, math.nan, 1, 1]), "Costs.worker_speed"),
+        (dict(worker_speed=[1, math.inf]), "Costs.worker_speed"),
+        (dict(worker_speed=2.0), "Costs.worker_speed"),
+        (dict(worker_speed=["fast"]), "Costs.worker_speed"),
+    ],
+)
+def test_bad_costs_are_refused_by_name(fields, named):
+    with pytest.raises(ShapeError, match=named):
+        Costs(**fields)
+
+
+def test_a_costs_file_with_a_null_time_is_refused(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"forward": None}))
+    with pytest.raises(ShapeError, match="forward"):
+        Costs.load(path)
+    code = main(["simulate", "--strategy", "gpipe", "--costs", str(path), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "forward" in json.loads(err)["error"]
+
+
+def test_links_to_workers_that_do_not_exist_are_refused():
+    costs = Costs(links={(0, 9): Link(latency=5)})
+    with pytest.raises(ShapeError, match="link 0,9 but there are 4 workers"):
+        simulate(4, 4, 8, gpipe(), costs=costs)
+    with pytest.raises(ShapeError, match="link 0,9"):
+        costs.check(num_workers=4, num_stages=4)
+    with pytest.raises(ShapeError, match="link 0,9"):
+        plan(4, 4, 8, costs, strategy="gpipe", time_limit=2)
+    assert costs.check(num_workers=10, num_stages=4) is costs
+
+
+def test_costs_whose_sum_overflows_are_refused():
+    huge = Costs(forward=1e308, backward=1e308)
+    with pytest.raises(ShapeError, match="too large"):
+        simulate(4, 4, 8, gpipe(), costs=huge)
+
+
+def test_costs_of_another_shape_are_refused_where_they_meet_it():
+    with pytest.raises(ShapeError, match="3 entries but the model has 4 stages"):
+        Costs(forward=[1, 2, 3]).check(num_workers=4, num_stages=4)
+    with pytest.raises(ShapeError, match="worker_speed has 2 entries"):
+        Costs(worker_speed=[1, 2]).check(num_workers=4, num_stages=4)
+
+
+# ---------------------------------------------------------------------- plan files
+@pytest.fixture(scope="module")
+def plan_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan(2, 2, 4, strategy="gpipe", time_limit=5).save(path)
+    return json.loads(path.read_text())
+
+
+def load(tmp_path, data, **checks):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return load_plan(path, **checks)
+
+
+def edited(data, **changes):
+    copy = json.loads(json.dumps(data))
+    for key, value in changes.items():
+        where = copy
+        *parents, last = key.split("__")
+        for parent in parents:
+            where = where[parent]
+        where[last] = value
+    return copy
+
+
+def test_a_saved_plan_loads_with_its_replayed_latency(tmp_path, plan_data):
+    loaded = load(tmp_path, plan_data)
+    assert loaded.latency == loaded.simulate().latency == plan_data["latency"]
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(latency=1.0, optimal=True), "replays to"),
+        (dict(latency=1.0), "replays to"),
+        (dict(lower_bound=1e6), "lower bound lower_bound = 1e\\+06 above"),
+        (dict(bounds={"work": 1e6}), "bounds.work"),
+        (dict(optimal=True, lower_bound=1.0), "claims to be optimal"),
+        (dict(latency="fast"), "'latency' must be a finite number"),
+        (dict(optimal="yes"), "'optimal' must be true or false"),
+        (dict(shape__num_batches=2.9), "num_batches must be a positive integer"),
+        (dict(shape__num_batches=1e10), "num_batches must be a positive integer"),
+        (dict(shape__num_batches=10**10), "the simulator takes at most"),
+        (dict(shape__num_workers=True), "num_workers must be a positive integer"),
+        (dict(shape__extra=1), "exactly the fields"),
+        (dict(candidates=5), "'candidates' must be a list of JSON objects"),
+        (dict(candidates=[{"strategy": 3}]), "needs a string 'strategy'"),
+        (dict(candidates=[{"strategy": "x", "source": "y", "latency": "slow"}]), "candidates\\[\\].latency"),
+        (dict(dropped=[{"strategy": "x"}]), "needs a string 'reason'"),
+        (dict(split_backward="no"), "split_backward"),
+        (dict(costs__forward=None), "Costs.forward"),
+        (dict(costs__links={"0,5": {"latency": 1}}), "link 0,5"),
+        (dict(strategy=7), "'strategy' must be a string"),
+    ],
+)
+def test_a_plan_file_is_not_trusted(tmp_path, plan_data, changes, words):
+    begin = time.perf_counter()
+    with pytest.raises(PlanFileError, match=words):
+        load(tmp_path, edited(plan_data, **changes))
+    assert time.perf_counter() - begin < 5  # refused before allocating anything for a huge shape
+
+
+def test_a_plan_file_whose_order_breaks_a_dependency_is_refused(tmp_path, plan_data):
+    orders = {w: list(reversed(items)) for w, items in plan_data["orders"].items()}
+    with pytest.raises(PlanFileError, match="cannot be replayed"):
+        load(tmp_path, edited(plan_data, orders=orders))
+
+
+def test_a_plan_file_mapping_of_booleans_is_refused(tmp_path, plan_data):
+    mapping = dict(plan_data["mapping"])
+    mapping["0F0"] = [True, False]
+    with pytest.raises(PlanFileError, match="mapping of 0F0"):
+        load(tmp_path, edited(plan_data, mapping=mapping))
+
+
+def test_a_plan_file_for_another_world_size_or_model(tmp_path, plan_data):
+    with pytest.raises(PlanFileError, match="is for 2 workers but the world has 4; launch 2 processes"):
+        load(tmp_path, plan_data, num_workers=4)
+    with pytest.raises(PlanFileError, match="model of 2 stages but the model has 3"):
+        load(tmp_path, plan_data, num_stages=3)
+    assert load(tmp_path, plan_data, num_workers=2, num_stages=2).shape == (2, 2, 4)
+
+
+# ---------------------------------------------------------------------- shapes too large to hold
+def test_a_huge_simulation_is_refused_up_front():
+    begin = time.perf_counter()
+    with pytest.raises(ShapeError, match="128,000,000 work items.*MAX_ITEMS"):
+        simulate(64, 64, 10**6, lambda work: (work.stage, work.stage))
+    with pytest.raises(ShapeError, match="workers"):
+        simulate(10**9, 1, 1, lambda work: (0, 0))
+    assert time.perf_counter() - begin < 5
+
+
+def test_a_huge_plan_is_refused_up_front():
+    begin = time.perf_counter()
+    with pytest.raises(PlanInputError, match="too large to plan.*MAX_PLAN_ITEMS"):
+        plan(64, 64, 10**5, time_limit=5)
+    with pytest.raises(PlanInputError, match="MAX_PLAN_CELLS"):
+        plan(2000, 4, 4, time_limit=5)
+    assert time.perf_counter() - begin < 5
+
+
+@pytest.mark.parametrize("verb", [["simulate", "--strategy", "gpipe"], ["compare"], ["plan", "--time-limit", "5"]])
+def test_huge_shapes_on_the_command_line(capsys, verb):
+    begin = time.perf_counter()
+    code = main([*verb, "-W", "64", "-S", "64", "-B", "1000000"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "1,000,000" not in err and "128,000,000 work items" in err
+    assert time.perf_counter() - begin < 10
+
+
+# ---------------------------------------------------------------------- numbers on the command line
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--comm", "inf"], "--comm must be a finite number"),
+        (["--comm", "nan"], "--comm must be a finite number"),
+        (["--fetch", "-1"], "--fetch must be a finite number"),
+        (["--forward", "1e300"], "too large to add up"),
+        (["--forward", "1e18"], "ticks"),
+        (["--forward", "1e250"], "ticks"),
+        (["--forward", "nan"], "--forward must be a finite number"),
+        (["--time-limit", "nan"], "--time-limit must be a positive number"),
+        (["--time-limit", "inf"], "--time-limit must be a positive number"),
+    ],
+)
+def test_plan_numbers_that_cannot_be_planned_are_clear_errors(capsys, flags, words):
+    code = main(["plan", "--strategy", "gpipe", *flags])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("unisched: error:") and words in err and "Traceback" not in err
+
+
+def test_plan_time_limit_from_the_api():
+    for bad in (math.nan, math.inf, 0, -1, "5", True):
+        with pytest.raises(UniSchedError, match="time_limit"):
+            plan(2, 2, 2, time_limit=bad)

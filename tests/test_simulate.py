@@ -408,6 +408,52 @@ def test_strategy_is_called_once_per_work_item():
     assert len(calls) == len(set(calls)) == 4 * 8 * 2
 
 
+def seed_style(w):
+    return ComputeAndWeightWorkers(w.stage % 8, w.stage % 8)
+
+
+def branching(w):
+    if w.direction == BACKWARD and w.stage == 0:
+        return ComputeAndWeightWorkers(1, 0)
+    return ComputeAndWeightWorkers(w.stage % 8, w.stage % 8)
+
+
+def branches_without_failing(w):
+    """Vectorises without an error but wrong on arrays: ``w.batch.max()``
+    is a whole array's maximum, a number per item."""
+    b = w.batch.max() if isinstance(w.batch, np.ndarray) else w.batch
+    return ComputeAndWeightWorkers((w.stage + b) % 8, 0)
+
+
+@pytest.mark.parametrize("mapping", [seed_style, branching, branches_without_failing])
+def test_a_plain_function_runs_on_arrays_where_that_gives_what_per_item_calls_give(mapping):
+    calls = []
+
+    def counting(w):
+        calls.append(isinstance(w.stage, np.ndarray))
+        return mapping(w)
+
+    W, S, B = 8, 16, 64
+    fast_way = simulate(W, S, B, counting).timeline
+    for b, s, d, c, k in zip(fast_way.batch, fast_way.stage, fast_way.direction, fast_way.worker, fast_way.weight_worker):
+        assert tuple(mapping(Work(int(b), int(s), Direction(int(d))))) == (c, k)
+    on_arrays = calls.count(True)
+    assert on_arrays == 1, "one call on arrays is tried first"
+    if mapping is seed_style:
+        assert len(calls) < 300, "and a sample of per-item calls checks it"
+    else:
+        assert len(calls) > S * B * 2, "a function that branches runs per item"
+
+
+def test_map_arrays_that_disagree_with_the_mapping_or_give_no_integers_are_refused():
+    wrong = unisched.Strategy(seed_style, map_arrays=lambda b, s, d: (s % 4, s % 4))
+    with pytest.raises(StrategyError, match=r"map_arrays gives .* but its mapping gives"):
+        simulate(8, 16, 64, wrong)
+    fractional = unisched.Strategy(seed_style, map_arrays=lambda b, s, d: (s * 0.9, s))
+    with pytest.raises(StrategyError, match=r"map_arrays returned compute workers of type float64"):
+        simulate(8, 16, 64, fractional)
+
+
 # ---------------------------------------------------------------------- results
 def test_result_reports_and_bounds():
     sim = simulate(4, 4, 8, gpipe)

@@ -265,25 +265,19 @@ def build(
 
 # ---------------------------------------------------------------------- mapping
 def _map(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.ndarray, np.ndarray]:
-    """Call the strategy once per item (or once on arrays) and check what it says."""
+    """Every item's compute and weight worker, checked.
+
+    The strategy's ``map_arrays`` if it has one, else its mapping called once
+    on arrays (:func:`_map_on_arrays`) where that gives what per-item calls
+    give, else its mapping called per item.  ``map_arrays`` must agree with
+    the mapping: they are compared on a sample of items."""
     W = shape.num_workers
     if strategy.map_arrays is not None:
-        compute, weight = (np.asarray(a, dtype=np.int64) for a in strategy.map_arrays(batch, stage, direction))
+        compute, weight = _as_workers(strategy.map_arrays(batch, stage, direction), len(batch), strategy, "map_arrays")
+        _agrees_with_mapping(strategy, compute, weight, batch, stage, direction, W, given=True)
     else:
-        compute = np.empty(len(batch), dtype=np.int64)
-        weight = np.empty(len(batch), dtype=np.int64)
-        mapping = strategy.mapping
-        for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
-            work = Work(b, s, Direction(d))
-            try:
-                result = mapping(work)
-                c, w = result
-            except Exception as error:
-                raise StrategyError(
-                    f"strategy {strategy.name!r} failed on {work!r}: {type(error).__name__}: {error}"
-                ) from error
-            compute[i] = _worker_id(c, work, "compute", strategy, W)
-            weight[i] = _worker_id(w, work, "weight", strategy, W)
+        found = _map_on_arrays(strategy, batch, stage, direction, W)
+        compute, weight = found if found is not None else _map_per_item(strategy, batch, stage, direction, W)
     bad = np.flatnonzero((compute < 0) | (compute >= W) | (weight < 0) | (weight >= W))
     if len(bad):
         i = int(bad[0])
@@ -292,6 +286,80 @@ def _map(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.
             f"strategy {strategy.name!r} maps {work!r} to compute worker {compute[i]} and weight worker "
             f"{weight[i]}, but workers are numbered 0..{W - 1}; give the strategy the shape it is simulated with"
         )
+    return compute, weight
+
+
+SAMPLE = 256
+"""Items on which a mapping evaluated on arrays is checked against per-item calls."""
+
+
+def _map_on_arrays(strategy: Strategy, batch, stage, direction, num_workers: int):
+    """The mapping called once with a Work whose fields are whole arrays (a
+    function such as ``lambda w: (w.stage % 4, w.stage % 4)`` computes every
+    item at once), or None where that fails, gives no integers, or disagrees
+    with per-item calls on a sample: a function that branches on its
+    argument then runs per item, with the same result either way."""
+    if len(batch) <= 2 * SAMPLE:
+        return None  # checking the sample would cost as much as calling it per item
+    try:
+        with np.errstate(all="ignore"):
+            result = strategy.mapping(Work(batch, stage, direction))
+        compute, weight = _as_workers(result, len(batch), strategy, "mapping")
+    except Exception:
+        return None
+    if not _agrees_with_mapping(strategy, compute, weight, batch, stage, direction, num_workers, given=False):
+        return None
+    return compute, weight
+
+
+def _as_workers(result, n: int, strategy: Strategy, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """(compute, weight) arrays of integers from what ``source`` returned."""
+    compute, weight = result
+    arrays = []
+    for role, value in (("compute", compute), ("weight", weight)):
+        value = np.asarray(value)
+        if value.dtype == bool or not np.issubdtype(value.dtype, np.integer):
+            raise StrategyError(
+                f"strategy {strategy.name!r}: {source} returned {role} workers of type {value.dtype}; "
+                f"it must return integers"
+            )
+        arrays.append(np.broadcast_to(value, (n,)).astype(np.int64))
+    return arrays[0], arrays[1]
+
+
+def _agrees_with_mapping(strategy, compute, weight, batch, stage, direction, num_workers: int, given: bool) -> bool:
+    """Whether per-item calls of the mapping give the same workers on a
+    fixed sample of items (the first, the last and random ones).  With
+    ``given`` (the strategy's own ``map_arrays``) a difference is an error."""
+    n = len(batch)
+    rng = np.random.default_rng(0)
+    sample = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, size=min(SAMPLE, n))])) if n else np.zeros(0, int)
+    expected = _map_per_item(strategy, batch[sample], stage[sample], direction[sample], num_workers)
+    differ = np.flatnonzero((expected[0] != compute[sample]) | (expected[1] != weight[sample]))
+    if len(differ) and given:
+        i = int(sample[differ[0]])
+        work = Work(int(batch[i]), int(stage[i]), Direction(int(direction[i])))
+        raise StrategyError(
+            f"strategy {strategy.name!r}: map_arrays gives {work!r} workers ({compute[i]}, {weight[i]}) but its "
+            f"mapping gives ({expected[0][differ[0]]}, {expected[1][differ[0]]}); make the two agree"
+        )
+    return not len(differ)
+
+
+def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
+    compute = np.empty(len(batch), dtype=np.int64)
+    weight = np.empty(len(batch), dtype=np.int64)
+    mapping = strategy.mapping
+    for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
+        work = Work(b, s, Direction(d))
+        try:
+            c, w = mapping(work)
+        except Exception as error:
+            raise StrategyError(
+                f"strategy {strategy.name!r} failed on {work!r}: {type(error).__name__}: {error}"
+            ) from error
+        compute[i] = _worker_id(c, work, "compute", strategy, num_workers)
+        weight[i] = _worker_id(w, work, "weight", strategy, num_workers)
     return compute, weight
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import statistics
 import time
 import warnings
 from collections import OrderedDict
@@ -132,12 +131,12 @@ def split_model(
     blocks: str | None = None,
     split_spec: dict | None = None,
     tied: str | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> ModelStages:
     """Split ``model`` into ``num_stages`` pipeline stages, balanced by ``balance``.
 
     ``balance``: "parameters" (default), "uniform", "time" (each block's
-    forward and backward measured on ``example``, the median of ``repeats``
+    forward and backward measured on ``example``, the fastest of ``repeats``
     runs after a warm-up), or one weight per block.  ``example``: one
     micro-batch of input, needed to time blocks and to trace a model that is
     neither an ``nn.Sequential`` nor a GPT-2.  ``blocks``: the dotted name of
@@ -560,7 +559,7 @@ def _count(*modules: nn.Module) -> float:
 
 def _time_chain(stages: Sequence[nn.Module], example, repeats: int) -> list[float]:
     """Forward + backward seconds of each one-block stage, chained on ``example``
-    (the median of ``repeats`` runs after one warm-up); no ``.grad`` is touched."""
+    (the fastest of ``repeats`` runs after one warm-up); no ``.grad`` is touched."""
     x = example[0] if isinstance(example, tuple) else example
     times = []
     for stage in stages:
@@ -593,8 +592,9 @@ def _time_blocks(model: nn.Module, blocks: Sequence[nn.Module], args: tuple, rep
 
 
 def _time_call(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> float:
-    """The median seconds of ``module``'s forward and backward (gradients of
-    its parameters and floating inputs, taken without touching ``.grad``)."""
+    """The fastest of ``repeats`` forward and backward passes of ``module``
+    (gradients of its parameters and floating inputs, taken without touching
+    ``.grad``), in seconds: the least disturbed by other work on the machine."""
     params = [p for p in module.parameters() if p.requires_grad]
     spent = []
     for attempt in range(max(1, int(repeats)) + 1):
@@ -606,7 +606,7 @@ def _time_call(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> fl
             torch.autograd.grad(out, params + leaves, torch.ones_like(out), allow_unused=True)
         if attempt:
             spent.append(time.perf_counter() - start)
-    return statistics.median(spent)
+    return min(spent)
 
 
 def _detach(value):

@@ -1,0 +1,207 @@
+"""Train a Hugging Face GPT-2, split into pipeline stages by unisched.split_model, under any strategy or plan.
+
+    torchrun --nproc-per-node 4 examples/gpt2.py --strategy one_f_one_b --check
+    torchrun --nproc-per-node 4 examples/gpt2.py --strategy interleaved --layers 16
+    torchrun --nproc-per-node 4 examples/gpt2.py --strategy cuckoo --balance time --timeline step.html
+    torchrun --nproc-per-node 4 examples/gpt2.py --plan plan.json      # from `unisched plan --out plan.json`
+
+The model is built in code from a GPT2Config (random weights, nothing is
+downloaded; dropout off, so that a backward recomputed on another rank sees
+the same forward) and learns counting sequences of tokens.  The heart of it::
+
+    model = GPT2LMHeadModel(config)
+    stages = unisched.split_model(model, S, tied="untie")   # wte+wpe | blocks | ln_f+lm_head
+    trainer = unisched.Trainer(stages, schedule, loss_fn, lambda p: torch.optim.AdamW(p, lr=3e-3))
+    del model, stages                                       # each rank keeps only its own stages
+    loss = trainer.step(token_ids, next_tokens)
+
+GPT-2 ties lm_head to wte; on different stages the two cannot stay one
+tensor, so the last stage trains its own copy (``tied="untie"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from unisched.execute.example import check_training_arguments, make_schedule, positive_int
+
+DEFAULT_STRATEGY = "gpipe"
+
+
+def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
+    """The same tiny GPT-2 on every call (seed 0)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=args.vocab, n_positions=args.positions, n_embd=args.width, n_layer=layers, n_head=args.heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation=args.attention,
+    )
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def data(args: argparse.Namespace, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (rows, positions) and the next token of each: counting with a stride, two batches in turn."""
+    g = torch.Generator().manual_seed(1000 + step % 2)
+    start = torch.randint(0, args.vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    tokens = (start + stride * torch.arange(args.positions + 1)) % args.vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def split(args: argparse.Namespace, S: int, layers: int):
+    """The stages of a fresh model.  Measured block times differ between
+    ranks, so with ``--balance time`` rank 0 measures and the others take its
+    weights: every rank must cut the model the same way."""
+    import torch.distributed as dist
+
+    import unisched
+
+    balance = args.balance
+    if balance == "time":
+        weights: list = [None]
+        if dist.get_rank() == 0:
+            example = data(args, 0, args.rows_per_batch)[0]
+            weights = [unisched.split_model(gpt2(args, layers), S, balance="time", example=example, tied="untie").weights]
+        dist.broadcast_object_list(weights, src=0)
+        balance = weights[0]
+    return unisched.split_model(gpt2(args, layers), S, balance=balance, tied="untie")
+
+
+def make_optimizer(args: argparse.Namespace):
+    """The optimizer factory ``params -> Optimizer`` the Trainer calls on each rank."""
+    if args.optimizer == "sgd":
+        lr = 0.1 if args.lr is None else args.lr
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    lr = 3e-3 if args.lr is None else args.lr
+    return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", help=f"a registered strategy (default {DEFAULT_STRATEGY}; unisched strategies lists them)")
+    p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
+    p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
+    p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
+    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
+    p.add_argument("--layers", type=positive_int, help="transformer blocks, at least one per stage (default 2 per stage)")
+    p.add_argument("--width", type=positive_int, default=64, help="n_embd (default 64)")
+    p.add_argument("--heads", type=positive_int, default=4, help="n_head (default 4)")
+    p.add_argument("--vocab", type=positive_int, default=128, help="vocabulary size (default 128)")
+    p.add_argument("--positions", type=positive_int, default=32, help="tokens per row (default 32)")
+    p.add_argument("--attention", choices=("eager", "sdpa"), default="sdpa", help="attn_implementation (default sdpa)")
+    p.add_argument("--balance", choices=("parameters", "uniform", "time"), default="parameters",
+                   help="how split_model weighs blocks (default parameters)")
+    p.add_argument("--rows-per-batch", type=positive_int, default=4, help="rows per micro-batch (default 4)")
+    p.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="adamw (default) or sgd with momentum 0.9")
+    p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait or step may take (default 300)")
+    p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
+    p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
+    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    import torch.distributed as dist
+
+    import unisched
+    from unisched.execute.runtime import ensure_process_group
+
+    try:
+        check_training_arguments(args)
+    except unisched.UniSchedError as error:
+        p.error(str(error))
+    trainer = None
+    try:
+        if not dist.is_initialized():
+            ensure_process_group(args.timeout)
+        schedule, S, B = make_schedule(args, dist.get_world_size())
+        layers = args.layers or 2 * S
+        stages = split(args, S, layers)
+        described, weights = repr(stages), stages.weights
+        optimizer = make_optimizer(args)
+        trainer = unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout)
+        del stages  # the Trainer holds this rank's stages; the others' weights are freed
+        rows = B * args.rows_per_batch
+        losses, seconds = [], []
+        for step in range(args.steps):
+            x, y = data(args, step, rows)
+            start = time.perf_counter()
+            losses.append(trainer.step(x, y))
+            seconds.append(time.perf_counter() - start)
+            if trainer.rank == 0 and not args.json:
+                print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.1f} ms", flush=True)
+        report = {
+            "strategy": getattr(schedule.strategy, "name", args.strategy) if not args.plan else f"plan {args.plan}",
+            "shape": [trainer.world_size, S, B],
+            "split": described,
+            "layers": layers,
+            "losses": losses,
+            "step_ms_median": 1e3 * sorted(seconds)[len(seconds) // 2],
+        }
+        if args.check:
+            state = trainer.gather_state_dict()
+            if trainer.rank == 0:
+                report["max_difference_vs_one_process"] = check(args, state, S, B, layers, weights, optimizer)
+        if trainer.rank == 0 and args.timeline:
+            trainer.last_timeline.save(args.timeline)
+            report["timeline"] = args.timeline
+        if trainer.rank == 0:
+            show(args, report)
+        dist.barrier()
+        return 0
+    except unisched.UniSchedError as error:
+        print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+            del trainer
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check(args, state: dict, S: int, B: int, layers: int, weights: list[float], optimizer) -> float:
+    """Largest |difference| between the trained weights and one process
+    training the same split (the same block weights) on the whole batch."""
+    import unisched
+    from unisched.execute import train_one_process
+
+    stages = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
+    batches = (data(args, step, B * args.rows_per_batch) for step in range(args.steps))
+    _, reference = train_one_process(stages, next_token_loss, optimizer, batches)
+    return max(float((state[k] - reference[k]).abs().max()) for k in reference)
+
+
+def show(args, report: dict) -> None:
+    if args.json:
+        print(json.dumps(report))
+        return
+    W, S, B = report["shape"]
+    print(f"{report['strategy']} on {W} ranks, {S} stages, {B} micro-batches: GPT-2 of {report['layers']} blocks, "
+          f"{report['split']}")
+    print(f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, median step {report['step_ms_median']:.1f} ms")
+    if "max_difference_vs_one_process" in report:
+        print(f"largest difference from one process: {report['max_difference_vs_one_process']:.2e}")
+    if "timeline" in report:
+        print(f"measured timeline saved to {report['timeline']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

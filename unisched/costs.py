@@ -271,11 +271,28 @@ def _check_per_stage(name: str, value) -> None:
 
 def _check_link(where: str, latency, bandwidth) -> None:
     """A latency is a finite time >= 0; a bandwidth a number > 0 (infinity: free)."""
-    if not _is(latency, "number") or not (math.isfinite(latency) and latency >= 0):
+    if not _is(latency, "number") or not (_is_finite(latency) and latency >= 0):
         raise ShapeError(f"{where}latency must be a finite number >= 0 (seconds), got {latency!r}")
-    if not _is(bandwidth, "number") or not bandwidth > 0:
+    if not _is(bandwidth, "number") or not bandwidth > 0 or not _is_float(bandwidth):  # NaN is not > 0
         raise ShapeError(f"{where}bandwidth must be a number > 0 (bytes per second; null or inf: free), "
                          f"got {bandwidth!r}")
+
+
+def _is_finite(value) -> bool:
+    """math.isfinite, for integers beyond float range too (they are not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_float(value) -> bool:
+    """Whether a number fits a float (an integer of 400 digits does not)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _pair(pair) -> tuple[int, int]:

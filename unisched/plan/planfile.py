@@ -285,7 +285,7 @@ def _number(data: Mapping, key: str, source: str, optional: bool = False, where:
     value = data.get(key)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e300 < value < 1e300:
         name = f"{where}.{key}" if where else key
         raise PlanFileError(f"{source} is malformed: {name!r} must be a finite number, got {value!r}")
     return float(value)
@@ -309,8 +309,9 @@ def _rows(data: Mapping, key: str, text_fields: Sequence[str], source: str, numb
                                     f"got {row!r:.80}")
         for name in numbers:
             value = row.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise PlanFileError(f"{source} is malformed: {key}[].{name} must be a number, got {value!r:.80}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not -1e300 < value < 1e300):
+                raise PlanFileError(f"{source} is malformed: {key}[].{name} must be a finite number, got {value!r:.80}")
     return [dict(row) for row in rows]
 
 

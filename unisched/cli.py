@@ -213,7 +213,7 @@ def cmd_strategies(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    if not args.strategy:
+    if args.strategy is None:
         if args.param:
             raise UniSchedError("--param needs --strategy: it sets a parameter of the strategy simulated")
         return _demo(args)
@@ -350,23 +350,25 @@ def _demo(args) -> int:
     if not args.json:
         print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
               f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
-    candidates = []
+    candidates, skipped = [], []
     for name in DEMO_STRATEGIES:
         if name not in policies.names():
             continue
         try:
             sim = _simulate(args, name, {})
         except UniSchedError as error:
-            print(f"{name}: {str(error).splitlines()[0]}\n")
+            skipped.append((name, str(error).splitlines()[0]))
+            if not args.json:
+                print(f"{name}: {skipped[-1][1]}\n")
             continue
         candidates.append((name, {}))
         if not args.json:
             print(f"── {name}: {sim.strategy.description}")
             print(sim.to_text(width=args.width, color=False if args.no_color else None))
             print()
-    rows, skipped = _compare(args, candidates)
+    rows, _ = _compare(args, candidates)
     if args.json:
-        print(_dumps({"shape": list(shape), "results": rows}))
+        print(_dumps({"shape": list(shape), "results": rows, "skipped": skipped}))
         return 0
     print(_table(rows, COMPARE_COLUMNS))
     print("\nTry: unisched simulate --strategy gpipe --out gpipe.png   |   unisched compare   |   unisched plan")

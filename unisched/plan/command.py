@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         for i, value in enumerate((args.workers, args.stages, args.batches))
     )
     Shape(W, S, B).check()
-    memory_limit = DEFAULT_MEMORY_LIMIT if demo else _memory_limit(args.memory_limit, W)
+    memory_limit = DEFAULT_MEMORY_LIMIT if demo else _memory_limit(args.memory_limit, W, quiet=args.json)
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
@@ -119,10 +119,11 @@ def _strategy(text: str | None, params: list[str]) -> str | None:
     return label_of(name, {**inline, **given})
 
 
-def _memory_limit(text: str | None, num_workers: int) -> float | None:
+def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | None:
     """One number, or one per worker separated by commas.  The planner's
     models take one limit for every worker: a list plans under its least
-    value, which every worker's own limit allows."""
+    value, which every worker's own limit allows (a note on stderr says so,
+    and ``--json`` output gives the limit used)."""
     if text is None:
         return None
     try:
@@ -133,7 +134,7 @@ def _memory_limit(text: str | None, num_workers: int) -> float | None:
         raise PlanInputError(f"--memory-limit must be non-negative numbers, got {text!r}")
     if len(values) > 1 and len(values) != num_workers:
         raise PlanInputError(f"--memory-limit gives {len(values)} limits but there are {num_workers} workers")
-    if len(set(values)) > 1:
+    if len(set(values)) > 1 and not quiet:
         print(f"note: the planner plans under one memory limit for every worker: {min(values):g}, the least of "
               f"{text}", file=sys.stderr)
     return min(values)

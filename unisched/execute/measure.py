@@ -80,12 +80,15 @@ class RankNotes:
 
 
 def assemble(program, notes: Sequence[RankNotes], activation_bytes, output_bytes, weight_bytes, offsets=None,
-             label="") -> Timeline:
+             label="", gradient_bytes=None) -> Timeline:
     """One measured Timeline from every rank's notes, times from the earliest step start.
 
     ``activation_bytes[s]``: stage s's inputs for one micro-batch;
     ``output_bytes[s]``: its output, the size of every message that carries
-    that output, a stash of it, or its gradient."""
+    that output or a stash of it; ``gradient_bytes[s]``: the size of a
+    message with its gradient, which carries only the output's tensors that
+    need one (all of it when not given)."""
+    gradient_bytes = output_bytes if gradient_bytes is None else gradient_bytes
     offsets = offsets or [0.0] * len(notes)
     origin = min(n.begin - offsets[n.rank] for n in notes)
 
@@ -107,7 +110,8 @@ def assemble(program, notes: Sequence[RankNotes], activation_bytes, output_bytes
             start = sent.get(index, at(n.rank, wait_start))
             end = max(at(n.rank, wait_end), start)
             transfers.append(
-                TransferRecord(msg.kind, msg.src, msg.dst, start, end, _message_bytes(msg, output_bytes, weight_bytes), _served_work(program, msg))
+                TransferRecord(msg.kind, msg.src, msg.dst, start, end,
+                               _message_bytes(msg, output_bytes, gradient_bytes, weight_bytes), _served_work(program, msg))
             )
         for group, nbytes, start, end in n.reduces:
             nxt = group[(group.index(n.rank) + 1) % len(group)]
@@ -125,10 +129,10 @@ def assemble(program, notes: Sequence[RankNotes], activation_bytes, output_bytes
     )
 
 
-def _message_bytes(msg, output_bytes, weight_bytes) -> float:
+def _message_bytes(msg, output_bytes, gradient_bytes, weight_bytes) -> float:
     if msg.letter in "wr":
         return float(weight_bytes[msg.stage])
-    return float(output_bytes[value_stage(msg.key)])
+    return float((gradient_bytes if msg.key[0] == "g" else output_bytes)[value_stage(msg.key)])
 
 
 def _served_work(program, msg) -> Work | None:

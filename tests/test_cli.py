@@ -193,7 +193,10 @@ def test_piped_into_a_reader_that_closes():
     ],
 )
 def test_errors_under_json_are_one_json_object_on_stderr(capsys, argv, words, kind):
-    code, out, err = run(capsys, *argv, "--json")
+    try:
+        code, out, err = run(capsys, *argv, "--json")
+    except SystemExit as exit:  # argparse's complaints exit as argparse does
+        code, (out, err) = exit.code, capsys.readouterr()
     error = json.loads(err)
     assert code == 2 and out == ""
     assert words in error["error"] and error["type"] == kind and error["details"] == []

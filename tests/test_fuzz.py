@@ -216,7 +216,7 @@ def test_command_lines_end_in_a_result_or_a_clear_error(costs_files, data):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
-        except SystemExit as exit:  # argparse's --help only
+        except SystemExit as exit:  # argparse's complaints exit (status 2) as argparse does
             code = exit.code
     out, err = out.getvalue(), err.getvalue()
     event(f"{argv[0]} exit {code}")

@@ -56,10 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
         _silence_stdout()
         return 0
-    except CommandLineError as error:
+    except CommandLineError as error:  # exits as argparse does
         if not as_json:
             print(error.usage.rstrip(), file=sys.stderr)
-        return _fail(str(error), as_json, type(error).__name__, prefix=f"{error.prog}: ")
+        raise SystemExit(_fail(str(error), as_json, type(error).__name__, prefix=f"{error.prog}: ")) from None
     except (UniSchedError, ValueError, OSError) as error:
         return _fail(str(error), as_json, type(error).__name__)
 

@@ -114,7 +114,7 @@ class Trainer:
         self,
         stages: Sequence[nn.Module],
         schedule: Any,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
         optimizer: Callable[[list], torch.optim.Optimizer],
         *,
         timeout: float = DEFAULT_TIMEOUT,
@@ -259,7 +259,7 @@ class Trainer:
         self._release_weights()
         return out
 
-    def calibrate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int = 3, **options):
+    def calibrate(self, inputs: Any, targets: Any, steps: int = 3, **options):
         """Run ``steps`` profiling steps (they train) and fit Costs to all but
         the first (a warm-up), so ``steps`` must be at least 2; same Costs on every rank."""
         from unisched.execute.measure import calibrate_costs

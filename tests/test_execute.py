@@ -4,6 +4,8 @@ that must match one process to 1e-5 under every strategy."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -438,8 +440,20 @@ def test_example_trains_reports_prediction_and_matches_one_process():
     assert report["shape"] == [2, 2, 4] and len(report["losses"]) == 4
     assert report["losses"][-1] < report["losses"][0]
     assert report["max_difference_vs_one_process"] < 1e-5
+    assert report["check"] == {"max_difference": report["max_difference_vs_one_process"], "tolerance": 1e-5,
+                               "passed": True}
     assert report["predicted_ms"] > 0 and report["measured_ms"] > 0
     assert results[1].value[1] == ""
+
+
+def test_example_check_fails_beyond_its_tolerance():
+    argv = ["--strategy", "gpipe", "--steps", "2", "--lr", "0.5", "--check", "--tolerance", "1e-300", "--json"]
+    results = run_local(_example_run, 2, argv, timeout=120)
+    import json
+
+    report = json.loads(results[0].value[1])
+    assert report["check"]["max_difference"] > 1e-300, "one process adds in another order: never bit-identical here"
+    assert not report["check"]["passed"] and results[0].value[0] == 1
 
 
 def test_unisched_run_prints_programs_and_the_torchrun_command(capsys):
@@ -505,8 +519,54 @@ def test_run_local_leaves_no_worker_behind_when_collecting_fails(monkeypatch):
     assert time.monotonic() - start < 20
 
 
+def test_unisched_run_help_answers_without_loading_torch():
+    code = "import sys\nfrom unisched.cli import main\ntry:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass\n" \
+           "print('torch' in sys.modules, file=sys.stderr)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "--workers" in done.stdout and "--model-width" in done.stdout and "--tolerance" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--timeline", "step.jpg"], "--timeline step.jpg: the measured step is saved as"),
+    (["--strategy", "looped(group_size=3)"], "cannot form groups of group_size=3"),
+    (["--strategy", "nope"], "unknown strategy 'nope'"),
+])
+def test_unisched_run_refuses_before_launching(capsys, monkeypatch, argv, expected):
+    from unisched.cli import main
+    from unisched.execute import command
+
+    monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))
+    assert main(["run", "-W", "2", *argv]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_unisched_run_refuses_a_plan_for_another_world_size_before_launching(capsys, monkeypatch, tmp_path):
+    from unisched.cli import main
+    from unisched.execute import command
+    from unisched.plan import plan
+
+    path = tmp_path / "plan.json"
+    plan(4, 4, 4, time_limit=2).save(path)
+    monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))
+    assert main(["run", "-W", "2", "--plan", str(path)]) == 2
+    assert "4 workers" in capsys.readouterr().err
+
+
+def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
+    from unisched.execute.command import _launch
+
+    failing = [sys.executable, "-c", "import sys; print('Traceback ...\\nrank 1: error: boom; do this', file=sys.stderr); "
+               "sys.exit(1)"]
+    assert _launch(failing) == 2
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith("rank 1: error: boom; do this (the whole log is in ")
+    log = printed[0].rsplit(" ", 1)[-1].rstrip(")")
+    assert "Traceback" in open(log).read()
+
+
 @pytest.mark.parametrize("argv,flag", [
-    (["--steps", "0"], "--steps"), (["--rows-per-batch", "-1"], "--rows-per-batch"), (["--width", "x"], "--width"),
+    (["--steps", "0"], "--steps"), (["--rows-per-batch", "-1"], "--rows-per-batch"), (["--model-width", "x"], "--model-width"),
     (["-S", "0"], "--stages"), (["-B", "0"], "--batches"), (["--nproc", "0"], "--nproc"),
 ])
 def test_unisched_run_refuses_counts_below_one(capsys, argv, flag):
@@ -537,9 +597,9 @@ def test_unisched_run_on_several_nodes_passes_the_endpoint(capsys):
     from unisched.cli import main
 
     assert main(["run", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29400",
-                 "--param", "k-x = 1", "--dry-run"]) == 0
+                 "--strategy", "looped", "--param", "group-size = 2", "--dry-run"]) == 0
     command = capsys.readouterr().out
-    assert "--rdzv-endpoint h:29400 --node-rank 1" in command and "--strategy gpipe" in command
+    assert "--rdzv-endpoint h:29400 --node-rank 1" in command and "--strategy looped" in command
 
 
 def test_example_saves_the_timeline_from_short_runs(tmp_path):

@@ -7,12 +7,40 @@ and record what ran when as a measured Timeline.
     state = trainer.gather_state_dict()
 """
 
-from unisched.execute.faults import CommunicationError, ExecutionError, NonFiniteLossError
-from unisched.execute.measure import calibrate_costs, predict
-from unisched.execute.program import Action, Message, Program, ProgramError, compile_program, parse_action
-from unisched.execute.reference import train_one_process
-from unisched.execute.runtime import Trainer, build_stages
-from unisched.execute.split import ModelStages, SplitError, split_model
+from __future__ import annotations
+
+import importlib
+
+# What each public name is imported from, on first use: importing this
+# package (``unisched run --help`` does) must not load torch.
+_WHERE = {
+    "CommunicationError": "faults",
+    "ExecutionError": "faults",
+    "NonFiniteLossError": "faults",
+    "calibrate_costs": "measure",
+    "predict": "measure",
+    "Action": "program",
+    "Message": "program",
+    "Program": "program",
+    "ProgramError": "program",
+    "compile_program": "program",
+    "parse_action": "program",
+    "train_one_process": "reference",
+    "Trainer": "runtime",
+    "build_stages": "runtime",
+    "ModelStages": "split",
+    "SplitError": "split",
+    "split_model": "split",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'unisched.execute' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"unisched.execute.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Action",

@@ -1,25 +1,32 @@
 """``unisched run``: train under a strategy or a plan file for real, through torchrun.
 
-    unisched run --nproc 4 --strategy gpipe --check
-    unisched run --nproc 4 --plan plan.json --model transformer --timeline step.html
-    unisched run --nproc 4 --strategy zb_h1 --program       # print the compiled programs, start nothing
-    unisched run --nproc 4 --strategy looped --dry-run      # print the torchrun command
+    unisched run -W 4 --strategy gpipe --check
+    unisched run -W 4 --plan plan.json --model transformer --timeline step.html
+    unisched run -W 4 --strategy "looped(group_size=2)" --program   # print the compiled programs, start nothing
+    unisched run -W 4 --strategy looped --dry-run                   # print the torchrun command
 
-It launches ``torchrun ... -m unisched.execute.example`` (the same program as
+It checks everything it can before it starts a process (the options, the
+strategy on this shape, a plan file against the number of processes), then
+launches ``torchrun ... -m unisched.execute.example`` (the same program as
 ``examples/train.py``); several nodes take ``--nnodes``, ``--node-rank``
-and ``--rdzv-endpoint`` exactly as torchrun does.
+and ``--rdzv-endpoint`` exactly as torchrun does.  A rank's error is
+printed as one line and the run exits with status 2 (the whole log is kept
+in a file the message names); a ``--check`` beyond its tolerance exits
+with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 from unisched.errors import UniSchedError
-from unisched.execute.example import add_training_arguments, check_training_arguments, positive_int
+from unisched.execute.arguments import add_training_arguments, check_training_arguments, make_schedule, positive_int
 
 DEFAULT_NPROC = 4
 
@@ -31,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step against the simulator's prediction, and (with --check) the difference from one process."
     )
     launch = parser.add_argument_group("launch")
-    launch.add_argument("--nproc", "-n", type=positive_int, help=f"processes per node (default: the plan's workers, else {DEFAULT_NPROC})")
+    launch.add_argument("--workers", "-W", "--nproc", "-n", dest="nproc", type=positive_int,
+                        help=f"processes (workers) per node (default: the plan's workers, else {DEFAULT_NPROC})")
     launch.add_argument("--nnodes", default="1", help="nodes, as torchrun takes it (default 1)")
     launch.add_argument("--node-rank", type=int, help="this node's rank (several nodes)")
     launch.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (several nodes)")
@@ -46,10 +54,34 @@ def run(args: argparse.Namespace) -> int:
     if args.program:
         return _print_program(args, workers)
     command = torchrun_command(args, workers)
+    world = _world_size(args, workers)
+    if world is not None:
+        make_schedule(args, world)  # refuses a strategy that does not fit, or a plan for another world size
     if args.dry_run:
         print(shlex.join(command))
         return 0
-    return subprocess.call(command)
+    return _launch(command)
+
+
+RANK_ERROR = re.compile(r"^rank \S+: error: .*$", re.MULTILINE)
+
+
+def _launch(command: list[str]) -> int:
+    """Run torchrun; the ranks' output passes through.  On a failure the
+    first rank's error is printed as one line and the whole log is kept."""
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if done.returncode == 0:
+        sys.stderr.write(done.stderr)
+        return 0
+    with tempfile.NamedTemporaryFile("w", prefix="unisched-run-", suffix=".log", delete=False) as log:
+        log.write(done.stderr)
+    found = RANK_ERROR.search(done.stderr)
+    if found is None:
+        print(f"unisched run: training failed (exit status {done.returncode}); the whole log is in {log.name}",
+              file=sys.stderr)
+        return done.returncode
+    print(f"{found.group(0)} (the whole log is in {log.name})", file=sys.stderr)
+    return 2
 
 
 def torchrun_command(args: argparse.Namespace, workers: int) -> list[str]:
@@ -77,8 +109,9 @@ def training_arguments(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--stages", args.stages), ("--batches", args.batches), ("--timeline", args.timeline)):
         if value is not None:
             out += [flag, str(value)]
-    out += ["--model", args.model, "--rows-per-batch", str(args.rows_per_batch), "--width", str(args.width), "--steps", str(args.steps),
-            "--lr", str(args.lr), "--timeout", str(args.timeout)]
+    out += ["--model", args.model, "--rows-per-batch", str(args.rows_per_batch), "--model-width", str(args.model_width),
+            "--steps", str(args.steps), "--lr", str(args.lr), "--timeout", str(args.timeout),
+            "--tolerance", str(args.tolerance)]
     out += [flag for flag, on in (("--check", args.check), ("--json", args.json)) if on]
     return out
 
@@ -93,8 +126,13 @@ def _workers(args: argparse.Namespace) -> int:
     return DEFAULT_NPROC
 
 
+def _world_size(args: argparse.Namespace, workers: int) -> int | None:
+    """How many ranks the run has, when ``--nnodes`` says it (not a range)."""
+    nnodes = str(args.nnodes).strip()
+    return workers * int(nnodes) if nnodes.isdigit() else None
+
+
 def _print_program(args: argparse.Namespace, workers: int) -> int:
-    from unisched.execute.example import make_schedule
     from unisched.execute.program import compile_program, describe
 
     schedule, S, B = make_schedule(args, workers)

@@ -26,8 +26,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-MODELS = ("mlp", "transformer")
-DEFAULT_STRATEGY = "gpipe"
+from unisched.execute.arguments import (
+    DEFAULT_STRATEGY,
+    add_training_arguments,
+    check_training_arguments,
+    make_schedule,
+    positive_int,
+)
 
 
 # ---------------------------------------------------------------------- models
@@ -93,105 +98,10 @@ def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
 
 
 # ---------------------------------------------------------------------- schedules
-def pick_shape(name: str, workers: int, stages: int | None, batches: int | None, params: dict) -> tuple[int, int]:
-    """(S, B) for strategy ``name`` on ``workers``: the given values, else the
-    first of a few natural choices that the strategy's constraints accept."""
-    from unisched import policies
-    from unisched.work import Shape
-
-    stage_options = [stages] if stages is not None else [workers, 2 * workers, max(1, workers // 2)]
-    batch_options = [batches] if batches is not None else [2 * workers, workers, 4 * workers]
-    for S in stage_options:
-        for B in batch_options:
-            if policies.fits(name, Shape(workers, S, B), params):
-                return S, B
-    return stage_options[0], batch_options[0]
-
-
-def make_schedule(args, workers: int):
-    """The Simulation (or plan) every rank runs, and its (S, B)."""
-    import unisched
-    from unisched import policies
-
-    if args.plan:
-        plan = unisched.load_plan(args.plan)
-        if plan.shape.num_workers != workers:
-            raise unisched.ShapeError(
-                f"plan {args.plan} is for {plan.shape.num_workers} workers; launch that many processes, not {workers}"
-            )
-        return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
-    params = parse_params(args.param)
-    name = args.strategy or DEFAULT_STRATEGY
-    S, B = pick_shape(name, workers, args.stages, args.batches, params)
-    strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
-    return unisched.simulate(workers, S, B, strategy), S, B
-
-
-def parse_params(items: Sequence[str]) -> dict[str, str]:
-    """``["K=V", ...]`` -> ``{"K": "V"}``; an item without ``=`` or a key is an error that names it."""
-    import unisched
-
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise unisched.UniSchedError(f"--param takes K=V, got {item!r}")
-        params[key.strip().replace("-", "_")] = value.strip()
-    return params
-
-
-# ---------------------------------------------------------------------- main
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
-    return value
-
-
-def check_training_arguments(args: argparse.Namespace) -> None:
-    """Refuse options that contradict each other, then fill in the default
-    strategy.  A plan file fixes the strategy, its parameters and the
-    shape, so ``--plan`` excludes ``--strategy``, ``--param``, ``-S`` and ``-B``."""
-    import unisched
-
-    if args.plan:
-        given = [flag for flag, value in (("--strategy", args.strategy), ("--param", args.param or None),
-                                          ("--stages", args.stages), ("--batches", args.batches)) if value is not None]
-        if given:
-            raise unisched.UniSchedError(
-                f"--plan fixes the strategy, its parameters and the shape; drop {', '.join(given)} or drop --plan"
-            )
-    else:
-        if args.strategy is None:
-            args.strategy = DEFAULT_STRATEGY
-        parse_params(args.param)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_arguments(p)
     return p
-
-
-def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", help=f"a registered strategy (default {DEFAULT_STRATEGY}; unisched strategies lists them)")
-    p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
-    p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
-    p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
-    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
-    p.add_argument("--rows-per-batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
-    p.add_argument("--width", type=positive_int, default=64, help="model width (default 64; the transformer uses 32)")
-    p.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
-    p.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (default 0.2)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait or step may take (default 120)")
-    p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
-    p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
-    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -215,17 +125,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             ensure_process_group(args.timeout)
         workers = dist.get_world_size()
         schedule, S, B = make_schedule(args, workers)
-        stages, loss_fn, data = build(args.model, S, args.width)
+        stages, loss_fn, data = build(args.model, S, args.model_width)
         trainer = Trainer(stages, schedule, loss_fn, lambda p: torch.optim.SGD(p, lr=args.lr), timeout=args.timeout)
         report = _train(args, trainer, schedule, data, B)
         if args.check:
             state = trainer.gather_state_dict()
             if trainer.rank == 0:
-                report["max_difference_vs_one_process"] = _check(args, state, S, B, data)
+                difference = _check(args, state, S, B, data)
+                report["max_difference_vs_one_process"] = difference
+                report["check"] = {"max_difference": difference, "tolerance": args.tolerance,
+                                   "passed": difference <= args.tolerance}
         if trainer.rank == 0:
             _print(args, report, schedule)
         dist.barrier()
-        return 0
+        return 0 if report.get("check", {}).get("passed", True) else 1
     except unisched.UniSchedError as error:
         print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
         return 2
@@ -274,7 +187,7 @@ def _check(args, state: dict, S: int, B: int, data) -> float:
     """Largest |difference| between the trained weights and one process doing the same on the whole batch."""
     from unisched.execute import train_one_process
 
-    stages, loss_fn, _ = build(args.model, S, args.width)
+    stages, loss_fn, _ = build(args.model, S, args.model_width)
     batches = (data(step, B * args.rows_per_batch) for step in range(args.steps))
     _, reference = train_one_process(stages, loss_fn, lambda params: torch.optim.SGD(params, lr=args.lr), batches)
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
@@ -290,8 +203,11 @@ def _print(args, report: dict, schedule) -> None:
     if "measured_ms" in report:
         print(f"measured step latency {report['measured_ms']:.1f} ms, simulator with calibrated costs "
               f"{report['predicted_ms']:.1f} ms (error {report['prediction_error']:.1%})")
-    if "max_difference_vs_one_process" in report:
-        print(f"largest difference from one process: {report['max_difference_vs_one_process']:.2e}")
+    if "check" in report:
+        check = report["check"]
+        verdict = "passed" if check["passed"] else "FAILED"
+        print(f"check {verdict}: largest difference from one process {check['max_difference']:.2e} "
+              f"(tolerance {check['tolerance']:g})")
     if "timeline" in report:
         print(f"measured timeline saved to {report['timeline']}")
     if not math.isfinite(report["losses"][-1]):

@@ -1,0 +1,143 @@
+"""The options of a training run and the schedule they name, shared by
+``unisched run`` (which checks them before it launches anything) and the
+program every rank runs (:mod:`unisched.execute.example`).  Nothing here
+imports torch, so ``unisched run --help`` and a refused option answer at once."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+MODELS = ("mlp", "transformer")
+DEFAULT_STRATEGY = "gpipe"
+TIMELINE_FORMATS = (".html", ".png", ".svg", ".json", ".txt")
+DEFAULT_TOLERANCE = 1e-5
+
+
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", help=f"a registered strategy, NAME or NAME(K=V, ...) (default {DEFAULT_STRATEGY}; "
+                                      "unisched strategies lists them)")
+    p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
+    p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
+    p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
+    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
+    p.add_argument("--rows-per-batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
+    p.add_argument("--model-width", type=positive_int, default=64,
+                   help="hidden width of the model (default 64; the transformer uses 32)")
+    p.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
+    p.add_argument("--lr", type=positive_float, default=0.2, help="SGD learning rate (default 0.2)")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds any wait or step may take (default 120)")
+    p.add_argument("--check", action="store_true",
+                   help="compare the trained weights with one process; fail (exit 1) beyond --tolerance")
+    p.add_argument("--tolerance", type=positive_float, default=DEFAULT_TOLERANCE,
+                   help=f"largest difference --check accepts (default {DEFAULT_TOLERANCE:g})")
+    p.add_argument("--timeline", metavar="FILE", help=f"save the last measured step ({', '.join(TIMELINE_FORMATS)})")
+    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    return value
+
+
+def check_training_arguments(args: argparse.Namespace) -> None:
+    """Refuse options that contradict each other, then fill in the default
+    strategy and move the parameters of ``NAME(K=V, ...)`` to ``--param``.
+    A plan file fixes the strategy, its parameters and the shape, so
+    ``--plan`` excludes ``--strategy``, ``--param``, ``-S`` and ``-B``."""
+    import unisched
+
+    if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
+        raise unisched.UniSchedError(
+            f"--timeline {args.timeline}: the measured step is saved as {', '.join(TIMELINE_FORMATS)}; "
+            f"name the file with one of these"
+        )
+    if args.plan:
+        given = [flag for flag, value in (("--strategy", args.strategy), ("--param", args.param or None),
+                                          ("--stages", args.stages), ("--batches", args.batches)) if value is not None]
+        if given:
+            raise unisched.UniSchedError(
+                f"--plan fixes the strategy, its parameters and the shape; drop {', '.join(given)} or drop --plan"
+            )
+    else:
+        if args.strategy is None:
+            args.strategy = DEFAULT_STRATEGY
+        if "(" in args.strategy or ")" in args.strategy:
+            from unisched.plan.family import parse_label
+
+            args.strategy, inline = parse_label(args.strategy)
+            given = parse_params(args.param)
+            clash = sorted(k for k in inline if k in given and str(given[k]) != str(inline[k]))
+            if clash:
+                raise unisched.UniSchedError(f"--strategy and --param give {clash[0]} two values; give it once")
+            args.param = [f"{k}={v}" for k, v in inline.items() if k not in given] + list(args.param)
+        parse_params(args.param)
+
+
+def parse_params(items: Sequence[str]) -> dict[str, str]:
+    """``["K=V", ...]`` -> ``{"K": "V"}``; an item without ``=`` or a key is an error that names it."""
+    import unisched
+
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise unisched.UniSchedError(f"--param takes K=V, got {item!r}")
+        params[key.strip().replace("-", "_")] = value.strip()
+    return params
+
+
+def pick_shape(name: str, workers: int, stages: int | None, batches: int | None, params: dict) -> tuple[int, int]:
+    """(S, B) for strategy ``name`` on ``workers``: the given values, else the
+    first of a few natural choices that the strategy's constraints accept."""
+    from unisched import policies
+    from unisched.work import Shape
+
+    stage_options = [stages] if stages is not None else [workers, 2 * workers, max(1, workers // 2)]
+    batch_options = [batches] if batches is not None else [2 * workers, workers, 4 * workers]
+    for S in stage_options:
+        for B in batch_options:
+            if policies.fits(name, Shape(workers, S, B), params):
+                return S, B
+    return stage_options[0], batch_options[0]
+
+
+def make_schedule(args, workers: int):
+    """The Simulation (or plan) every rank runs, and its (S, B)."""
+    import unisched
+    from unisched import policies
+
+    if args.plan:
+        plan = unisched.load_plan(args.plan)
+        if plan.shape.num_workers != workers:
+            raise unisched.ShapeError(
+                f"plan {args.plan} is for {plan.shape.num_workers} workers; launch that many processes, not {workers}"
+            )
+        return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
+    params = parse_params(args.param)
+    name = args.strategy or DEFAULT_STRATEGY
+    S, B = pick_shape(name, workers, args.stages, args.batches, params)
+    strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
+    return unisched.simulate(workers, S, B, strategy), S, B
+
+
+# ---------------------------------------------------------------------- main

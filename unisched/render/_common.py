@@ -239,12 +239,19 @@ def fmt_stat(name: str, value) -> str:
     return fmt_number(value)
 
 
+def fmt_throughput(timeline: Timeline) -> str:
+    """Micro-batches per unit of time (per second when measured): the rate
+    that compares strategies whatever form their backwards take."""
+    per = "s" if timeline.source == "measured" else "time"
+    return f"{timeline.batch_throughput:.4g} micro-batches/{per}"
+
+
 def headline(timeline: Timeline) -> str:
     """One line: name, shape, latency, throughput, bubble."""
     name = timeline.label or timeline.source
     latency = fmt_time(timeline.latency, timeline.source) if timeline.source == "measured" else fmt_number(timeline.latency)
     return (
         f"{name}: W={timeline.num_workers} S={timeline.num_stages} B={timeline.num_batches}, "
-        f"latency {latency}, throughput {timeline.throughput:.4g} items/time/worker, "
+        f"latency {latency}, throughput {fmt_throughput(timeline)}, "
         f"bubble {timeline.bubble_fraction:.1%}"
     )

@@ -33,6 +33,7 @@ from unisched.render._common import (
     fmt_bytes,
     fmt_number,
     fmt_stat,
+    fmt_throughput,
     fmt_time,
     label_width,
     lanes,
@@ -296,7 +297,7 @@ def _summary(timeline: Timeline) -> str:
     latency = fmt_time(timeline.latency, timeline.source) if timeline.source == "measured" else fmt_number(timeline.latency)
     items = [
         ("latency", latency),
-        ("throughput", f"{timeline.throughput:.4g} items/time/worker"),
+        ("throughput", fmt_throughput(timeline)),
         ("bubble", f"{timeline.bubble_fraction:.1%}"),
         ("work items", str(len(timeline))),
         ("transfers", str(len(timeline.transfers))),

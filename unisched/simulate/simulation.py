@@ -190,6 +190,10 @@ class Simulation:
         return self.timeline.throughput
 
     @property
+    def batch_throughput(self) -> float:
+        return self.timeline.batch_throughput
+
+    @property
     def bubble_fraction(self) -> float:
         return self.timeline.bubble_fraction
 
@@ -230,7 +234,7 @@ class Simulation:
         lines = [
             f"{self.strategy.name}: W={self.shape.num_workers} S={self.shape.num_stages} B={self.shape.num_batches}",
             f"  latency {self.latency:g} (lower bound {self.lower_bound:g}, gap {self.gap:.1%})",
-            f"  throughput {self.throughput:.4f} items/time/worker, bubble {self.bubble_fraction:.1%}",
+            f"  throughput {self.batch_throughput:.4g} micro-batches/time, bubble {self.bubble_fraction:.1%}",
             f"  peak activations per worker {_compact(stats['max_activation_storage'])}",
             f"  weight fetches per worker {_compact(stats['weight_transmissions'])}",
             f"  weight storage per worker {_compact(stats['weight_storage'])}",
@@ -240,7 +244,7 @@ class Simulation:
     def __repr__(self) -> str:
         return (
             f"<Simulation {self.strategy.name} W={self.shape.num_workers} S={self.shape.num_stages} "
-            f"B={self.shape.num_batches}: latency {self.latency:g}, throughput {self.throughput:.4f}, "
+            f"B={self.shape.num_batches}: latency {self.latency:g}, {self.batch_throughput:.4g} micro-batches/time, "
             f"bubble {self.bubble_fraction:.1%}>"
         )
 

@@ -342,11 +342,43 @@ def test_trace_simulated_one_event_per_item():
     for record in t.records:
         event = by_work[str(record.work)]
         assert event["name"] == f"{'FBIW'[record.work.direction]}{record.work.stage}"
-        assert event["ts"] == pytest.approx(record.start * 1000)  # 1 unit = 1 ms
-        assert event["dur"] == pytest.approx((record.end - record.start) * 1000)
+        assert event["ts"] == pytest.approx(record.start * 1e6)  # 1 unit = 1 s, written in us
+        assert event["dur"] == pytest.approx((record.end - record.start) * 1e6)
         assert event["pid"] == record.worker + 1
     counters = {e["name"] for e in to_chrome_trace(t)["traceEvents"] if e["ph"] == "C"}
     assert counters == {"activations", "memory"}
+
+
+@pytest.mark.parametrize("unit, us", [("s", 1e6), ("ms", 1e3), ("us", 1.0), (0.5, 5e5)])
+def test_trace_time_unit(unit, us):
+    """Simulated times are in the unit of the costs: seconds by default, as a measured trace."""
+    t = gpipe()  # forward 1, backward 2
+    trace = to_chrome_trace(t, time_unit=unit)
+    compute = [e for e in trace["traceEvents"] if e.get("cat") == "compute"]
+    assert [e["dur"] for e in compute if e["name"].startswith("F")] == pytest.approx([1 * us] * 32)
+    assert [e["dur"] for e in compute if e["name"].startswith("B")] == pytest.approx([2 * us] * 32)
+    assert max(e["ts"] + e["dur"] for e in compute) == pytest.approx(33 * us)
+    assert trace["otherData"]["unit_seconds"] == pytest.approx(us / 1e6)
+
+
+def test_trace_time_unit_through_save_and_refused_when_unknown(tmp_path):
+    save(gpipe(), tmp_path / "ms.json", time_unit="ms")
+    events = json.loads((tmp_path / "ms.json").read_text())["traceEvents"]
+    assert max(e["ts"] + e.get("dur", 0) for e in events if e["ph"] == "X") == pytest.approx(33e3)
+    for bad in ("minutes", 0, -1, float("nan"), True):
+        with pytest.raises(UniSchedError, match="time"):
+            to_chrome_trace(gpipe(), time_unit=bad)
+
+
+def test_trace_of_a_simulation_lines_up_with_a_measured_one():
+    """Costs in seconds (what calibration gives) make a simulated trace as long as the measured step."""
+    t = measured()
+    sim = simulate(3, 3, 4, gpipe_strategy, costs=Costs(forward=0.008, backward=0.014)).timeline
+    measured_end = max(e["ts"] + e["dur"] for e in to_chrome_trace(t)["traceEvents"] if e["ph"] == "X")
+    simulated_end = max(e["ts"] + e["dur"] for e in to_chrome_trace(sim)["traceEvents"] if e["ph"] == "X")
+    assert measured_end == pytest.approx(t.latency * 1e6, rel=0.05)
+    assert simulated_end == pytest.approx(sim.latency * 1e6)
+    assert 0.3 < simulated_end / measured_end < 3  # the same order of magnitude, not 1000x apart
 
 
 def test_trace_measured_is_in_microseconds():

@@ -17,14 +17,21 @@ Layout of the trace:
 - counter events (``"ph": "C"``) per worker: ``activations`` (stashed inputs,
   in units) and, when sizes are known, ``memory`` in bytes.
 
-Times: simulated timelines are in abstract units, written as 1 unit = 1 ms;
-measured ones are in seconds, written in microseconds as the format wants.
+Times: one unit of the timeline is one second unless ``time_unit`` says
+otherwise (``"ms"``, ``"us"``, ``"ns"`` or a number of seconds), and the trace
+holds microseconds, as the format wants.  A measured timeline is in seconds;
+a simulated one is in the unit of its costs, so costs given in seconds
+(calibrated ones are) line up with a measured trace of the same step, and
+costs in milliseconds want ``time_unit="ms"``.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from unisched.errors import UniSchedError
 from unisched.render._common import DIRECTION_NAMES, LETTERS, lanes, time_origin
 from unisched.timeline import TRANSFER_KINDS, Timeline
 
@@ -39,15 +46,40 @@ def pid_of(worker: int) -> int:
     return worker + 1
 
 
-def time_scale(timeline: Timeline) -> float:
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+"""Names ``time_unit`` takes, in seconds."""
+
+
+def unit_seconds(time_unit: str | float = "s") -> float:
+    """Seconds in one time unit: a name of :data:`TIME_UNITS` or a positive number."""
+    if isinstance(time_unit, str):
+        try:
+            return TIME_UNITS[time_unit.strip().lower()]
+        except KeyError:
+            raise UniSchedError(
+                f"unknown time unit {time_unit!r}; use one of {', '.join(TIME_UNITS)} or a number of seconds"
+            ) from None
+    if isinstance(time_unit, bool) or not isinstance(time_unit, (int, float, np.number)) or not (
+        0 < float(time_unit) < math.inf
+    ):
+        raise UniSchedError(f"time_unit must be a unit name or a positive number of seconds, got {time_unit!r}")
+    return float(time_unit)
+
+
+def time_scale(timeline: Timeline, time_unit: str | float = "s") -> float:
     """Microseconds per time unit of the timeline."""
-    return 1e6 if timeline.source == "measured" else 1e3
+    return unit_seconds(time_unit) * 1e6
 
 
-def to_chrome_trace(timeline: Timeline) -> dict:
-    """The trace as a JSON-ready dict ``{"traceEvents": [...], ...}``."""
+def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
+    """The trace as a JSON-ready dict ``{"traceEvents": [...], ...}``.
+
+    ``time_unit``: what one unit of the timeline's times is (default one
+    second: a measured timeline, or a simulation whose costs are in seconds);
+    e.g. ``"ms"`` for costs in milliseconds.  Events are in microseconds."""
+    seconds = unit_seconds(time_unit)
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
-    scale = time_scale(timeline)
+    scale = time_scale(timeline, seconds)
     origin = time_origin(timeline)
     W = timeline.num_workers
     events: list[dict] = []
@@ -139,7 +171,8 @@ def to_chrome_trace(timeline: Timeline) -> dict:
             "generator": "unisched",
             "label": timeline.label,
             "source": timeline.source,
-            "time_unit": "1 unit = 1 ms" if timeline.source != "measured" else "seconds",
+            "time_unit": f"1 unit = {seconds:g} s",
+            "unit_seconds": seconds,
             "num_workers": W,
             "num_stages": timeline.num_stages,
             "num_batches": timeline.num_batches,

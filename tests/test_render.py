@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter, defaultdict
 
@@ -26,7 +27,7 @@ from unisched.render import FORMATS, save
 from unisched.render._common import lanes, time_grid
 from unisched.render.figure import figure
 from unisched.render.html import choose_mode, to_html
-from unisched.render.text import stats_table, to_text, visible_len
+from unisched.render.text import ANSI, stats_table, to_text, visible_len
 from unisched.render.trace import to_chrome_trace
 
 
@@ -160,11 +161,54 @@ def test_text_big_fits_and_is_compressed(big):
 
 
 def test_text_labels_and_grid():
+    # without colour a cell is the whole item, stage + letter + micro-batch, as str(Work) writes it
     text = to_text(gpipe(), width=100, color=False)
-    assert "F0" in text and "B3" in text
+    assert "0F0" in text and "3B7" in text and "2F5" in text
     assert "latency 33" in text
+    assert "sFb = forward of stage s, micro-batch b" in text
     split_text = to_text(split(), width=100, color=False)
-    assert "I2" in split_text and "W2" in split_text
+    assert "2I0" in split_text and "2W7" in split_text
+    # in colour the cell is the direction and stage on the micro-batch's colour
+    visible = ANSI.sub("", to_text(gpipe(), width=100, color=True))
+    assert "w0|F0F0F0" in visible and "B3" in visible
+    assert "colour = micro-batch" in visible
+
+
+def test_plain_text_tells_micro_batches_apart():
+    """Two workers running the same stages on different micro-batches read differently without colour."""
+    t = ddp(W=2, S=1)
+    rows = {line.split("|")[0]: line.split("|")[1] for line in to_text(t, color=False).splitlines() if "|" in line}
+    assert rows["w0"].split() == ["0F0", "0B0"] and rows["w1"].split() == ["0F1", "0B1"]
+    coloured = {line.split("|")[0]: ANSI.sub("", line.split("|")[1])
+                for line in to_text(t, color=True).splitlines() if line.startswith("w")}
+    assert coloured["w0"] == coloured["w1"]  # there the colour tells them apart
+    assert "color=True" not in to_text(t, color=False)  # nothing to ask for: the cells say it
+
+
+def test_plain_text_compressed_says_how_to_see_the_batches(big):
+    text = to_text(big, width=100, color=False)
+    assert "compressed" in text and "--color always" in text and "color=True" in text
+
+
+@pytest.mark.parametrize("mode, painted", [("always", True), ("never", False), ("auto", False)])
+def test_text_color_modes(mode, painted):
+    assert ("\x1b[" in to_text(gpipe(), color=mode)) == painted
+
+
+def test_text_color_auto_follows_the_terminal_and_no_color(monkeypatch):
+    class Terminal:
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdout", Terminal())
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert "\x1b[" in to_text(gpipe(), color="auto")
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "\x1b[" not in to_text(gpipe(), color="auto")
+    assert "\x1b[" in to_text(gpipe(), color="always")  # an explicit choice beats NO_COLOR
+    with pytest.raises(ValueError, match="auto, always, never"):
+        to_text(gpipe(), color="sometimes")
 
 
 def test_text_wraps_into_bands_when_wide():
@@ -172,7 +216,7 @@ def test_text_wraps_into_bands_when_wide():
     assert worker_lines(text, 8)[0] > 1  # wrapped into several bands
     # The continuation of an item that crosses a band boundary keeps its label.
     bands = [line for line in text.splitlines() if line.startswith("w0|")]
-    assert all(band[3] in "FB." for band in bands)
+    assert all(re.match(r"(0[FB]\d+|\.)( |$)", band[3:]) for band in bands)
 
 
 def test_text_color_control(capsys):
@@ -473,4 +517,4 @@ def test_gang_items_are_drawn_on_every_worker_of_the_gang():
     stage_1_items = 2 * 2
     assert per_pid[2] == stage_1_items and per_pid[3] == stage_1_items + 2 * 2
     rows = {line.split("|")[0]: line for line in timeline.to_text(color=False).splitlines() if "|" in line}
-    assert "F1" in rows["w1"] and "F1" in rows["w2"]
+    assert "1F0" in rows["w1"] and "1F0" in rows["w2"]

@@ -132,7 +132,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
     simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
     simulate.add_argument("--width", type=int, default=100, help="terminal diagram width (default 100)")
-    simulate.add_argument("--no-color", action="store_true", help="plain text diagram")
+    add_color_arguments(simulate)
     simulate.add_argument("--json", action="store_true", help="print one JSON object with the results")
     simulate.set_defaults(handler=cmd_simulate)
 
@@ -162,6 +162,15 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         command.add_arguments(sub)
         sub.set_defaults(handler=command.run)
     return parser
+
+
+def add_color_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--color auto|always|never`` and ``--no-color`` (the same as ``--color never``)."""
+    from unisched.render.text import COLOR_HELP, COLOR_MODES
+
+    parser.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
+    parser.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
+                        help="the same as --color never")
 
 
 def _unavailable(verb: str, error: ImportError) -> Callable:
@@ -224,7 +233,7 @@ def cmd_simulate(args) -> int:
     if args.json:
         print(_dumps(_result_json(sim)))
         return 0
-    print(sim.to_text(width=args.width, color=False if args.no_color else None, stats=True))
+    print(sim.to_text(width=args.width, color=args.color, stats=True))
     print()
     print(sim.summary())
     if args.out:
@@ -381,7 +390,7 @@ def _demo(args) -> int:
         candidates.append((name, {}))
         if not args.json:
             print(f"── {name}: {sim.strategy.description}")
-            print(sim.to_text(width=args.width, color=False if args.no_color else None))
+            print(sim.to_text(width=args.width, color=args.color))
             print()
     rows, _, bound = _compare(args, candidates)
     if args.json:

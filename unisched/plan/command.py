@@ -20,6 +20,7 @@ from unisched.plan.family import default_progress, label_of, parse_label
 from unisched.plan.planfile import Plan, jsonable
 from unisched.plan.planner import plan
 from unisched.plan.problem import PlanInputError, encode_costs
+from unisched.render.text import COLOR_HELP, COLOR_MODES
 
 DEFAULT_SHAPE = (4, 4, 8)
 DEFAULT_MEMORY_LIMIT = 2.0
@@ -61,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--out", help="write the best plan to this JSON file (load it with unisched.load_plan)")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     output.add_argument("--width", type=int, default=100, help="diagram width (default 100)")
-    output.add_argument("--no-color", action="store_true", help="plain text diagram")
+    output.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
+    output.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
+                        help="the same as --color never")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(jsonable(summary(result)), indent=1))
         return 0
-    print(report(result, width=args.width, color=False if args.no_color else None))
+    print(report(result, width=args.width, color=args.color))
     if args.out:
         print(f"\nwrote {args.out} (replay it: unisched.load_plan({args.out!r}).simulate())")
     return 0
@@ -154,7 +157,7 @@ def summary(result: Plan) -> dict:
     }
 
 
-def report(result: Plan, width: int = 100, color: bool | None = None) -> str:
+def report(result: Plan, width: int = 100, color: bool | str | None = None) -> str:
     W, S, B = result.shape
     problem = result.problem
     lines = [
@@ -203,7 +206,7 @@ def _dropped(dropped) -> str:
     return "; ".join(f"{', '.join(names)} ({reason})" for reason, names in groups.items())
 
 
-def _diagram(result: Plan, width: int, color: bool | None) -> str:
+def _diagram(result: Plan, width: int, color: bool | str | None) -> str:
     sim = result.simulate()
     try:
         return sim.timeline.to_text(width=width, color=color)

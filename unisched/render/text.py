@@ -1,6 +1,9 @@
 """Terminal diagrams: one row per worker, time left to right, each work item a
-cell labelled with its direction letter and stage (``F3``, ``B3``, ``I3``,
-``W3``) and coloured by micro-batch.
+cell.  In colour a cell is labelled with its direction letter and stage
+(``F3``, ``B3``, ``I3``, ``W3``) on its micro-batch's colour; without colour
+(a pipe, a log, a ``.txt`` file, ``NO_COLOR``) it carries the whole item as
+``str(Work)`` writes it, stage, letter and micro-batch (``3F0``), so that
+rows which differ only in their micro-batches still read differently.
 
 The layout adapts to the width:
 
@@ -10,7 +13,7 @@ The layout adapts to the width:
 - a wider one is wrapped into a few bands, each with its own time axis;
 - one that would need too many bands (many workers, long steps) is
   compressed to the width: an item narrower than its label shows its letter
-  alone, and colour carries the batch.
+  alone, and only colour carries the batch.
 
 Every line is at most ``width`` visible characters (ANSI colour codes do not
 count).
@@ -63,9 +66,24 @@ def visible_len(line: str) -> int:
     return len(ANSI.sub("", line))
 
 
-def use_color(color: bool | None) -> bool:
-    """``color`` itself when given; else whether stdout is a terminal that
-    takes colour (and ``NO_COLOR`` is unset)."""
+COLOR_MODES = ("auto", "always", "never")
+"""What ``color=`` (and the command line's ``--color``) take besides True, False and None."""
+COLOR_HELP = (
+    "colour the diagram by micro-batch: auto (the default) on a terminal unless NO_COLOR is set, always, or never; "
+    "without colour each cell names its micro-batch (3F0: stage 3, forward, micro-batch 0)"
+)
+"""The command line's help for ``--color`` (every verb that draws says the same)."""
+
+
+def use_color(color: bool | str | None) -> bool:
+    """Whether to draw in colour.  ``True`` / ``"always"`` and ``False`` /
+    ``"never"`` decide; ``None`` / ``"auto"`` colours only when stdout is a
+    terminal that takes colour and ``NO_COLOR`` is unset (no-color.org)."""
+    if isinstance(color, str):
+        mode = color.strip().lower()
+        if mode not in COLOR_MODES:
+            raise ValueError(f"color must be one of {', '.join(COLOR_MODES)}, True, False or None; got {color!r}")
+        color = {"always": True, "never": False, "auto": None}[mode]
     if color is not None:
         return bool(color)
     if os.environ.get("NO_COLOR"):
@@ -123,15 +141,17 @@ def _row_string(chars: list[str], owner: np.ndarray, color: bool) -> str:
 def to_text(
     timeline: Timeline,
     width: int = 100,
-    color: bool | None = None,
+    color: bool | str | None = None,
     *,
     stats: bool = False,
     max_bands: int | None = None,
 ) -> str:
     """A compact diagram of ``timeline`` for the terminal.
 
-    ``color``: ANSI colours by batch (default: when stdout is a terminal).
-    ``stats``: append :func:`stats_table`.  ``max_bands``: the most bands a
+    ``color``: ANSI colours by batch: ``True`` / ``"always"``, ``False`` /
+    ``"never"``, or ``None`` / ``"auto"`` (the default: when stdout is a
+    terminal and ``NO_COLOR`` is unset).  Without colour each cell names its
+    micro-batch too (``3F0``).  ``stats``: append :func:`stats_table`.  ``max_bands``: the most bands a
     wide step is wrapped into before it is compressed instead (default: as
     many as keep the diagram under about 60 lines, at most 8).
     """
@@ -156,7 +176,7 @@ def _diagram(timeline: Timeline, width: int, color: bool, max_bands: int | None)
     digits = len(str(W - 1))
     prefix_width = digits + 3  # "w12|"
     avail = width - prefix_width
-    cw = label_width(timeline) + 1
+    cw = _label_width(timeline, color) + 1
     grid = time_grid(timeline)
     origin, span = grid.origin, grid.span
 
@@ -185,7 +205,7 @@ def _diagram(timeline: Timeline, width: int, color: bool, max_bands: int | None)
         else:
             scale, total, band_chars, compressed = avail / span, avail, avail, True
 
-    chars, owner, items = _raster(timeline, origin, scale, total, compressed)
+    chars, owner, items = _raster(timeline, origin, scale, total, compressed, color)
     regular = grid.quantum is not None and not compressed and abs(unit - grid.quantum) < 1e-9 * max(span, 1)
     if regular:
         step = cell  # an idle mark at each empty time quantum
@@ -199,6 +219,9 @@ def _diagram(timeline: Timeline, width: int, color: bool, max_bands: int | None)
     if compressed:
         per_char = span / total
         lines.append(f"(compressed: 1 column = {fmt_time(per_char, timeline.source)} time)")
+    if compressed and not color:
+        lines += textwrap.wrap("(too narrow for micro-batch numbers: colour shows them, --color always or "
+                               "color=True)", width)
     for lo in range(0, total, band_chars):
         hi = min(lo + band_chars, total)
         if lo:
@@ -207,14 +230,25 @@ def _diagram(timeline: Timeline, width: int, color: bool, max_bands: int | None)
         for w in range(W):
             row = chars[w][lo:hi]
             if lo and not compressed:
-                _relabel(row, items[w][lo:hi], items[w][lo - 1], owner[w][lo:hi], timeline)
+                _relabel(row, items[w][lo:hi], items[w][lo - 1], owner[w][lo:hi], timeline, color)
             body = _row_string(row, owner[w][lo:hi], color)
             line = f"w{w:<{digits}}|" + body
             lines.append(line if color else line.rstrip())
     return lines
 
 
-def _raster(timeline: Timeline, origin: float, scale: float, total: int, compressed: bool):
+def _label(letter: str, stage: int, batch: int, color: bool) -> str:
+    """A cell's text: ``F3`` on the batch's colour, ``3F0`` (``str(Work)``) without."""
+    return f"{letter}{stage}" if color else f"{stage}{letter}{batch}"
+
+
+def _label_width(timeline: Timeline, color: bool) -> int:
+    if color:
+        return label_width(timeline)
+    return label_width(timeline) + len(str(max(int(timeline.batch.max(initial=0)), 0)))
+
+
+def _raster(timeline: Timeline, origin: float, scale: float, total: int, compressed: bool, color: bool):
     """Character rows: ``chars[w][c]`` the character, ``owner[w][c]`` the batch
     whose colour it takes (-1 idle, -2 separator)."""
     W = timeline.num_workers
@@ -245,7 +279,7 @@ def _raster(timeline: Timeline, origin: float, scale: float, total: int, compres
             if own[a] != -1:
                 continue
             b = a + 1
-        label = f"{letters[i]}{stages[i]}"
+        label = _label(letters[i], stages[i], batches[i], color)
         length = b - a
         if length > len(label):
             text = label + " " * (length - len(label) - 1)
@@ -262,12 +296,14 @@ def _raster(timeline: Timeline, origin: float, scale: float, total: int, compres
     return chars, owner, items
 
 
-def _relabel(row: list[str], items: np.ndarray, before: int, owner: np.ndarray, timeline: Timeline) -> None:
+def _relabel(row: list[str], items: np.ndarray, before: int, owner: np.ndarray, timeline: Timeline,
+             color: bool) -> None:
     """Repeat the label of an item that carries over from the previous band."""
     first = int(items[0])
     if first < 0 or first != before:
         return
-    label = f"{LETTERS[int(timeline.direction[first])]}{int(timeline.stage[first])}"
+    label = _label(LETTERS[int(timeline.direction[first])], int(timeline.stage[first]), int(timeline.batch[first]),
+                   color)
     run = int(np.sum((items == first) & (owner >= 0)))
     if run >= len(label):
         row[: len(label)] = label
@@ -306,10 +342,15 @@ def _axis(lo: int, hi: int, origin: float, scale: float, source: str, cell: int)
 
 def _legend(timeline: Timeline, width: int, color: bool) -> list[str]:
     present = [LETTERS[d] for d in sorted(set(timeline.direction.tolist()))]
-    parts = [f"{letter}n = {DIRECTION_NAMES[letter]} of stage n" if i == 0 else f"{letter} = {DIRECTION_NAMES[letter]}"
-             for i, letter in enumerate(present)]
+    if color:
+        first = "{letter}n = {name} of stage n"
+    else:
+        first = "s{letter}b = {name} of stage s, micro-batch b"
+    parts = [first.format(letter=letter, name=DIRECTION_NAMES[letter]) if i == 0
+             else f"{letter} = {DIRECTION_NAMES[letter]}" for i, letter in enumerate(present)]
     text = "; ".join(parts)
-    text += "; colour = micro-batch" if color else "; micro-batch colours need color=True"
+    if color:
+        text += "; colour = micro-batch"
     lines = textwrap.wrap(text, width)
     if color:
         batches = sorted(set(timeline.batch.tolist()))

@@ -93,6 +93,9 @@ _LAZY = {
     "StrategyShapeError": "unisched.policies",
     "StrategyParameterError": "unisched.policies",
     "UnknownStrategyError": "unisched.policies",
+    "to_torch_csv": "unisched.policies",
+    "from_torch_csv": "unisched.policies",
+    "TorchCSVError": "unisched.policies",
     "epl": "unisched.epl",
 }
 

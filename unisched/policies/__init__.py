@@ -9,13 +9,19 @@
 ``names()`` lists the strategies, ``describe(name)`` / ``catalog()`` say what
 each is and takes, ``variants(W, S, B)`` enumerates the settings that fit a
 shape, and ``strategy(fn, name)`` wraps a user's own function.
+
+torch.distributed.pipelining's schedule classes are accepted by their class
+names (``get("Schedule1F1B", ...)``), each reproducing torch's per-rank
+order; ``aliases()`` lists them.  They stay out of ``names()`` and
+``variants()``.  ``to_torch_csv`` / ``from_torch_csv`` write and read torch's
+CSV schedule format.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from unisched.policies import data_parallel, looped_pp, pipeline, seed, zero_bubble
+from unisched.policies import data_parallel, looped_pp, pipeline, seed, torch_interop, zero_bubble
 from unisched.policies._orders import KeyPriority, unit_time_orders
 from unisched.policies._registry import (
     Entry,
@@ -28,6 +34,7 @@ from unisched.policies.data_parallel import ddp, fsdp
 from unisched.policies.looped_pp import fully_sharded_looped, looped, looped_bfs
 from unisched.policies.pipeline import gpipe, interleaved, megatron_interleaved_orders, one_f_one_b
 from unisched.policies.seed import cuckoo, overflow
+from unisched.policies.torch_interop import TorchCSVError, from_torch_csv, to_torch_csv, torch_orders
 from unisched.policies.zero_bubble import dualpipe_v, dualpipe_v_order, zb_h1, zb_h2, zbv
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
@@ -43,6 +50,9 @@ _REGISTRY: dict[str, Entry] = {
     )
 }
 
+_ALIASES: dict[str, Entry] = {entry.name.lower(): entry for entry in torch_interop.ALIASES}
+"""torch's schedule classes by class name (lower case): resolved by name, not listed."""
+
 
 def names() -> list[str]:
     """The registered strategy names, in catalog order."""
@@ -50,14 +60,21 @@ def names() -> list[str]:
 
 
 def entry(name: str) -> Entry:
-    """The registry entry of ``name`` (dashes and case are forgiven)."""
+    """The registry entry of ``name`` (dashes and case are forgiven), or of
+    one of torch's schedule classes by its class name."""
     key = str(name).strip().lower().replace("-", "_")
-    try:
-        return _REGISTRY[key]
-    except KeyError:
+    found = _REGISTRY.get(key) or _ALIASES.get(key.replace("_", ""))
+    if found is None:
         raise UnknownStrategyError(
-            f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)}"
-        ) from None
+            f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)} "
+            f"(or one of torch's schedules: {', '.join(aliases())})"
+        )
+    return found
+
+
+def aliases() -> list[str]:
+    """torch.distributed.pipelining's schedule classes that ``get`` accepts by name."""
+    return [entry.name for entry in _ALIASES.values()]
 
 
 def get(
@@ -118,7 +135,9 @@ __all__ = [
     "Param",
     "StrategyParameterError",
     "StrategyShapeError",
+    "TorchCSVError",
     "UnknownStrategyError",
+    "aliases",
     "catalog",
     "cuckoo",
     "ddp",
@@ -127,6 +146,7 @@ __all__ = [
     "dualpipe_v_order",
     "entry",
     "fits",
+    "from_torch_csv",
     "fsdp",
     "fully_sharded_looped",
     "get",
@@ -139,6 +159,8 @@ __all__ = [
     "one_f_one_b",
     "overflow",
     "strategy",
+    "to_torch_csv",
+    "torch_orders",
     "unit_time_orders",
     "variants",
     "zb_h1",

@@ -116,3 +116,113 @@ def test_color_is_offered_by_every_verb_that_draws(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["simulate", "--strategy", "gpipe", "--color", "sometimes"])
     assert exit.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- your own strategy
+OWN = '''
+import unisched
+from unisched import ComputeAndWeightWorkers
+
+
+def reverse(w):
+    """Stage s on worker S - 1 - s (for S = 4)."""
+    return ComputeAndWeightWorkers(3 - w.stage, 3 - w.stage)
+
+
+def looped_by_hand(num_workers, num_stages, num_batches, group_size=2):
+    return unisched.policies.get("looped", num_workers, num_stages, num_batches, group_size=group_size)
+
+
+def mapping_factory(num_workers, num_stages, num_batches, shift=0):
+    return lambda w: ComputeAndWeightWorkers((w.stage + shift) % num_workers, (w.stage + shift) % num_workers)
+
+
+READY = unisched.as_strategy(reverse, name="ready")
+NOT_A_FUNCTION = 3
+
+
+def two_arguments(a, b):
+    return None
+'''
+
+
+@pytest.fixture
+def own_module(tmp_path, monkeypatch):
+    """A module of strategies in the current directory, under a name no other test uses."""
+    import sys
+    import uuid
+
+    name = f"own_strategies_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(OWN)
+    monkeypatch.chdir(tmp_path)
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_simulate_your_own_function(capsys, own_module):
+    code, out, _ = run(capsys, "simulate", "--strategy", f"{own_module}:reverse", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["latency"] == 33
+    assert result["worker_stats"]["max_activation_storage"] == [1, 4, 7, 8]  # gpipe's, the workers reversed
+    code, out, _ = run(capsys, "simulate", "--strategy", f"{own_module}:reverse", "--color", "never")
+    assert code == 0 and f"{own_module}:reverse: W=4 S=4 B=8" in out and "w3|0F0" in out
+
+
+def test_a_factory_takes_the_shape_and_the_parameters(capsys, own_module):
+    looped = json.loads(run(capsys, "simulate", "--strategy", "looped", "--param", "group_size=2", "--json")[1])
+    for argv in (["--strategy", f"{own_module}:looped_by_hand(group_size=2)"],
+                 ["--strategy", f"{own_module}:looped_by_hand", "--param", "group_size=2"]):
+        code, out, _ = run(capsys, "simulate", *argv, "--json")
+        assert code == 0 and json.loads(out)["latency"] == looped["latency"] == 28
+    code, out, _ = run(capsys, "simulate", "--strategy", f"{own_module}:mapping_factory(shift=1)", "--json")
+    assert code == 0 and json.loads(out)["worker_stats"]["max_activation_storage"] == [1, 8, 7, 4]
+    code, out, _ = run(capsys, "simulate", "--strategy", f"{own_module}:READY", "--json")
+    assert code == 0 and json.loads(out)["strategy"] == "ready"
+
+
+def test_a_file_path_names_a_strategy_too(capsys, tmp_path):
+    path = tmp_path / "sub" / "mine.py"
+    path.parent.mkdir()
+    path.write_text(OWN)
+    code, out, _ = run(capsys, "simulate", "--strategy", f"{path}:reverse", "--json")
+    assert code == 0 and json.loads(out)["latency"] == 33
+
+
+def test_compare_and_plan_take_your_own_function(capsys, own_module):
+    code, out, _ = run(capsys, "compare", "--strategies", f"gpipe,{own_module}:reverse,"
+                       f"{own_module}:looped_by_hand(group_size=2)", "--json")
+    assert code == 0
+    rows = {row["strategy"]: row for row in json.loads(out)["results"]}
+    assert rows[f"{own_module}:reverse"]["latency"] == rows["gpipe"]["latency"] == 33
+    assert rows[f"{own_module}:looped_by_hand(group_size=2)"]["latency"] == 28
+    code, out, _ = run(capsys, "compare", "--strategies", f"gpipe,{own_module}:looped_by_hand(group_size=3)", "--json")
+    skipped = dict(json.loads(out)["skipped"])
+    assert code == 0 and "group" in skipped[f"{own_module}:looped_by_hand(group_size=3)"]  # does not fit W=4
+    code, out, _ = run(capsys, "plan", "-W", "4", "-S", "4", "-B", "8", "--memory-limit", "2", "--strategy",
+                       f"{own_module}:reverse", "--time-limit", "5", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["latency"] == 51 and result["strategy"].startswith(f"{own_module}:reverse")
+    mapping = result["plan"]["mapping"]
+    assert all(workers == [3 - unisched.Work.parse(item).stage] * 2 for item, workers in mapping.items())
+
+
+@pytest.mark.parametrize("target, words", [
+    ("no_such_module_here:fn", "no module 'no_such_module_here'"),
+    ("{own}:missing", "has no 'missing'"),
+    ("{own}:NOT_A_FUNCTION", "not a function"),
+    ("{own}:two_arguments", "takes 2 required arguments"),
+    ("{own}:reverse(k=1)", "takes no parameters"),
+    ("{own}:looped_by_hand(k=1)", "cannot take these parameters"),
+    ("missing/file.py:fn", "no file missing/file.py"),
+    (":fn", "MODULE:FUNCTION"),
+])
+@pytest.mark.parametrize("verb", ["simulate", "compare", "plan"])
+def test_a_missing_module_or_function_is_a_clear_error(capsys, own_module, target, words, verb):
+    target = target.format(own=own_module)
+    flag = "--strategies" if verb == "compare" else "--strategy"
+    code, out, err = run(capsys, verb, flag, f"gpipe,{target}" if verb == "compare" else target, "--json")
+    assert code == 2 and not out
+    error = json.loads(err)
+    assert words in error["error"] and "Traceback" not in err
+

@@ -15,6 +15,8 @@ with ``--json`` one JSON object ``{"error": ..., "details": [...], "type": ...}`
 A strategy is named the same way everywhere: ``NAME`` or
 ``NAME(key=value, ...)``, and ``--param key=value`` (repeatable) adds
 parameters to the strategy (or, in ``compare``, to every strategy listed).
+Your own is ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``
+(:func:`unisched.plan.command.user_strategy` says what it may be).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from unisched.errors import UniSchedError
+from unisched.errors import ShapeError, UniSchedError
 from unisched.work import FORWARD, directions
 
 DEMO_SHAPE = (4, 4, 8)
 DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
+
+USER_STRATEGY = "or your own MODULE:FUNCTION or path/to/file.py:FUNCTION (a Work -> workers function or a factory)"
 
 _EXTERNAL_VERBS = {
     # verb -> (module with add_arguments(parser) and run(args) -> int, one-line help)
@@ -126,7 +130,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "Without --strategy, compare a few strategies on a small shape (the demo).",
     )
     simulate.add_argument(
-        "--strategy", help="NAME or NAME(key=value, ...), e.g. looped(group_size=2) (see `unisched strategies`)"
+        "--strategy", help="NAME or NAME(key=value, ...), e.g. looped(group_size=2) (see `unisched strategies`), "
+        f"{USER_STRATEGY}",
     )
     _add_problem_arguments(simulate)
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
@@ -143,8 +148,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--strategies",
-        help="comma-separated NAME or NAME(key=value, ...), e.g. gpipe,looped(group_size=2) "
-        "(default: every registered strategy setting that fits the shape)",
+        help="comma-separated NAME or NAME(key=value, ...), e.g. gpipe,looped(group_size=2), "
+        f"{USER_STRATEGY} (default: every registered strategy setting that fits the shape)",
     )
     _add_problem_arguments(compare)
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -252,6 +257,12 @@ def cmd_compare(args) -> int:
         if not candidates:
             raise UniSchedError(f"--strategies names no strategy: {args.strategies!r}")
         for name, values in candidates:  # a misspelt name or parameter is an error, not a skipped row
+            if _user_strategies(name) is not None:
+                try:
+                    _user_strategies(name).user_strategy(name, shape, values)
+                except ShapeError:
+                    pass  # does not fit the shape: listed as skipped
+                continue
             entry = policies.entry(name)
             for key, value in values.items():
                 entry.param(key).coerce(entry.name, value)
@@ -331,7 +342,7 @@ def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]], float
     busiest worker) stays in ``lower_bound`` / ``own_gap``."""
     rows, skipped, shape_bounds = [], [], []
     for name, params in candidates:
-        label = name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+        label = _label(name, params)
         try:
             sim = _simulate(args, name, params)
         except UniSchedError as error:
@@ -470,13 +481,30 @@ def _simulate(args, name: str, params: dict):
     from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
-    strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
+    own = _user_strategies(name)
+    if own is not None:
+        strategy = own.user_strategy(name, (W, S, B), params, label=_label(name, params))
+    else:
+        strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
     split = True if _split(args) else None
     priority = priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None
     return simulate(
         W, S, B, strategy, priority,
         costs=_costs(args), memory_limit=_memory_limit(args.memory_limit), split_backward=split,
     )
+
+
+def _user_strategies(name: str):
+    """The module that reads your own strategies when ``name`` is one (``MODULE:FUNCTION``), else None."""
+    if ":" not in str(name):
+        return None
+    from unisched.plan import command
+
+    return command
+
+
+def _label(name: str, params: dict) -> str:
+    return name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
 
 
 def _rho(sim) -> float:

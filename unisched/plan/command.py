@@ -3,17 +3,29 @@
 With no arguments it plans an embedded problem (4 workers, 4 stages, 8
 micro-batches, 2 activations of memory per worker), where no named strategy
 comes close to the bound and a CP-SAT mapping does.
+
+It also reads your own strategy function named on the command line,
+``--strategy MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``, for every
+verb (:func:`user_strategy`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import importlib.util
+import inspect
 import json
 import math
+import os
 import sys
+from pathlib import Path
+from typing import Any, Mapping
 
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
+from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, parse_label
@@ -53,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-stages-per-worker", type=int, help="how many stages' weights a worker may hold")
     search = parser.add_argument_group("search")
     search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work: "
-                        "NAME or NAME(key=value, ...), e.g. looped(group_size=2)")
+                        "NAME or NAME(key=value, ...), e.g. looped(group_size=2), " + USER_STRATEGY_HELP)
     search.add_argument("--param", action="append", default=[], metavar="K=V",
                         help="parameter of --strategy, repeatable (e.g. group_size=2); the same as NAME(K=V)")
     search.add_argument("--time-limit", type=float, default=None,
@@ -78,7 +90,12 @@ def run(args: argparse.Namespace) -> int:
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
-    strategy = _strategy(args.strategy, args.param)
+    strategy, members = None, None
+    named = _strategy(args.strategy, args.param)
+    if named is not None:
+        strategy = label_of(*named)
+        if is_user_strategy(named[0]):
+            members = [(strategy, user_strategy(named[0], (W, S, B), named[1], label=strategy), "")]
     costs, split = _costs(args)
     result = plan(
         W, S, B, costs,
@@ -87,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         strategy=strategy,
         time_limit=time_limit,
         split_backward=split,
+        members=members,
         progress=default_progress(args.json),
     )
     if args.out:
@@ -100,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _strategy(text: str | None, params: list[str]) -> str | None:
-    """``--strategy NAME(k=v, ...)`` and ``--param k=v`` as one label (the grammar of ``unisched simulate``)."""
+def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
+    """``--strategy NAME(k=v, ...)`` and ``--param k=v`` as (name, parameters), the grammar of ``unisched simulate``."""
     given = {}
     for item in params:
         key, sep, value = item.partition("=")
@@ -119,7 +137,7 @@ def _strategy(text: str | None, params: list[str]) -> str | None:
             raise PlanInputError(
                 f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={given[key]}; give it once"
             )
-    return label_of(name, {**inline, **given})
+    return name, {**inline, **given}
 
 
 def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | None:
@@ -259,6 +277,153 @@ def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
         fetch=args.fetch,
     )
     return costs, split
+
+
+# ---------------------------------------------------------------------- your own strategy
+USER_STRATEGY_HELP = (
+    "or your own: MODULE:FUNCTION or path/to/file.py:FUNCTION, a function of one argument "
+    "(Work -> ComputeAndWeightWorkers) or a factory f(num_workers, num_stages, num_batches, **params) "
+    "returning a Strategy"
+)
+
+
+def is_user_strategy(name: str) -> bool:
+    """Whether a strategy name points at your own code (``MODULE:FUNCTION``) rather than the registry."""
+    return ":" in str(name)
+
+
+def user_strategy(target: str, shape: Shape | tuple[int, int, int], params: Mapping[str, Any] | None = None,
+                  label: str | None = None) -> Strategy:
+    """Your own strategy, named ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``.
+
+    The rule, by what the name holds:
+
+    - a :class:`~unisched.Strategy` is used as it is;
+    - a function of one required argument is the mapping, called with each
+      ``Work`` and returning ``ComputeAndWeightWorkers`` (``unisched.as_strategy``);
+    - a function of three required arguments is a factory, called as
+      ``f(num_workers, num_stages, num_batches, **params)`` like the
+      registry's, and returns a Strategy or a mapping.
+
+    ``params`` (from ``--param`` or ``NAME(key=value)``) go to a factory
+    only; a value that reads as a Python literal (``2``, ``0.5``, ``True``)
+    is passed as one, any other as a string.  A module is looked for on the
+    Python path and in the current directory."""
+    W, S, B = Shape(*shape)
+    obj = load_user_function(target)
+    label = label or target
+    params = {key: _literal(value) for key, value in (params or {}).items()}
+    if isinstance(obj, Strategy):
+        _no_params(target, params, "is a Strategy")
+        return obj if obj.name else obj.with_(name=label)
+    if _required_arguments(obj) == 3:
+        try:
+            inspect.signature(obj).bind(W, S, B, **params)
+        except TypeError as error:
+            raise UniSchedError(f"strategy factory {target!r} cannot take these parameters ({error}); "
+                                f"its signature is {target.rpartition(':')[2]}{inspect.signature(obj)}") from None
+        made = obj(W, S, B, **params)
+        if isinstance(made, Strategy):
+            return made if made.name else made.with_(name=label)
+        if callable(made):
+            return as_strategy(made, name=label)
+        raise UniSchedError(f"strategy factory {target!r} returned {type(made).__name__}; "
+                            "return a unisched.Strategy or a function Work -> ComputeAndWeightWorkers")
+    _no_params(target, params, "is a function of one argument (a Work)")
+    return as_strategy(obj, name=label)
+
+
+def load_user_function(target: str):
+    """Import ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION`` and check that
+    it is a strategy function, a factory or a Strategy (see :func:`user_strategy`)."""
+    source, _, attribute = str(target).strip().rpartition(":")
+    source, attribute = source.strip(), attribute.strip()
+    if not source or not attribute.isidentifier():
+        raise UniSchedError(f"cannot read strategy {target!r}; write MODULE:FUNCTION or path/to/file.py:FUNCTION")
+    module = _import_user_module(source, target)
+    try:
+        obj = getattr(module, attribute)
+    except AttributeError:
+        defined = sorted(name for name, value in vars(module).items() if callable(value) and not name.startswith("_")
+                         and getattr(value, "__module__", None) == module.__name__)
+        raise UniSchedError(f"{source} has no {attribute!r} for strategy {target!r}; "
+                            f"it defines: {', '.join(defined) or 'no functions'}") from None
+    if not isinstance(obj, Strategy):
+        if not callable(obj):
+            raise UniSchedError(f"strategy {target!r} is not a function: it is the {type(obj).__name__} {obj!r:.60}")
+        if _required_arguments(obj) not in (1, 3, None):
+            raise UniSchedError(
+                f"strategy {target!r} takes {_required_arguments(obj)} required arguments; a strategy function "
+                "takes one (a Work), a factory three (num_workers, num_stages, num_batches)"
+            )
+    return obj
+
+
+def _import_user_module(source: str, target: str):
+    if source.endswith(".py") or "/" in source or os.sep in source:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise UniSchedError(f"no file {source} for strategy {target!r}; give path/to/file.py:FUNCTION")
+        name = f"unisched_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise UniSchedError(f"cannot import {source} for strategy {target!r}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[name]
+            raise UniSchedError(f"importing {source} for strategy {target!r} failed: "
+                                f"{type(error).__name__}: {error}") from error
+        return module
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(source)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing and (source == missing or source.startswith(missing + ".")):
+            raise UniSchedError(
+                f"no module {source!r} for strategy {target!r} (looked on the Python path and in {here}); "
+                "give MODULE:FUNCTION for an importable module or path/to/file.py:FUNCTION"
+            ) from None
+        raise UniSchedError(f"importing {source} for strategy {target!r} failed: {error}") from error
+    except Exception as error:
+        raise UniSchedError(f"importing {source} for strategy {target!r} failed: "
+                            f"{type(error).__name__}: {error}") from error
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
+
+
+def _required_arguments(function) -> int | None:
+    """How many positional arguments ``function`` requires (None when it does not say)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in signature.parameters.values() if p.kind in kinds and p.default is p.empty)
+
+
+def _no_params(target: str, params: Mapping[str, Any], what: str) -> None:
+    if params:
+        raise UniSchedError(
+            f"strategy {target!r} {what} and takes no parameters ({', '.join(params)} given); to take them, "
+            "write a factory f(num_workers, num_stages, num_batches, key=default) that returns the strategy"
+        )
+
+
+def _literal(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return value.strip()
 
 
 def main(argv: list[str] | None = None) -> int:

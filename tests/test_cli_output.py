@@ -226,3 +226,66 @@ def test_a_missing_module_or_function_is_a_clear_error(capsys, own_module, targe
     error = json.loads(err)
     assert words in error["error"] and "Traceback" not in err
 
+
+# ---------------------------------------------------------------------- plans drawn and replayed
+PLAN_ARGS = ("plan", "-W", "4", "-S", "4", "-B", "8", "--memory-limit", "2", "--strategy", "gpipe", "--time-limit", "5")
+
+
+def test_plan_out_by_extension(capsys, tmp_path):
+    outs = [tmp_path / name for name in ("plan.json", "plan.png", "plan.svg", "plan.pdf", "plan.html", "plan.txt")]
+    code, out, _ = run(capsys, *PLAN_ARGS, "--color", "never", *[arg for path in outs for arg in ("--out", str(path))])
+    assert code == 0
+    assert unisched.load_plan(outs[0]).simulate().latency == 51  # .json: the plan file
+    assert outs[1].read_bytes().startswith(b"\x89PNG")  # an image: the plan's schedule drawn
+    assert b"<svg" in outs[2].read_bytes()[:2000] and outs[3].read_bytes().startswith(b"%PDF")
+    assert 'class="us-worker"' in outs[4].read_text()
+    text = outs[5].read_text()
+    assert "latency 51" in text and "w3|" in text and "3F0" in text
+    for path in outs:
+        assert f"wrote {path}" in out
+
+
+@pytest.mark.parametrize("name", ["plan.gif", "plan", "trace.jsonl"])
+def test_plan_out_with_another_extension_is_refused_before_planning(capsys, tmp_path, name):
+    code, out, err = run(capsys, *PLAN_ARGS, "--out", str(tmp_path / name))
+    assert code == 2 and not out
+    assert f"--out {tmp_path / name}" in err and ".json" in err and ".png" in err
+    assert "Traceback" not in err and not (tmp_path / name).exists()
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    from unisched.plan import plan
+
+    result = plan(4, 4, 8, memory_limit=2, strategy="gpipe", time_limit=5)
+    result.save(path)
+    return path
+
+
+def test_simulate_a_saved_plan(capsys, plan_file, tmp_path):
+    code, out, _ = run(capsys, "simulate", "--plan", str(plan_file), "--json")
+    result = json.loads(out)
+    assert code == 0 and result["latency"] == 51 and result["shape"] == [4, 4, 8]
+    assert result["plan"] == str(plan_file)
+    assert max(result["worker_stats"]["max_activation_storage"]) <= 2
+    drawing = tmp_path / "plan.png"
+    code, out, _ = run(capsys, "simulate", "--plan", str(plan_file), "--color", "never", "--out", str(drawing))
+    assert code == 0 and "latency 51" in out and "w3|" in out and drawing.read_bytes().startswith(b"\x89PNG")
+    trace = tmp_path / "plan.json"
+    assert run(capsys, "simulate", "--plan", str(plan_file), "--out", str(trace), "--time-unit", "ms")[0] == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(51e3)
+
+
+def test_simulate_plan_refuses_what_the_file_fixes_and_edited_files(capsys, plan_file, tmp_path):
+    code, _, err = run(capsys, "simulate", "--plan", str(plan_file), "-W", "8", "--strategy", "gpipe")
+    assert code == 2 and "drop --strategy, --workers" in err
+    data = json.loads(plan_file.read_text())
+    data["latency"] = 1.0  # an edited claim: the replay disagrees
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    code, out, err = run(capsys, "simulate", "--plan", str(edited))
+    assert code == 2 and not out and str(edited) in err
+    code, _, err = run(capsys, "simulate", "--plan", str(tmp_path / "missing.json"))
+    assert code == 2 and "cannot read plan file" in err

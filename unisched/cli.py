@@ -133,9 +133,16 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "--strategy", help="NAME or NAME(key=value, ...), e.g. looped(group_size=2) (see `unisched strategies`), "
         f"{USER_STRATEGY}",
     )
+    simulate.add_argument(
+        "--plan", metavar="FILE", help="simulate and draw a plan file (`unisched plan --out plan.json`) instead of a "
+        "strategy: its shape, costs, memory limit and order come from the file",
+    )
     _add_problem_arguments(simulate)
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
     simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
+    simulate.add_argument("--time-unit", default="s", metavar="UNIT",
+                          help="what one unit of the costs is, for a Chrome trace (.json): s (the default), ms, us, "
+                          "ns or a number of seconds")
     simulate.add_argument("--width", type=int, default=100, help="terminal diagram width (default 100)")
     add_color_arguments(simulate)
     simulate.add_argument("--json", action="store_true", help="print one JSON object with the results")
@@ -227,16 +234,20 @@ def cmd_strategies(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    if args.strategy is None:
+    if args.plan is not None:
+        sim = _simulate_plan(args)
+    elif args.strategy is None:
         if args.param:
             raise UniSchedError("--param needs --strategy: it sets a parameter of the strategy simulated")
         return _demo(args)
-    check_size(_shape(args), _split(args))
-    sim = _simulate(args, *strategy_spec(args.strategy, _params(args.param)))
+    else:
+        check_size(_shape(args), _split(args))
+        sim = _simulate(args, *strategy_spec(args.strategy, _params(args.param)))
     if args.out:
-        sim.save(args.out)
+        options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
+        sim.save(args.out, **options)
     if args.json:
-        print(_dumps(_result_json(sim)))
+        print(_dumps({**_result_json(sim), **({"plan": args.plan} if args.plan is not None else {})}))
         return 0
     print(sim.to_text(width=args.width, color=args.color, stats=True))
     print()
@@ -244,6 +255,25 @@ def cmd_simulate(args) -> int:
     if args.out:
         print(f"\nwrote {args.out}")
     return 0
+
+
+def _simulate_plan(args):
+    """``simulate --plan FILE``: the plan file's own replay (checked against what the file claims)."""
+    given = [flag for flag, value in (
+        ("--strategy", args.strategy), ("--param", args.param or None), ("--workers", args.workers),
+        ("--stages", args.stages), ("--batches", args.batches), ("--forward", args.forward),
+        ("--backward", args.backward), ("--backward-input", args.backward_input),
+        ("--backward-weight", args.backward_weight), ("--costs", args.costs), ("--memory-limit", args.memory_limit),
+        ("--priority", args.priority),
+    ) if value is not None]
+    if given:
+        raise UniSchedError(
+            f"--plan {args.plan} fixes the shape, costs, memory limit and order of work; drop {', '.join(given)} "
+            "(or plan again with them: unisched plan ... --out plan.json)"
+        )
+    from unisched.plan import load_plan
+
+    return load_plan(args.plan).simulate()
 
 
 def cmd_compare(args) -> int:

@@ -2,7 +2,9 @@
 
 With no arguments it plans an embedded problem (4 workers, 4 stages, 8
 micro-batches, 2 activations of memory per worker), where no named strategy
-comes close to the bound and a CP-SAT mapping does.
+comes close to the bound and a CP-SAT mapping does.  ``--out`` writes the
+plan file (``.json``) or draws the plan (``.png``, ``.svg``, ``.pdf``,
+``.html``, ``.txt``).
 
 It also reads your own strategy function named on the command line,
 ``--strategy MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``, for every
@@ -71,7 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--time-limit", type=float, default=None,
                         help=f"seconds for the whole search (default {DEFAULT_TIME_LIMIT:g})")
     output = parser.add_argument_group("output")
-    output.add_argument("--out", help="write the best plan to this JSON file (load it with unisched.load_plan)")
+    output.add_argument("--out", action="append", default=[], metavar="FILE",
+                        help="by extension: .json writes the plan file (unisched.load_plan, `unisched simulate "
+                        "--plan`, `unisched run --plan`); .png .svg .pdf .html .txt draw the plan's schedule; "
+                        "repeatable")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     output.add_argument("--width", type=int, default=100, help="diagram width (default 100)")
     output.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
+    outputs = _outputs(args.out)
     strategy, members = None, None
     named = _strategy(args.strategy, args.param)
     if named is not None:
@@ -107,15 +113,48 @@ def run(args: argparse.Namespace) -> int:
         members=members,
         progress=default_progress(args.json),
     )
-    if args.out:
-        result.save(args.out)
+    written = write_outputs(result, outputs)
     if args.json:
         print(json.dumps(jsonable(summary(result)), indent=1))
         return 0
     print(report(result, width=args.width, color=args.color))
-    if args.out:
-        print(f"\nwrote {args.out} (replay it: unisched.load_plan({args.out!r}).simulate())")
+    if written:
+        print()
+    for path, what in written:
+        print(f"wrote {path}: {what}")
     return 0
+
+
+PLAN_DRAWINGS = (".png", ".svg", ".pdf", ".html", ".txt")
+"""Extensions ``--out`` draws the plan's schedule to (through :func:`unisched.render.save`); ``.json`` is the plan file."""
+
+
+def _outputs(paths) -> list[str]:
+    """``--out`` values, each checked by extension before any planning."""
+    paths = [paths] if isinstance(paths, str) else list(paths or [])
+    for path in paths:
+        suffix = Path(path).suffix.lower()
+        if suffix != ".json" and suffix not in PLAN_DRAWINGS:
+            shown = f"extension {suffix!r}" if suffix else "no extension"
+            raise PlanInputError(
+                f"--out {path}: {shown}; write the plan file as .json or draw the plan as "
+                f"{', '.join(PLAN_DRAWINGS)} (a Chrome trace of it: unisched simulate --plan plan.json --out trace.json)"
+            )
+    return paths
+
+
+def write_outputs(result: Plan, paths) -> list[tuple[str, str]]:
+    """Write the plan file (``.json``) or draw the plan's replay (an image, ``.html``, ``.txt``) to each path."""
+    written = []
+    for path in _outputs(paths):
+        if Path(path).suffix.lower() == ".json":
+            result.save(path)
+            written.append((path, f"the plan file (replay it: unisched simulate --plan {path}, "
+                                  f"or unisched.load_plan({path!r}).simulate())"))
+        else:
+            result.simulate().save(path)
+            written.append((path, "the plan's schedule, drawn"))
+    return written
 
 
 def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:

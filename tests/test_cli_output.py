@@ -289,3 +289,43 @@ def test_simulate_plan_refuses_what_the_file_fixes_and_edited_files(capsys, plan
     assert code == 2 and not out and str(edited) in err
     code, _, err = run(capsys, "simulate", "--plan", str(tmp_path / "missing.json"))
     assert code == 2 and "cannot read plan file" in err
+
+
+# ---------------------------------------------------------------------- the README's Trainer snippet
+def trainer_snippet() -> str:
+    """The README's Python block that builds a Trainer from a simulated schedule."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    [block] = [b for b in blocks if "unisched.Trainer(stages, schedule" in b and "last_timeline" in b]
+    return block
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_readme_trainer_snippet_runs_on_every_rank(rank, tmp_path, monkeypatch):
+    """The snippet as the README gives it, with a stand-in Trainer: on ranks other than 0 the
+    measured timeline is None (only rank 0 gathers it), and the snippet must not trip on that."""
+    from types import SimpleNamespace
+
+    monkeypatch.chdir(tmp_path)
+    schedule_seen = []
+
+    class Trainer:
+        def __init__(self, stages, schedule, loss_fn, optimizer):
+            schedule_seen.append(schedule)
+            self.rank = rank
+            self.last_timeline = schedule.timeline if rank == 0 else None
+
+        def step(self, inputs, targets):
+            return 0.5
+
+        def gather_state_dict(self):
+            return {}
+
+    shim = SimpleNamespace(simulate=unisched.simulate, policies=unisched.policies, Trainer=Trainer)
+    exec(trainer_snippet(), {"unisched": shim, "stages": None, "loss_fn": None, "torch": None, "inputs": None,
+                             "targets": None})
+    assert schedule_seen and schedule_seen[0].latency == 33
+    assert (tmp_path / "step.html").exists() == (rank == 0)

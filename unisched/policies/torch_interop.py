@@ -37,7 +37,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.policies._registry import Entry, require
-from unisched.policies.zero_bubble import dualpipe_v_order
+from unisched.policies.zero_bubble import _v_shape, dualpipe_v_order
 from unisched.simulate import simulate
 from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
@@ -271,14 +271,6 @@ def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, i
     require(B % rounds == 0, name,
             f"takes micro-batches in {rounds} rounds (B // W), so B must be a multiple of {rounds}; got B={B}")
     return shape, S // W, B // rounds
-
-
-def _v_shape(name: str, W: int, S: int, B: int) -> Shape:
-    shape = Shape(W, S, B).check()
-    require(S == 2 * W, name,
-            f"places two stages per rank in a V (stages r and 2W - 1 - r on rank r), so S must be 2W; "
-            f"got W={W}, S={S}")
-    return shape
 
 
 def _loop(p: int):

@@ -155,6 +155,20 @@ def one_process(model: str, steps: int = 2) -> dict[str, torch.Tensor]:
     return {f"{s}.{k}": v.detach().clone() for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_one_process_reference_calls_stages_as_the_trainer_does(model):
+    """train_one_process unpacks tuples into arguments, so it gives what the
+    hand-composed reference gives for every model here."""
+    from unisched.execute import train_one_process
+
+    graph = nx.DiGraph([(0, 2), (1, 2)]) if model == "legs" else None
+    _, state = train_one_process(make_stages(model), loss_fn, optimizer, (batch(model, step) for step in range(2)),
+                                 stage_graph=graph)
+    expected = one_process(model)
+    assert state.keys() == expected.keys()
+    assert all(torch.allclose(state[k], expected[k], atol=1e-6) for k in expected)
+
+
 # ---------------------------------------------------------------------- schedules
 def backward_away(w: Work) -> ComputeAndWeightWorkers:
     """GPipe, but the backward of stages 1 and 2 on even micro-batches runs on

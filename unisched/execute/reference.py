@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from unisched.execute.program import loss_stage, topological_order
+from unisched.execute.runtime import stage_arguments
 from unisched.work import StageGraph, as_stage_graph
 
 
@@ -31,7 +32,9 @@ def train_one_process(
     factory ``params -> Optimizer``, as the Trainer takes it.  With a
     ``stage_graph`` (a chain by default) the stages run in topological order
     as the Trainer calls them: each on its predecessors' outputs in stage
-    order, a source on the inputs; the loss takes the one sink's output.
+    order, a source on the inputs, a tuple or list unpacked into positional
+    arguments (:func:`~unisched.execute.runtime.stage_arguments`); the loss
+    takes the one sink's output.
     """
     # No container module is built here: EPL's scopes would capture it as part of the model.
     params = list({id(p): p for stage in stages for p in stage.parameters()}.values())
@@ -42,7 +45,7 @@ def train_one_process(
     for inputs, targets in batches:
         outputs: dict[int, torch.Tensor] = {}
         for s in order:
-            outputs[s] = stages[s](*([outputs[p] for p in graph.predecessors[s]] or [inputs]))
+            outputs[s] = stages[s](*stage_arguments([outputs[p] for p in graph.predecessors[s]] or [inputs]))
         loss = loss_fn(outputs[last], targets)
         opt.zero_grad()
         loss.backward()

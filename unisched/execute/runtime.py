@@ -1032,7 +1032,7 @@ class Layout(_ShapeAndDtype):
         layout.grads = tuple(grads)
         layout.needs_grad = tuple(i in layout.grads for i in range(len(shapes)))
         layout.single = spec.is_leaf()
-        layout.spread = spec.type in (tuple, list)
+        layout.spread = spec.type in SPREAD
         layout.wire = Wire.of(shapes, layout.dtypes)
         layout.grad_wire = Wire.of([shapes[i] for i in layout.grads], [layout.dtypes[i] for i in layout.grads])
         layout.shares = {1: layout}
@@ -1063,6 +1063,20 @@ class _Agreed(NamedTuple):
     source: Layout
     outputs: list[Layout]
     inputs: list[list[Layout]]
+
+
+SPREAD = (tuple, list)
+"""Values of these types are unpacked into a stage's positional arguments
+(as torch.distributed.pipelining does); any other value is one argument."""
+
+
+def stage_arguments(values: Sequence) -> list:
+    """The positional arguments of a stage that takes ``values`` (one per
+    predecessor, or the micro-batch), unpacked as :data:`SPREAD` says."""
+    args = []
+    for value in values:
+        args.extend(value) if type(value) in SPREAD else args.append(value)
+    return args
 
 
 def _arguments(layouts: Sequence[Layout], values: Sequence[Sequence[torch.Tensor]]) -> list:

@@ -102,8 +102,11 @@ def run(p: Problem):
         if comm is None:
             begin = t
             finish = t + duration[item]
+        elif gang_of[item] < 0:
+            begin = comm.fetch_weights(item, t)
+            finish = begin + duration[item]
         else:
-            begin = comm.hand_out(item, comm.fetch_weights(item, t))
+            begin = comm.gang_start(item, t)
             finish = comm.collect(item, begin + duration[item])
         start[item] = begin
         end[item] = finish
@@ -254,8 +257,9 @@ class _Communication:
         return links
 
     def fetch_weights(self, item: int, t: float) -> float:
-        """When ``item`` has its weights on every worker that runs it."""
-        return max(self._fetch(item, member, holder, nbytes, t) for member, holder, _, nbytes in self._links(item))
+        """When ``item`` (run by one worker) has its weights there."""
+        p = self.p
+        return self._fetch(item, p.worker[item], p.weight_worker[item], p.weight_bytes[p.stage_list[item]], t)
 
     def _fetch(self, item: int, w: int, owner: int, nbytes: float, t: float) -> float:
         p = self.p
@@ -275,19 +279,17 @@ class _Communication:
             history[-1] = arrive
         return max(t, arrive)
 
-    def hand_out(self, item: int, t: float) -> float:
-        """When every member of ``item``'s gang has what the first member hands out."""
-        moves = self.p.gang_moves.get(item)
-        if not moves:
-            return t
-        return max([t] + [self._send(kind, src, dst, t, nbytes, item) for kind, src, dst, nbytes in moves[0]])
+    def gang_start(self, item: int, t: float) -> float:
+        """When every member of a gang item has its share of the weights and
+        what the first member hands out."""
+        p = self.p
+        ready = max(self._fetch(item, member, holder, nbytes, t) for member, holder, _, nbytes in p.gang_weights[item])
+        return max([ready] + [self._send(kind, src, dst, ready, nbytes, item) for kind, src, dst, nbytes in p.gang_moves[item][0]])
 
     def collect(self, item: int, finish: float) -> float:
         """When the first member of ``item``'s gang has collected the members' results."""
-        moves = self.p.gang_moves.get(item)
-        if not moves:
-            return finish
-        return max([finish] + [self._send(kind, src, dst, finish, nbytes, item) for kind, src, dst, nbytes in moves[1]])
+        sends = self.p.gang_moves[item][1]
+        return max([finish] + [self._send(kind, src, dst, finish, nbytes, item) for kind, src, dst, nbytes in sends])
 
     def on_finished(self, item: int, finish: float) -> None:
         p = self.p

@@ -30,9 +30,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from unisched.execute.example import check_training_arguments, make_schedule, positive_int
-
-DEFAULT_STRATEGY = "gpipe"
+from unisched.execute.arguments import DEFAULT_STRATEGY, check_training_arguments, make_schedule, positive_int
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:

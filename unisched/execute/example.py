@@ -26,13 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from unisched.execute.arguments import (
-    DEFAULT_STRATEGY,
-    add_training_arguments,
-    check_training_arguments,
-    make_schedule,
-    positive_int,
-)
+from unisched.execute.arguments import MODELS, add_training_arguments, check_training_arguments, make_schedule
 
 
 # ---------------------------------------------------------------------- models

@@ -241,8 +241,10 @@ def cmd_simulate(args) -> int:
             raise UniSchedError("--param needs --strategy: it sets a parameter of the strategy simulated")
         return _demo(args)
     else:
+        from unisched.plan.family import parse_params, strategy_spec
+
         check_size(_shape(args), _split(args))
-        sim = _simulate(args, *strategy_spec(args.strategy, _params(args.param)))
+        sim = _simulate(args, *strategy_spec(args.strategy, parse_params(args.param)))
     if args.out:
         options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
         sim.save(args.out, **options)
@@ -278,18 +280,20 @@ def _simulate_plan(args):
 
 def cmd_compare(args) -> int:
     from unisched import policies
+    from unisched.plan.command import is_user_strategy, user_strategy
+    from unisched.plan.family import parse_params, strategy_spec
 
     shape = _shape(args)
     check_size(shape, _split(args))
-    params = _params(args.param)
+    params = parse_params(args.param)
     if args.strategies:
         candidates = [strategy_spec(text, params) for text in split_strategies(args.strategies)]
         if not candidates:
             raise UniSchedError(f"--strategies names no strategy: {args.strategies!r}")
         for name, values in candidates:  # a misspelt name or parameter is an error, not a skipped row
-            if _user_strategies(name) is not None:
+            if is_user_strategy(name):
                 try:
-                    _user_strategies(name).user_strategy(name, shape, values)
+                    user_strategy(name, shape, values)
                 except ShapeError:
                     pass  # does not fit the shape: listed as skipped
                 continue
@@ -312,25 +316,6 @@ def cmd_compare(args) -> int:
     for name, reason in skipped:
         print(f"skipped {name}: {reason}")
     return 0
-
-
-def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict]:
-    """``NAME`` or ``NAME(key=value, ...)`` plus the ``--param`` values: (name, parameters).
-
-    A key given both ways must have one value."""
-    params = dict(params or {})
-    name, inline = str(text).strip(), {}
-    if "(" in name or ")" in name:
-        from unisched.plan.family import parse_label  # the grammar the planner's table prints
-
-        name, inline = parse_label(name)
-        inline = {key.replace("-", "_"): value for key, value in inline.items()}
-    for key in sorted(inline.keys() & params.keys()):
-        if str(inline[key]).strip() != str(params[key]).strip():
-            raise UniSchedError(
-                f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={params[key]}; give it once"
-            )
-    return name, {**inline, **params}
 
 
 def split_strategies(text: str) -> list[str]:
@@ -370,9 +355,11 @@ def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]], float
     micro-batch's critical path), the least over the backward forms compared,
     which no row's schedule can beat.  Each row's own bound (which adds its
     busiest worker) stays in ``lower_bound`` / ``own_gap``."""
+    from unisched.plan.family import label_of
+
     rows, skipped, shape_bounds = [], [], []
     for name, params in candidates:
-        label = _label(name, params)
+        label = label_of(name, params)
         try:
             sim = _simulate(args, name, params)
         except UniSchedError as error:
@@ -465,16 +452,6 @@ def _split(args) -> bool:
     return getattr(args, "backward_input", None) is not None or getattr(args, "backward_weight", None) is not None
 
 
-def _params(items: list[str]) -> dict:
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UniSchedError(f"--param takes K=V, got {item!r}")
-        params[key.strip().replace("-", "_")] = value.strip()
-    return params
-
-
 def _costs(args):
     from unisched import Costs
 
@@ -508,12 +485,13 @@ def _memory_limit(text: str | None):
 
 def _simulate(args, name: str, params: dict):
     from unisched import policies, simulate
+    from unisched.plan.command import is_user_strategy, user_strategy
+    from unisched.plan.family import label_of
     from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
-    own = _user_strategies(name)
-    if own is not None:
-        strategy = own.user_strategy(name, (W, S, B), params, label=_label(name, params))
+    if is_user_strategy(name):
+        strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
     split = True if _split(args) else None
@@ -522,19 +500,6 @@ def _simulate(args, name: str, params: dict):
         W, S, B, strategy, priority,
         costs=_costs(args), memory_limit=_memory_limit(args.memory_limit), split_backward=split,
     )
-
-
-def _user_strategies(name: str):
-    """The module that reads your own strategies when ``name`` is one (``MODULE:FUNCTION``), else None."""
-    if ":" not in str(name):
-        return None
-    from unisched.plan import command
-
-    return command
-
-
-def _label(name: str, params: dict) -> str:
-    return name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
 
 
 def _rho(sim) -> float:

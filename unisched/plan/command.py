@@ -30,7 +30,7 @@ from unisched.costs import Costs
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
-from unisched.plan.family import default_progress, label_of, parse_label
+from unisched.plan.family import default_progress, label_of, parse_params, strategy_spec
 from unisched.plan.planfile import Plan, jsonable
 from unisched.plan.planner import plan
 from unisched.plan.problem import PlanInputError, encode_costs
@@ -159,24 +159,12 @@ def write_outputs(result: Plan, paths) -> list[tuple[str, str]]:
 
 def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
     """``--strategy NAME(k=v, ...)`` and ``--param k=v`` as (name, parameters), the grammar of ``unisched simulate``."""
-    given = {}
-    for item in params:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise PlanInputError(f"--param takes K=V, got {item!r}")
-        given[key.strip().replace("-", "_")] = value.strip()
+    given = parse_params(params)
     if text is None:
         if given:
             raise PlanInputError("--param needs --strategy: it sets a parameter of the strategy whose mapping is kept")
         return None
-    name, inline = parse_label(text)
-    inline = {key.replace("-", "_"): value for key, value in inline.items()}
-    for key in sorted(inline.keys() & given.keys()):
-        if inline[key] != given[key]:
-            raise PlanInputError(
-                f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={given[key]}; give it once"
-            )
-    return name, {**inline, **given}
+    return strategy_spec(text, given)
 
 
 def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | None:

@@ -117,6 +117,33 @@ def parse_label(text: str) -> tuple[str, dict[str, str]]:
     return name.strip(), params
 
 
+def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME(key=value, ...)`` plus the ``--param`` values (see
+    :func:`parse_params`): (name, parameters), the one grammar of every verb.
+
+    A key given both ways must have one value."""
+    params = dict(params or {})
+    name, inline = parse_label(str(text))
+    inline = {key.replace("-", "_"): value for key, value in inline.items()}
+    for key in sorted(inline.keys() & params.keys()):
+        if str(inline[key]).strip() != str(params[key]).strip():
+            raise UniSchedError(
+                f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={params[key]}; give it once"
+            )
+    return name, {**inline, **params}
+
+
+def parse_params(items: Iterable[str]) -> dict[str, str]:
+    """``--param K=V`` items as ``{K: V}`` (a dash in K reads as an underscore)."""
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UniSchedError(f"--param takes K=V, got {item!r}")
+        params[key.strip().replace("-", "_")] = value.strip()
+    return params
+
+
 def search_family(
     problem: PlanProblem,
     members: Iterable[tuple[str, Strategy | None, str]] | None = None,

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from unisched.execute.arguments import DEFAULT_STRATEGY, check_training_arguments, make_schedule, positive_int
+from unisched.execute.arguments import add_schedule_arguments, check_training_arguments, make_schedule, positive_int
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
@@ -89,11 +89,7 @@ def make_optimizer(args: argparse.Namespace):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", help=f"a registered strategy (default {DEFAULT_STRATEGY}; unisched strategies lists them)")
-    p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
-    p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
-    p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
-    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
+    add_schedule_arguments(p)
     p.add_argument("--layers", type=positive_int, help="transformer blocks, at least one per stage (default 2 per stage)")
     p.add_argument("--width", type=positive_int, default=64, help="n_embd (default 64)")
     p.add_argument("--heads", type=positive_int, default=4, help="n_head (default 4)")

@@ -15,14 +15,19 @@ TIMELINE_FORMATS = (".html", ".png", ".svg", ".json", ".txt")
 DEFAULT_TOLERANCE = 1e-5
 
 
-def add_training_arguments(p: argparse.ArgumentParser) -> None:
+def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """The options :func:`check_training_arguments` and :func:`make_schedule` read."""
     p.add_argument("--strategy", help=f"a registered strategy, NAME or NAME(K=V, ...) (default {DEFAULT_STRATEGY}; "
                                       "unisched strategies lists them)")
     p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
     p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
     p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
     p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
+
+
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    add_schedule_arguments(p)
+    p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
     p.add_argument("--rows-per-batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
     p.add_argument("--model-width", type=positive_int, default=64,
                    help="hidden width of the model (default 64; the transformer uses 32)")
@@ -138,6 +143,3 @@ def make_schedule(args, workers: int):
     S, B = pick_shape(name, workers, args.stages, args.batches, params)
     strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
     return unisched.simulate(workers, S, B, strategy), S, B
-
-
-# ---------------------------------------------------------------------- main

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from unisched.cli import add_color_arguments
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
 from unisched.strategy import Strategy, as_strategy
@@ -34,7 +35,6 @@ from unisched.plan.family import default_progress, label_of, parse_params, strat
 from unisched.plan.planfile import Plan, jsonable
 from unisched.plan.planner import plan
 from unisched.plan.problem import PlanInputError, encode_costs
-from unisched.render.text import COLOR_HELP, COLOR_MODES
 
 DEFAULT_SHAPE = (4, 4, 8)
 DEFAULT_MEMORY_LIMIT = 2.0
@@ -79,9 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "repeatable")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     output.add_argument("--width", type=int, default=100, help="diagram width (default 100)")
-    output.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
-    output.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
-                        help="the same as --color never")
+    add_color_arguments(output)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Sequence
 
 MODELS = ("mlp", "transformer")
 DEFAULT_STRATEGY = "gpipe"
@@ -86,29 +85,10 @@ def check_training_arguments(args: argparse.Namespace) -> None:
     else:
         if args.strategy is None:
             args.strategy = DEFAULT_STRATEGY
-        if "(" in args.strategy or ")" in args.strategy:
-            from unisched.plan.family import parse_label
+        from unisched.plan.family import parse_params, strategy_spec
 
-            args.strategy, inline = parse_label(args.strategy)
-            given = parse_params(args.param)
-            clash = sorted(k for k in inline if k in given and str(given[k]) != str(inline[k]))
-            if clash:
-                raise unisched.UniSchedError(f"--strategy and --param give {clash[0]} two values; give it once")
-            args.param = [f"{k}={v}" for k, v in inline.items() if k not in given] + list(args.param)
-        parse_params(args.param)
-
-
-def parse_params(items: Sequence[str]) -> dict[str, str]:
-    """``["K=V", ...]`` -> ``{"K": "V"}``; an item without ``=`` or a key is an error that names it."""
-    import unisched
-
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise unisched.UniSchedError(f"--param takes K=V, got {item!r}")
-        params[key.strip().replace("-", "_")] = value.strip()
-    return params
+        args.strategy, params = strategy_spec(args.strategy, parse_params(args.param))
+        args.param = [f"{k}={v}" for k, v in params.items()]
 
 
 def pick_shape(name: str, workers: int, stages: int | None, batches: int | None, params: dict) -> tuple[int, int]:
@@ -138,6 +118,8 @@ def make_schedule(args, workers: int):
                 f"plan {args.plan} is for {plan.shape.num_workers} workers; launch that many processes, not {workers}"
             )
         return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
+    from unisched.plan.family import parse_params
+
     params = parse_params(args.param)
     name = args.strategy or DEFAULT_STRATEGY
     S, B = pick_shape(name, workers, args.stages, args.batches, params)

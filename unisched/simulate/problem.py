@@ -69,8 +69,6 @@ class Problem:
     activation_bytes: np.ndarray
     stash_bytes: np.ndarray
     weight_bytes: list
-    returns_gradient: list
-    gradient_returns: dict
     gang: np.ndarray
     """Per item: index into ``gang_members``, or -1 for an item run by one worker."""
     gang_members: tuple[tuple[int, ...], ...]
@@ -132,6 +130,7 @@ class Problem:
         kinds, nbytes = moves(self, np.stack([src, self.succ_idx, self.succ_kind, self.succ_moved]))
         return [TRANSFER_KINDS[k] if k >= 0 else None for k in kinds.tolist()], nbytes.tolist()
 
+    @cached_property
     def weight_links(self) -> tuple[np.ndarray, ...]:
         """(item, member, holder, share, bytes) of the weights every item's
         workers compute with: its compute worker and its weight worker's
@@ -146,6 +145,27 @@ class Problem:
         ganged = [(item, *link) for item, links in self.gang_weights.items() for link in links]
         return tuple(np.concatenate([column[alone], np.array(extra, dtype=column.dtype)])
                      for column, extra in zip(rows, zip(*ganged)))
+
+    @cached_property
+    def returning_links(self) -> np.ndarray:
+        """Per row of :attr:`weight_links`: whether that member returns a
+        weight gradient to the holder (:func:`unisched.dataflow.returns_gradient`)."""
+        item, member, holder, _, _ = self.weight_links
+        return dataflow.returns_gradient(self.direction[item], member, holder, self.split_backward)
+
+    @cached_property
+    def returns_gradient(self) -> list:
+        """Per item: whether any worker running it returns a weight gradient."""
+        returns = np.zeros(self.num_items, dtype=bool)
+        returns[self.weight_links[0][self.returning_links]] = True
+        return returns.tolist()
+
+    @cached_property
+    def gradient_returns(self) -> dict[tuple[int, int], int]:
+        """(worker, stage) -> how many of its items return a gradient of that stage."""
+        item, member = self.weight_links[0][self.returning_links], self.weight_links[1][self.returning_links]
+        pairs, counts = np.unique(np.stack([member, self.stage[item]]), axis=1, return_counts=True)
+        return {(int(w), int(s)): int(c) for (w, s), c in zip(pairs.T, counts)}
 
 
 def moves(p: Problem, edge_table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -215,18 +235,6 @@ def build(
         gang, gang_members, gang_collective, compute, weight, stage, direction,
         dataflow.input_bytes(act_bytes, stage_graph), dataflow.output_bytes(act_bytes, stage_graph), weight_bytes,
     )
-    returns_gradient = dataflow.returns_gradient(direction, compute, weight, split_backward)
-    gradient_returns: dict[tuple[int, int], int] = {}
-    for item in np.flatnonzero(returns_gradient & (gang < 0)).tolist():
-        key = (int(compute[item]), int(stage[item]))
-        gradient_returns[key] = gradient_returns.get(key, 0) + 1
-    gradient_pass = direction == dataflow.gradient_pass(split_backward)
-    for item, links in weights_in_gang.items():
-        borrowed = [(member, int(stage[item])) for member, holder, _, _ in links if member != holder]
-        returns_gradient[item] = bool(gradient_pass[item] and borrowed)
-        for key in borrowed if gradient_pass[item] else ():
-            gradient_returns[key] = gradient_returns.get(key, 0) + 1
-
     return Problem(
         shape=shape,
         items=items,
@@ -253,8 +261,6 @@ def build(
         activation_bytes=act_bytes,
         stash_bytes=stash_bytes,
         weight_bytes=weight_bytes.tolist(),
-        returns_gradient=returns_gradient.tolist(),
-        gradient_returns=gradient_returns,
         gang=gang,
         gang_members=gang_members,
         gang_collective=gang_collective,

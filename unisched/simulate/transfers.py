@@ -65,10 +65,9 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
     kinds, nbytes, src, dst = kinds[some], nbytes[some], src[some], dst[some]
     data = _columns(kinds, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)
 
-    item, member, holder, _, size = p.weight_links()
-    borrowed = member != holder
-    gradient = borrowed & np.asarray(p.returns_gradient, dtype=bool)[item]
-    fetching, returning = np.flatnonzero(borrowed), np.flatnonzero(gradient)
+    item, member, holder, _, size = p.weight_links
+    fetching = np.flatnonzero(dataflow.fetches_weights(member, holder))
+    returning = np.flatnonzero(p.returning_links)
     if p.cache_weights:
         fetching = _first_per_group(fetching, member, p.stage[item], start[item])
         returning = _first_per_group(returning, member, p.stage[item], -end[item])
@@ -106,7 +105,7 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     """A ring all-reduce per share of a stage held by several workers (the
     holders of :meth:`Problem.weight_links`), once every replica has its
     gradient (its own backwards and returned ones)."""
-    item, _, holder, share, size = p.weight_links()
+    item, _, holder, share, size = p.weight_links
     last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
     item, holder, share, size = item[last], holder[last], share[last], size[last]
     stage = p.stage[item]

@@ -200,7 +200,8 @@ def build(
     act_bytes = costs.per_stage("activation_bytes", S)
     for g, (members, collective) in enumerate(zip(gang_members, gang_collective)):
         rows = gang == g
-        duration[rows] = duration[rows] * speeds[compute[rows]] / speeds[list(members)].min()
+        slowest = members[int(np.argmin(speeds[list(members)]))]  # a gang item runs at its slowest member's pace
+        duration[rows] = costs.item_time(stage[rows], direction[rows], slowest, S, W)
         if collective:
             duration[rows] += network.tensor_parallel_time(costs, members, act_bytes[stage[rows]])
 

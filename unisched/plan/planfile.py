@@ -69,6 +69,8 @@ class Plan:
     candidates: Sequence[Mapping[str, Any]] = field(default_factory=list)
     dropped: Sequence[Mapping[str, Any]] = field(default_factory=list)
     elapsed: float | None = None
+    replay: Simulation | None = field(default=None, repr=False)
+    """The simulator's run of ``schedule`` (made once: by the planner, by the loader's check, or here)."""
 
     @property
     def problem(self) -> PlanProblem:
@@ -94,7 +96,9 @@ class Plan:
         return self.schedule.strategy(description=f"plan found by {self.strategy_name}")
 
     def simulate(self) -> Simulation:
-        return self.schedule.simulate()
+        if self.replay is None:
+            self.replay = self.schedule.simulate()
+        return self.replay
 
     def worker_orders(self) -> dict[int, list[Work]]:
         return self.schedule.worker_orders()
@@ -218,7 +222,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     candidates = _rows(data, "candidates", ("strategy", "source"), source, CANDIDATE_NUMBERS)
     dropped = _rows(data, "dropped", ("strategy", "reason"), source)
     schedule = _schedule(problem, data["mapping"], data["orders"], source, name)
-    latency = _replay(schedule, source)
+    replay = _replay(schedule, source)
+    latency = float(replay.latency)
     _check_claims(source, latency, claims["latency"], claims["lower_bound"] or 0.0, bounds, optimal)
     return Plan(
         schedule=schedule,
@@ -230,6 +235,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         model_latency=claims["model_latency"],
         candidates=candidates,
         dropped=dropped,
+        replay=replay,
     )
 
 
@@ -237,16 +243,17 @@ TOLERANCE = 1e-9
 """Relative difference allowed between a file's latency and its replay (float round-off)."""
 
 
-def _replay(schedule: Schedule, source: str) -> float:
+def _replay(schedule: Schedule, source: str) -> Simulation:
     try:
-        latency = float(schedule.simulate().latency)
+        replay = schedule.simulate()
     except UniSchedError as error:
         raise PlanFileError(
             f"{source} cannot be replayed: {str(error).splitlines()[0]}; the file was edited or damaged: plan again"
         ) from None
+    latency = float(replay.latency)
     if not (math.isfinite(latency) and latency >= 0):
         raise PlanFileError(f"{source} replays to latency {latency!r}; plan again")
-    return latency
+    return replay
 
 
 def _check_claims(source: str, latency: float, claimed: float, lower_bound: float, bounds: Mapping[str, float],

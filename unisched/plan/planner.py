@@ -189,6 +189,7 @@ def plan(
         candidates=rows,
         dropped=dropped,
         elapsed=time.perf_counter() - begin,
+        replay=best.replay,
     )
 
 

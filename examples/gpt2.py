@@ -22,15 +22,16 @@ tensor, so the last stage trains its own copy (``tied="untie"``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-import time
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from unisched.execute.arguments import add_schedule_arguments, check_training_arguments, make_schedule, positive_int
+from unisched.execute.example import median_ms, train_steps
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
@@ -132,22 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer = make_optimizer(args)
         trainer = unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout)
         del stages  # the Trainer holds this rank's stages; the others' weights are freed
-        rows = B * args.rows_per_batch
-        losses, seconds = [], []
-        for step in range(args.steps):
-            x, y = data(args, step, rows)
-            start = time.perf_counter()
-            losses.append(trainer.step(x, y))
-            seconds.append(time.perf_counter() - start)
-            if trainer.rank == 0 and not args.json:
-                print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.1f} ms", flush=True)
+        losses, seconds, _ = train_steps(trainer, functools.partial(data, args), args.steps,
+                                         B * args.rows_per_batch, quiet=args.json)
         report = {
             "strategy": getattr(schedule.strategy, "name", args.strategy) if not args.plan else f"plan {args.plan}",
             "shape": [trainer.world_size, S, B],
             "split": described,
             "layers": layers,
             "losses": losses,
-            "step_ms_median": 1e3 * sorted(seconds)[len(seconds) // 2],
+            "step_ms_median": median_ms(seconds),
         }
         if args.check:
             state = trainer.gather_state_dict()

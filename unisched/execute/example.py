@@ -21,7 +21,7 @@ import json
 import math
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
     raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
 
 
-# ---------------------------------------------------------------------- schedules
+# ---------------------------------------------------------------------- the run
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_arguments(p)
@@ -147,22 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args, trainer, schedule, data, B: int) -> dict:
     from unisched.execute import calibrate_costs, predict
 
-    rows = B * args.rows_per_batch
-    losses, seconds, timelines = [], [], []
-    for step in range(args.steps):
-        x, y = data(step, rows)
-        start = time.perf_counter()
-        losses.append(trainer.step(x, y))
-        seconds.append(time.perf_counter() - start)
-        timelines.append(trainer.last_timeline)
-        if trainer.rank == 0 and not args.json:
-            print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.1f} ms", flush=True)
+    losses, seconds, timelines = train_steps(trainer, data, args.steps, B * args.rows_per_batch, quiet=args.json)
     report = {
         "strategy": getattr(schedule.strategy, "name", str(args.strategy)),
         "model": args.model,
         "shape": [trainer.world_size, trainer.program.num_stages, B],
         "losses": losses,
-        "step_ms_median": 1e3 * float(sorted(seconds[1:] or seconds)[len(seconds[1:] or seconds) // 2]),
+        "step_ms_median": median_ms(seconds),
     }
     if trainer.rank == 0 and len(timelines) >= 3:
         costs = calibrate_costs(timelines[1 : len(timelines) // 2 + 1])
@@ -175,6 +166,29 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
         trainer.last_timeline.save(args.timeline)
         report["timeline"] = args.timeline
     return report
+
+
+def train_steps(trainer, data: Callable[[int, int], tuple], steps: int, rows: int,
+                quiet: bool = False) -> tuple[list[float], list[float], list]:
+    """``steps`` training steps on ``data(step, rows)``: each step's loss,
+    seconds and measured timeline (None off rank 0); rank 0 prints each
+    step unless ``quiet``.  The training loop of every example."""
+    losses, seconds, timelines = [], [], []
+    for step in range(steps):
+        x, y = data(step, rows)
+        start = time.perf_counter()
+        losses.append(trainer.step(x, y))
+        seconds.append(time.perf_counter() - start)
+        timelines.append(trainer.last_timeline)
+        if trainer.rank == 0 and not quiet:
+            print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.1f} ms", flush=True)
+    return losses, seconds, timelines
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+    """The median step in milliseconds, leaving out the first (a warm-up) when there are others."""
+    kept = sorted(seconds[1:] or seconds)
+    return 1e3 * kept[len(kept) // 2]
 
 
 def _check(args, state: dict, S: int, B: int, data) -> float:

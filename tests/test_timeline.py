@@ -117,6 +117,13 @@ def test_check_names_a_broken_dependency():
     assert caught.value.items == [Work(0, 1, FORWARD), Work(0, 0, FORWARD)]
 
 
+def test_check_names_a_dependency_that_moves_nothing_as_such():
+    t = simulate(1, 1, 1, gpipe).timeline
+    early = moved(t, Work(0, 0, BACKWARD), 0.5, 2.5)  # a source stage's backward needs its forward done, not data
+    with pytest.raises(TimelineError, match=r"\(0B0\) starts at 0.5 .* \(0F0\) ends at 1 on worker 0, whose completion"):
+        early.check()
+
+
 def test_check_names_two_items_at_once_on_a_worker():
     t = simulate(4, 4, 8, gpipe).timeline
     crowded = moved(t, Work(1, 0, FORWARD), 0.5, 1.5)  # 0F1 has no dependency; 0F0 runs 0 to 1

@@ -427,7 +427,8 @@ class Timeline:
         raise TimelineError(
             f"{_named(self.work(i))} starts at {self.start[i]:g} on worker {self.worker[i]}, before "
             f"{_named(self.work(j))} ends at {self.end[j]:g} on worker {self.worker[j]}, whose "
-            f"{TRANSFER_KINDS[moves[k]]} it needs{more}; an item starts only after its dependencies end",
+            f"{TRANSFER_KINDS[moves[k]] if moves[k] != dataflow.MOVES_NOTHING else 'completion'} it needs{more}; "
+            "an item starts only after its dependencies end",
             items=[self.work(i), self.work(j)], workers=sorted({int(self.worker[i]), int(self.worker[j])}),
         )
 

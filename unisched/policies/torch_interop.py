@@ -37,7 +37,8 @@ import numpy as np
 from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.policies._registry import Entry, require
-from unisched.policies.zero_bubble import _v_shape, dualpipe_v_order
+from unisched.policies.pipeline import stage_modulo_workers
+from unisched.policies.zero_bubble import _v_mapping, _v_shape, dualpipe_v_order
 from unisched.simulate import simulate
 from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
@@ -46,7 +47,6 @@ from unisched.work import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
-    ComputeAndWeightWorkers,
     Direction,
     Shape,
     Work,
@@ -67,7 +67,7 @@ def schedule_gpipe(num_workers: int, num_stages: int, num_batches: int) -> Strat
     shape = _one_stage_per_rank("ScheduleGPipe", num_workers, num_stages, num_batches)
     orders = {r: [Work(b, r, FORWARD) for b in range(num_batches)] + [Work(b, r, BACKWARD) for b in range(num_batches)]
               for r in range(num_workers)}
-    return _torch_strategy(GPIPE, shape, orders, _loop(num_workers))
+    return _torch_strategy(GPIPE, shape, orders, stage_modulo_workers(num_workers))
 
 
 def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -88,7 +88,7 @@ def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strate
                 order.append(Work(forward, rank, FORWARD))
                 forward += 1
         orders[rank] = order
-    return _torch_strategy(ONE_F_ONE_B, shape, orders, _loop(num_workers))
+    return _torch_strategy(ONE_F_ONE_B, shape, orders, stage_modulo_workers(num_workers))
 
 
 def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -98,7 +98,7 @@ def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: in
     shape, v, per_round = _interleaved_shape("ScheduleInterleaved1F1B", num_workers, num_stages, num_batches)
     orders = {r: _interleaved_rank_ops(num_workers, v, num_batches, per_round, r, zero_bubble=False)
               for r in range(num_workers)}
-    return _torch_strategy(INTERLEAVED_1F1B, shape, orders, _loop(num_workers))
+    return _torch_strategy(INTERLEAVED_1F1B, shape, orders, stage_modulo_workers(num_workers))
 
 
 def schedule_looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -113,7 +113,7 @@ def schedule_looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> 
         order = [Work(b, s, FORWARD) for s in stages for b in range(num_batches)]
         order += [Work(b, s, BACKWARD) for s in reversed(stages) for b in reversed(range(num_batches))]
         orders[rank] = order
-    return _torch_strategy(LOOPED_BFS, shape, orders, _loop(num_workers))
+    return _torch_strategy(LOOPED_BFS, shape, orders, stage_modulo_workers(num_workers))
 
 
 def schedule_interleaved_zero_bubble(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -123,7 +123,7 @@ def schedule_interleaved_zero_bubble(num_workers: int, num_stages: int, num_batc
     shape, v, per_round = _interleaved_shape("ScheduleInterleavedZeroBubble", num_workers, num_stages, num_batches)
     orders = {r: _interleaved_rank_ops(num_workers, v, num_batches, per_round, r, zero_bubble=True)
               for r in range(num_workers)}
-    return _torch_strategy(INTERLEAVED_ZERO_BUBBLE, shape, orders, _loop(num_workers), split_backward=True)
+    return _torch_strategy(INTERLEAVED_ZERO_BUBBLE, shape, orders, stage_modulo_workers(num_workers), split_backward=True)
 
 
 def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -132,7 +132,7 @@ def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int
     not exist are left out, as torch does)."""
     shape = _v_shape("ScheduleZBVZeroBubble", num_workers, num_stages, num_batches)
     orders = {r: _zbv_rank_ops(num_workers, num_batches, r) for r in range(num_workers)}
-    return _torch_strategy(ZBV_ZERO_BUBBLE, shape, orders, _v(num_workers), split_backward=True)
+    return _torch_strategy(ZBV_ZERO_BUBBLE, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
 
 
 def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -144,7 +144,7 @@ def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> 
     require(num_batches >= num_stages, "ScheduleDualPipeV",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
     orders = {r: dualpipe_v_order(num_workers, r, num_batches) for r in range(num_workers)}
-    return _torch_strategy(DUALPIPE_V, shape, orders, _v(num_workers), split_backward=True)
+    return _torch_strategy(DUALPIPE_V, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
 
 
 def split_full_backwards(order: Iterable[Work]) -> list[Work]:
@@ -273,29 +273,14 @@ def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, i
     return shape, S // W, B // rounds
 
 
-def _loop(p: int):
-    return lambda stage: stage % p
-
-
-def _v(p: int):
-    return lambda stage: stage if stage < p else 2 * p - 1 - stage
-
-
-def _torch_strategy(entry: Entry, shape: Shape, orders: Orders, rank_of: Callable[[int], int], *,
+def _torch_strategy(entry: Entry, shape: Shape, orders: Orders, placement: tuple[Callable, Callable], *,
                     split_backward: bool = False) -> Strategy:
+    """torch's ``orders`` on a placement of the policies (``stage_modulo_workers``
+    or the V of ``zero_bubble``): its mapping and vectorised form."""
     problem = check_orders(shape, orders, split_backward)
     require(problem is None, entry.name, f"torch's order for W={shape.num_workers}, S={shape.num_stages}, "
                                          f"B={shape.num_batches} cannot run (torch refuses it too): {problem}")
-    ranks = np.array([rank_of(s) for s in range(shape.num_stages)], dtype=np.int64)
-
-    def mapping(work: Work) -> ComputeAndWeightWorkers:
-        rank = int(ranks[work.stage])
-        return ComputeAndWeightWorkers(rank, rank)
-
-    def map_arrays(batch, stage, direction):
-        rank = ranks[np.asarray(stage)]
-        return rank, rank
-
+    mapping, map_arrays = placement
     return Strategy(mapping, name=entry.name, description=entry.description, split_backward=split_backward,
                     worker_orders=orders, shape=shape, map_arrays=map_arrays)
 

@@ -1032,7 +1032,6 @@ class Layout(_ShapeAndDtype):
         layout.grads = tuple(grads)
         layout.needs_grad = tuple(i in layout.grads for i in range(len(shapes)))
         layout.single = spec.is_leaf()
-        layout.spread = spec.type in SPREAD
         layout.wire = Wire.of(shapes, layout.dtypes)
         layout.grad_wire = Wire.of([shapes[i] for i in layout.grads], [layout.dtypes[i] for i in layout.grads])
         layout.shares = {1: layout}
@@ -1081,17 +1080,8 @@ def stage_arguments(values: Sequence) -> list:
 
 def _arguments(layouts: Sequence[Layout], values: Sequence[Sequence[torch.Tensor]]) -> list:
     """The positional arguments of a stage that takes ``values`` (each the
-    tensors of one value): a tuple or list is unpacked, anything else is one
-    argument, as in ``torch.distributed.pipelining``."""
-    args = []
-    for layout, leaves in zip(layouts, values):
-        if layout.single:
-            args.append(leaves[0])
-        elif layout.spread:
-            args.extend(tree_unflatten(list(leaves), layout.spec))
-        else:
-            args.append(tree_unflatten(list(leaves), layout.spec))
-    return args
+    tensors of one value, in its ``layouts``), by :func:`stage_arguments`."""
+    return stage_arguments([layout.tree(leaves) for layout, leaves in zip(layouts, values)])
 
 
 def _needing_grad(layout: Layout, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

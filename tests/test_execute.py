@@ -53,6 +53,32 @@ def single_process(num_stages: int, steps: int = 2) -> dict[str, torch.Tensor]:
     return train_one_process(make_stages(num_stages), nn.functional.mse_loss, optimizer, batches)[1]
 
 
+def run_ranks(fn, world: int, *args, timeout: float) -> list:
+    """Each rank's value of ``fn(rank, world, *args)`` on ``world`` gloo ranks; an error on any rank fails."""
+    results = run_local(fn, world, *args, timeout=timeout)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
+def state_of(stages) -> dict[str, torch.Tensor]:
+    """``{"<stage>.<name>": tensor}`` of ``stages``, the form gather_state_dict gives."""
+    return {f"{s}.{k}": v for s, stage in enumerate(stages) for k, v in stage.state_dict().items()}
+
+
+def largest_change(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor], prefix: str = "") -> float:
+    """How far training moved the weights (those whose key starts with ``prefix``)."""
+    return max(float((after[k] - before[k]).abs().max()) for k in after if k.startswith(prefix))
+
+
+def assert_every_rank_matches(states, reference: dict[str, torch.Tensor], what: str) -> None:
+    """Every rank's gathered weights (``states``, numpy, one per rank) equal ``reference`` to 1e-5."""
+    for rank, state in enumerate(states):
+        assert set(state) == set(reference), f"{what}: rank {rank} gathers other weights"
+        for key, expected in reference.items():
+            assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{what}: rank {rank} differs in {key}"
+
+
 def seed_cuckoo(num_workers: int, num_stages: int, num_batches: int):
     """The seed notebook's Cuckoo, as a user writes it: F and B of early
     (stage, batch) pairs run on different workers."""
@@ -229,22 +255,14 @@ def _overlaps(t: Timeline) -> int:
 @pytest.fixture(scope="module")
 def trained():
     timelines = {name: schedule_for(name, S, B, params).timeline for name, S, B, params in CASES}
-    results = run_local(_train_every_case, 4, timelines, timeout=300)
-    for r in results:
-        assert r.error is None, f"rank {r.rank}: {r.error}"
-    return [r.value for r in results]
+    return run_ranks(_train_every_case, 4, timelines, timeout=300)
 
 
 @pytest.mark.parametrize("name,S,B,params", CASES)
 def test_two_steps_match_single_process_training(trained, name, S, B, params):
     reference = single_process(S)
-    initial = {f"{s}.{k}": v for s, stage in enumerate(make_stages(S)) for k, v in stage.state_dict().items()}
-    assert max(float((reference[k] - initial[k]).abs().max()) for k in reference) > 1e-2, "training must move weights"
-    for rank, rows in enumerate(trained):
-        state = rows[name]["state"]
-        assert set(state) == set(reference)
-        for key, expected in reference.items():
-            assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{name}: rank {rank} differs in {key}"
+    assert largest_change(reference, state_of(make_stages(S))) > 1e-2, "training must move weights"
+    assert_every_rank_matches([rows[name]["state"] for rows in trained], reference, name)
     losses = {rows[name]["loss"] for rows in trained}
     assert len(losses) == 1
 

@@ -21,7 +21,7 @@ from unisched.execute import ExecutionError, Trainer
 from unisched.execute.launch import run_local
 from unisched.strategy import Gang, Strategy
 
-from test_execute import optimizer
+from test_execute import assert_every_rank_matches, largest_change, optimizer, run_ranks, state_of
 
 W = S = 3
 B = 4
@@ -237,24 +237,16 @@ def _train_cases(rank: int, world: int, timelines: dict):
 @pytest.fixture(scope="module")
 def trained():
     timelines = {name: schedule_for(name).timeline for name in {name for _, name in CASES}}
-    results = run_local(_train_cases, W, timelines, timeout=300)
-    for r in results:
-        assert r.error is None, f"rank {r.rank}: {r.error}"
-    return [r.value for r in results]
+    return run_ranks(_train_cases, W, timelines, timeout=300)
 
 
 @pytest.mark.parametrize("model,name", CASES)
 def test_pytrees_between_stages_train_like_one_process(trained, model, name):
     reference = one_process(model)
-    initial = {f"{s}.{k}": v for s, stage in enumerate(make_stages(model)) for k, v in stage.state_dict().items()}
+    initial = state_of(make_stages(model))
     for s in range(S):
-        moved = max(float((reference[k] - initial[k]).abs().max()) for k in reference if k.startswith(f"{s}."))
-        assert moved > 1e-2, f"training must move the weights of stage {s}"
-    for rank, rows in enumerate(trained):
-        state = rows[(model, name)]["state"]
-        assert set(state) == set(reference)
-        for key, expected in reference.items():
-            assert np.abs(state[key] - expected.numpy()).max() < 1e-5, f"{model} {name}: rank {rank} differs in {key}"
+        assert largest_change(reference, initial, f"{s}.") > 1e-2, f"training must move the weights of stage {s}"
+    assert_every_rank_matches([rows[(model, name)]["state"] for rows in trained], reference, f"{model} {name}")
     assert len({rows[(model, name)]["loss"] for rows in trained}) == 1
 
 

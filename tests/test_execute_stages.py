@@ -4,7 +4,6 @@ a stage differently on two ranks stops every rank, naming both."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -12,9 +11,8 @@ from torch import nn
 import unisched
 from unisched import policies, simulate
 from unisched.execute import Trainer, build_stages, train_one_process
-from unisched.execute.launch import run_local
 
-from test_execute import WIDTH, batch, optimizer
+from test_execute import WIDTH, assert_every_rank_matches, batch, largest_change, optimizer, run_ranks, state_of
 
 W = S = 2
 B = 2
@@ -68,10 +66,7 @@ def _train(rank: int, world: int):
 
 @pytest.fixture(scope="module")
 def trained():
-    results = run_local(_train, W, timeout=180)
-    for r in results:
-        assert r.error is None, f"rank {r.rank}: {r.error}"
-    return [r.value for r in results]
+    return run_ranks(_train, W, timeout=180)
 
 
 def test_a_pipeline_rank_builds_only_its_stage(trained):
@@ -88,13 +83,9 @@ def test_a_rank_that_fetches_weights_builds_the_stages_it_computes(trained):
 @pytest.mark.parametrize("name", ["gpipe", "fsdp"])
 def test_seeded_factory_stages_train_like_one_process(trained, name):
     expected = reference()
-    initial = {f"{s}.{k}": v for s, stage in enumerate(build_stages(factory, S)) for k, v in stage.state_dict().items()}
-    assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-3, "training must move weights"
-    for rank, result in enumerate(trained):
-        state = result[name]["state"]
-        assert set(state) == set(expected)
-        for key, value in expected.items():
-            assert np.abs(state[key] - value.numpy()).max() < 1e-5, f"{name}: rank {rank} differs in {key}"
+    assert largest_change(expected, state_of(build_stages(factory, S))) > 1e-3, "training must move weights"
+    assert_every_rank_matches([result[name]["state"] for result in trained], expected, name)
+    for result in trained:
         per_stage = 2 * (WIDTH * WIDTH + WIDTH) * 4 / 2
         assert result[name]["weight_bytes"] == [per_stage] * S, "every rank knows every stage's size"
 

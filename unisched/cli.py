@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from unisched.errors import ShapeError, UniSchedError
+from unisched.render.text import add_color_arguments
 from unisched.work import FORWARD, directions
 
 DEMO_SHAPE = (4, 4, 8)
@@ -174,15 +175,6 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         command.add_arguments(sub)
         sub.set_defaults(handler=command.run)
     return parser
-
-
-def add_color_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--color auto|always|never`` and ``--no-color`` (the same as ``--color never``)."""
-    from unisched.render.text import COLOR_HELP, COLOR_MODES
-
-    parser.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
-    parser.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
-                        help="the same as --color never")
 
 
 def _unavailable(verb: str, error: ImportError) -> Callable:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from unisched.cli import add_color_arguments
+from unisched.render.text import add_color_arguments
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
 from unisched.strategy import Strategy, as_strategy

@@ -410,3 +410,11 @@ def stats_table(timeline: Timeline, width: int = 100, max_rows: int = 32) -> str
 def _plainish(value: float):
     value = float(value)
     return int(value) if value.is_integer() else value
+
+
+def add_color_arguments(parser) -> None:
+    """``--color auto|always|never`` and ``--no-color`` (the same as
+    ``--color never``) on a command that draws text."""
+    parser.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
+    parser.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
+                        help="the same as --color never")

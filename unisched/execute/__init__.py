@@ -27,7 +27,7 @@ _WHERE = {
     "parse_action": "program",
     "train_one_process": "reference",
     "Trainer": "runtime",
-    "build_stages": "runtime",
+    "build_stages": "stages",
     "ModelStages": "split",
     "SplitError": "split",
     "split_model": "split",

@@ -52,6 +52,7 @@ from unisched.execute.faults import (
     Watchdog,
 )
 from unisched.execute.measure import Clock, RankNotes, assemble
+from unisched.execute.stages import is_factory, materialize
 from unisched.dataflow import first_backward
 from unisched.execute.program import (
     Action,
@@ -137,12 +138,12 @@ class Trainer:
         error, program = None, None
         try:
             program = compile_program(
-                self.timeline_in, num_stages=None if _is_factory(stages) else len(stages),
+                self.timeline_in, num_stages=None if is_factory(stages) else len(stages),
                 world_size=self.world_size, lookahead=lookahead, stage_graph=graph,
             )
             self._mine = sorted({a.stage for a in program.actions[self.rank] if a.is_compute}
                                 | {s for s, held in enumerate(program.replicas) if self.rank in held})
-            self.stages = _build_stages(stages, program.num_stages, self._mine, seed)
+            self.stages = materialize(stages, program.num_stages, self._mine, seed)
             self._set_up_stages(program, optimizer)
         except Exception as caught:
             error = caught
@@ -1251,35 +1252,6 @@ def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(like)
 
 
-def _is_factory(stages) -> bool:
-    return callable(stages) and not isinstance(stages, nn.Module)
-
-
-def build_stages(factory: Callable[[int], nn.Module], num_stages: int, seed: int = 0,
-                 only: Sequence[int] | None = None) -> list[nn.Module | None]:
-    """Call ``factory(s)`` for each stage (or those in ``only``; None for the
-    others), each under the seed ``seed * 100_003 + s`` with the CPU random
-    state restored after, so a stage is initialized the same on whichever
-    rank builds it, and the same as in a one-process reference built here."""
-    wanted = set(range(num_stages) if only is None else only)
-    stages: list[nn.Module | None] = []
-    for s in range(num_stages):
-        if s not in wanted:
-            stages.append(None)
-            continue
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 100_003 + s)
-            stages.append(factory(s))
-    return stages
-
-
-def _build_stages(stages, num_stages: int, mine: Sequence[int], seed: int) -> list[nn.Module | None]:
-    """The stage modules: as given, or the factory's for the stages this rank needs."""
-    stages = build_stages(stages, num_stages, seed, only=mine) if _is_factory(stages) else list(stages)
-    _check_stages([stages[s] for s in mine], mine)
-    return stages
-
-
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host-memory copy of ``tensor`` (pinned when it feeds a GPU)."""
     copy = tensor.detach().to("cpu", copy=True)
@@ -1301,15 +1273,6 @@ def _rows_of(x: torch.Tensor, members: tuple[int, ...], rank: int, stage: int) -
     """``rank``'s share of the rows of a micro-batch, as a gang member of a source stage."""
     _rows_shape(x.shape, len(members), f"the micro-batch of stage {stage}")
     return x.chunk(len(members))[members.index(rank)]
-
-
-def _check_stages(stages, indices) -> None:
-    for s, stage in zip(indices, stages):
-        if not isinstance(stage, nn.Module):
-            raise TypeError(f"stage {s} is a {type(stage).__name__}; Trainer needs one torch.nn.Module per stage")
-        dtypes = {p.dtype for p in stage.parameters()}
-        if len(dtypes) > 1:
-            raise ShapeError(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage")
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -26,10 +26,13 @@ def test_strategies_lists_the_registry(capsys):
 
     code, out, _ = run(capsys, "strategies")
     assert code == 0
-    for name in policies.names():
+    for name in policies.names() + policies.aliases():
         assert name in out
+    assert "ScheduleZBVZeroBubble" in policies.aliases()
     code, out, _ = run(capsys, "strategies", "--json")
-    assert [entry["name"] for entry in json.loads(out)] == policies.names()
+    listed = json.loads(out)
+    assert [entry["name"] for entry in listed] == policies.names() + policies.aliases()
+    assert {entry["family"] for entry in listed if entry["name"] in policies.aliases()} == {"torch"}
 
 
 def test_simulate_json_has_the_results_and_nothing_else(capsys):

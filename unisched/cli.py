@@ -213,16 +213,26 @@ def cmd_strategies(args) -> int:
     from unisched import policies
 
     catalog = [policies.describe(name) for name in policies.names()]
+    torch_schedules = [policies.describe(name) for name in policies.aliases()]
     if args.json:
-        print(_dumps(catalog))
+        print(_dumps(catalog + torch_schedules))
         return 0
+    pad = max(len(entry["name"]) for entry in catalog + torch_schedules) + 2
     for entry in catalog:
-        print(f"{entry['name']:<22}{entry['description']}")
-        if entry.get("constraints"):
-            print(f"{'':<22}needs: {entry['constraints']}")
-        for param in entry.get("params", []):
-            print(f"{'':<22}--param {param['name']}=… (default {param['default']}): {param['help']}")
+        _print_entry(entry, pad)
+    print("\ntorch.distributed.pipelining's schedule classes, by name (the order torch runs):")
+    for entry in torch_schedules:
+        _print_entry(entry, pad)
     return 0
+
+
+def _print_entry(entry: dict, pad: int) -> None:
+    """One strategy of the catalog: name, description, constraints and parameters."""
+    print(f"{entry['name']:<{pad}}{entry['description']}")
+    if entry.get("constraints"):
+        print(f"{'':<{pad}}needs: {entry['constraints']}")
+    for param in entry.get("params", []):
+        print(f"{'':<{pad}}--param {param['name']}=… (default {param['default']}): {param['help']}")
 
 
 def cmd_simulate(args) -> int:

@@ -405,6 +405,13 @@ def test_trace_time_unit(unit, us):
     assert trace["otherData"]["unit_seconds"] == pytest.approx(us / 1e6)
 
 
+def test_trace_time_unit_through_the_timeline_and_simulation_methods():
+    sim = simulate(4, 4, 8, gpipe_strategy)
+    for trace in (sim.to_chrome_trace(time_unit="ms"), sim.timeline.to_chrome_trace(time_unit="ms")):
+        assert max(e["ts"] + e.get("dur", 0) for e in trace["traceEvents"] if e["ph"] == "X") == pytest.approx(33e3)
+    assert sim.to_chrome_trace() == to_chrome_trace(sim.timeline)
+
+
 def test_trace_time_unit_through_save_and_refused_when_unknown(tmp_path):
     save(gpipe(), tmp_path / "ms.json", time_unit="ms")
     events = json.loads((tmp_path / "ms.json").read_text())["traceEvents"]

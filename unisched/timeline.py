@@ -588,8 +588,9 @@ class Timeline:
     def figure(self, **options):
         return _view("figure")(self, **options)
 
-    def to_chrome_trace(self) -> dict:
-        return _view("to_chrome_trace")(self)
+    def to_chrome_trace(self, time_unit: str | float = "s") -> dict:
+        """The Chrome trace (``time_unit``: what one unit of time is, default a second)."""
+        return _view("to_chrome_trace")(self, time_unit=time_unit)
 
     def save(self, path, **options) -> None:
         """Write the diagram by extension: .html, .png, .svg, .pdf, .json (Chrome trace), .txt."""

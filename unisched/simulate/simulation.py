@@ -258,8 +258,8 @@ class Simulation:
     def to_html(self, **options) -> str:
         return self.timeline.to_html(**options)
 
-    def to_chrome_trace(self) -> dict:
-        return self.timeline.to_chrome_trace()
+    def to_chrome_trace(self, time_unit: str | float = "s") -> dict:
+        return self.timeline.to_chrome_trace(time_unit=time_unit)
 
     def figure(self, **options):
         return self.timeline.figure(**options)

@@ -16,3 +16,5 @@ def test_notebook_runs(name):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("text/html" in o.get("data", {}) for o in outputs), "the diagrams render as HTML"
+    figures = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(figures) >= 2, "the matplotlib figures render inline, not as their text repr"

@@ -243,3 +243,30 @@ def test_a_trace_the_trainer_cannot_run_is_refused():
         split_model(Residual(), 7, example=torch.randint(0, 16, (2, 5)))
     with pytest.raises(SplitError, match="tied weights fall into different stages: head.weight is embed.weight"):
         split_model(Residual(tie=True), 2, example=torch.randint(0, 16, (2, 5)), tied="refuse")
+
+
+# ---------------------------------------------------------------------- a model on the meta device, loaded from its state dict
+def test_a_gpt2_on_the_meta_device_splits_and_loads_from_the_models_state_dict():
+    transformers = pytest.importorskip("transformers")
+    from unisched.execute.stages import build_stages, stages_from_state_dict
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=4, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    real = transformers.GPT2LMHeadModel(config)
+    with torch.device("meta"):
+        empty = transformers.GPT2LMHeadModel(config)
+    stages = split_model(empty, 3, tied="untie")
+    assert all(p.is_meta for stage in stages for p in stage.parameters())
+    loaded = build_stages(stages_from_state_dict(stages, stages.stage_state_dict(real.state_dict())), 3, only=[2])
+    assert loaded[:2] == [None, None], "only the stage asked for is built"
+    assert torch.equal(loaded[2].get_submodule("lm_head").weight, real.lm_head.weight)
+    x = torch.randint(0, 32, (2, 8))
+    built = build_stages(stages_from_state_dict(stages, stages.stage_state_dict(real.state_dict())), 3)
+    assert torch.allclose(chain(built, x), real(x).logits, atol=1e-6)
+    with pytest.raises(SplitError, match="has no transformer.h.3.ln_1.weight, a weight of stage 2"):
+        stages.stage_state_dict({k: v for k, v in real.state_dict().items() if "h.3.ln_1" not in k})
+    with torch.device("meta"):
+        uninitialized = split_model(transformers.GPT2LMHeadModel(config), 3, tied="untie")
+    with pytest.raises(unisched.UniSchedError, match="its submodule transformer.h.0.attn.c_attn .* no reset_parameters"):
+        build_stages(uninitialized, 3, only=[0])

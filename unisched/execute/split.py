@@ -28,7 +28,10 @@ backward time on the example (``"time"``), or given by you (a list).
 The result is a list of stage modules that is also a factory
 ``stage -> module``: the Trainer then keeps only the stages its rank uses.
 Stage modules keep the model's parameter names (``stages.model_state_dict``
-turns ``Trainer.gather_state_dict()`` back into the model's keys).  A
+turns ``Trainer.gather_state_dict()`` back into the model's keys, and
+``stages.stage_state_dict`` a model's state dict into the stages' keys, which
+``stages_from_state_dict`` loads: split a model built on the meta device,
+then load each rank's stages from a checkpoint).  A
 parameter shared by two stages (GPT-2 ties ``lm_head`` to ``wte``) cannot
 stay shared across ranks: by default the later stage gets its own copy
 (``tied="untie"``, with a warning unless asked for), or the split refuses
@@ -66,8 +69,8 @@ class ModelStages(list):
     ``stages[s]`` or ``stages(s)`` is stage s.  Given to the Trainer, which
     takes any callable as a factory, a rank keeps only the stages it computes
     or holds; drop your own references to the model and to this list and the
-    other stages' weights are freed.  The Trainer does not learn ``len(stages)``
-    through the factory: split into as many stages as the schedule has.
+    other stages' weights are freed.  The Trainer checks ``len(stages)``
+    against the schedule's number of stages.
 
     ``blocks[s]`` is the range of block indices of stage s, ``weights`` the
     weight of each block used to balance them, ``kind`` which splitter made
@@ -106,6 +109,21 @@ class ModelStages(list):
             if name in out:
                 raise SplitError(f"{name} comes from two stages; it is not one of this split's parameters")
             out[name] = value
+        return out
+
+    def stage_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's own ``{name: tensor}`` as ``{"<stage>.<name>": tensor}``
+        for these stages (the inverse of :meth:`model_state_dict`; an untied
+        copy takes the tensor saved under its own name), the form
+        ``unisched.stages_from_state_dict`` loads, e.g. into stages split from
+        a model built on the meta device."""
+        out: dict[str, torch.Tensor] = {}
+        for s, stage in enumerate(self):
+            for name in stage.state_dict():
+                if name not in state:
+                    raise SplitError(f"the model's state dict has no {name}, a weight of stage {s}; "
+                                     f"give the state dict of the model that was split")
+                out[f"{s}.{name}"] = state[name]
         return out
 
     def __repr__(self) -> str:

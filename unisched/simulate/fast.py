@@ -1,35 +1,151 @@
-"""The same greedy as :mod:`unisched.simulate.engine`, compiled, for the
-common case: free communication, no memory limit and no gangs (fixed orders
-are fine: they are only edges).  This is what makes a million work items
-take about a second.
+"""The greedy of :mod:`unisched.simulate.engine`, compiled by numba.
 
-It is written in the subset of Python that numba compiles, and it is the
-same algorithm, step for step, as ``engine.run`` without its memory,
-communication and gang hooks; the test suite checks that both give identical
-timelines, compiled and interpreted.  The heaps are flat arrays here (the
-main heap of ``(time, key, entry)`` triples, and one region of a shared
-array per worker for its late items) because that is what compiles to fast
-code.  Without numba installed the engine is used instead.
+It covers every step without communication costs and without gangs: any
+mapping, priority, per-stage costs and worker speeds (they are only the
+durations), fixed per-worker orders (they are only edges), split backwards,
+and memory limits with parking.  That is what makes a million work items
+take about a second, 1F1B and zero bubble included.
 
-numba (and what it imports: about a second and 80 MiB) is loaded on the
-first step large enough to use it (:data:`COMPILED_FROM`), so a training
-process that simulates its own few hundred items never loads it.
+It is the same algorithm, step for step, as ``engine.run``; the tests check
+that both give identical timelines, item for item.  What differs is the
+shape of the data, because that is what compiles to fast code:
+
+- the main heap of ``(time, key, entry)`` triples is three flat arrays
+  that grow when needed;
+- each worker's late items (a heap of ``(key, item)``), the releases booked
+  on each worker (a heap of ``(time, amount)``) and the forwards parked on
+  a storage worker for each compute worker (a heap of ``(key, item)``) live
+  in one region of a shared array each, sized by how many such entries can
+  be there at once (each item is in at most one of them at a time);
+- what each item claims and releases is in flat arrays (CSR by item),
+  taken from the :class:`~unisched.simulate.problem.Problem`'s lists.
+
+Without numba installed the engine is used instead.  numba (and what it
+imports: about a second and 80 MiB) is loaded on the first step large
+enough to use it (:data:`COMPILED_FROM`), so a training process that
+simulates its own few hundred items never loads it.
 """
 
 from __future__ import annotations
 
 import math
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
+
+from unisched.dataflow import EDGE_PRIMARY
 
 COMPILED_FROM = 4096
 """Steps with fewer items run on the Python engine, in a few milliseconds."""
 
+_EPS = 1e-9
+"""The engine's tolerance on memory levels and release times."""
+
+
+def covers(problem) -> bool:
+    """Whether the compiled greedy runs this problem (else the engine does)."""
+    return not problem.comm and not problem.gang_members
+
+
+class MemoryArrays(NamedTuple):
+    """The engine's memory model as flat arrays (all empty without a limit).
+
+    Claims and releases are CSR by item.  A forward parked on a storage
+    worker waits in the queue of the pair (storage, its compute worker);
+    ``claim_pair`` names that queue per claim, and the pairs of storage w
+    are ``pair_ptr[w]:pair_ptr[w + 1]``."""
+
+    limit: np.ndarray
+    claim_ptr: np.ndarray
+    claim_worker: np.ndarray
+    claim_amount: np.ndarray
+    claim_pair: np.ndarray
+    pair_ptr: np.ndarray
+    pair_base: np.ndarray
+    release_ptr: np.ndarray
+    release_worker: np.ndarray
+    release_amount: np.ndarray
+    release_base: np.ndarray
+
+
+def memory_arrays(problem) -> MemoryArrays:
+    """``problem.limit``, ``claims`` and ``releases_of`` as :class:`MemoryArrays`."""
+    n, W = problem.num_items, problem.num_workers
+    if problem.claims is None:
+        none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+        return MemoryArrays(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
+                            none_i, np.zeros(n + 1, np.int64), none_i, none_f, np.zeros(W, np.int64))
+    claim_ptr, (claim_worker, claim_amount) = _csr(problem.claims, n, 2)
+    release_ptr, (release_worker, release_amount, _) = _csr(problem.releases_of, n, 3)
+    claim_worker, release_worker = claim_worker.astype(np.int64), release_worker.astype(np.int64)
+
+    claimant = np.repeat(problem.worker_array, np.diff(claim_ptr))
+    pairs, claim_pair, per_pair = np.unique(claim_worker * W + claimant, return_inverse=True, return_counts=True)
+    pair_ptr = np.zeros(W + 1, np.int64)
+    np.cumsum(np.bincount(pairs // W, minlength=W), out=pair_ptr[1:])
+    return MemoryArrays(
+        limit=np.asarray(problem.limit, dtype=float),
+        claim_ptr=claim_ptr,
+        claim_worker=claim_worker,
+        claim_amount=claim_amount,
+        claim_pair=claim_pair.astype(np.int64).reshape(-1),
+        pair_ptr=pair_ptr,
+        pair_base=_bases(per_pair),
+        release_ptr=release_ptr,
+        release_worker=release_worker,
+        release_amount=release_amount,
+        release_base=_bases(np.bincount(release_worker, minlength=W)),
+    )
+
+
+def _csr(rows: list, n: int, width: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """Per-item tuples of ``width``-tuples (or None) as a pointer array and columns."""
+    counts = np.fromiter((len(r) if r else 0 for r in rows), dtype=np.int64, count=n)
+    ptr = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    flat = np.array([entry for r in rows if r for entry in r], dtype=float).reshape(-1, width)
+    return ptr, tuple(flat.T.copy())
+
+
+def _bases(sizes: np.ndarray) -> np.ndarray:
+    base = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=base[1:])
+    return base
+
+
+def run(problem):
+    """Start and end time of every item of ``problem`` (compiled, or None
+    without numba); items never scheduled (a deadlock) keep start -1."""
+    kernel = compiled_schedule()
+    if kernel is None:
+        return None
+    memory = memory_arrays(problem)
+    first = problem.sources[0]
+    return kernel(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
+                  problem.succ_kind == EDGE_PRIMARY, problem.num_deps, first, problem.rank[problem.sources[1]],
+                  problem.num_workers, *memory)
+
 
 def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
            num_workers):
-    """Start and end time of every item; items never scheduled keep start -1."""
+    """:func:`schedule` without a memory limit."""
+    n = worker.shape[0]
+    none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+    return schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
+                    num_workers, none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i,
+                    np.zeros(num_workers + 1, np.int64), none_i, np.zeros(n + 1, np.int64), none_i, none_f,
+                    np.zeros(num_workers, np.int64))
+
+
+# ---------------------------------------------------------------------- the greedy
+def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
+             num_workers, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_ptr, pair_base,
+             release_ptr, release_worker, release_amount, release_base):
+    """Start and end time of every item; items never scheduled keep start -1.
+
+    ``engine.run`` step for step; the memory arguments are
+    :class:`MemoryArrays` (``limit`` empty: no limit)."""
     n = worker.shape[0]
     remaining = num_deps.copy()
     ready = np.zeros(n)
@@ -39,42 +155,74 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
     end = np.zeros(n)
     free = np.zeros(num_workers)
 
-    capacity = 4 * n + num_workers + 16
+    # the main heap, and the slack one step may push onto it at most
+    most_pairs = 0
+    for w in range(num_workers):
+        most_pairs = max(most_pairs, pair_ptr[w + 1] - pair_ptr[w])
+    most_out, most_memory = 0, 0
+    for i in range(n):
+        most_out = max(most_out, succ_ptr[i + 1] - succ_ptr[i])
+        most_memory = max(most_memory, claim_ptr[i + 1] - claim_ptr[i] + release_ptr[i + 1] - release_ptr[i])
+    slack = 4 + most_out + most_memory * most_pairs
+    capacity = 2 * n + num_workers + slack
     heap_t = np.empty(capacity)
     heap_k = np.empty(capacity, dtype=np.int64)
     heap_e = np.empty(capacity, dtype=np.int64)
     size = 0
 
-    per_worker = np.bincount(worker, minlength=num_workers)
-    late_base = np.zeros(num_workers, dtype=np.int64)
-    late_base[1:] = np.cumsum(per_worker)[:-1]
+    # each worker's late items
+    late_base = _regions(worker, num_workers)
     late_size = np.zeros(num_workers, dtype=np.int64)
     late_k = np.empty(n, dtype=np.int64)
     late_e = np.empty(n, dtype=np.int64)
+
+    # memory: levels, booked releases per worker, parked forwards per (storage, compute worker)
+    memory = limit.shape[0] > 0
+    live = np.zeros(num_workers)
+    release_size = np.zeros(num_workers, dtype=np.int64)
+    release_t = np.empty(release_worker.shape[0])
+    release_a = np.empty(release_worker.shape[0])
+    scratch_t = np.empty(release_worker.shape[0])
+    scratch_a = np.empty(release_worker.shape[0])
+    park_size = np.zeros(pair_base.shape[0], dtype=np.int64)
+    park_k = np.empty(claim_pair.shape[0], dtype=np.int64)
+    park_e = np.empty(claim_pair.shape[0], dtype=np.int64)
+    woken = np.empty(max(most_pairs, 1), dtype=np.int64)
 
     for i in range(source_items.shape[0]):
         trigger_rank[source_items[i]] = source_keys[i]
         size = _push(heap_t, heap_k, heap_e, size, 0.0, source_keys[i], source_items[i])
 
     while size > 0:
+        if size + slack > heap_t.shape[0]:
+            heap_t, heap_k, heap_e = _grown(heap_t, heap_k, heap_e, size)
         t, key, item = heap_t[0], heap_k[0], heap_e[0]
         size = _pop(heap_t, heap_k, heap_e, size)
-        if item < 0:
+        if item < 0:  # a worker's best late item stands here
             w = -1 - item
             base = late_base[w]
             if late_size[w] == 0 or t != free[w] or late_k[base] != key:
-                continue
+                continue  # stale: the worker or its queue changed since
             item = late_e[base]
             late_size[w] = _late_pop(late_k, late_e, base, late_size[w])
             if late_size[w] > 0:
                 size = _push(heap_t, heap_k, heap_e, size, t, late_k[base], -1 - w)
         else:
             w = worker[item]
-            if t < free[w]:
+            if t < free[w]:  # the worker got busier: wait among its late items
                 base = late_base[w]
                 late_size[w] = _late_push(late_k, late_e, base, late_size[w], key, item)
                 if late_e[base] == item:
                     size = _push(heap_t, heap_k, heap_e, size, free[w], key, -1 - w)
+                continue
+
+        if memory:
+            retry = _admit(item, t, key, worker, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base,
+                           live, release_base, release_size, release_t, release_a, scratch_t, scratch_a,
+                           park_size, park_k, park_e)
+            if retry != t:
+                if retry < math.inf:
+                    size = _push(heap_t, heap_k, heap_e, size, retry, key, item)
                 continue
 
         finish = t + duration[item]
@@ -83,6 +231,23 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
         free[w] = finish
         if late_size[w] > 0:
             size = _push(heap_t, heap_k, heap_e, size, finish, late_k[late_base[w]], -1 - w)
+        if memory:  # book the item's claims and releases; retry forwards parked where they land
+            for c in range(claim_ptr[item], claim_ptr[item + 1]):
+                holder = claim_worker[c]
+                live[holder] += claim_amount[c]
+                count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
+                for j in range(count):
+                    other = woken[j]
+                    size = _push(heap_t, heap_k, heap_e, size, max(t, ready[other]), trigger_rank[other], other)
+            for r in range(release_ptr[item], release_ptr[item + 1]):
+                holder = release_worker[r]
+                release_size[holder] = _pair_push(release_t, release_a, release_base[holder], release_size[holder],
+                                                  finish, release_amount[r])
+                count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
+                for j in range(count):
+                    other = woken[j]
+                    size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other],
+                                 other)
 
         item_rank = rank[item]
         for k in range(succ_ptr[item], succ_ptr[item + 1]):
@@ -104,6 +269,73 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
                 else:
                     size = _push(heap_t, heap_k, heap_e, size, ready[nxt], nxt_key, nxt)
     return start, end
+
+
+def _regions(owner, count):
+    """Where each owner's region starts when each holds one slot per entry of ``owner``."""
+    sizes = np.zeros(count, dtype=np.int64)
+    for i in range(owner.shape[0]):
+        sizes[owner[i]] += 1
+    base = np.zeros(count, dtype=np.int64)
+    for i in range(1, count):
+        base[i] = base[i - 1] + sizes[i - 1]
+    return base
+
+
+# ---------------------------------------------------------------------- memory (engine._Memory)
+def _level(w, t, live, release_base, release_size, release_t, release_a):
+    """Worker w's live stashes at ``t``, after the releases booked up to then."""
+    base = release_base[w]
+    while release_size[w] > 0 and release_t[base] <= t + _EPS:
+        live[w] -= release_a[base]
+        release_size[w] = _pair_pop(release_t, release_a, base, release_size[w])
+    return live[w]
+
+
+def _admit(item, t, key, worker, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base,
+           live, release_base, release_size, release_t, release_a, scratch_t, scratch_a, park_size, park_k, park_e):
+    """``t`` if ``item`` may start at ``t``; else when to look again (inf: parked)."""
+    retry = t
+    for c in range(claim_ptr[item], claim_ptr[item + 1]):
+        w = claim_worker[c]
+        need = _level(w, t, live, release_base, release_size, release_t, release_a) + claim_amount[c] - limit[w]
+        if need <= _EPS:
+            continue
+        when = _when_freed(need, release_base[w], release_size[w], release_t, release_a, scratch_t, scratch_a)
+        if when == math.inf:
+            pair = claim_pair[c]
+            park_size[pair] = _late_push(park_k, park_e, pair_base[pair], park_size[pair], key, item)
+            return math.inf
+        retry = max(retry, when)
+    return retry
+
+
+def _when_freed(need, base, count, release_t, release_a, scratch_t, scratch_a):
+    """The first booked release time by which ``need`` is freed (releases in
+    time order, as the engine's ``sorted``), or inf."""
+    for i in range(count):
+        scratch_t[i] = release_t[base + i]
+        scratch_a[i] = release_a[base + i]
+    freed = 0.0
+    while count > 0:
+        time, released = scratch_t[0], scratch_a[0]
+        count = _pair_pop(scratch_t, scratch_a, 0, count)
+        freed += released
+        if freed >= need - _EPS:
+            return time
+    return math.inf
+
+
+def _wake(w, pair_ptr, pair_base, park_size, park_k, park_e, woken):
+    """Take the first parked forward of each compute worker waiting on w; how many."""
+    count = 0
+    for pair in range(pair_ptr[w], pair_ptr[w + 1]):
+        if park_size[pair] > 0:
+            base = pair_base[pair]
+            woken[count] = park_e[base]
+            count += 1
+            park_size[pair] = _late_pop(park_k, park_e, base, park_size[pair])
+    return count
 
 
 # ---------------------------------------------------------------------- flat heaps
@@ -147,7 +379,16 @@ def _pop(ht, hk, he, size):
     return size
 
 
+def _grown(ht, hk, he, size):
+    """The main heap's arrays with twice the room."""
+    capacity = 2 * ht.shape[0]
+    t, k, e = np.empty(capacity), np.empty(capacity, dtype=np.int64), np.empty(capacity, dtype=np.int64)
+    t[:size], k[:size], e[:size] = ht[:size], hk[:size], he[:size]
+    return t, k, e
+
+
 def _late_push(lk, le, base, size, k, e):
+    """Push onto a heap of (int, int) pairs in the region starting at ``base``."""
     i = size
     while i > 0:
         parent = (i - 1) >> 1
@@ -181,14 +422,63 @@ def _late_pop(lk, le, base, size):
     return size
 
 
+def _pair_push(at, aa, base, size, t, a):
+    """Push onto a heap of (float, float) pairs in the region starting at ``base``."""
+    i = size
+    while i > 0:
+        parent = (i - 1) >> 1
+        pt, pa = at[base + parent], aa[base + parent]
+        if t > pt or (t == pt and a >= pa):
+            break
+        at[base + i], aa[base + i] = pt, pa
+        i = parent
+    at[base + i], aa[base + i] = t, a
+    return size + 1
+
+
+def _pair_pop(at, aa, base, size):
+    size -= 1
+    t, a = at[base + size], aa[base + size]
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            break
+        c = base + child
+        if child + 1 < size and (at[c + 1] < at[c] or (at[c + 1] == at[c] and aa[c + 1] < aa[c])):
+            child += 1
+            c += 1
+        if at[c] > t or (at[c] == t and aa[c] >= a):
+            break
+        at[base + i], aa[base + i] = at[c], aa[c]
+        i = child
+    if size > 0:
+        at[base + i], aa[base + i] = t, a
+    return size
+
+
+_HELPERS = ("_regions", "_level", "_admit", "_when_freed", "_wake", "_before", "_push", "_pop", "_grown",
+            "_late_push", "_late_pop", "_pair_push", "_pair_pop", "schedule")
+
+
 @cache
-def compiled_greedy():
-    """:func:`greedy` compiled by numba (on first use), or None without numba."""
+def compiled_schedule():
+    """:func:`schedule` compiled by numba (on first use), or None without numba."""
     try:
         import numba
     except ImportError:  # pragma: no cover - numba is a dependency; this keeps the simulator usable without it
         return None
-    global _before, _push, _pop, _late_push, _late_pop
     jit = numba.njit(cache=True, nogil=True)
-    _before, _push, _pop, _late_push, _late_pop = (jit(f) for f in (_before, _push, _pop, _late_push, _late_pop))
-    return jit(greedy)
+    for name in _HELPERS:  # callees first: a compiled function calls the compiled ones
+        globals()[name] = jit(globals()[name])
+    return globals()["schedule"]
+
+
+@cache
+def compiled_greedy():
+    """:func:`greedy` compiled by numba (on first use), or None without numba."""
+    if compiled_schedule() is None:  # pragma: no cover - see compiled_schedule
+        return None
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(greedy)

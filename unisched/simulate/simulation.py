@@ -12,7 +12,6 @@ import networkx as nx
 import numpy as np
 
 from unisched.costs import DEFAULT_COSTS, Costs
-from unisched.dataflow import EDGE_PRIMARY
 from unisched.errors import ShapeError
 from unisched.simulate import engine, fast
 from unisched.simulate.priorities import OldestBatchFirst
@@ -116,26 +115,15 @@ def check_size(shape: Shape, split_backward: bool = False) -> None:
 
 
 def _run(problem):
-    """The compiled greedy where it applies, else the general engine.
+    """The compiled greedy where it applies (:func:`fast.covers`), else the
+    general engine.
 
     The general engine also runs when the compiled one leaves items
     unscheduled, to explain the deadlock."""
-    compiled = problem.num_items >= fast.COMPILED_FROM and fast.compiled_greedy()
-    if problem.claims is None and not problem.comm and not problem.gang_members and compiled:
-        start, end = compiled(
-            problem.worker_array,
-            problem.duration,
-            problem.rank,
-            problem.succ_ptr,
-            problem.succ_idx,
-            problem.succ_kind == EDGE_PRIMARY,
-            problem.num_deps,
-            problem.sources[0],
-            problem.rank[problem.sources[1]],
-            problem.num_workers,
-        )
-        if start.min(initial=0.0) >= 0:
-            return start, end, None
+    if problem.num_items >= fast.COMPILED_FROM and fast.covers(problem):
+        times = fast.run(problem)
+        if times is not None and times[0].min(initial=0.0) >= 0:
+            return times[0], times[1], None
     start, end, booked = engine.run(problem)
     return np.asarray(start), np.asarray(end), booked
 

@@ -1,0 +1,165 @@
+"""The compiled greedy (unisched.simulate.fast) against the engine it mirrors:
+identical timelines, item for item, for random shapes, mappings, priorities,
+costs, memory limits, split backwards, stage graphs and fixed orders; the
+same deadlocks; and simulate() taking the compiled path where it applies."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unisched
+from unisched import ComputeAndWeightWorkers, Costs, DeadlockError
+from unisched.simulate import engine, fast
+from unisched.simulate.priorities import BUILTIN_PRIORITIES
+from unisched.simulate.problem import build
+from unisched.work import Shape, as_stage_graph
+
+pytestmark = pytest.mark.skipif(fast.compiled_schedule() is None, reason="numba is not installed")
+
+
+def random_mapping(rng, W, S, B, split):
+    table = {w: (int(rng.integers(W)), int(rng.integers(W))) for w in unisched.all_work(S, B, split_backward=split)}
+    return unisched.as_strategy(lambda work: ComputeAndWeightWorkers(*table[work]))
+
+
+class RandomPriority:
+    """A random total order on work items (no vectorised form)."""
+
+    def __init__(self, rng):
+        self.salt = int(rng.integers(1 << 30))
+
+    def __call__(self, work):
+        return hash((work.batch, work.stage, int(work.direction), self.salt))
+
+
+def both_runs(shape, strategy, priority, costs, limit, split, graph, in_bytes):
+    """The engine's (start, end) or its DeadlockError, and the compiled greedy's (start, end)."""
+    p = build(shape, strategy, priority, costs, limit, split, graph, in_bytes)
+    assert fast.covers(p)
+    try:
+        start, end, _ = engine.run(p)
+        expected = (np.asarray(start), np.asarray(end))
+    except DeadlockError as error:
+        expected = error
+    return expected, fast.run(p)
+
+
+def assert_same(expected, got):
+    start, end = got
+    if isinstance(expected, DeadlockError):
+        assert start.min() < 0, "the engine deadlocks, so the compiled greedy must leave items unscheduled"
+    else:
+        assert np.array_equal(start, expected[0]) and np.array_equal(end, expected[1])
+
+
+def diamond_or_chain(S, diamond):
+    if not diamond or S < 4:
+        return as_stage_graph(S, None)
+    graph = nx.DiGraph([(0, 1), (0, 2), (1, 3), (2, 3)])
+    graph.add_edges_from((s, s + 1) for s in range(3, S - 1))
+    return as_stage_graph(S, graph)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    W=st.integers(1, 4),
+    S=st.integers(1, 5),
+    B=st.integers(1, 6),
+    split=st.booleans(),
+    diamond=st.booleans(),
+    priority=st.sampled_from([*BUILTIN_PRIORITIES, "random"]),
+    limit=st.one_of(st.none(), st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0]), st.just("per worker")),
+    costs=st.sampled_from(["unit", "per stage", "speeds", "bytes"]),
+    input_grad_frees=st.sampled_from([0.5, 0.25, 1.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_random_strategies_same_timeline(W, S, B, split, diamond, priority, limit, costs, input_grad_frees, seed):
+    rng = np.random.default_rng(seed)
+    shape = Shape(W, S, B)
+    strategy = random_mapping(rng, W, S, B, split)
+    order = RandomPriority(rng) if priority == "random" else BUILTIN_PRIORITIES[priority](S, B)
+    cost_of = {
+        "unit": Costs(input_grad_frees=input_grad_frees),
+        "per stage": Costs(forward=list(rng.choice([0.5, 1.0, 1.25], S)), backward=list(rng.choice([1.0, 2.0], S)),
+                           input_grad_frees=input_grad_frees),
+        "speeds": Costs(worker_speed=list(rng.choice([0.5, 1.0, 2.0], W)), input_grad_frees=input_grad_frees),
+        "bytes": Costs(activation_bytes=list(rng.choice([1.0, 3.0], S)), input_grad_frees=input_grad_frees),
+    }[costs]
+    if limit == "per worker":
+        limit = list(rng.choice([2.0, 3.0, 4.0], W))
+    if limit is not None and costs == "bytes":
+        limit = np.asarray(limit) * 3.0
+    if limit is not None and np.min(limit) < (3.0 if costs == "bytes" else 1.0):
+        limit = None  # a limit below one stash is refused before simulating (test_bad_input)
+    expected, got = both_runs(shape, strategy, order, cost_of, limit, split, diamond_or_chain(S, diamond), None)
+    assert_same(expected, got)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    W=st.integers(1, 4),
+    S=st.integers(1, 4),
+    B=st.integers(1, 6),
+    split=st.booleans(),
+    limit=st.one_of(st.none(), st.sampled_from([1.0, 2.0, 3.0])),
+    seed=st.integers(0, 2**31),
+)
+def test_fixed_orders_same_timeline(W, S, B, split, limit, seed):
+    """A replayed schedule (fixed orders) under other durations and a limit,
+    which may deadlock: both agree."""
+    rng = np.random.default_rng(seed)
+    first = unisched.simulate(W, S, B, random_mapping(rng, W, S, B, split), split_backward=split)
+    replay = first.timeline.as_strategy()
+    costs = Costs(forward=list(rng.choice([0.5, 1.0, 2.0], S)), backward=list(rng.choice([1.0, 3.0], S)))
+    expected, got = both_runs(Shape(W, S, B), replay, BUILTIN_PRIORITIES["backward_first"](S, B), costs, limit,
+                              split, as_stage_graph(S, None), None)
+    assert_same(expected, got)
+
+
+@pytest.mark.parametrize("name, W, S, B", [
+    ("one_f_one_b", 8, 8, 8), ("zb_h1", 8, 8, 8), ("zb_h2", 8, 8, 8), ("interleaved", 4, 8, 8), ("zbv", 4, 8, 8),
+    ("dualpipe_v", 4, 8, 8), ("gpipe", 8, 8, 8), ("fsdp", 8, 4, 8), ("looped", 4, 8, 8),
+])
+def test_named_strategies_same_timeline(name, W, S, B):
+    strategy = unisched.policies.get(name, num_workers=W, num_stages=S, num_batches=B)
+    priority = strategy.priority or BUILTIN_PRIORITIES["oldest_batch_first"](S, B)
+    expected, got = both_runs(Shape(W, S, B), strategy, priority, Costs(), strategy.memory_limit,
+                              strategy.split_backward, as_stage_graph(S, None), False)
+    assert not isinstance(expected, DeadlockError)
+    assert_same(expected, got)
+
+
+def test_simulate_takes_the_compiled_path_with_a_memory_limit(monkeypatch):
+    """1F1B at a size the compiled greedy runs: simulate() never calls the
+    engine, and its timeline is the engine's."""
+    W = S = 16
+    B = fast.COMPILED_FROM // (2 * S) + 1
+    strategy = unisched.policies.get("one_f_one_b", num_workers=W, num_stages=S, num_batches=B)
+    priority = strategy.priority or BUILTIN_PRIORITIES["oldest_batch_first"](S, B)
+    p = build(Shape(W, S, B), strategy, priority, Costs(), strategy.memory_limit, False, as_stage_graph(S, None), False)
+    start, end, _ = engine.run(p)
+
+    def refuse(problem):
+        raise AssertionError("the engine ran a step the compiled greedy covers")
+
+    monkeypatch.setattr(engine, "run", refuse)
+    t = unisched.simulate(W, S, B, strategy).timeline
+    index = t.index()
+    for i in range(p.num_items):
+        row = index[p.work(i)]
+        assert (t.start[row], t.end[row]) == (start[i], end[i])
+
+
+def test_a_compiled_deadlock_is_explained_by_the_engine():
+    """A fixed order that runs every forward first, under a limit of one
+    stash: the compiled greedy stops, and the engine names the blocked workers."""
+    W = S = 8
+    B = fast.COMPILED_FROM // (2 * S) + 1
+    fill_drain = unisched.simulate(W, S, B, unisched.policies.get("gpipe", num_workers=W, num_stages=S,
+                                                                   num_batches=B, priority="oldest_stage_first"))
+    with pytest.raises(DeadlockError, match="wait\\(s\\) for activation memory on worker"):
+        unisched.simulate(W, S, B, fill_drain.timeline.as_strategy(), memory_limit=1.0)

@@ -146,11 +146,66 @@ def test_zbv_reaches_the_fill_bound_at_one_f_one_b_memory(p, m):
     assert max(sim.worker_stats()["max_activation_storage"]) <= 2 * p
 
 
+# The hand-made orders come from their papers' structure, never from timings,
+# so the same order runs, and the papers' formulas hold, under any costs.
+UNEVEN_SPLIT = Costs(forward=[1.0, 2.5, 0.7, 1.9], backward_input=[1.2, 2.0, 0.4, 3.0],
+                     backward_weight=[0.5, 1.5, 0.9, 0.3], latency=0.35)
+
+
+def test_one_f_one_b_is_megatrons_order_and_torchs():
+    for p, m in [(4, 8), (4, 3), (6, 13), (1, 4)]:
+        orders = policies.get("one_f_one_b", p, p, m).worker_orders
+        assert orders == policies.megatron_interleaved_orders(p, 1, m)
+        if m >= p:
+            assert orders == policies.get("Schedule1F1B", p, p, m).worker_orders
+
+
+def test_one_f_one_b_keeps_its_rhythm_where_the_greedy_rule_would_not():
+    # stage 2's backward is slow: backward-first greedy with 1F1B's limit runs
+    # 2F0 2F1 2B0 2B1 2F2 2F3 there (two backwards in a row); 1F1B alternates
+    costs = Costs(forward=1, backward=[1, 1, 2, 1])
+    greedy = policies.get("gpipe", 4, 4, 8).with_(priority=unisched.BackwardFirst(4, 8), memory_limit=[4, 3, 2, 1])
+    assert [str(w) for w in simulate(4, 4, 8, greedy, costs=costs).timeline.worker_order(2)[:6]] == \
+        ["2F0", "2F1", "2B0", "2B1", "2F2", "2F3"]
+    sim = run("one_f_one_b", 4, 4, 8, costs=costs)
+    assert sim.timeline.worker_orders() == policies.megatron_interleaved_orders(4, 1, 8)
+    assert sim.worker_stats()["max_activation_storage"] == [4, 3, 2, 1]
+
+
+def test_zb_h1_is_torchs_zero_bubble_order_with_one_stage_per_rank():
+    """torch's ScheduleInterleavedZeroBubble with v = 1: p - 1 - r warm-up
+    forwards, then F, I and (r pairs late) W per step: ZB-H1 exactly."""
+    for p, m in [(4, 8), (4, 12), (3, 9), (2, 4)]:
+        assert policies.get("zb_h1", p, p, m).worker_orders == \
+            policies.get("ScheduleInterleavedZeroBubble", p, p, m).worker_orders
+
+
+def test_zbv_is_torchs_zbv_order():
+    for p, m in [(4, 8), (2, 4), (3, 9), (4, 3), (5, 12)]:
+        assert policies.get("zbv", p, 2 * p, m).worker_orders == \
+            policies.get("ScheduleZBVZeroBubble", p, 2 * p, m).worker_orders
+
+
+@pytest.mark.parametrize("frees", [0.25, 0.5, 0.6])
+@pytest.mark.parametrize("p, m", [(4, 8), (6, 12), (3, 9)])
+def test_zero_bubble_memory_is_the_papers_formula_under_any_costs(p, m, frees):
+    """Worker i (from 1) of ZB-H1 holds (p - i + 1) M_B + (i - 1) M_W at its
+    peak, of ZB-H2 (2p - 2i + 1) M_B + (2i - 2) M_W (the paper's Table 2
+    text), with M_W = (1 - input_grad_frees) M_B: the warm-up forwards are
+    in flight, and the W passes lag s and 2s micro-batches behind their I."""
+    costs = Costs(forward=1.3, backward_input=1.1, backward_weight=0.6, latency=0.1, input_grad_frees=frees)
+    kept = 1 - frees
+    h1 = run("zb_h1", p, p, m, costs=costs).worker_stats()["max_activation_storage"]
+    h2 = run("zb_h2", p, p, m, costs=costs).worker_stats()["max_activation_storage"]
+    assert h1 == pytest.approx([(p - s) + s * kept for s in range(p)])
+    assert h2 == pytest.approx([(2 * p - 2 * s - 1) + 2 * s * kept for s in range(p)])
+
+
 def test_zero_bubble_strategies_follow_their_fixed_orders():
-    for name, shape in [("zb_h1", (4, 4, 8)), ("zb_h2", (4, 4, 8)), ("zbv", (3, 6, 6)), ("dualpipe_v", (3, 6, 6))]:
+    for name, shape in [("zb_h1", (4, 4, 8)), ("zb_h2", (4, 4, 8)), ("zbv", (2, 4, 6)), ("dualpipe_v", (2, 4, 6))]:
         strategy = policies.get(name, *shape)
         assert strategy.split_backward
-        sim = simulate(*shape, strategy, costs=Costs(forward=1, backward_input=1.5, backward_weight=0.5))
+        sim = simulate(*shape, strategy, costs=UNEVEN_SPLIT)
         for worker, order in strategy.worker_orders.items():
             assert sim.timeline.worker_order(worker) == list(order)
 
@@ -336,7 +391,8 @@ def test_a_strategy_is_still_a_plain_function():
 
 
 def test_the_simulation_call_overrides_the_strategy_limit():
-    strategy = policies.get("one_f_one_b", 4, 4, 8)
+    strategy = policies.get("gpipe", 4, 4, 8).with_(priority=unisched.BackwardFirst(4, 8), memory_limit=[4, 3, 2, 1])
+    assert simulate(4, 4, 8, strategy).worker_stats()["max_activation_storage"] == [4, 3, 2, 1]
     assert simulate(4, 4, 8, strategy, memory_limit=8).worker_stats()["max_activation_storage"] != [4, 3, 2, 1]
     assert BACKWARD_WEIGHT not in set(simulate(4, 4, 8, strategy).timeline.direction.tolist())
 

@@ -1,10 +1,17 @@
 """Building fixed per-worker orders for hand-made schedules.
 
-Zero-bubble schedules are not a tie-break: they deliberately postpone weight
-passes and admit extra forwards.  Their papers design them on a unit-time grid
-(every pass takes one slot); :func:`unit_time_orders` replays that design
-rule slot by slot and records what each worker ran.  The simulator then
-follows those orders exactly under any costs.
+The pipelines of one stage per worker (1F1B, ZB-H1, ZB-H2) share one
+structure, which :func:`warmup_steady_order` builds: a warm-up of forwards,
+then a steady phase that follows each backward (or each input-gradient
+pass I) with the next forward, and, with a split backward, runs each weight
+pass W a fixed number of micro-batches after its I.  The schedules differ
+only in those two counts, so their orders hold under any costs.
+
+:func:`unit_time_orders` designs an order another way: it runs a design
+rule of one's own slot by slot on a grid where every pass takes one slot,
+and records what each worker ran (an order found that way fits unit times;
+under other costs the simulator still follows it, but nothing promises it
+stays good).
 
 Also here: :class:`KeyPriority`, a priority given as array columns, for
 strategies whose tie-break is not one of the built-in ones.
@@ -20,6 +27,7 @@ import numpy as np
 from unisched.dataflow import dependencies
 from unisched.errors import DeadlockError
 from unisched.work import (
+    BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
@@ -28,6 +36,36 @@ from unisched.work import (
     Work,
     directions,
 )
+
+
+def warmup_steady_order(stage: int, num_batches: int, warmup: int, weight_lag: int | None = None) -> list[Work]:
+    """Stage ``stage``'s sequence: ``warmup`` forwards, then for each
+    micro-batch k its backward followed by the next forward, then nothing
+    but backwards once the forwards are done.
+
+    With ``weight_lag`` L the backward is split: micro-batch k's I pass is
+    followed by the W pass of micro-batch k - L (when k >= L), and the W
+    passes still owed run last, oldest first.  1F1B is ``warmup = S - s``
+    without a split; ZB-H1 adds ``weight_lag = s``; ZB-H2 takes
+    ``warmup = 2(S - s) - 1`` and ``weight_lag = 2s``.
+    """
+    forwards = min(warmup, num_batches)
+    order = [Work(b, stage, FORWARD) for b in range(forwards)]
+    weights = 0
+    for k in range(num_batches):
+        if weight_lag is None:
+            order.append(Work(k, stage, BACKWARD))
+        else:
+            order.append(Work(k, stage, BACKWARD_INPUT))
+            if k >= weight_lag:
+                order.append(Work(weights, stage, BACKWARD_WEIGHT))
+                weights += 1
+        if forwards < num_batches:
+            order.append(Work(forwards, stage, FORWARD))
+            forwards += 1
+    if weight_lag is not None:
+        order += [Work(b, stage, BACKWARD_WEIGHT) for b in range(weights, num_batches)]
+    return order
 
 
 class KeyPriority:

@@ -1,20 +1,25 @@
 """Pipeline parallelism: stage s lives on one worker and every micro-batch
 flows through the workers in turn.
 
-GPipe, 1F1B and the interleaved (virtual-stage) pipeline share that idea and
-differ only in what the unified scheme adds to a mapping: GPipe is the bare
-mapping; 1F1B is the same mapping with backward-first priority and a memory
-limit of S - s stashes on stage s's worker (the limit is what forces the
-one-forward-one-backward rhythm); the interleaved pipeline gives each worker
-v stages s, s + W, ... and follows Megatron-LM's fixed per-worker order.
+GPipe, 1F1B and the interleaved (virtual-stage) pipeline share that idea.
+GPipe is the bare mapping, run greedily.  1F1B and the interleaved pipeline
+are defined, as their papers define them, by the order of work on each
+worker: 1F1B runs S - s warm-up forwards on stage s's worker, then one
+backward and one forward in turn, then the drain; the interleaved pipeline
+gives each worker v stages s, s + W, ... in Megatron-LM's order.  A fixed
+order holds under any costs.  (GPipe's mapping with backward-first
+priority and a limit of S - s stashes runs the same order when every stage
+costs the same; with unequal stages that greedy rule runs two forwards,
+then two backwards, whenever the next forward is late.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from unisched.policies._orders import warmup_steady_order
 from unisched.policies._registry import Entry, Param, require
-from unisched.simulate.priorities import BackwardFirst, priority_by_name
+from unisched.simulate.priorities import priority_by_name
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD, FORWARD, ComputeAndWeightWorkers, Shape, Work
 
@@ -38,16 +43,18 @@ def gpipe(num_workers: int, num_stages: int, num_batches: int, priority: str = "
 
 
 def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
-    """GPipe's mapping, backward first, and at most S - s stashes on stage s's worker."""
+    """GPipe's mapping in 1F1B's order: S - s warm-up forwards on stage s's
+    worker, then one backward one forward; it holds at most S - s stashes."""
     shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("one_f_one_b", shape)
     mapping, map_arrays = stage_modulo_workers(num_workers)
+    orders = {s: warmup_steady_order(s, num_batches, warmup=num_stages - s) for s in range(num_workers)}
     return Strategy(
         mapping,
         name="one_f_one_b",
         description=ONE_F_ONE_B.description,
-        priority=BackwardFirst(num_stages, num_batches),
         memory_limit=[float(num_stages - s) for s in range(num_workers)],
+        worker_orders=orders,
         shape=shape,
         map_arrays=map_arrays,
     )
@@ -151,7 +158,7 @@ GPIPE = Entry(
 ONE_F_ONE_B = Entry(
     name="one_f_one_b",
     factory=one_f_one_b,
-    description="1F1B: GPipe's mapping + backward-first priority + at most S - s stashes on stage s's worker",
+    description="1F1B: GPipe's mapping, S - s warm-up forwards on stage s's worker, then one backward one forward",
     family="pipeline",
     constraints="W = S",
 )

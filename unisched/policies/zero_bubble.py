@@ -3,65 +3,121 @@
 the W passes fill what would be bubbles.
 
 These schedules are hand-made orders, not tie-breaks, so each strategy here
-fixes every worker's sequence (``Strategy.worker_orders``).  ZB-H1, ZB-H2 and
-ZB-V are designed, as in their paper, on a grid where F, I and W each take
-one slot, by one rule: run an I as soon as it is ready; else a forward if
-the worker is under its in-flight cap and memory budget; else a W.  The
-schedules differ only in placement, cap and budget:
+fixes every worker's sequence (``Strategy.worker_orders``), built from the
+structure their papers give them, never from timings, so that they hold
+under any costs:
 
-- ZB-H1: one stage per worker, stage s's worker admits S - s forwards ahead
-  of their I passes within 1F1B's budget of S stashes (an I frees half);
-- ZB-H2: the cap is 2(S - s) - 1 and the budget 2S - 1 - s, about twice
-  1F1B's memory, enough to fill the warm-up bubble as well;
+- ZB-H1: 1F1B's S - s warm-up forwards on stage s's worker, then I, W, F
+  in turn, each W pass s micro-batches after its I; every worker keeps S
+  micro-batches in flight, 1F1B's peak;
+- ZB-H2: 2(S - s) - 1 warm-up forwards and each W pass 2s micro-batches
+  after its I: 2S - 1 in flight, about twice 1F1B's memory, which fills the
+  warm-up bubble as well;
 - ZB-V: two stages per worker in a V (stage s and 2W - 1 - s on worker s),
-  later stages first, within 1F1B's budget (2W half-size stashes).
+  in the phases of the paper's V schedule (warm-up forwards of the first
+  chunk, then of both, then F-I-W of both chunks, then the drain with the W
+  passes last), at 1F1B's memory.
 
 DualPipeV uses the same V placement and follows DeepSeek's phase order.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
-from unisched.policies._orders import Progress, Rule, unit_time_orders
+from unisched.policies._orders import warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape, Work
 
-DESIGN_INPUT_GRAD_FREES = 0.5
-"""Share of a stash the I pass frees, as the schedules were designed (the
-simulated memory uses ``Costs.input_grad_frees``)."""
-
 
 def zb_h1(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
-    """One stage per worker, W passes delayed into the cool-down, 1F1B's memory."""
+    """One stage per worker, 1F1B's warm-up, W passes s micro-batches late on worker s."""
     shape = _pipeline_shape("zb_h1", num_workers, num_stages, num_batches)
     p = num_workers
-    rule = zero_bubble_rule(cap=[p - s for s in range(p)], budget=[float(p)] * p)
-    orders = unit_time_orders(p, p, num_batches, _stage_worker, rule, name="zb_h1")
+    orders = {s: warmup_steady_order(s, num_batches, warmup=p - s, weight_lag=s) for s in range(p)}
     return _split_strategy("zb_h1", ZB_H1.description, shape, *stage_modulo_workers(p), orders)
 
 
 def zb_h2(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
-    """One stage per worker, extra warm-up forwards, about twice 1F1B's memory."""
+    """One stage per worker, 2(S - s) - 1 warm-up forwards, W passes 2s micro-batches late."""
     shape = _pipeline_shape("zb_h2", num_workers, num_stages, num_batches)
     p = num_workers
-    rule = zero_bubble_rule(cap=[2 * (p - s) - 1 for s in range(p)], budget=[float(2 * p - 1 - s) for s in range(p)])
-    orders = unit_time_orders(p, p, num_batches, _stage_worker, rule, name="zb_h2")
+    orders = {s: warmup_steady_order(s, num_batches, warmup=2 * (p - s) - 1, weight_lag=2 * s) for s in range(p)}
     return _split_strategy("zb_h2", ZB_H2.description, shape, *stage_modulo_workers(p), orders)
 
 
 def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
-    """V-shaped placement (stage s and 2W - 1 - s on worker s), zero-bubble order, 1F1B's memory."""
+    """V-shaped placement (stage s and 2W - 1 - s on worker s) in the ZB-V schedule's phases."""
     shape = _v_shape("zbv", num_workers, num_stages, num_batches)
-    p = num_workers
-    rule = zero_bubble_rule(cap=None, budget=[float(2 * p)] * p, later_stages_first=True)
-    mapping, map_arrays, worker_of = _v_mapping(p)
-    orders = unit_time_orders(p, 2 * p, num_batches, lambda w: worker_of(w.stage), rule, name="zbv")
+    mapping, map_arrays, _ = _v_mapping(num_workers)
+    orders = {rank: zbv_order(num_workers, rank, num_batches) for rank in range(num_workers)}
     return _split_strategy("zbv", ZBV.description, shape, mapping, map_arrays, orders)
+
+
+def zbv_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
+    """Rank ``rank``'s sequence in ZB-V.
+
+    Chunk 0 of a rank is stage ``rank`` (the way down), chunk 1 stage
+    ``2W - 1 - rank`` (the way back).  The schedule is laid out for
+    n = max(2W - 1, B) micro-batches; the passes of those that do not exist
+    are left out.  Phases: 2(W - r) - 1 chunk-0 forwards; r pairs of chunk-1
+    and chunk-0 forwards; W - r rounds of a chunk-1 forward and its
+    backward; the steady rounds (F0, B0, F1, B1) while forwards remain; the
+    drain: r rounds of chunk-0 and chunk-1 I passes, W - r rounds of a
+    chunk-0 I pass and the oldest chunk-0 W pass; the W passes still owed.
+    A backward in the first phases runs I and W together.
+    """
+    p, r, m = num_workers, rank, num_batches
+    n = max(2 * p - 1, m)
+    stage = (r, 2 * p - 1 - r)
+    forwards, backwards, weights = [0, 0], [0, 0], [0, 0]
+    order: list[Work] = []
+
+    def add(chunk: int, direction, batch: int) -> None:
+        if batch < m:
+            order.append(Work(batch, stage[chunk], direction))
+
+    def forward(chunk: int) -> None:
+        add(chunk, FORWARD, forwards[chunk])
+        forwards[chunk] += 1
+
+    def backward(chunk: int, with_weight: bool) -> None:
+        add(chunk, BACKWARD_INPUT, backwards[chunk])
+        backwards[chunk] += 1
+        if with_weight:
+            weight(chunk)
+
+    def weight(chunk: int) -> None:
+        add(chunk, BACKWARD_WEIGHT, weights[chunk])
+        weights[chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        forward(0)
+    for _ in range(r):
+        forward(1)
+        forward(0)
+    for _ in range(p - r):
+        forward(1)
+        backward(1, with_weight=True)
+    while forwards[1] < forwards[0] or forwards[0] < n:
+        if forwards[0] < n:
+            forward(0)
+        backward(0, with_weight=True)
+        forward(1)
+        backward(1, with_weight=True)
+    for _ in range(r):
+        backward(0, with_weight=False)
+        backward(1, with_weight=False)
+    for _ in range(p - r):
+        backward(0, with_weight=False)
+        weight(0)
+    while weights[1] < backwards[1]:
+        weight(1)
+    while weights[0] < backwards[0]:
+        weight(0)
+    return order
 
 
 def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -71,25 +127,6 @@ def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     mapping, map_arrays, _ = _v_mapping(num_workers)
     orders = {rank: dualpipe_v_order(num_workers, rank, num_batches) for rank in range(num_workers)}
     return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, mapping, map_arrays, orders)
-
-
-def zero_bubble_rule(cap: list[int] | None, budget: list[float], later_stages_first: bool = False) -> Rule:
-    """The design rule shared by ZB-H1, ZB-H2 and ZB-V (see the module docstring)."""
-    key: Callable[[Work], tuple] = (lambda w: (-w.stage, w.batch)) if later_stages_first else (lambda w: (w.batch, w.stage))
-
-    def rule(worker: int, ready: list[Work], progress: Progress) -> Work | None:
-        inputs = [w for w in ready if w.direction == BACKWARD_INPUT]
-        if inputs:
-            return min(inputs, key=key)
-        forwards = [w for w in ready if w.direction == FORWARD]
-        ahead = progress.forwards[worker] - progress.inputs_done[worker]
-        held = ahead + (1 - DESIGN_INPUT_GRAD_FREES) * len(progress.owed_weights[worker])
-        if forwards and (cap is None or ahead < cap[worker]) and held + 1 <= budget[worker] + 1e-9:
-            return min(forwards, key=key)
-        weights = [w for w in ready if w.direction == BACKWARD_WEIGHT]
-        return min(weights, key=key) if weights else None
-
-    return rule
 
 
 def dualpipe_v_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
@@ -161,10 +198,6 @@ def _split_strategy(name, description, shape, mapping, map_arrays, orders) -> St
                     worker_orders=orders, shape=shape, map_arrays=map_arrays)
 
 
-def _stage_worker(work: Work) -> int:
-    return work.stage
-
-
 def _v_mapping(p: int):
     def worker_of(stage: int) -> int:
         return stage if stage < p else 2 * p - 1 - stage
@@ -205,7 +238,8 @@ def _v_shape(name: str, W: int, S: int, B: int) -> Shape:
 ZB_H1 = Entry(
     name="zb_h1",
     factory=zb_h1,
-    description="zero bubble H1: split backward, W passes delayed into the cool-down, 1F1B's activation memory",
+    description="zero bubble H1: split backward, 1F1B's warm-up, each W pass s micro-batches after its I on worker s; "
+                "1F1B's activation memory",
     family="zero bubble",
     constraints="W = S",
     check=lambda shape: _pipeline_shape("zb_h1", *shape),
@@ -213,7 +247,8 @@ ZB_H1 = Entry(
 ZB_H2 = Entry(
     name="zb_h2",
     factory=zb_h2,
-    description="zero bubble H2: split backward, extra warm-up forwards, about twice 1F1B's activation memory",
+    description="zero bubble H2: split backward, 2(S-s)-1 warm-up forwards, each W pass 2s micro-batches after its I; "
+                "about twice 1F1B's activation memory",
     family="zero bubble",
     constraints="W = S",
     check=lambda shape: _pipeline_shape("zb_h2", *shape),
@@ -221,7 +256,8 @@ ZB_H2 = Entry(
 ZBV = Entry(
     name="zbv",
     factory=zbv,
-    description="zero bubble V: stages s and 2W-1-s on worker s, split backward, 1F1B's activation memory",
+    description="zero bubble V: stages s and 2W-1-s on worker s, split backward, the ZB-V phase order, "
+                "1F1B's activation memory",
     family="zero bubble",
     constraints="S = 2W",
     check=lambda shape: _v_shape("zbv", *shape),

@@ -196,7 +196,7 @@ def test_a_replay_keeps_gangs():
     assert replay.latency == t.latency
 
 
-@pytest.mark.parametrize("name", ["gpipe", "one_f_one_b"])
+@pytest.mark.parametrize("name", ["gpipe", "cuckoo"])
 def test_predict_retimes_the_order_that_ran(name):
     from unisched.execute import predict
 

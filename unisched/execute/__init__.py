@@ -5,6 +5,7 @@ and record what ran when as a measured Timeline.
     trainer = unisched.Trainer(stages, simulation, loss_fn, optimizer)
     loss = trainer.step(inputs, targets)
     state = trainer.gather_state_dict()
+    save_checkpoint(trainer, "ckpt")        # load_checkpoint(trainer, "ckpt") in any layout
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import importlib
 # What each public name is imported from, on first use: importing this
 # package (``unisched run --help`` does) must not load torch.
 _WHERE = {
+    "CheckpointError": "checkpoint",
+    "checkpoint_state_dict": "checkpoint",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
     "CommunicationError": "faults",
     "ExecutionError": "faults",
     "NonFiniteLossError": "faults",
@@ -44,6 +50,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Action",
+    "CheckpointError",
     "CommunicationError",
     "ExecutionError",
     "Message",
@@ -55,9 +62,13 @@ __all__ = [
     "Trainer",
     "build_stages",
     "calibrate_costs",
+    "checkpoint_state_dict",
     "compile_program",
+    "latest_checkpoint",
+    "load_checkpoint",
     "parse_action",
     "predict",
+    "save_checkpoint",
     "split_model",
     "train_one_process",
 ]

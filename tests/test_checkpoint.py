@@ -1,0 +1,174 @@
+"""Checkpoints: a resumed run continues exactly, a checkpoint loads into
+another strategy and world size and into one process, and one of another
+model is refused on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import unisched
+from unisched import policies, simulate
+from unisched.execute import train_one_process
+from unisched.execute.checkpoint import (
+    CheckpointError,
+    checkpoint_state_dict,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+    step_checkpoint,
+)
+from unisched.execute.launch import run_local
+
+WIDTH, ROWS, S, B = 8, 16, 4, 4
+
+
+def make_stages(num_stages: int = S, width: int = WIDTH) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(num_stages)]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.05)
+
+
+def trainer_for(name: str, world: int, stages=None) -> unisched.Trainer:
+    schedule = simulate(world, S, B, policies.get(name, num_workers=world, num_stages=S, num_batches=B))
+    return unisched.Trainer(stages or make_stages(), schedule, nn.functional.mse_loss, adam, timeout=60)
+
+
+def train(trainer, steps: range) -> list[float]:
+    return [trainer.step(*batch(step)) for step in steps]
+
+
+def reference(steps: int, optimizer_after: int | None = None) -> dict[str, torch.Tensor]:
+    """One process, ``steps`` steps; with ``optimizer_after``, a fresh Adam from that step on."""
+    stages = make_stages()
+    if optimizer_after is None:
+        return train_one_process(stages, nn.functional.mse_loss, adam, (batch(k) for k in range(steps)))[1]
+    train_one_process(stages, nn.functional.mse_loss, adam, (batch(k) for k in range(optimizer_after)))
+    return train_one_process(stages, nn.functional.mse_loss, adam, (batch(k) for k in range(optimizer_after, steps)))[1]
+
+
+# ---------------------------------------------------------------------- the runs
+def _save_along_the_way(rank: int, world: int, directory: str):
+    trainer = trainer_for("looped", world)
+    losses = train(trainer, range(2))
+    save_checkpoint(trainer, step_checkpoint(directory, 2), extra={"step": 2})
+    middle = trainer.gather_state_dict()
+    losses += train(trainer, range(2, 4))
+    save_checkpoint(trainer, step_checkpoint(directory, 4), extra={"step": 4})
+    trainer.close()
+    return {"losses": losses, "middle": middle} if rank == 0 else None
+
+
+def _resume(rank: int, world: int, directory: str):
+    trainer = trainer_for("looped", world)
+    extra = load_checkpoint(trainer, step_checkpoint(directory, 2))
+    losses = train(trainer, range(extra["step"], 4))
+    save_checkpoint(trainer, f"{directory}/resumed")
+    trainer.close()
+    return losses
+
+
+def _elsewhere(rank: int, world: int, directory: str):
+    """Into ddp (every stage on every rank) and fsdp (stage s on rank s), and a model of other shapes."""
+    out = {}
+    wider = trainer_for("gpipe", world, make_stages(width=WIDTH * 2))
+    try:
+        load_checkpoint(wider, step_checkpoint(directory, 2))
+    except CheckpointError as error:
+        out["refused"] = str(error)
+    wider.close()
+    for name in ("ddp", "fsdp"):
+        trainer = trainer_for(name, world)
+        load_checkpoint(trainer, step_checkpoint(directory, 2))
+        out[name + " losses"] = train(trainer, range(2, 4))
+        out[name] = trainer.gather_state_dict()
+        trainer.close()
+    return out
+
+
+def _ranks(fn, world: int, *args) -> list:
+    results = run_local(fn, world, *args, timeout=120)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    straight = _ranks(_save_along_the_way, 2, directory)[0]
+    resumed = _ranks(_resume, 2, directory)
+    elsewhere = _ranks(_elsewhere, 4, directory)
+    return directory, straight, resumed, elsewhere
+
+
+# ---------------------------------------------------------------------- the checks
+def test_two_steps_saved_and_two_resumed_equal_four_steps(runs):
+    directory, straight, resumed, _ = runs
+    assert resumed[0] == resumed[1] and len(resumed[0]) == 2
+    assert max(abs(a - b) for a, b in zip(resumed[0], straight["losses"][2:])) < 1e-6
+    unbroken = read_checkpoint(step_checkpoint(directory, 4))
+    again = read_checkpoint(f"{directory}/resumed")
+    moments = [key for key in unbroken if key.startswith("optim.") and key.endswith(".exp_avg_sq")]
+    assert len(moments) == 2 * S, "Adam's state of every weight and bias is in the checkpoint"
+    assert set(again) - {"trainer.extra"} == set(unbroken) - {"trainer.extra"}
+    for key, value in unbroken.items():
+        if torch.is_tensor(value):
+            assert (again[key] - value).abs().max() < 1e-6, key
+    assert again["trainer.param_groups"] == unbroken["trainer.param_groups"]
+    assert unbroken["trainer.extra"] == {"step": 4} and "trainer.extra" not in again
+
+
+def test_a_checkpoint_loads_into_another_strategy_and_world_size(runs):
+    _, straight, _, elsewhere = runs
+    expected = reference(4)
+    fresh_adam = reference(4, optimizer_after=2)
+    assert max((fresh_adam[k] - expected[k]).abs().max() for k in expected) > 1e-3, "Adam's state matters here"
+    for rank, out in enumerate(elsewhere):
+        for name in ("ddp", "fsdp"):
+            assert set(out[name]) == set(expected)
+            worst = max(float((out[name][k] - expected[k]).abs().max()) for k in expected)
+            assert worst < 1e-5, f"{name} on rank {rank}: {worst}"
+            assert max(abs(a - b) for a, b in zip(out[name + " losses"], straight["losses"][2:])) < 1e-5
+
+
+def test_a_checkpoint_loads_in_one_process_as_a_plain_state_dict(runs):
+    directory, straight, _, _ = runs
+    state = checkpoint_state_dict(step_checkpoint(directory, 2))
+    assert set(state) == set(straight["middle"])
+    for key, value in straight["middle"].items():
+        assert torch.equal(state[key], value), key
+    expected = reference(2)
+    assert max(float((state[k] - expected[k]).abs().max()) for k in expected) < 1e-5
+
+
+def test_a_checkpoint_of_another_model_is_refused_on_every_rank(runs):
+    *_, elsewhere = runs
+    messages = {out["refused"] for out in elsewhere}
+    assert len(messages) == 1, "every rank raises the same error"
+    message = messages.pop()
+    assert "stage 0 '0.weight'" in message and "(8, 8)" in message and "(16, 16)" in message
+    assert "same model" in message
+
+
+def test_latest_checkpoint_skips_unfinished_ones_and_says_what_is_missing(tmp_path):
+    for step, finished in ((2, True), (4, True), (6, False)):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        if finished:
+            (tmp_path / f"step-{step:08d}" / ".metadata").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000004"
+    assert latest_checkpoint(tmp_path / "step-00000002") == tmp_path / "step-00000002"
+    with pytest.raises(CheckpointError, match="no checkpoint in .*step-N"):
+        latest_checkpoint(tmp_path / "step-00000006")
+    with pytest.raises(CheckpointError, match="no checkpoint at .*no .metadata"):
+        checkpoint_state_dict(tmp_path / "nowhere")

@@ -7,6 +7,12 @@
   received from another worker;
 - max_activation_storage: the most stashed inputs it held at once (see
   :mod:`unisched.memory`).
+
+And the zero-bubble paper's measures of a step that repeats: a worker's
+*span*, from the start of its first item to the end of its last, and the
+*bubble rate*, the idle share of the longest span (steps that follow each
+other overlap the fill of one with the drain of the last, so the span, not
+the latency, is what each step costs).
 """
 
 from __future__ import annotations
@@ -49,6 +55,25 @@ def worker_stats(timeline: Timeline) -> dict[str, list]:
         "peak_memory_bytes": [c.peak for c in memory_curves(t, "total", "bytes")],
     }
     return {name: [_plain(v) for v in columns[name]] for name in STAT_COLUMNS}
+
+
+def stage_spans(timeline: Timeline) -> np.ndarray:
+    """Per worker: from the start of its first item to the end of its last (0 for an idle worker)."""
+    rows, workers = timeline.occupancy()
+    n = timeline.num_workers
+    first = np.full(n, np.inf)
+    last = np.full(n, -np.inf)
+    np.minimum.at(first, workers, timeline.start[rows])
+    np.maximum.at(last, workers, timeline.end[rows])
+    return np.where(last >= first, last - first, 0.0)
+
+
+def bubble_rate(timeline: Timeline) -> float:
+    """The zero-bubble paper's bubble rate, (cost - work) / cost: cost is the
+    longest span of any worker, work the busiest worker's busy time (the
+    paper's m (T_F + T_B + T_W) when every worker has the same work)."""
+    cost = float(stage_spans(timeline).max(initial=0.0))
+    return (cost - float(timeline.busy_time.max(initial=0.0))) / cost if cost > 0 else 0.0
 
 
 def _plain(value):

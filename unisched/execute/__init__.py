@@ -15,9 +15,9 @@ import importlib
 # What each public name is imported from, on first use: importing this
 # package (``unisched run --help`` does) must not load torch.
 _WHERE = {
-    "CheckpointError": "checkpoint",
+    "CheckpointError": "checkpoint_files",
     "checkpoint_state_dict": "checkpoint",
-    "latest_checkpoint": "checkpoint",
+    "latest_checkpoint": "checkpoint_files",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "CommunicationError": "faults",

@@ -33,7 +33,6 @@ renames it to ``DIR`` once DCP has finished; a ``DIR`` without
 from __future__ import annotations
 
 import io
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -45,15 +44,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from unisched.errors import UniSchedError
+from unisched.execute.checkpoint_files import CheckpointError, is_checkpoint, latest_checkpoint, step_checkpoint
 
-STEP_DIRECTORY = re.compile(r"^step-(\d+)$")
+__all__ = ["CheckpointError", "checkpoint_state_dict", "latest_checkpoint", "load_checkpoint", "read_checkpoint",
+           "save_checkpoint", "step_checkpoint"]
 PACKED = "@"
 """Marks an optimizer state field that is not a tensor (stored by :func:`pack`)."""
-
-
-class CheckpointError(UniSchedError):
-    """A checkpoint that cannot be written, found, or loaded into this Trainer."""
 
 
 # ---------------------------------------------------------------------- keys
@@ -123,7 +119,9 @@ def _state_to_save(trainer, extra: dict | None) -> dict[str, Any]:
     if scheduler is not None:
         objects["scheduler"] = scheduler.state_dict()
     if callable(getattr(trainer, "training_state", None)):
-        objects["training_state"] = trainer.training_state()
+        # the scheduler's state is kept above, by the ranks that have one:
+        # a rank without an optimizer has none, and DCP keeps one rank's copy
+        objects["training_state"] = {k: v for k, v in trainer.training_state().items() if k != "scheduler"}
     if extra is not None:
         objects["extra"] = dict(extra)
     state.update({f"trainer.{name}": pack(value) for name, value in objects.items()})
@@ -225,7 +223,7 @@ def load_checkpoint(trainer, path: str | Path, optimizer: bool = True) -> dict |
 def read_metadata(path: str | Path) -> Metadata:
     """The checkpoint's DCP metadata: every key, with its shape and dtype."""
     path = Path(path)
-    if not (path / ".metadata").is_file():
+    if not is_checkpoint(path):
         partial = path.with_name(path.name + ".partial")
         hint = f" ({partial} is an unfinished one)" if partial.exists() else ""
         raise CheckpointError(f"no checkpoint at {path}: it has no .metadata{hint}; give a directory "
@@ -330,11 +328,12 @@ def _restore_optimizer(trainer, loaded: dict[str, Any], objects: dict[str, Any])
                                  for g, theirs in zip(saved["param_groups"], groups)]
         saved["state"] = state
         optimizer.load_state_dict(saved)
-    scheduler = getattr(trainer, "scheduler", None)
-    if scheduler is not None and objects.get("trainer.scheduler") is not None:
-        scheduler.load_state_dict(objects["trainer.scheduler"])
-    if objects.get("trainer.training_state") is not None and callable(getattr(trainer, "load_training_state", None)):
-        trainer.load_training_state(objects["trainer.training_state"])
+    scheduler, saved_scheduler = getattr(trainer, "scheduler", None), objects.get("trainer.scheduler")
+    training = objects.get("trainer.training_state")
+    if training is not None and callable(getattr(trainer, "load_training_state", None)):
+        trainer.load_training_state({**training, "scheduler": saved_scheduler})
+    elif scheduler is not None and saved_scheduler is not None:
+        scheduler.load_state_dict(saved_scheduler)
 
 
 # ---------------------------------------------------------------------- one process
@@ -369,26 +368,6 @@ def _room(md: TensorStorageMetadata) -> torch.Tensor:
 def _field(name: str, value: torch.Tensor) -> tuple[str, Any]:
     """An optimizer state field as the optimizer keeps it (a packed one unpacked)."""
     return (name[: -len(PACKED)], unpack(value)) if name.endswith(PACKED) else (name, value)
-
-
-# ---------------------------------------------------------------------- a directory of them
-def step_checkpoint(directory: str | Path, step: int) -> Path:
-    """Where the checkpoint after ``step`` steps goes in ``directory``."""
-    return Path(directory) / f"step-{step:08d}"
-
-
-def latest_checkpoint(path: str | Path) -> Path:
-    """``path`` if it is a checkpoint, else the finished ``step-N`` checkpoint
-    in it with the largest N."""
-    path = Path(path)
-    if (path / ".metadata").is_file():
-        return path
-    found = sorted((int(m.group(1)), child) for child in (path.iterdir() if path.is_dir() else [])
-                   if (m := STEP_DIRECTORY.match(child.name)) and (child / ".metadata").is_file())
-    if not found:
-        raise CheckpointError(f"no checkpoint in {path}: neither a checkpoint itself nor a directory of finished "
-                              f"step-N checkpoints; give what --checkpoint (or save_checkpoint) wrote")
-    return found[-1][1]
 
 
 # ---------------------------------------------------------------------- every rank agrees

@@ -8,11 +8,25 @@ enforces memory limits incrementally with the same rules):
   that stores an activation for a forward run elsewhere holds it from the
   forward's start.  With a split backward, the input-gradient pass frees the
   fraction ``input_grad_frees`` and the weight-gradient pass the rest.
-- weights: the stages a worker is the weight worker of, for the whole step.
+- weights: the stages a worker is the weight worker of, for the whole step
+  and the optimizer step at its end.
 - fetched: a fetched copy of a stage's weights, from the fetch's start to the
   end of the last item on that worker and stage before the next fetch.
-- gradients: a fetched stage's gradient, from its backward's end until it has
-  been sent back to the weight worker.
+- gradients: a fetched stage's gradient, from the end of the worker's first
+  gradient pass of the stage after its previous return until it has been
+  sent back to the weight worker.
+- weight_gradients: the gradient of a stage a worker holds the weights of,
+  from the end of its first gradient pass of the stage (or the arrival of
+  the first gradient returned to it, if earlier) to the optimizer step;
+  and the buffer a returned gradient arrives in, while it travels.
+
+In bytes, these are what a rank of the executor really holds, given Costs
+with the stage's ``weight_bytes`` (parameters) and ``stash_bytes`` (what a
+forward keeps for its backward: its input, and the tensors autograd saves
+when the graph is kept).  Optimizer state is not counted (Costs have no
+field for it: the optimizer's own tensors, e.g. Adam's two moments, add to
+the weights of truth); neither are the messages in flight between stages,
+nor the output a forward hands on.
 
 Intervals are half-open, so an item that frees memory at time t and one that
 takes memory at t never overlap.
@@ -26,7 +40,7 @@ from unisched import dataflow
 from unisched.timeline import MemoryCurve, Timeline
 from unisched.work import FORWARD
 
-MEMORY_KINDS = ("activations", "weights", "fetched", "gradients")
+MEMORY_KINDS = ("activations", "weights", "fetched", "gradients", "weight_gradients")
 
 
 def memory_curves(timeline: Timeline, kind: str = "total", unit: str = "bytes") -> list[MemoryCurve]:
@@ -91,7 +105,13 @@ def _weight_holds(t: Timeline, in_bytes: bool):
     workers, stages = pairs
     amounts = t.weight_bytes[stages] if in_bytes else np.ones(len(stages))
     begin = min(float(t.start.min(initial=0.0)), 0.0)
-    return workers, np.full(len(workers), begin), np.full(len(workers), t.latency), amounts
+    return workers, np.full(len(workers), begin), np.full(len(workers), _optimizer_step(t)), amounts
+
+
+def _optimizer_step(t: Timeline) -> float:
+    """When weights of truth and their gradients are let go: just after the
+    step's last event, so that the optimizer step finds them together."""
+    return float(np.nextafter(t.latency, np.inf))
 
 
 def _fetched_holds(t: Timeline, in_bytes: bool):
@@ -116,26 +136,62 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
     return tr.dst[rows], tr.start[rows], ends, amounts
 
 
+def _weight_gradient_holds(t: Timeline, in_bytes: bool):
+    """Gradients of a worker's weights of truth, and returned ones arriving."""
+    pieces = [_own_gradient_holds(t, in_bytes), _returned_holds(t, in_bytes)]
+    return tuple(np.concatenate([piece[i] for piece in pieces]) for i in range(4))
+
+
+def _gradient_passes(t: Timeline) -> np.ndarray:
+    return np.flatnonzero(t.direction == dataflow.gradient_pass(t.split_backward))
+
+
+def _own_gradient_holds(t: Timeline, in_bytes: bool):
+    """A weight worker's gradient of its stage: from the first gradient that
+    reaches it (its own pass, or one returned) to the end of the step."""
+    first: dict[tuple[int, int], float] = {}
+    rows = _gradient_passes(t)
+    own = rows[t.worker[rows] == t.weight_worker[rows]]
+    for w, s, end in zip(t.worker[own].tolist(), t.stage[own].tolist(), t.end[own].tolist()):
+        first[(w, s)] = min(first.get((w, s), np.inf), end)
+    tr = t.transfers
+    back = np.flatnonzero(tr.of_kind("weight_gradient"))
+    for w, s, end in zip(tr.dst[back].tolist(), tr.stage[back].tolist(), tr.end[back].tolist()):
+        first[(w, s)] = min(first.get((w, s), np.inf), end)
+    keys = list(first)
+    workers = np.array([w for w, _ in keys], dtype=int)
+    stages = np.array([s for _, s in keys], dtype=int)
+    amounts = t.weight_bytes[stages] if in_bytes else np.ones(len(keys))
+    return workers, np.array([first[k] for k in keys], dtype=float), np.full(len(keys), _optimizer_step(t)), amounts
+
+
 def _gradient_holds(t: Timeline, in_bytes: bool):
+    """A fetched stage's gradient: from the first gradient pass after the
+    previous return until it has been sent back."""
     tr = t.transfers
     rows = np.flatnonzero(tr.of_kind("weight_gradient"))
-    produced = _rows_of(t, tr.batch[rows], tr.stage[rows], tr.direction[rows])
-    found = produced >= 0
-    starts = np.where(found, t.end[np.maximum(produced, 0)] if len(t) else 0.0, tr.start[rows])
+    starts = tr.start[rows].copy()
+    passes = _gradient_passes(t)
+    for group in _groups(tr.src[rows], tr.stage[rows]):
+        sends = rows[group]
+        sends = sends[np.argsort(tr.start[sends], kind="stable")]
+        mine = passes[(t.worker[passes] == tr.src[sends[0]]) & (t.stage[passes] == tr.stage[sends[0]])]
+        ends = np.sort(t.end[mine])
+        previous = np.concatenate([[-np.inf], tr.start[sends[:-1]]])
+        at = np.searchsorted(ends, previous, side="right")
+        found = at < len(ends)
+        first = np.where(found, ends[np.minimum(at, max(len(ends) - 1, 0))] if len(ends) else 0.0, tr.start[sends])
+        starts[np.searchsorted(rows, sends)] = np.minimum(first, tr.start[sends])
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
-    return tr.src[rows], np.minimum(starts, tr.start[rows]), tr.end[rows], amounts
+    return tr.src[rows], starts, tr.end[rows], amounts
 
 
-def _rows_of(t: Timeline, batch, stage, direction) -> np.ndarray:
-    """The timeline row of each (batch, stage, direction), or -1 where none ran."""
-    if not len(t):
-        return np.full(len(batch), -1)
-    items = dataflow.Items(t.num_stages, t.num_batches, t.split_backward)
-    keys = items.id(t.batch, t.stage, t.direction)
-    order = np.argsort(keys, kind="stable")
-    wanted = items.id(batch, stage, direction)
-    at = np.clip(np.searchsorted(keys[order], wanted), 0, len(keys) - 1)
-    return np.where(keys[order][at] == wanted, order[at], -1)
+def _returned_holds(t: Timeline, in_bytes: bool):
+    """The buffer a returned gradient arrives in, on the weight worker, while it travels."""
+    tr = t.transfers
+    rows = np.flatnonzero(tr.of_kind("weight_gradient"))
+    amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
+    return tr.dst[rows], tr.start[rows], tr.end[rows], amounts
 
 
 def _groups(first: np.ndarray, second: np.ndarray):
@@ -153,5 +209,6 @@ _HOLDS = {
     "weights": _weight_holds,
     "fetched": _fetched_holds,
     "gradients": _gradient_holds,
+    "weight_gradients": _weight_gradient_holds,
 }
 Timeline.register_view("memory", memory_curves)

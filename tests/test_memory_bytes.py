@@ -1,0 +1,80 @@
+"""Memory in bytes, as a rank of the executor holds it: weights of truth
+and their gradients until the optimizer step, fetched weights while needed,
+stashes until their backward, a fetched stage's gradient until it is sent
+back, and a returned gradient's buffer while it travels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from unisched import Costs, policies, simulate
+from unisched.memory import MEMORY_KINDS, memory_curves
+from unisched.work import BACKWARD, ComputeAndWeightWorkers
+
+
+def run(name: str, W: int, S: int, B: int, costs: Costs):
+    return simulate(W, S, B, policies.get(name, num_workers=W, num_stages=S, num_batches=B), costs=costs).timeline
+
+
+def peaks(t, kind: str = "total") -> list[float]:
+    return [c.peak for c in memory_curves(t, kind, "bytes")]
+
+
+def test_a_pipeline_rank_holds_weights_stashes_and_its_gradients_until_the_optimizer_step():
+    t = run("gpipe", 2, 2, 2, Costs(activation_bytes=[10, 20], weight_bytes=[100, 200]))
+    assert peaks(t, "weights") == [100, 200]
+    assert peaks(t, "activations") == [2 * 10, 1 * 20]
+    assert peaks(t, "weight_gradients") == [100, 200]
+    # rank 0: micro-batch 1's stash is still held when B(0, 0) ends and the gradient appears;
+    # rank 1: F(1, 1) runs after B(1, 0), its stash beside the gradient
+    assert peaks(t) == [100 + 10 + 100, 200 + 20 + 200]
+    assert t.worker_stats()["peak_memory_bytes"] == [210, 420]
+    end = t.latency
+    for w, curve in enumerate(memory_curves(t, "total")):
+        assert curve.at(end) == [200, 400][w], "weights and gradients meet at the optimizer step"
+
+
+def test_the_kinds_add_up_to_the_total():
+    costs = Costs(activation_bytes=3, weight_bytes=[50, 70, 90], bandwidth=40.0, cache_weights=True)
+    t = run("fsdp", 3, 3, 3, costs)
+    times = np.unique(np.concatenate([c.times for c in memory_curves(t, "total")]))
+    for w, total in enumerate(memory_curves(t, "total")):
+        parts = [memory_curves(t, kind)[w] for kind in MEMORY_KINDS]
+        for moment in times:
+            assert total.at(moment) == pytest.approx(sum(p.at(moment) for p in parts))
+
+
+def test_a_fetched_stages_gradient_accumulates_from_its_first_backward_until_sent():
+    sharded = lambda w: ComputeAndWeightWorkers(w.batch % 2, w.stage % 2)  # noqa: E731
+    costs = Costs(activation_bytes=1, weight_bytes=8.0, bandwidth=4.0, cache_weights=True)
+    t = simulate(2, 2, 4, sharded, costs=costs).timeline
+    sent = [r for r in t.transfers if r.kind == "weight_gradient"]
+    assert len(sent) == 2, "one return per worker and fetched stage"
+    expected = np.zeros(2)
+    for r in sent:
+        backwards = [t.end[i] for i in range(len(t))
+                     if t.worker[i] == r.src and t.stage[i] == r.work.stage and t.direction[i] == BACKWARD]
+        assert len(backwards) == 2 and r.work.batch >= 2, "accumulated over two backwards, sent after the last"
+        expected[r.src] += r.nbytes * (r.end - min(backwards))
+    held = [float(np.sum(c.values[:-1] * np.diff(c.times))) for c in memory_curves(t, "gradients")]
+    assert held == pytest.approx(expected.tolist()) and expected.sum() > 0
+
+
+def test_a_returned_gradient_arrives_in_a_buffer_then_joins_the_weight_workers_gradient():
+    costs = Costs(activation_bytes=1, weight_bytes=8.0, bandwidth=4.0, cache_weights=True)
+    t = run("fsdp", 2, 2, 2, costs)
+    curves = memory_curves(t, "weight_gradients")
+    for r in (r for r in t.transfers if r.kind == "weight_gradient"):
+        middle = (r.start + r.end) / 2
+        assert curves[r.dst].at(middle) >= r.nbytes, "the buffer it arrives in"
+        assert curves[r.dst].at(r.end) >= 8.0, "the weight worker's gradient from then on"
+    assert peaks(t, "weights") == [8.0, 8.0]
+
+
+def test_units_count_buffers_and_bytes_need_sizes():
+    t = run("one_f_one_b", 2, 2, 4, Costs())
+    assert [c.peak for c in memory_curves(t, "weight_gradients", "units")] == [1, 1]
+    assert peaks(t) == [0, 0], "without sizes nothing is counted in bytes"
+    with pytest.raises(ValueError, match="kind must be 'total' or one of"):
+        memory_curves(t, "optimizer")

@@ -12,6 +12,14 @@ Prints figures measured in this run:
 
 Run: ``python benchmarks/planner.py`` (``--quick`` shortens the 60 s search;
 ``--large`` adds a W = S = 8, B = 32 problem with the same limits).
+
+``--zero-bubble`` prints instead the zero-bubble paper's bubble-rate table
+(every setting of its Tables 5 and 6, ``zero_bubble_table.json``) side by
+side with unisched: the paper's 1F1B, ZB-H1, ZB-H2, ZB-1p and ZB-2p; the
+simulated 1F1B, ZB-H1 and ZB-H2 from the same profiled times (target: within
+0.002 of the paper's); and the planner's plans with memory p and 2p
+activations, one stage per worker (targets: at or below ZB-1p and ZB-2p),
+each searched for ``--plan-seconds`` (default 60; 0 skips the planner).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from unisched.errors import UniSchedError
+from unisched.metrics import bubble_rate
 from unisched.plan import PlanProblem, encode_costs, plan
 from unisched.plan.family import stages_held
 from unisched.plan.order import solve_order
@@ -77,11 +87,49 @@ def large(search_seconds: float) -> None:
           f"lower bound {result.lower_bound:g}")
 
 
+def zero_bubble(plan_seconds: float) -> None:
+    import zero_bubble_table as table
+
+    print("The zero-bubble paper's bubble rates (Qi et al., ICLR 2024, Table 5) from its profiled times (Table 6)")
+    print(f"{'setting':<17} | {'paper: 1F1B  ZB-H1  ZB-H2  ZB-1p  ZB-2p':<40}| {'simulated: 1F1B  ZB-H1  ZB-H2':<31}"
+          f"| planned: memory p        memory 2p")
+    worst = 0.0
+    for setting in table.settings():
+        paper = "  ".join(f"{setting.paper[c]:.4f}" for c in ("1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p"))
+        ours = [table.simulated(setting, c) for c in table.OURS]
+        worst = max(worst, *(abs(v - setting.paper[c]) for v, c in zip(ours, table.OURS)))
+        planned = "  ".join(_planned(table, setting, memory, plan_seconds) for memory in (setting.p, 2 * setting.p))
+        print(f"{setting.label:<17} | {paper:<40}| {'  '.join(f'{v:.4f}' for v in ours):<31}| {planned}", flush=True)
+    print(f"largest difference, simulated against the paper's 1F1B, ZB-H1, ZB-H2: {worst:.5f} (target 0.002)")
+
+
+def _planned(table, setting, memory: int, seconds: float) -> str:
+    """The planner's plan for one setting and memory limit: its bubble rate, and what it is."""
+    if seconds <= 0:
+        return "-"
+    p, m = setting.p, setting.m
+    begin = time.perf_counter()
+    try:
+        result = plan(p, p, m, table.costs(setting), memory_limit=memory, max_stages_per_worker=1,
+                      split_backward=True, time_limit=seconds)
+    except UniSchedError as error:
+        return f"none ({str(error).splitlines()[0][:60]})"
+    rate = bubble_rate(result.simulate().timeline)
+    return f"{rate:.4f} ({result.strategy_name}, {time.perf_counter() - begin:.0f} s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="search 15 s instead of 60 s in part 2")
     parser.add_argument("--large", action="store_true", help="also plan W = S = 8, B = 32 for 60 s")
+    parser.add_argument("--zero-bubble", action="store_true",
+                        help="only the zero-bubble paper's bubble-rate table, side by side with unisched")
+    parser.add_argument("--plan-seconds", type=float, default=60.0,
+                        help="with --zero-bubble: search time per plan (default 60; 0 skips the planner)")
     args = parser.parse_args()
+    if args.zero_bubble:
+        zero_bubble(args.plan_seconds)
+        return
     proofs()
     mapping(15.0 if args.quick else 60.0)
     if args.large:

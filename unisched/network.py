@@ -19,12 +19,32 @@ Ring all-reduce
     k replicas of a stage reduce its gradient around the ring
     ``members[0] -> members[1] -> ... -> members[0]``: 2(k-1) steps, each
     moving 1/k of the data over every hop at once, so each step is as slow as
-    the ring's slowest hop (its largest latency, its smallest bandwidth).
+    the ring's slowest hop (its largest latency, its smallest bandwidth):
+    ``2(k-1) latency + 2(k-1)/k bytes / bandwidth``, NCCL's ring model (its
+    "bus bandwidth" is the bandwidth here).
+
+Tree all-reduce
+    NCCL's (double binary) tree: a reduction up the tree and a broadcast
+    down, pipelined, each rank sending and receiving about the whole buffer
+    in each phase: ``2 ceil(log2 k) latency + 2 bytes / bandwidth``.  Fewer
+    latency steps than the ring, a little more data.
+
+Reduce-scatter and all-gather (ring)
+    The two halves of the ring all-reduce, for fully sharded weights:
+    ``(k-1) latency + (k-1)/k bytes / bandwidth`` each, ``bytes`` the whole
+    (unsharded) buffer.
 
 Tensor-parallel collective
     A gang of workers that computes one item jointly exchanges the stage's
-    activation with the same ring all-reduce; it has its own name so that a
-    better model of it changes one function.
+    activation with an all-reduce; it has its own name so that a better
+    model of it changes one function.
+
+On a topology (:class:`unisched.topology.ClusterCosts`) a point-to-point
+transfer takes its path's bottleneck (:meth:`Topology.route`) and a
+collective the bus bandwidth and step latency of the links its members use
+(:meth:`Topology.group_route`); the topology's ``collective`` says whether
+all-reduces run as rings or trees.  Without one, the links of the costs
+price everything as above and all-reduces are rings.
 
 Contention (transfers queueing on a busy link) is not modelled here: it
 depends on what else is in flight, which only the simulator knows; it books
@@ -33,6 +53,7 @@ the serialisation part of :func:`link_times` on its link calendars.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -79,25 +100,67 @@ def ring_allreduce_time(costs: Costs, members: Sequence[int], nbytes):
     """Time of a ring all-reduce of ``nbytes`` (a number or an array) among
     ``members``, in ring order: 2(k-1) steps of 1/k of the data, each as slow
     as the ring's slowest hop."""
-    members = [int(m) for m in members]
-    k = len(members)
-    if k == 0:
-        raise ShapeError("a ring all-reduce needs at least one worker; got an empty list of members")
-    hops = [costs.link(a, b) for a, b in zip(members, (*members[1:], members[0]))]
-    latency = max(h.latency for h in hops)
-    bandwidth = min(h.bandwidth for h in hops)
+    k, latency, bandwidth = _group(costs, members)
     return 2 * (k - 1) * latency + 2 * (k - 1) / k * np.asarray(nbytes) / bandwidth
+
+
+def tree_allreduce_time(costs: Costs, members: Sequence[int], nbytes):
+    """Time of a tree all-reduce (NCCL's double binary tree) of ``nbytes``
+    among ``members``: 2 ceil(log2 k) steps, about twice the buffer moved."""
+    k, latency, bandwidth = _group(costs, members)
+    if k < 2:
+        return 0.0 * np.asarray(nbytes)
+    return 2 * math.ceil(math.log2(k)) * latency + 2 * np.asarray(nbytes) / bandwidth
+
+
+def reduce_scatter_time(costs: Costs, members: Sequence[int], nbytes):
+    """Time of a ring reduce-scatter of a buffer of ``nbytes`` among ``members``
+    (each ends with its 1/k of the sum): k-1 steps of 1/k of the data."""
+    k, latency, bandwidth = _group(costs, members)
+    return (k - 1) * latency + (k - 1) / k * np.asarray(nbytes) / bandwidth
+
+
+def all_gather_time(costs: Costs, members: Sequence[int], nbytes):
+    """Time of a ring all-gather of a buffer of ``nbytes`` (each member holding
+    1/k of it) among ``members``: the same steps as a reduce-scatter."""
+    return reduce_scatter_time(costs, members, nbytes)
+
+
+def allreduce_time(costs: Costs, members: Sequence[int], nbytes):
+    """An all-reduce as the cluster runs them: a tree where the topology says
+    so, else a ring."""
+    topology = getattr(costs, "topology", None)
+    if topology is not None and topology.collective == "tree":
+        return tree_allreduce_time(costs, members, nbytes)
+    return ring_allreduce_time(costs, members, nbytes)
 
 
 def tensor_parallel_time(costs: Costs, members: Sequence[int], nbytes):
     """Time a gang of ``members`` spends exchanging ``nbytes`` of a stage's
-    activation per item it computes jointly (modelled as a ring all-reduce)."""
-    return ring_allreduce_time(costs, members, nbytes)
+    activation per item it computes jointly (an all-reduce)."""
+    return allreduce_time(costs, members, nbytes)
+
+
+def _group(costs: Costs, members: Sequence[int]) -> tuple[int, float, float]:
+    """(members, step latency, bandwidth) of a collective among ``members``."""
+    members = [int(m) for m in members]
+    k = len(members)
+    if k == 0:
+        raise ShapeError("a collective needs at least one worker; got an empty list of members")
+    topology = getattr(costs, "topology", None)
+    if topology is not None:
+        route = topology.group_route(members)
+        return k, route.latency, route.bandwidth
+    hops = [costs.link(a, b) for a, b in zip(members, (*members[1:], members[0]))]
+    return k, max(h.latency for h in hops), min(h.bandwidth for h in hops)
 
 
 # ---------------------------------------------------------------------- vectorised forms
 def link_arrays(costs: Costs, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
     """(latency, bandwidth) of every link, as two (W, W) arrays indexed [src, dst]."""
+    topology = getattr(costs, "topology", None)
+    if topology is not None:
+        return _topology_arrays(topology, num_workers)
     latency = np.full((num_workers, num_workers), float(costs.latency))
     bandwidth = np.full((num_workers, num_workers), float(costs.bandwidth))
     for (src, dst), link in costs.links.items():
@@ -105,6 +168,19 @@ def link_arrays(costs: Costs, num_workers: int) -> tuple[np.ndarray, np.ndarray]
             latency[src, dst] = link.latency
             bandwidth[src, dst] = link.bandwidth
     return latency, bandwidth
+
+
+def _topology_arrays(topology, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`link_arrays` on a topology: each pair's route, vectorised."""
+    device = np.arange(num_workers)
+    node = device // topology.devices_per_node
+    same_node = node[:, None] == node[None, :]
+    switch = node // topology.nodes_per_switch if topology.nodes_per_switch else np.zeros_like(node)
+    crossing = switch[:, None] != switch[None, :]
+    inter = topology.nic.bandwidth / np.where(crossing, topology.oversubscription, 1.0)
+    bandwidth = np.where(same_node, topology.intra_node.bandwidth, inter)
+    latency = np.where(same_node, topology.intra_node.latency, topology.inter_node_latency)
+    return latency.astype(float), bandwidth.astype(float)
 
 
 def transfer_matrix(costs: Costs, num_workers: int, nbytes) -> np.ndarray:
@@ -122,6 +198,10 @@ def transfer_matrix(costs: Costs, num_workers: int, nbytes) -> np.ndarray:
 
 __all__ = [
     "LinkTable",
+    "all_gather_time",
+    "allreduce_time",
+    "reduce_scatter_time",
+    "tree_allreduce_time",
     "link_arrays",
     "link_times",
     "ring_allreduce_time",

@@ -24,6 +24,15 @@ frees up.  With communication costs its members compute once the first
 member's hand-out has reached them, and the item ends when its collected
 results are back (:func:`unisched.dataflow.gang_moves`).
 
+On a topology (:class:`unisched.topology.ClusterCosts`) a transfer books
+every link of its route at once, for as long as its bytes take at the
+route's bottleneck, in the first gap all of them share; a gang's
+tensor-parallel collective books the links its members use at the end of
+the item; and once every item is placed, the end-of-step all-reduces
+(:func:`unisched.simulate.transfers.allreduce_groups`) book theirs, in the
+order their stages become ready.  Workers compute while their transfers
+are in flight.  Without a topology each ordered pair of workers is one link.
+
 The engine works on integer item ids and flat lists prepared by
 :mod:`unisched.simulate.problem`; it knows nothing of strategies or Work.
 """
@@ -34,9 +43,12 @@ import math
 from bisect import bisect_right
 from heapq import heappop, heappush
 
+import numpy as np
+
 from unisched import network
 from unisched.dataflow import EDGE_PRIMARY
 from unisched.errors import DeadlockError
+from unisched.simulate import transfers
 from unisched.simulate.problem import EDGE_SEQUENCE, Problem
 
 INF = math.inf
@@ -107,7 +119,7 @@ def run(p: Problem):
             finish = begin + duration[item]
         else:
             begin = comm.gang_start(item, t)
-            finish = comm.collect(item, begin + duration[item])
+            finish = comm.collect(item, comm.gang_collective(item, begin + duration[item]))
         start[item] = begin
         end[item] = finish
         scheduled += 1
@@ -146,6 +158,8 @@ def run(p: Problem):
 
     if scheduled < n:
         raise _deadlock(p, remaining, start, end, memory)
+    if comm is not None:
+        comm.finish_step(end)
     return start, end, (comm.rows if comm is not None else None)
 
 
@@ -230,8 +244,14 @@ class _Communication:
         self.resident = [set() for _ in range(p.num_workers)]
         self.grads_left = dict(p.gradient_returns)
         self.link_table = network.LinkTable(p.costs)
+        topology = getattr(p.costs, "topology", None)
+        self.cluster = _Cluster(p, topology) if topology is not None else None
 
     def _send(self, kind: str, src: int, dst: int, ready: float, nbytes: float, item: int) -> float:
+        if self.cluster is not None:
+            begin, arrive = self.cluster.send(src, dst, ready, nbytes)
+            self.rows.append((kind, src, dst, begin, arrive, nbytes, item))
+            return arrive
         latency, occupy = self.link_table.times(src, dst, nbytes)
         link = self.links.get((src, dst))
         if link is None:
@@ -286,6 +306,31 @@ class _Communication:
         ready = max(self._fetch(item, member, holder, nbytes, t) for member, holder, _, nbytes in p.gang_weights[item])
         return max([ready] + [self._send(kind, src, dst, ready, nbytes, item) for kind, src, dst, nbytes in p.gang_moves[item][0]])
 
+    def gang_collective(self, item: int, finish: float) -> float:
+        """When ``item``'s gang has finished computing and its collective (the
+        last ``p.collective[item]`` of its duration, ending at ``finish``):
+        on a topology the collective waits for its links to be free."""
+        if self.cluster is None or not self.p.collective[item]:
+            return finish
+        collective = float(self.p.collective[item])
+        members = self.p.gang_members[self.p.gang[item]]
+        return self.cluster.collective(members, finish - collective, collective) + collective
+
+    def finish_step(self, end) -> None:
+        """On a topology: book the end-of-step all-reduces, each once its
+        stage is ready, in that order."""
+        if self.cluster is None:
+            return
+        p = self.p
+        returned = [(p.stage_list[row[6]], row[4]) for row in self.rows if row[0] == "weight_gradient"]
+        stage, arrival = zip(*returned) if returned else ((), ())
+        groups = transfers.allreduce_groups(p, np.asarray(end), stage, arrival)
+        for group in sorted(groups, key=lambda g: (g.ready, g.stage, g.share)):
+            everyone = self.cluster.everywhere(group.replicas)
+            duration = float(network.allreduce_time(p.costs, everyone, group.nbytes))
+            begin = self.cluster.collective(everyone, group.ready, duration)
+            self.rows += transfers.ring_rows(group, everyone, begin, begin + duration)
+
     def collect(self, item: int, finish: float) -> float:
         """When the first member of ``item``'s gang has collected the members' results."""
         sends = self.p.gang_moves[item][1]
@@ -304,6 +349,65 @@ class _Communication:
                 if self.grads_left[(w, stage)]:
                     continue
             self._send("weight_gradient", w, owner, finish, nbytes, item)
+
+
+class _Cluster:
+    """The links of a topology, each a :class:`_Calendar`.  With
+    ``ClusterCosts.replicas`` > 1 the workers are replica 0 and the other
+    replicas do the same at the same times on links of their own, so only
+    replica 0's links are kept."""
+
+    def __init__(self, p: Problem, topology):
+        self.topology = topology
+        self.num_workers = p.num_workers
+        self.replicas = getattr(p.costs, "replicas", 1)
+        self.calendars: dict[tuple, _Calendar] = {}
+        self.routes: dict[tuple[int, int], tuple] = {}
+        self.groups: dict[tuple[int, ...], tuple] = {}
+
+    def send(self, src: int, dst: int, ready: float, nbytes: float) -> tuple[float, float]:
+        """(begin, arrival) of ``nbytes`` from src to dst, ready at ``ready``."""
+        route = self.routes.get((src, dst))
+        if route is None:
+            route = self.routes[(src, dst)] = self.topology.route(src, dst)
+        occupy = nbytes / route.bandwidth
+        begin = self._book(route.links, ready, occupy)
+        return begin, begin + route.latency + occupy
+
+    def collective(self, members, ready: float, duration: float) -> float:
+        """When a collective of ``duration`` among ``members`` begins, its
+        links (those of replica 0) free for all of it."""
+        key = tuple(members)
+        links = self.groups.get(key)
+        if links is None:
+            links = self.groups[key] = tuple(
+                link for link in self.topology.group_route(members).links if self._simulated(link))
+        return self._book(links, ready, duration)
+
+    def everywhere(self, members) -> list[int]:
+        """``members`` and the same workers of every other replica."""
+        return [m + r * self.num_workers for r in range(self.replicas) for m in members]
+
+    def _simulated(self, link: tuple) -> bool:
+        if link[0].startswith("port"):
+            return link[1] < self.num_workers
+        return link[1] * self.topology.devices_per_node < self.num_workers
+
+    def _book(self, links, ready: float, occupy: float) -> float:
+        """Book ``occupy`` on every one of ``links`` in the first gap at or
+        after ``ready`` that they all share; return its start."""
+        if occupy <= 0 or not links:
+            return ready
+        calendars = [self.calendars.get(link) or self.calendars.setdefault(link, _Calendar()) for link in links]
+        begin = ready
+        while True:
+            moved = max(c.gap(begin, occupy) for c in calendars)
+            if moved == begin:
+                break
+            begin = moved
+        for c in calendars:
+            c.take(begin, occupy)
+        return begin
 
 
 class _Calendar:
@@ -327,6 +431,22 @@ class _Calendar:
         starts.insert(i, begin)
         ends.insert(i, begin + occupy)
         return begin
+
+    def gap(self, ready: float, occupy: float) -> float:
+        """The start of the first gap of ``occupy`` at or after ``ready`` (as :meth:`book`)."""
+        starts, ends = self.starts, self.ends
+        i = bisect_right(ends, ready)
+        begin = ready
+        while i < len(starts) and starts[i] < begin + occupy:
+            begin = max(begin, ends[i])
+            i += 1
+        return begin
+
+    def take(self, begin: float, occupy: float) -> None:
+        """Mark [begin, begin + occupy) busy (a gap :meth:`gap` found)."""
+        i = bisect_right(self.ends, begin)
+        self.starts.insert(i, begin)
+        self.ends.insert(i, begin + occupy)
 
 
 def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> DeadlockError:

@@ -81,6 +81,10 @@ class Problem:
     """Per gang item: (member, holder, share, bytes) of the weights each
     member computes with (:func:`unisched.dataflow.gang_weights`); an item
     run by one worker computes with the whole stage from its weight worker."""
+    collective: np.ndarray | None = None
+    """Per item: the part of its duration that is its gang's tensor-parallel
+    collective (0 for an item run by one worker); on a topology the engine
+    books it on the gang's links."""
 
     @property
     def num_items(self) -> int:
@@ -198,12 +202,14 @@ def build(
     speeds = costs.speeds(W)
     duration = costs.item_time(stage, direction, compute, S, W)
     act_bytes = costs.per_stage("activation_bytes", S)
+    collective_time = np.zeros(n)
     for g, (members, collective) in enumerate(zip(gang_members, gang_collective)):
         rows = gang == g
         slowest = members[int(np.argmin(speeds[list(members)]))]  # a gang item runs at its slowest member's pace
         duration[rows] = costs.item_time(stage[rows], direction[rows], slowest, S, W)
         if collective:
-            duration[rows] += network.tensor_parallel_time(costs, members, act_bytes[stage[rows]])
+            collective_time[rows] = network.tensor_parallel_time(costs, members, act_bytes[stage[rows]])
+            duration[rows] += collective_time[rows]
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
     rank = ranks(
@@ -267,6 +273,7 @@ def build(
         gang_collective=gang_collective,
         gang_moves=moves_in_gang,
         gang_weights=weights_in_gang,
+        collective=collective_time,
     )
 
 

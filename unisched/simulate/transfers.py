@@ -9,11 +9,14 @@ whose weight worker is another worker fetches weights (once per worker and
 stage when weights are cached) and returns its gradient; a gang's first
 member hands out and collects (:func:`unisched.dataflow.gang_moves`), and
 each member fetches the share of the weights it computes with.  The
-end-of-step all-reduce among the holders of each share of a stage is added
-here in both cases.
+end-of-step all-reduce among the holders of each share of a stage
+(:func:`allreduce_groups`) is added here, timed by the network model; on a
+topology the engine books it on the links its members use instead.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,7 +29,8 @@ _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
 
 def transfers(p: Problem, start: np.ndarray, end: np.ndarray, booked: list | None) -> Transfers:
     columns = _from_booked(p, booked) if booked is not None else _derived(p, start, end)
-    columns = _concat(columns, _allreduce(p, end, columns))
+    if getattr(p.costs, "topology", None) is None:  # on a topology the engine booked the all-reduces
+        columns = _concat(columns, _allreduce(p, end, columns))
     return Transfers(**columns)
 
 
@@ -53,7 +57,11 @@ def _from_booked(p: Problem, rows: list) -> dict:
     if not rows:
         return _columns([], [], [], [], [], [], [], p)
     kind, src, dst, begin, finish, nbytes, item = zip(*rows)
-    return _columns([_CODE[k] for k in kind], src, dst, begin, finish, nbytes, item, p)
+    table = _columns([_CODE[k] for k in kind], src, dst, begin, finish, nbytes, item, p)
+    collective = table["kind"] == _CODE["allreduce"]  # serves the whole step, not one item
+    table["batch"][collective] = -1
+    table["direction"][collective] = -1
+    return table
 
 
 def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
@@ -101,10 +109,25 @@ def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
     return rows[keep]
 
 
-def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
-    """A ring all-reduce per share of a stage held by several workers (the
-    holders of :meth:`Problem.weight_links`), once every replica has its
-    gradient (its own backwards and returned ones)."""
+class AllReduce(NamedTuple):
+    """One end-of-step all-reduce: a share of a stage held by several workers."""
+
+    stage: int
+    share: int
+    replicas: list
+    """The workers holding that share (in the step simulated)."""
+    ready: float
+    """When every replica has its gradient (its own backwards and returned ones)."""
+    nbytes: float
+    item: int
+    """The stage's first gradient pass, which the transfer rows name."""
+
+
+def allreduce_groups(p: Problem, end: np.ndarray, returned_stage: np.ndarray, returned_end: np.ndarray) -> list:
+    """An :class:`AllReduce` per share of a stage held by several workers (the
+    holders of :meth:`Problem.weight_links`), or by one when the costs say
+    the step is one of several data-parallel replicas; ``returned_*`` are the
+    stage and arrival of every weight gradient returned to a holder."""
     item, _, holder, share, size = p.weight_links
     last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
     item, holder, share, size = item[last], holder[last], share[last], size[last]
@@ -117,24 +140,32 @@ def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
     S = p.shape.num_stages
     ready = np.full(S, -np.inf)
     np.maximum.at(ready, stage, end[item])
-    returned = moved["kind"] == _CODE["weight_gradient"]
-    np.maximum.at(ready, moved["stage"][returned], moved["end"][returned])
+    np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))
     some_item = np.full(S, -1)
     some_item[stage[::-1]] = item[::-1]  # the first gradient pass of each stage
     nbytes_of = {divmod(c // holders, shares): float(size[row]) for c, row in zip(held.tolist(), first.tolist())}
+    mirrored = getattr(p.costs, "replicas", 1) > 1
+    return [AllReduce(s, k, replicas, float(ready[s]), nbytes_of[(s, k)], int(some_item[s]))
+            for (s, k), replicas in sorted(groups.items()) if len(replicas) > 1 or mirrored]
+
+
+def ring_rows(group: AllReduce, everyone: list, begin: float, finish: float) -> list:
+    """Transfer rows of an all-reduce among ``everyone`` (the replicas
+    simulated and any others like them): one per hop of the ring among the
+    simulated ones, each carrying 2(n-1)/n of the buffer."""
+    n = len(everyone)
+    nbytes = 2 * (n - 1) / n * group.nbytes
+    ring = group.replicas
+    return [("allreduce", int(r), int(ring[(i + 1) % len(ring)]), begin, finish, nbytes, group.item)
+            for i, r in enumerate(ring)]
+
+
+def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
+    """The all-reduces of :func:`allreduce_groups`, each starting when its
+    stage is ready and taking the network model's time."""
+    returned = moved["kind"] == _CODE["weight_gradient"]
     rows = []
-    for (s, k), replicas in sorted(groups.items()):
-        n = len(replicas)
-        if n < 2:
-            continue
-        nbytes = 2 * (n - 1) / n * nbytes_of[(s, k)]
-        finish = ready[s] + float(network.ring_allreduce_time(p.costs, replicas, nbytes_of[(s, k)]))
-        for i, r in enumerate(replicas):
-            rows.append((_CODE["allreduce"], int(r), int(replicas[(i + 1) % n]), ready[s], finish, nbytes,
-                         int(some_item[s])))
-    if not rows:
-        return _columns([], [], [], [], [], [], [], p)
-    table = _columns(*zip(*rows), p)
-    table["batch"] = np.full(len(rows), -1)
-    table["direction"] = np.full(len(rows), -1)
-    return table
+    for group in allreduce_groups(p, end, moved["stage"][returned], moved["end"][returned]):
+        finish = group.ready + float(network.ring_allreduce_time(p.costs, group.replicas, group.nbytes))
+        rows += ring_rows(group, group.replicas, group.ready, finish)
+    return _from_booked(p, rows)

@@ -1,0 +1,358 @@
+"""A cluster as data: nodes of devices, a fabric inside each node, NICs, and
+a fabric between the nodes.
+
+A :class:`Topology` says which links a transfer between two devices uses and
+how fast each is; :mod:`unisched.network` turns that into times (the path's
+bottleneck for a point-to-point transfer, NCCL's cost models for
+collectives) and the simulator books the links, so that transfers sharing a
+link queue behind each other.
+
+The model
+    Devices are numbered node by node: device d sits on node
+    ``d // devices_per_node``.  Inside a node every device has a port on a
+    switched fabric (NVLink through NVSwitch): a transfer between two devices
+    of a node uses the sender's out-port and the receiver's in-port, at
+    ``intra_node.bandwidth`` (per direction).  Between nodes a transfer
+    leaves through the sender's NIC and enters through the receiver's, at
+    ``nic.bandwidth``: device i of a node uses NIC ``i * nics_per_node //
+    devices_per_node``, so devices share a NIC when a node has fewer NICs
+    than devices.  Nodes hang under leaf switches of ``nodes_per_switch``
+    nodes; traffic between nodes under different switches crosses the
+    switches' uplinks, which ``oversubscription`` (>= 1) thins: such a
+    transfer runs at ``nic.bandwidth / oversubscription`` (each NIC's share
+    of the uplinks when every NIC sends at once).  The uplinks are not a
+    queue of their own.
+
+File format (JSON; every number in bytes, bytes per second and seconds)::
+
+    {
+      "name": "dgx_h100",
+      "description": "what the cluster is",
+      "sources": {"intra_node.bandwidth": "where the number comes from", ...},
+      "nodes": 2,                               (optional: as many as the workers fill)
+      "devices_per_node": 8,
+      "intra_node": {"bandwidth": 450e9, "latency": 2e-6},
+      "nics_per_node": 8,
+      "nic": {"bandwidth": 50e9},
+      "inter_node": {"latency": 5e-6, "oversubscription": 1, "nodes_per_switch": 32},
+      "collective": "ring"                      (or "tree": how all-reduces run)
+    }
+
+Presets live in ``unisched/topologies/`` and are named by file stem
+(:func:`presets`).  :class:`ClusterCosts` is a :class:`~unisched.costs.Costs`
+whose transfers the topology prices instead of ``latency``, ``bandwidth``
+and ``links``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from unisched.costs import Costs, Link
+from unisched.errors import ShapeError
+
+PRESETS = Path(__file__).resolve().parent / "topologies"
+COLLECTIVES = ("ring", "tree")
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A kind of link: bytes per second per direction, and seconds per message."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+
+class Route(NamedTuple):
+    """What a transfer or a collective uses: its links (("port_out", device),
+    ("port_in", device), ("nic_out", node, nic), ("nic_in", node, nic)), the
+    bandwidth it gets and the latency of one step."""
+
+    links: tuple[int, ...]
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A cluster: see the module docstring for the model and the file format."""
+
+    devices_per_node: int
+    intra_node: Fabric
+    nics_per_node: int
+    nic: Fabric
+    inter_node_latency: float
+    nodes: int | None = None
+    oversubscription: float = 1.0
+    nodes_per_switch: int | None = None
+    collective: str = "ring"
+    name: str = ""
+    description: str = ""
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def from_dict(cls, data: Mapping, where: str = "topology") -> "Topology":
+        """A topology from the file format, every field checked (errors name it)."""
+        if not isinstance(data, Mapping):
+            raise ShapeError(f"{where} must be a JSON object with the fields of docs/topology.md, got {data!r}")
+        known = {"name", "description", "sources", "nodes", "devices_per_node", "intra_node", "nics_per_node", "nic",
+                 "inter_node", "collective"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ShapeError(f"{where}: unknown field(s) {unknown}; the fields are {sorted(known)}")
+        intra = _section(data, "intra_node", where, ("bandwidth", "latency"), ())
+        nic = _section(data, "nic", where, ("bandwidth",), ())
+        inter = _section(data, "inter_node", where, ("latency",), ("oversubscription", "nodes_per_switch"))
+        collective = data.get("collective", "ring")
+        if collective not in COLLECTIVES:
+            raise ShapeError(f"{where}: collective must be one of {list(COLLECTIVES)}, got {collective!r}")
+        sources = data.get("sources", {})
+        if not isinstance(sources, Mapping):
+            raise ShapeError(f"{where}: sources must map a field to where its number comes from, got {sources!r}")
+        topology = cls(
+            devices_per_node=_count(data, "devices_per_node", where),
+            intra_node=Fabric(_bandwidth(intra, "intra_node", where), _latency(intra, "intra_node", where)),
+            nics_per_node=_count(data, "nics_per_node", where),
+            nic=Fabric(_bandwidth(nic, "nic", where)),
+            inter_node_latency=_latency(inter, "inter_node", where),
+            nodes=_count(data, "nodes", where) if data.get("nodes") is not None else None,
+            oversubscription=_oversubscription(inter, where),
+            nodes_per_switch=_count(inter, "nodes_per_switch", f"{where}: inter_node")
+            if inter.get("nodes_per_switch") is not None else None,
+            collective=collective,
+            name=str(data.get("name", "")),
+            description=str(data.get("description", "")),
+            sources=dict(sources),
+        )
+        return topology
+
+    @classmethod
+    def load(cls, source: "str | Path | Topology | Mapping") -> "Topology":
+        """A topology from a preset name (:func:`presets`), a JSON file, a dict, or itself."""
+        if isinstance(source, Topology):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        text = str(source)
+        path = PRESETS / f"{text}.json" if text in presets() else Path(text)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ShapeError(
+                f"no topology file {text!r} and no preset of that name; give a JSON file (docs/topology.md) "
+                f"or one of the presets {presets()}"
+            ) from None
+        except (OSError, json.JSONDecodeError) as error:
+            raise ShapeError(f"cannot read topology file {path}: {error}") from None
+        return cls.from_dict(data, where=f"topology file {path}")
+
+    def to_dict(self) -> dict:
+        """The file format (what :meth:`from_dict` reads back)."""
+        data = {
+            "name": self.name,
+            "description": self.description,
+            "sources": dict(self.sources),
+            "devices_per_node": self.devices_per_node,
+            "intra_node": asdict(self.intra_node),
+            "nics_per_node": self.nics_per_node,
+            "nic": {"bandwidth": self.nic.bandwidth},
+            "inter_node": {"latency": self.inter_node_latency, "oversubscription": self.oversubscription,
+                           **({"nodes_per_switch": self.nodes_per_switch} if self.nodes_per_switch else {})},
+            "collective": self.collective,
+        }
+        return {**data, "nodes": self.nodes} if self.nodes is not None else data
+
+    # ------------------------------------------------------------------ size
+    def sized(self, num_devices: int) -> "Topology":
+        """This topology with as many nodes as ``num_devices`` fill, checked
+        (:meth:`check`): a preset names a kind of node, a run says how many."""
+        if self.nodes is not None:
+            return self.check(num_devices)
+        per_node = self.devices_per_node
+        if num_devices % per_node and num_devices > per_node:
+            raise ShapeError(
+                f"{num_devices} workers do not fill whole nodes of devices_per_node={per_node} "
+                f"({self.name or 'topology'}); use a multiple of {per_node} workers (or at most {per_node})"
+            )
+        nodes = max(1, num_devices // per_node)
+        return self._replace(nodes=nodes, devices_per_node=min(per_node, num_devices)).check(num_devices)
+
+    def check(self, num_devices: int) -> "Topology":
+        """Refuse a topology whose device count is not ``num_devices``."""
+        if self.nodes is None:
+            raise ShapeError(f"topology {self.name!r} gives no nodes; call sized(workers) or set \"nodes\"")
+        if self.devices != num_devices:
+            raise ShapeError(
+                f"topology {self.name or ''} has nodes={self.nodes} x devices_per_node={self.devices_per_node} = "
+                f"{self.devices} devices but the step has {num_devices} workers; set \"nodes\" to "
+                f"{num_devices / self.devices_per_node:g} or leave it out to fit the workers"
+            )
+        return self
+
+    def _replace(self, **changes) -> "Topology":
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    @property
+    def devices(self) -> int:
+        return (self.nodes or 0) * self.devices_per_node
+
+    # ------------------------------------------------------------------ links
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def nic_of(self, device: int) -> int:
+        """The NIC (0..nics_per_node-1) a device sends and receives through."""
+        return (device % self.devices_per_node) * self.nics_per_node // self.devices_per_node
+
+    def switch_of(self, node: int) -> int:
+        return node // self.nodes_per_switch if self.nodes_per_switch else 0
+
+    def _nic_link(self, device: int, receive: bool) -> tuple:
+        return ("nic_in" if receive else "nic_out", self.node_of(device), self.nic_of(device))
+
+    def route(self, src: int, dst: int) -> Route:
+        """The links a transfer from device src to device dst uses (src != dst)."""
+        if self.node_of(src) == self.node_of(dst):
+            return Route((("port_out", src), ("port_in", dst)), self.intra_node.bandwidth, self.intra_node.latency)
+        crossing = self.switch_of(self.node_of(src)) != self.switch_of(self.node_of(dst))
+        bandwidth = self.nic.bandwidth / (self.oversubscription if crossing else 1.0)
+        return Route((self._nic_link(src, False), self._nic_link(dst, True)), bandwidth, self.inter_node_latency)
+
+    def group_route(self, members: Sequence[int]) -> Route:
+        """The links a collective among ``members`` uses, the bus bandwidth it
+        gets and the latency of one of its steps, as NCCL lays it out: inside
+        a node the members' NVLink ports; between nodes one channel per NIC
+        the members of a node use, so a node's share is its members' distinct
+        NICs times ``nic.bandwidth`` (thinned by the oversubscription when the
+        members span switches)."""
+        by_node: dict[int, list[int]] = {}
+        for m in sorted({int(m) for m in members}):
+            by_node.setdefault(self.node_of(m), []).append(m)
+        links: list[tuple] = []
+        bandwidth, latency = math.inf, 0.0
+        if any(len(group) > 1 for group in by_node.values()):
+            for group in by_node.values():
+                links += [("port_out", m) for m in group] + [("port_in", m) for m in group]
+            bandwidth, latency = self.intra_node.bandwidth, self.intra_node.latency
+        if len(by_node) > 1:
+            switches = {self.switch_of(node) for node in by_node}
+            per_nic = self.nic.bandwidth / (self.oversubscription if len(switches) > 1 else 1.0)
+            for group in by_node.values():
+                nics = {self.nic_of(m): m for m in group}
+                bandwidth = min(bandwidth, len(nics) * per_nic)
+                links += [self._nic_link(m, receive) for m in nics.values() for receive in (False, True)]
+            latency = self.inter_node_latency
+        return Route(tuple(links), bandwidth, latency)
+
+
+def presets() -> list[str]:
+    """The names of the topologies shipped in ``unisched/topologies/``."""
+    return sorted(p.stem for p in PRESETS.glob("*.json"))
+
+
+# ---------------------------------------------------------------------- costs on a cluster
+@dataclass(frozen=True)
+class ClusterCosts(Costs):
+    """Costs whose transfers a :class:`Topology` prices (``latency``,
+    ``bandwidth`` and ``links`` are not used).  ``replicas`` > 1 says the step
+    simulated is replica 0 of that many identical data-parallel replicas laid
+    out one after another on the topology: the workers are devices
+    0..W-1 and each stage's gradient is all-reduced with the same workers of
+    every replica (exact when the replicas do not share links, see
+    :func:`unisched.simulate.layout.simulate_layout`)."""
+
+    topology: Any = None
+    replicas: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.topology is None:
+            raise ShapeError("ClusterCosts needs a topology (a preset name, a JSON file or a Topology)")
+        object.__setattr__(self, "topology", Topology.load(self.topology))
+        if self.links:
+            raise ShapeError("Costs.links and a topology both say how fast workers talk; drop links")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ShapeError(f"ClusterCosts.replicas must be an integer >= 1, got {self.replicas!r}")
+
+    def check(self, num_workers: int, num_stages: int) -> "ClusterCosts":
+        super().check(num_workers, num_stages)
+        self.cluster(num_workers)
+        return self
+
+    def cluster(self, num_workers: int) -> Topology:
+        """The topology sized for ``num_workers`` workers times the replicas."""
+        return self.topology.sized(num_workers * self.replicas)
+
+    @property
+    def has_communication(self) -> bool:
+        return True
+
+    def link(self, src: int, dst: int) -> Link:
+        """The path from src to dst as one link: its bottleneck and latency."""
+        route = self.topology.route(src, dst)
+        return Link(route.latency, route.bandwidth)
+
+    def to_dict(self) -> dict:
+        data = super().to_dict()
+        data["topology"] = self.topology.to_dict()
+        return data
+
+
+# ---------------------------------------------------------------------- checks
+def _section(data: Mapping, name: str, where: str, required: tuple, optional: tuple) -> Mapping:
+    section = data.get(name)
+    if not isinstance(section, Mapping):
+        fields = ", ".join(f'"{f}": ...' for f in required)
+        raise ShapeError(f"{where}: missing field {name!r} (an object {{{fields}}})" if section is None
+                         else f"{where}: {name} must be an object {{{fields}}}, got {section!r}")
+    for key in required:
+        if key not in section:
+            raise ShapeError(f"{where}: missing field {name}.{key}")
+    unknown = sorted(set(section) - set(required) - set(optional))
+    if unknown:
+        raise ShapeError(f"{where}: unknown field(s) {[f'{name}.{k}' for k in unknown]}")
+    return section
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bandwidth(section: Mapping, name: str, where: str) -> float:
+    value = section["bandwidth"]
+    if not _number(value) or value <= 0:
+        raise ShapeError(f"{where}: {name}.bandwidth must be a number > 0 (bytes per second), got {value!r}")
+    return float(value)
+
+
+def _latency(section: Mapping, name: str, where: str) -> float:
+    value = section["latency"]
+    if not _number(value) or value < 0:
+        raise ShapeError(f"{where}: {name}.latency must be a number >= 0 (seconds), got {value!r}")
+    return float(value)
+
+
+def _oversubscription(section: Mapping, where: str) -> float:
+    value = section.get("oversubscription", 1.0)
+    if not _number(value) or value < 1:
+        raise ShapeError(f"{where}: inter_node.oversubscription must be a number >= 1 (1: non-blocking), got {value!r}")
+    return float(value)
+
+
+def _count(data: Mapping, name: str, where: str) -> int:
+    if name not in data:
+        raise ShapeError(f"{where}: missing field {name!r}")
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShapeError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+__all__ = ["ClusterCosts", "Fabric", "Route", "Topology", "presets"]

@@ -2,12 +2,17 @@
 of the same greedy (the seed notebook's algorithm: every step looks at every
 batch's frontier item), side by side in one run.
 
-    python benchmarks/simulator.py [--repeat N] [--skip-million]
+    python benchmarks/simulator.py [--repeat N] [--skip-million] [--only NAME ...]
 
-Prints work items per second for GPipe and looped PP at W = S = 64, B = 128,
-the speed-up over the frontier scan (after checking that both produce the
-same timeline), and the time and peak memory of one million work items
-(W = S = 64, B = 8192), measured in a fresh process.
+Prints, at W = S = 64, B = 128 (16,384 items, 24,576 with a split backward;
+W = 32 where S = 2W, W = B = 128 for ddp and fsdp), work items per second of every named
+strategy with its own priority, memory limit and orders, of GPipe written as
+the seed's plain function, and of the frontier scan on GPipe's mapping
+(after checking that it and unisched produce the same timeline); the speed
+ratio of each against the scan; and which engine ran it (compiled or the
+Python engine).  Then, each in a fresh process, the time and peak memory of
+about one million work items for every named strategy: building the
+strategy (its fixed orders) and simulating it, timed apart.
 """
 
 from __future__ import annotations
@@ -23,30 +28,40 @@ import numpy as np
 
 import unisched
 from unisched import BACKWARD, FORWARD, ComputeAndWeightWorkers, Strategy, Work
+from unisched.simulate import engine, fast
 
 
-# ---------------------------------------------------------------------- strategies
-def gpipe(W: int) -> Strategy:
-    return Strategy(
-        lambda w: ComputeAndWeightWorkers(w.stage % W, w.stage % W),
-        name="gpipe",
-        map_arrays=lambda b, s, d: (s % W, s % W),
-    )
+# ---------------------------------------------------------------------- the cases
+def seed_lambda(w: Work) -> ComputeAndWeightWorkers:
+    """The seed notebook's own style: a plain function, nothing vectorised."""
+    return ComputeAndWeightWorkers(w.stage, w.stage)
 
 
-def looped(W: int, R: int) -> Strategy:
-    def h(stage, batch):
-        return (R * batch) % W + stage % R
-
-    return Strategy(
-        lambda w: ComputeAndWeightWorkers(h(w.stage, w.batch), h(w.stage, w.batch)),
-        name=f"looped(R={R})",
-        map_arrays=lambda b, s, d: (h(s, b), h(s, b)),
-    )
+SPLIT = ("zb_h1", "zb_h2", "zbv", "dualpipe_v")
+"""Strategies with a split backward: three passes per (stage, micro-batch)."""
 
 
-def strategies(W: int):
-    return [gpipe(W), looped(W, 8)]
+def shape_of(name: str, million: bool) -> tuple[int, int, int]:
+    """(W, S, B) for strategy ``name``: W = S = 64, B = 128 where it fits
+    (W = 32 where S = 2W, W = B = 128 for data parallelism, W = 80 for the
+    overflow's extra workers); with ``million``, about 1,048,576 items."""
+    if name in ("ddp", "fsdp"):
+        return (1024, 512, 1024) if million else (128, 64, 128)
+    B = (1 << 20) // ((3 if name in SPLIT else 2) * 64) // 32 * 32 if million else 128
+    W = {"interleaved": 32, "zbv": 32, "dualpipe_v": 32, "overflow": 80}.get(name, 64)
+    return W, 64, B
+
+
+def build(name: str, million: bool = False) -> tuple[tuple[int, int, int], Strategy | object]:
+    """The shape and the strategy of case ``name``."""
+    W, S, B = shape_of("gpipe" if name == "seed lambda" else name, million)
+    if name == "seed lambda":
+        return (W, S, B), seed_lambda
+    return (W, S, B), unisched.policies.get(name, num_workers=W, num_stages=S, num_batches=B)
+
+
+def names() -> list[str]:
+    return [e["name"] for e in unisched.policies.catalog()] + ["seed lambda"]
 
 
 # ---------------------------------------------------------------------- the frontier scan
@@ -96,80 +111,93 @@ def best_of(repeat: int, fn):
     return best, result
 
 
-def compare(W: int, S: int, B: int, repeat: int) -> list[dict]:
+def engine_used(fn):
+    """Run ``fn``; return its result and which engine scheduled it."""
+    calls = []
+    python_run = engine.run
+
+    def counted(problem):
+        calls.append(problem.num_items)
+        return python_run(problem)
+
+    engine.run = counted
+    try:
+        result = fn()
+    finally:
+        engine.run = python_run
+    return result, ("python engine" if calls else "compiled")
+
+
+def frontier_baseline(W: int, S: int, B: int) -> dict:
+    """The frontier scan on GPipe's mapping, checked against unisched's timeline."""
+    mapping = lambda w: ComputeAndWeightWorkers(w.stage % W, w.stage % W)  # noqa: E731
+    seconds, times = best_of(1, lambda: frontier_scan(W, S, B, mapping, oldest_batch_first))
+    t = unisched.simulate(W, S, B, mapping).timeline
+    index = t.index()
+    same = len(index) == len(times) and all((t.start[index[w]], t.end[index[w]]) == times[w] for w in index)
+    return {"seconds": seconds, "items_per_s": len(times) / seconds, "same_timeline": same}
+
+
+def compare(repeat: int, only: list[str]) -> tuple[dict, list[dict]]:
+    baseline = frontier_baseline(64, 64, 128)
     rows = []
-    for strategy in strategies(W):
-        ours, sim = best_of(repeat, lambda: unisched.simulate(W, S, B, strategy))
-        theirs, times = best_of(1, lambda: frontier_scan(W, S, B, strategy.mapping, oldest_batch_first))
-        index = sim.timeline.index()
-        same = all(
-            (sim.timeline.start[index[w]], sim.timeline.end[index[w]]) == times[w] for w in index
-        )
+    for name in only:
+        (W, S, B), strategy = build(name)
+        seconds, _ = best_of(repeat, lambda: unisched.simulate(W, S, B, strategy))
+        sim, path = engine_used(lambda: unisched.simulate(W, S, B, strategy))
         items = len(sim.timeline)
-        rows.append(
-            {
-                "strategy": strategy.name,
-                "shape": [W, S, B],
-                "items": items,
-                "latency": sim.latency,
-                "unisched_s": ours,
-                "frontier_scan_s": theirs,
-                "unisched_items_per_s": items / ours,
-                "frontier_scan_items_per_s": items / theirs,
-                "speedup": theirs / ours,
-                "same_timeline": same,
-            }
-        )
-    return rows
+        rows.append({
+            "strategy": name, "shape": [W, S, B], "items": items, "latency": sim.latency, "seconds": seconds,
+            "items_per_s": items / seconds, "vs_frontier_scan": items / seconds / baseline["items_per_s"],
+            "engine": path,
+        })
+    return baseline, rows
 
 
-def million(strategy_name: str) -> dict:
-    """One million work items, in this process (run it in a fresh one)."""
-    W, S, B = 64, 64, 8192
-    strategy = {s.name: s for s in strategies(W)}[strategy_name]
-    from unisched.simulate import fast
-
-    fast.compiled_greedy()  # load the compiled greedy from its cache first (numba loads on first use)
+def million(name: str) -> dict:
+    """About one million work items of ``name``, in this process (run it in a fresh one)."""
+    fast.compiled_schedule()  # load the compiled greedy from its cache first (numba loads on first use)
     began = time.perf_counter()
-    sim = unisched.simulate(W, S, B, strategy)
-    elapsed = time.perf_counter() - began
+    (W, S, B), strategy = build(name, million=True)
+    built = time.perf_counter()
+    sim, path = engine_used(lambda: unisched.simulate(W, S, B, strategy))
+    done = time.perf_counter()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"strategy": strategy_name, "items": len(sim.timeline), "seconds": elapsed, "peak_rss_mb": peak_mb,
-            "items_per_s": len(sim.timeline) / elapsed, "latency": sim.latency}
+    return {"strategy": name, "shape": [W, S, B], "items": len(sim.timeline), "build_s": built - began,
+            "simulate_s": done - built, "peak_rss_mb": peak_mb, "engine": path}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="runs of unisched per case; the best counts")
     parser.add_argument("--skip-million", action="store_true", help="leave out the one-million-item runs")
+    parser.add_argument("--only", nargs="+", choices=names(), metavar="NAME", help="only these cases")
     parser.add_argument("--million", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.million:
         print(json.dumps(million(args.million)))
         return
+    only = args.only or names()
 
-    from unisched.simulate import fast
-
-    fast.compiled_greedy()  # compile (or load) the greedy before timing (numba loads on first use)
-    print("W = S = 64, B = 128 (16384 work items), default costs; unisched best of", args.repeat)
-    print(f"{'strategy':<14}{'unisched items/s':>18}{'frontier items/s':>18}{'speed-up':>10}  same timeline")
-    for row in compare(64, 64, 128, args.repeat):
-        print(
-            f"{row['strategy']:<14}{row['unisched_items_per_s']:>18,.0f}{row['frontier_scan_items_per_s']:>18,.0f}"
-            f"{row['speedup']:>9.0f}x  {row['same_timeline']}"
-        )
+    fast.compiled_schedule()  # compile (or load) the greedy before timing (numba loads on first use)
+    baseline, rows = compare(args.repeat, only)
+    print(f"W = S = 64, B = 128 or as noted, default costs; unisched best of {args.repeat}; frontier scan on GPipe's "
+          f"mapping at W = S = 64, B = 128: {baseline['seconds']:.2f} s, {baseline['items_per_s']:,.0f} items/s, "
+          f"same timeline as unisched: {baseline['same_timeline']}")
+    print(f"{'strategy':<22}{'W,S,B':>12}{'items/s':>12}{'ms':>9}{'vs scan':>9}  engine")
+    for row in rows:
+        print(f"{row['strategy']:<22}{','.join(map(str, row['shape'])):>12}{row['items_per_s']:>12,.0f}"
+              f"{1e3 * row['seconds']:>9.1f}{row['vs_frontier_scan']:>8.0f}x  {row['engine']}")
     if args.skip_million:
         return
-    print("\nW = S = 64, B = 8192 (1,048,576 work items), each in a fresh process:")
-    for name in ("gpipe", "looped(R=8)"):
-        out = subprocess.run(
-            [sys.executable, __file__, "--million", name], check=True, capture_output=True, text=True
-        ).stdout
+    print("\nabout 1,048,576 work items, each in a fresh process (peak RSS: whole process, Python and libraries):")
+    print(f"{'strategy':<22}{'W,S,B':>14}{'items':>10}{'build s':>9}{'simulate s':>12}{'peak MB':>9}  engine")
+    for name in only:
+        out = subprocess.run([sys.executable, __file__, "--million", name], check=True, capture_output=True,
+                             text=True).stdout
         row = json.loads(out)
-        print(
-            f"{row['strategy']:<14}{row['seconds']:>8.2f} s  {row['items_per_s']:>12,.0f} items/s  "
-            f"peak RSS {row['peak_rss_mb']:,.0f} MB (whole process, Python and libraries included)"
-        )
+        print(f"{row['strategy']:<22}{','.join(map(str, row['shape'])):>14}{row['items']:>10,}{row['build_s']:>9.2f}"
+              f"{row['simulate_s']:>12.2f}{row['peak_rss_mb']:>9,.0f}  {row['engine']}")
 
 
 if __name__ == "__main__":

@@ -163,3 +163,40 @@ def test_a_compiled_deadlock_is_explained_by_the_engine():
                                                                    num_batches=B, priority="oldest_stage_first"))
     with pytest.raises(DeadlockError, match="wait\\(s\\) for activation memory on worker"):
         unisched.simulate(W, S, B, fill_drain.timeline.as_strategy(), memory_limit=1.0)
+
+
+# ---------------------------------------------------------------------- the stash accounts, vectorised
+@settings(max_examples=60, deadline=None)
+@given(
+    W=st.integers(1, 4),
+    S=st.integers(1, 4),
+    B=st.integers(1, 5),
+    split=st.booleans(),
+    in_bytes=st.booleans(),
+    input_grad_frees=st.sampled_from([0.5, 0.3, 1.0]),
+    limit=st.sampled_from([0.5, 1.0, 2.5, 4.0, "per worker"]),
+    seed=st.integers(0, 2**31),
+)
+def test_stash_accounts_are_the_problems_lists(W, S, B, split, in_bytes, input_grad_frees, limit, seed):
+    """stash_accounts (numpy) gives what problem._memory (a loop over items)
+    gives, and refuses what it refuses with the same message."""
+    from unisched.dataflow import Items
+    from unisched.simulate import problem as problem_module
+    from unisched.simulate.stashes import stash_accounts
+
+    rng = np.random.default_rng(seed)
+    items = Items(S, B, split)
+    compute = rng.integers(0, W, items.count)
+    stage = items.arrays()[1]
+    sizes = rng.choice([0.5, 1.0, 3.0], S) if in_bytes else None
+    if limit == "per worker":
+        limit = list(rng.choice([0.5, 1.0, 2.0, 6.0], W))
+    try:
+        expected = problem_module._memory(Shape(W, S, B), limit, items, compute, stage, sizes, input_grad_frees)
+    except unisched.ShapeError as error:
+        with pytest.raises(unisched.ShapeError) as refused:
+            stash_accounts(W, limit, items, compute, stage, sizes, input_grad_frees)
+        assert str(refused.value) == str(error)
+        return
+    got = stash_accounts(W, limit, items, compute, stage, sizes, input_grad_frees).as_lists()
+    assert got == tuple(expected)

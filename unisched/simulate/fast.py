@@ -17,8 +17,8 @@ shape of the data, because that is what compiles to fast code:
   a storage worker for each compute worker (a heap of ``(key, item)``) live
   in one region of a shared array each, sized by how many such entries can
   be there at once (each item is in at most one of them at a time);
-- what each item claims and releases is in flat arrays (CSR by item),
-  taken from the :class:`~unisched.simulate.problem.Problem`'s lists.
+- what each item claims and releases is in flat arrays (CSR by item,
+  :class:`~unisched.simulate.stashes.StashAccounts`).
 
 Without numba installed the engine is used instead.  numba (and what it
 imports: about a second and 80 MiB) is loaded on the first step large
@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import NamedTuple
-
 import numpy as np
 
 from unisched.dataflow import EDGE_PRIMARY
+from unisched.simulate.stashes import StashAccounts, region_starts
 
 COMPILED_FROM = 4096
 """Steps with fewer items run on the Python engine, in a few milliseconds."""
@@ -48,54 +47,33 @@ def covers(problem) -> bool:
     return not problem.comm and not problem.gang_members
 
 
-class MemoryArrays(NamedTuple):
-    """The engine's memory model as flat arrays (all empty without a limit).
-
-    Claims and releases are CSR by item.  A forward parked on a storage
-    worker waits in the queue of the pair (storage, its compute worker);
-    ``claim_pair`` names that queue per claim, and the pairs of storage w
-    are ``pair_ptr[w]:pair_ptr[w + 1]``."""
-
-    limit: np.ndarray
-    claim_ptr: np.ndarray
-    claim_worker: np.ndarray
-    claim_amount: np.ndarray
-    claim_pair: np.ndarray
-    pair_ptr: np.ndarray
-    pair_base: np.ndarray
-    release_ptr: np.ndarray
-    release_worker: np.ndarray
-    release_amount: np.ndarray
-    release_base: np.ndarray
-
-
-def memory_arrays(problem) -> MemoryArrays:
-    """``problem.limit``, ``claims`` and ``releases_of`` as :class:`MemoryArrays`."""
+def stash_accounts(problem) -> StashAccounts:
+    """``problem``'s memory model as flat arrays (empty without a limit)."""
     n, W = problem.num_items, problem.num_workers
     if problem.claims is None:
         none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
-        return MemoryArrays(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
-                            none_i, np.zeros(n + 1, np.int64), none_i, none_f, np.zeros(W, np.int64))
+        return StashAccounts(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
+                             none_i, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W, np.int64))
     claim_ptr, (claim_worker, claim_amount) = _csr(problem.claims, n, 2)
-    release_ptr, (release_worker, release_amount, _) = _csr(problem.releases_of, n, 3)
+    release_ptr, (release_worker, release_amount, release_owner) = _csr(problem.releases_of, n, 3)
     claim_worker, release_worker = claim_worker.astype(np.int64), release_worker.astype(np.int64)
-
     claimant = np.repeat(problem.worker_array, np.diff(claim_ptr))
     pairs, claim_pair, per_pair = np.unique(claim_worker * W + claimant, return_inverse=True, return_counts=True)
     pair_ptr = np.zeros(W + 1, np.int64)
     np.cumsum(np.bincount(pairs // W, minlength=W), out=pair_ptr[1:])
-    return MemoryArrays(
+    return StashAccounts(
         limit=np.asarray(problem.limit, dtype=float),
         claim_ptr=claim_ptr,
         claim_worker=claim_worker,
         claim_amount=claim_amount,
         claim_pair=claim_pair.astype(np.int64).reshape(-1),
         pair_ptr=pair_ptr,
-        pair_base=_bases(per_pair),
+        pair_base=region_starts(per_pair),
         release_ptr=release_ptr,
         release_worker=release_worker,
         release_amount=release_amount,
-        release_base=_bases(np.bincount(release_worker, minlength=W)),
+        release_owner=release_owner.astype(np.int64),
+        release_base=region_starts(np.bincount(release_worker, minlength=W)),
     )
 
 
@@ -108,23 +86,18 @@ def _csr(rows: list, n: int, width: int) -> tuple[np.ndarray, tuple[np.ndarray, 
     return ptr, tuple(flat.T.copy())
 
 
-def _bases(sizes: np.ndarray) -> np.ndarray:
-    base = np.zeros(len(sizes), np.int64)
-    np.cumsum(sizes[:-1], out=base[1:])
-    return base
-
-
 def run(problem):
     """Start and end time of every item of ``problem`` (compiled, or None
     without numba); items never scheduled (a deadlock) keep start -1."""
     kernel = compiled_schedule()
     if kernel is None:
         return None
-    memory = memory_arrays(problem)
-    first = problem.sources[0]
+    a = stash_accounts(problem)
     return kernel(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
-                  problem.succ_kind == EDGE_PRIMARY, problem.num_deps, first, problem.rank[problem.sources[1]],
-                  problem.num_workers, *memory)
+                  problem.succ_kind == EDGE_PRIMARY, problem.num_deps, problem.sources[0],
+                  problem.rank[problem.sources[1]], problem.num_workers, a.limit, a.claim_ptr, a.claim_worker,
+                  a.claim_amount, a.claim_pair, a.pair_ptr, a.pair_base, a.release_ptr, a.release_worker,
+                  a.release_amount, a.release_base)
 
 
 def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
@@ -144,8 +117,8 @@ def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps,
              release_ptr, release_worker, release_amount, release_base):
     """Start and end time of every item; items never scheduled keep start -1.
 
-    ``engine.run`` step for step; the memory arguments are
-    :class:`MemoryArrays` (``limit`` empty: no limit)."""
+    ``engine.run`` step for step; the memory arguments are those of
+    :class:`~unisched.simulate.stashes.StashAccounts` (``limit`` empty: no limit)."""
     n = worker.shape[0]
     remaining = num_deps.copy()
     ready = np.zeros(n)

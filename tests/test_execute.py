@@ -639,6 +639,7 @@ def _bare_trainer(stages) -> Trainer:
     trainer.world_size, trainer.rank, trainer._runs = 1, 0, set(range(len(stages)))
     trainer._mine = list(range(len(stages)))
     trainer._first_forward = [0] * len(stages)  # one rank runs every stage
+    trainer._dtype = None  # fp32: no autocast
     return trainer
 
 

@@ -7,23 +7,40 @@ tests, the examples and ``unisched run --check`` all compare against it.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import networkx as nx
 import torch
 from torch import nn
+from torch.utils._pytree import tree_unflatten
 
 from unisched.execute.program import loss_stage, topological_order
-from unisched.execute.runtime import stage_arguments
+from unisched.execute.runtime import _micro_batches, _step_scheduler, stage_arguments
+from unisched.execute.training import (
+    LOSS_SCALE_DEFAULTS,
+    PRECISIONS,
+    autocast,
+    check_options,
+    micro_batch_seed,
+    to_compute_dtype,
+)
 from unisched.work import StageGraph, as_stage_graph
 
 
 def train_one_process(
     stages: Sequence[nn.Module],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[tuple[Any, Any]],
     stage_graph: StageGraph | nx.DiGraph | None = None,
+    *,
+    micro_batches: int = 1,
+    seed: int = 0,
+    precision: str = "fp32",
+    clip_grad_norm: float | None = None,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    accumulate: int = 1,
+    loss_scale: dict | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``stages`` in place, one step per ``(inputs, targets)`` batch.
 
@@ -35,22 +52,63 @@ def train_one_process(
     order, a source on the inputs, a tuple or list unpacked into positional
     arguments (:func:`~unisched.execute.runtime.stage_arguments`); the loss
     takes the one sink's output.
+
+    The Trainer's options mean the same here: each batch is split into
+    ``micro_batches`` along the first dimension (the loss is their mean, a
+    step's loss the mean of theirs), stage s runs micro-batch b of step k
+    (from 0) under the RNG seed ``micro_batch_seed(seed, k, s, b)`` (so
+    dropout draws the Trainer's masks when ``micro_batches`` is the
+    schedule's), under ``precision``'s autocast with the values between
+    stages cast to the compute dtype; every ``accumulate`` batches the
+    gradients are clipped to ``clip_grad_norm`` and the optimizer and the
+    ``scheduler`` step.  fp16 scales the loss with ``torch.amp.GradScaler``
+    (``loss_scale`` its options), which skips a step whose gradients are not
+    finite; the scheduler steps only when the optimizer did.
     """
+    check_options(stages, loss_fn, optimizer, timeout=1.0, lookahead=0, record=False, seed=seed, precision=precision,
+                  clip_grad_norm=clip_grad_norm, scheduler=scheduler, accumulate=accumulate,
+                  loss_scale_options=loss_scale)
     # No container module is built here: EPL's scopes would capture it as part of the model.
     params = list({id(p): p for stage in stages for p in stage.parameters()}.values())
     graph = as_stage_graph(len(stages), stage_graph)
     order, last = topological_order(graph), loss_stage(graph)
+    dtype = PRECISIONS[precision]
+    device = params[0].device if params else torch.device("cpu")
     opt = optimizer(params)
+    lr_scheduler = scheduler(opt) if scheduler is not None else None
+    scaler = torch.amp.GradScaler(device.type, **{**LOSS_SCALE_DEFAULTS, **(loss_scale or {})},
+                                  enabled=precision == "fp16")
     losses = []
-    for inputs, targets in batches:
-        outputs: dict[int, torch.Tensor] = {}
-        for s in order:
-            outputs[s] = stages[s](*stage_arguments([outputs[p] for p in graph.predecessors[s]] or [inputs]))
-        loss = loss_fn(outputs[last], targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for step, (inputs, targets) in enumerate(batches):
+            micro_in, in_spec = _micro_batches("inputs", inputs, micro_batches, device)
+            micro_t, t_spec = _micro_batches("targets", targets, micro_batches, device)
+            total = 0.0
+            for b in range(micro_batches):
+                outputs: dict[int, Any] = {}
+                for s in order:
+                    torch.manual_seed(micro_batch_seed(seed, step, s, b))
+                    args = stage_arguments([outputs[p] for p in graph.predecessors[s]]
+                                           or [tree_unflatten(list(micro_in[b]), in_spec)])
+                    with autocast(device, dtype):
+                        out = stages[s](*args)
+                    outputs[s] = to_compute_dtype(out, dtype) if graph.successors[s] else out
+                with autocast(device, dtype):
+                    loss = loss_fn(outputs[last], tree_unflatten(list(micro_t[b]), t_spec)).reshape(()).float()
+                scaler.scale(loss / (micro_batches * accumulate)).backward()
+                total += loss.item()
+            losses.append(total / micro_batches)
+            if (step + 1) % accumulate:
+                continue
+            scaler.unscale_(opt)
+            if clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            before = scaler.get_scale() if scaler.is_enabled() else None
+            scaler.step(opt)
+            scaler.update()
+            if lr_scheduler is not None and (before is None or scaler.get_scale() >= before):
+                _step_scheduler(lr_scheduler, losses[-1])
+            opt.zero_grad()
     return losses, {
         f"{s}.{name}": value.detach().clone() for s, stage in enumerate(stages) for name, value in stage.state_dict().items()
     }

@@ -31,6 +31,7 @@ Backends are chosen automatically: NCCL when CUDA is present, gloo on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -53,6 +54,16 @@ from unisched.execute.faults import (
 )
 from unisched.execute.measure import Clock, RankNotes, assemble
 from unisched.execute.stages import is_factory, materialize
+from unisched.execute.training import (
+    PRECISIONS,
+    autocast,
+    caught,
+    check_options,
+    check_scheduler,
+    loss_scale as _loss_scale,
+    micro_batch_seed,
+    to_compute_dtype,
+)
 from unisched.dataflow import first_backward
 from unisched.execute.program import (
     Action,
@@ -120,33 +131,48 @@ class Trainer:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         lookahead: int = 1,
-        record: bool = True,
+        record: bool | int = True,
         device: torch.device | str | None = None,
         seed: int = 0,
+        precision: str = "fp32",
+        clip_grad_norm: float | None = None,
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        accumulate: int = 1,
+        loss_scale: dict | None = None,
     ):
         self.timeline_in, self.label, graph = schedule_timeline(schedule)
-        ensure_process_group(timeout)
+        error = caught(lambda: check_options(
+            stages, loss_fn, optimizer, timeout=timeout, lookahead=lookahead, record=record, seed=seed,
+            precision=precision, clip_grad_norm=clip_grad_norm, scheduler=scheduler, accumulate=accumulate,
+            loss_scale_options=loss_scale))
+        # a refused timeout still bounds the agreement that makes every rank raise
+        self.timeout = float(timeout) if error is None else DEFAULT_TIMEOUT
+        ensure_process_group(self.timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.timeout = float(timeout)
         self.record = record
         self.loss_fn = loss_fn
         self.device = compute_device(device)
         self.stages: list[nn.Module | None] = []
         self._mine: list[int] = []
+        if error is None:
+            self.precision, self._dtype = precision, PRECISIONS[precision]
+            self.clip_grad_norm, self.accumulate, self._seed = clip_grad_norm, accumulate, seed
+            self._scale = _loss_scale(precision, loss_scale)
 
-        error, program = None, None
+        program = None
         try:
-            program = compile_program(
-                self.timeline_in, num_stages=None if is_factory(stages) else len(stages),
-                world_size=self.world_size, lookahead=lookahead, stage_graph=graph,
-            )
-            self._mine = sorted({a.stage for a in program.actions[self.rank] if a.is_compute}
-                                | {s for s, held in enumerate(program.replicas) if self.rank in held})
-            self.stages = materialize(stages, program.num_stages, self._mine, seed)
-            self._set_up_stages(program, optimizer)
-        except Exception as caught:
-            error = caught
+            if error is None:
+                program = compile_program(
+                    self.timeline_in, num_stages=None if is_factory(stages) else len(stages),
+                    world_size=self.world_size, lookahead=lookahead, stage_graph=graph,
+                )
+                self._mine = sorted({a.stage for a in program.actions[self.rank] if a.is_compute}
+                                    | {s for s, held in enumerate(program.replicas) if self.rank in held})
+                self.stages = materialize(stages, program.num_stages, self._mine, seed)
+                self._set_up_stages(program, optimizer, scheduler)
+        except Exception as failed:
+            error = failed
         delta = datetime.timedelta(seconds=self.timeout)
         self._control = dist.new_group(backend="gloo", timeout=delta)
         try:
@@ -161,6 +187,7 @@ class Trainer:
         self._p2p = dist.new_group(timeout=delta)
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
+        self._buffer_groups = self._make_buffer_groups(delta)
         self._board = FaultBoard(_default_store(), f"unisched/{self._control.group_name}")
         self._offsets = self._clock_offsets()
 
@@ -184,14 +211,22 @@ class Trainer:
              if a.is_compute and a.stage == self._loss_stage and a.op == self._back.letter),
             default=-1,
         )
+        self._forward_only = [i for i, a in enumerate(self._actions)
+                              if a.op == "F" or ((a.is_send or a.is_recv) and a.op[0] in "Fw")]
+        self._counts_norm = {s for s in self._owned if self.program.reduce_group(self.rank, s)[0] == self.rank}
         self._meta: _Agreed | None = None
         self._failed: str | None = None
         self._step_no = 0
+        self._accumulated = 0
+        self._held: dict[int, list[torch.Tensor | None]] = {}
+        self._recording = False
         self._state: _StepState | None = None
         self._watchdog = Watchdog(self.timeout, self._on_timeout)
         self.last_timeline: Timeline | None = None
         self.last_loss: float | None = None
         self.last_step_seconds: float = 0.0
+        self.last_step_skipped = False
+        self.last_grad_norm: float | None = None
 
     # ------------------------------------------------------------------ public
     def step(self, inputs: Any, targets: Any) -> float:
@@ -200,26 +235,89 @@ class Trainer:
         ``inputs`` and ``targets`` are tensors or tuples, lists or dicts of
         them; every tensor is split along its first dimension into the
         micro-batches.  The last stage's output for a micro-batch and that
-        micro-batch of ``targets``, in their own structures, go to ``loss_fn``."""
+        micro-batch of ``targets``, in their own structures, go to ``loss_fn``.
+        With ``accumulate=k`` only every k-th step steps the optimizer; the
+        others add their gradients up."""
+        self._usable()
+        self._step_no += 1
+        self._recording = self._records(self._step_no)
+        return self._guarded(inputs, targets, self._run)
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The mean micro-batch loss of ``inputs`` and ``targets`` on every
+        rank, forward only: every stage in eval mode for the call (dropout
+        off, BatchNorm on its running statistics; each submodule's flag
+        restored after), under ``torch.no_grad``, with the precision's
+        autocast.  No weight, buffer, gradient or optimizer state changes,
+        nor the step count."""
+        self._usable()
+        self._recording = False
+        return self._guarded(inputs, targets, self._run_forwards, evaluating=True)
+
+    def training_state(self) -> dict:
+        """The small state a checkpoint must keep, beside the weights and the
+        optimizer's, for a resumed run to continue exactly: the number of
+        steps taken (dropout masks derive from it), the fp16 loss scale and
+        its run of good steps, the position in a gradient accumulation, and
+        this rank's LR scheduler state (None without one)."""
+        return {
+            "step": self._step_no,
+            "accumulated": self._accumulated,
+            "loss_scale": self._scale.state(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    def load_training_state(self, state: dict) -> None:
+        """Continue from :meth:`training_state` of an earlier run (load the
+        weights and the optimizer state alongside).  A state saved between
+        the steps of one accumulation is refused: its gradients so far are
+        not part of it."""
+        missing = {"step", "accumulated", "loss_scale"} - set(state)
+        if missing:
+            raise ShapeError(f"a training state needs the keys {sorted(missing)}; pass what training_state() returned")
+        if state["accumulated"]:
+            raise ShapeError(
+                f"the training state was saved after {state['accumulated']} of {self.accumulate} accumulated steps, "
+                f"whose gradients it does not hold; save it right after an optimizer step"
+            )
+        self._step_no = int(state["step"])
+        self._accumulated = 0
+        self._scale.load(state["loss_scale"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def _usable(self) -> None:
         if self._failed is not None:
             raise ExecutionError(f"rank {self.rank}: this Trainer cannot step any more: {self._failed}; "
                                  f"build a new one (after a failed step, in new processes)")
+
+    def _records(self, step: int) -> bool:
+        """Whether step number ``step`` is recorded: every step with
+        ``record=True``, every N-th with ``record=N``, none with False."""
+        if isinstance(self.record, bool):
+            return self.record
+        return self.record > 0 and step % self.record == 0
+
+    def _guarded(self, inputs, targets, run: Callable[["_StepState"], float], evaluating: bool = False) -> float:
+        """``run`` a step on the batch under the watchdog, turning any
+        failure into one that names the first cause on every rank; the
+        global RNG state is the caller's again afterwards."""
         B = self.program.num_batches
         micro_in, spec = _micro_batches("inputs", inputs, B, self.device)
         micro_t, target_spec = _micro_batches("targets", targets, B, self.device)
         micro_t = [leaves[0] if target_spec.is_leaf() else tree_unflatten(list(leaves), target_spec)
                    for leaves in micro_t]
-        state = _StepState(self, micro_in, micro_t)
+        state = _StepState(self, micro_in, micro_t, evaluating)
         self._state = state
-        self._step_no += 1
         ticket = self._watchdog.arm()
         try:
-            self._load_host_weights()
-            signature = (spec, [(t.shape, t.dtype) for t in micro_in[0]])
-            if self._meta is None or self._meta.signature != signature:
-                self._stand_in_weights()  # the step's fetches replace them
-                self._meta = self._agree_layouts(signature, tree_unflatten(list(micro_in[0]), spec))
-            loss = self._run(state)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self._load_host_weights()
+                signature = (spec, [(t.shape, t.dtype) for t in micro_in[0]])
+                if self._meta is None or self._meta.signature != signature:
+                    self._stand_in_weights()  # the step's fetches replace them
+                    self._meta = self._agree_layouts(signature, tree_unflatten(list(micro_in[0]), spec))
+                loss = run(state)
             # inside the try: a timeout interrupt posted before this returns lands here
             self._watchdog.disarm(ticket)
         except NonFiniteLossError:
@@ -285,9 +383,10 @@ class Trainer:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""
         self._watchdog.stop()
         self._failed = self._failed or "it was closed"
-        groups = [g for g in (*self._replica_groups.values(), *self._gang_groups.values(), self._p2p, self._control)
-                  if g is not None]
-        self._replica_groups, self._gang_groups, self._p2p, self._control = {}, {}, None, None
+        buffer_groups = {id(group): group for _, group in self._buffer_groups.values()}
+        groups = [g for g in (*self._replica_groups.values(), *self._gang_groups.values(), *buffer_groups.values(),
+                              self._p2p, self._control) if g is not None]
+        self._replica_groups, self._gang_groups, self._buffer_groups, self._p2p, self._control = {}, {}, {}, None, None
         if dist.is_initialized():
             for group in groups:
                 dist.destroy_process_group(group)
@@ -297,11 +396,12 @@ class Trainer:
                 f"B={self.program.num_batches}, {len(self._actions)} actions>")
 
     # ------------------------------------------------------------------ set-up checks
-    def _set_up_stages(self, program: Program, optimizer) -> None:
+    def _set_up_stages(self, program: Program, optimizer, scheduler) -> None:
         """Local set-up that may fail on one rank only (user code: the
-        optimizer factory, moving stages): done before the ranks agree.
-        The optimizer steps the weights of truth this rank holds: the stage's
-        own parameters, or their host copies where they are offloaded."""
+        optimizer and scheduler factories, moving stages): done before the
+        ranks agree.  The optimizer steps the weights of truth this rank
+        holds: the stage's own parameters, or their host copies where they
+        are offloaded; the scheduler is built on it."""
         for s in self._mine:
             self.stages[s].to(self.device)
         self._params = [[] if stage is None else [p for p in stage.parameters() if p.requires_grad]
@@ -319,6 +419,12 @@ class Trainer:
         }
         truth = [p for s in self._owned for p in self.host_weights.get(s, self._params[s])]
         self.optimizer = optimizer(truth) if truth else None
+        self.scheduler = None
+        if scheduler is not None and self.optimizer is not None:
+            self.scheduler = scheduler(self.optimizer)
+            check_scheduler(self.scheduler)
+        self._buffer_specs = [None if stage is None else [(tuple(b.shape), b.dtype) for b in _buffers(stage)]
+                              for stage in self.stages]
         self._flat_grads = {
             s: _flat_like(self._params[s], self.device)
             for s in self._owned if len(program.reduce_group(self.rank, s)) > 1 and self._params[s]
@@ -332,7 +438,7 @@ class Trainer:
         built = {}
         if error is None:
             built = {s: ([tuple(p.shape) for p in self.stages[s].parameters()], self._state_specs[s],
-                         self.weight_bytes[s]) for s in self._mine}
+                         self.weight_bytes[s], self._buffer_specs[s]) for s in self._mine}
         verdicts: list = [None] * self.world_size
         message = None
         if error is not None:
@@ -344,14 +450,33 @@ class Trainer:
             if message is not None:
                 raise ProgramError(f"rank {rank} cannot run this schedule: {message}")
         for rank, (_, theirs) in enumerate(verdicts):
-            for s, (shapes, specs, nbytes) in sorted(theirs.items()):
+            for s, (shapes, specs, nbytes, buffers) in sorted(theirs.items()):
                 if s in built and shapes != built[s][0]:
                     raise ProgramError(
                         f"rank {rank}'s stage {s} has parameters of shapes {shapes[:4]} but rank {self.rank}'s "
                         f"{built[s][0][:4]}; build the stages the same way on every rank"
                     )
                 if self._state_specs[s] is None:
-                    self._state_specs[s], self.weight_bytes[s] = specs, nbytes
+                    self._state_specs[s], self.weight_bytes[s], self._buffer_specs[s] = specs, nbytes, buffers
+
+    def _make_buffer_groups(self, delta) -> dict[int, Any]:
+        """Per stage with buffers that several ranks keep (replicas, or ranks
+        that run its forwards), the process group that averages them at the
+        end of each step; a stage a tensor-parallel gang runs keeps each
+        shard's buffers apart.  Every rank makes every group, in one order."""
+        program = self.program
+        keepers: dict[int, tuple[int, ...]] = {}
+        for s in range(program.num_stages):
+            forwards = [Work(b, s, FORWARD) for b in range(program.num_batches)]
+            if not self._buffer_specs[s] or any(w in program.gangs and program.gangs[w].collective for w in forwards):
+                continue
+            members = tuple(sorted(set(program.replicas[s]).union(*(program.members(w) for w in forwards))))
+            if len(members) > 1:
+                keepers[s] = members
+        groups = {g: dist.new_group(list(g), timeout=delta) for g in sorted(set(keepers.values()))}
+        self._buffer_runs = {s: any(self.rank in program.members(Work(b, s, FORWARD))
+                                    for b in range(program.num_batches)) for s in keepers}
+        return {s: (members, groups[members]) for s, members in keepers.items() if self.rank in members}
 
     def _clock_offsets(self) -> list[float]:
         """Per-rank clock offsets: zero on one host (perf_counter is shared), barrier-aligned across hosts."""
@@ -390,40 +515,46 @@ class Trainer:
         sample_leaves = tuple(tree_flatten(sample)[0])
         layouts: dict[int, Layout] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        with self._in_eval_mode(), torch.enable_grad(), torch.random.fork_rng(
+                devices=[self.device] if self.device.type == "cuda" else []):
+            for s in topological_order(graph):
+                told = None
+                if s in self._runs:
+                    preds = graph.predecessors[s]
+                    xs = [_needing_grad(layouts[p], outputs[p] if p in outputs else layouts[p].zeros(self.device))
+                          for p in preds]
+                    mine, told = self._probe(s, _arguments([layouts[p] for p in preds] or [source],
+                                                           xs or [sample_leaves]))
+                    if mine is not None:
+                        outputs[s] = mine
+                heard: list = [told]
+                if self.world_size > 1:
+                    heard = [None] * self.world_size
+                    dist.all_gather_object(heard, told, group=self._control)
+                failed = next((h for h in heard if isinstance(h, str)), None)
+                if failed is not None:
+                    raise ShapeError(failed)
+                layouts[s] = Layout.make(*heard[self._first_forward[s]])
+        return [layouts[s] for s in range(len(self.stages))]
+
+    @contextlib.contextmanager
+    def _in_eval_mode(self):
+        """This rank's stages in eval mode, each submodule's training flag restored after."""
         modes = [(module, module.training) for s in self._mine for module in self.stages[s].modules()]
         try:
             for s in self._mine:
                 self.stages[s].eval()
-            with torch.enable_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                for s in topological_order(graph):
-                    told = None
-                    if s in self._runs:
-                        preds = graph.predecessors[s]
-                        xs = [_needing_grad(layouts[p], outputs[p] if p in outputs else layouts[p].zeros(self.device))
-                              for p in preds]
-                        mine, told = self._probe(s, _arguments([layouts[p] for p in preds] or [source],
-                                                               xs or [sample_leaves]))
-                        if mine is not None:
-                            outputs[s] = mine
-                    heard: list = [told]
-                    if self.world_size > 1:
-                        heard = [None] * self.world_size
-                        dist.all_gather_object(heard, told, group=self._control)
-                    failed = next((h for h in heard if isinstance(h, str)), None)
-                    if failed is not None:
-                        raise ShapeError(failed)
-                    layouts[s] = Layout.make(*heard[self._first_forward[s]])
+            yield
         finally:
             for module, training in modes:
                 module.training = training
-        return [layouts[s] for s in range(len(self.stages))]
 
     def _probe(self, s: int, args: list) -> tuple[tuple[torch.Tensor, ...] | None, tuple | str]:
         """Stage ``s`` run once on ``args`` for the shape probe: its output's
         tensors (detached: its graph goes with this call) and the facts of
         its layout, or what went wrong."""
         try:
-            leaves, facts = _describe(self.stages[s](*args), f"stage {s} output", grads=True)
+            leaves, facts = _describe(self._call(s, args), f"stage {s} output", grads=True)
             return _detached(leaves), facts
         except ShapeError as error:
             return None, f"{error} (on rank {self.rank})"
@@ -432,13 +563,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def _run(self, st: "_StepState") -> float:
+        """Walk this rank's program for one training step, then finish it."""
         for s in self._mine:
             self.stages[s].zero_grad(set_to_none=True)
         for s, flat in self._flat_grads.items():
             flat.zero_()
             for p, view in zip(self._params[s], _split(flat, self._params[s])):
                 p.grad = view
-        if self.record:
+        self._loss_factor = self._scale.scale / (self.program.num_batches * self.accumulate)
+        if self._recording:
             self._collective(lambda: dist.barrier(group=self._control), "the barrier that starts a recorded step")
         st.begin = st.clock.begin()
         if self._last_loss_item < 0:
@@ -457,6 +590,27 @@ class Trainer:
                 self._post_reduce(st, action)
         st.current = None
         return self._finish(st)
+
+    def _run_forwards(self, st: "_StepState") -> float:
+        """Walk the forward part of this rank's program (forwards, their
+        activations and the weight fetches), the loss computed right after
+        the last stage's forward; the mean loss, on every rank."""
+        with torch.no_grad(), self._in_eval_mode():
+            st.begin = time.perf_counter()
+            for index in self._forward_only:
+                action = st.current = self._actions[index]
+                if action.is_compute:
+                    self._compute(st, action, index)
+                elif action.is_recv:
+                    self._post_recv(st, action)
+                else:
+                    self._post_send(st, action)
+            st.current = None
+            self._await_transfers(st)
+            self._post_losses(st)
+            self._collective(st.loss_work.wait, "the all-reduce of the losses")
+        self._release_weights()
+        return float(st.loss_sum.mean())
 
     def _post_losses(self, st) -> None:
         """Post the all-reduce of the per-micro-batch losses once this rank has
@@ -477,7 +631,7 @@ class Trainer:
         for message in self._awaits[index]:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._receive(st, message)
-        start = st.clock.mark() if self.record else None
+        start = st.clock.mark() if self._recording else None
         gang = self._gangs.get(index)
         if gang is not None:
             self._gang_pass(st, s, b, reads, gang, forward=action.op == "F")
@@ -487,21 +641,45 @@ class Trainer:
             self._weight_pass(st, s, b, reads)
         else:
             self._backward(st, s, b, reads, input_only=action.op == "I")
-        if self.record and (index not in self._gangs or index in self._leads):
+        if self._recording and (index not in self._gangs or index in self._leads):
             st.items.append((action.work, start, st.clock.mark()))
+
+    def _call(self, s: int, args: list, batch: int | None = None) -> Any:
+        """Stage ``s`` on ``args`` under the precision's autocast, the floating
+        tensors of an output another stage takes cast to the compute dtype;
+        for micro-batch ``batch``, under the RNG seed of (seed, step, stage,
+        batch), so a recomputed forward draws the same dropout masks."""
+        if batch is not None:
+            torch.manual_seed(micro_batch_seed(self._seed, self._step_no - 1, s, batch))
+        with autocast(self.device, self._dtype):
+            out = self.stages[s](*args)
+        if self._dtype is not None and self._graph.successors[s]:
+            return to_compute_dtype(out, self._dtype)
+        return out
 
     def _forward(self, st, s: int, b: int, reads: Reads) -> None:
         xs = self._inputs(st, s, b, reads.inputs)
-        if self.program.compute_worker[Work(b, s, self._back)] == self.rank:
+        if not st.evaluating and self.program.compute_worker[Work(b, s, self._back)] == self.rank:
             if self._graph.predecessors[s]:
                 xs = self._needing_grad(s, xs)
-            out = self.stages[s](*_arguments(self._meta.inputs[s], xs))
+            out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
             leaves = self._leaves(s, out)
             st.graphs[(s, b)] = (xs, out, leaves)
         else:
             with torch.no_grad():
-                leaves = self._leaves(s, self.stages[s](*_arguments(self._meta.inputs[s], xs)))
+                out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
+                leaves = self._leaves(s, out)
+                if st.evaluating and s == self._loss_stage:
+                    st.losses[b] = self._loss(st, b, out).detach()
         st.put(output(s, b), _detached(leaves))
+
+    def _loss(self, st, b: int, out: Any) -> torch.Tensor:
+        """Micro-batch ``b``'s loss of the last stage's output ``out``, a scalar, under the precision's autocast."""
+        with autocast(self.device, self._dtype):
+            loss = self.loss_fn(out, st.micro_t[b])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {b}")
+        return loss.reshape(()).float()
 
     def _leaves(self, s: int, out: Any, parts: int = 1) -> tuple[torch.Tensor, ...]:
         """The tensors of stage ``s``'s output ``out`` (one of ``parts``
@@ -550,11 +728,14 @@ class Trainer:
                 xs = self._needing_grad(s, xs)
             else:
                 xs = [tuple(_rows_of(x, members, self.rank, s) for x in st.micro_in[b]) if rows else st.micro_in[b]]
-            leaves = self._leaves(s, self.stages[s](*_arguments(self._meta.inputs[s], xs)), len(members) if rows else 1)
+            leaves = self._leaves(s, self._call(s, _arguments(self._meta.inputs[s], xs), b), len(members) if rows else 1)
             whole = _detached(leaves)
             if rows:
                 whole = tuple(self._collect(y, members, group, rows) for y in whole)
-            st.graphs[(s, b)] = (xs, leaves, whole)
+            if not st.evaluating:
+                st.graphs[(s, b)] = (xs, leaves, whole)
+            elif lead and s == self._loss_stage:
+                st.losses[b] = self._loss(st, b, layout.tree(whole)).detach()
             if lead:
                 st.put(output(s, b), whole)
             return
@@ -643,8 +824,26 @@ class Trainer:
         xs = self._inputs(st, s, b, keys)
         if needs_input_grad and self._graph.predecessors[s]:
             xs = self._needing_grad(s, xs)
-        out = self.stages[s](*_arguments(self._meta.inputs[s], xs))
+        with self._buffers_kept(s):
+            out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
         return xs, out, self._leaves(s, out)
+
+    @contextlib.contextmanager
+    def _buffers_kept(self, s: int):
+        """Stage ``s``'s buffers as they were before (a recomputed forward
+        must not update BatchNorm's running statistics a second time)."""
+        stage = self.stages[s]
+        if not self._buffer_specs[s] or not stage.training:
+            yield
+            return
+        kept = [buffer.clone() for buffer in _buffers(stage)]
+        try:
+            yield
+        finally:
+            # through .data: the recomputed graph saved the buffers (BatchNorm's
+            # backward checks their version) but does not read their values
+            for buffer, old in zip(_buffers(stage), kept):
+                buffer.data.copy_(old)
 
     def _root(self, st, s: int, b: int, out: Any, leaves: tuple, gradients: tuple, record_loss: bool):
         """What to differentiate, and with which gradients: at the loss
@@ -652,12 +851,10 @@ class Trainer:
         elsewhere the output's tensors that carry a gradient, with the sums
         of their consumers' gradients."""
         if s == self._loss_stage:
-            loss = self.loss_fn(out, st.micro_t[b])
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {b}")
+            loss = self._loss(st, b, out)
             if record_loss:
-                st.losses[b] = loss.detach().reshape(())
-            return (loss.reshape(()) / self.program.num_batches,), None
+                st.losses[b] = loss.detach()
+            return (loss * self._loss_factor,), None
         grads = st.take(gradients[0])
         for key in gradients[1:]:
             grads = tuple(g + h for g, h in zip(grads, st.take(key)))
@@ -689,7 +886,7 @@ class Trainer:
             tensor = _flatten([_grad(p) for p in self._params[msg.stage]], self.device)
         else:
             tensor = self._wire(msg.value).pack(st.take(msg.value), self.device)
-        if self.record:
+        if self._recording:
             st.sends[msg.index] = time.perf_counter()
         st.outgoing.append((dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), tensor, action, msg.dst))
 
@@ -712,7 +909,7 @@ class Trainer:
                 peer=msg.src,
             ) from error
         st.waiting_on = None
-        if self.record:
+        if self._recording:
             st.receives[index] = (start, time.perf_counter())
         return buffer
 
@@ -777,6 +974,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ end of step
     def _finish(self, st) -> float:
+        """Await everything, stop on a non-finite loss, take in returned
+        gradients, update (or hold the gradients for a later update),
+        average buffers, and note the step."""
+        self._await_transfers(st)
+        self._await_reductions(st)
+        self._collective(st.loss_work.wait, "the all-reduce of the losses")
+        losses = st.loss_sum
+        bad = [b for b in range(self.program.num_batches) if not math.isfinite(float(losses[b]))]
+        if bad:
+            for s in self._mine:
+                self.stages[s].zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"the loss of micro-batch {bad[0]} is {float(losses[bad[0]])} (computed on rank "
+                f"{self.program.loss_rank(bad[0])}) in step {self._step_no}; no weights were changed. "
+                f"Lower the learning rate or check the inputs of that micro-batch"
+            )
+        for s, flat in st.returned:
+            self._accept(s, flat)
+        self._accumulated += 1
+        if self._accumulated < self.accumulate:
+            self._hold_gradients()
+        else:
+            self._accumulated = 0
+            self._update(float(losses.mean()))
+        for s in self._mine:
+            self.stages[s].zero_grad(set_to_none=True)
+        self._average_buffers()
+        self._release_weights()
+        st.clock.sync()
+        st.end = time.perf_counter()
+        self.last_step_seconds = st.end - st.begin
+        self.last_loss = float(losses.mean())
+        if self._recording:
+            self._gather_timeline(st)
+        return self.last_loss
+
+    def _await_transfers(self, st) -> None:
+        """Every receive and send of the step, done (returned gradients kept for later)."""
         for index in list(st.pending):
             flat = self._wait(st, index)
             msg = self.program.messages[index]
@@ -791,51 +1026,89 @@ class Trainer:
                 ) from error
         st.outgoing.clear()
 
+    def _await_reductions(self, st) -> None:
         for action, work, flat, start in st.reductions:
             self._collective(work.wait, f"the gradient all-reduce {action}")
             params = self._params[action.stage]
             if action.stage not in self._flat_grads:
                 for p, chunk in zip(params, _split(flat, params)):
                     p.grad = chunk
-            if self.record:
+            if self._recording:
                 n = len(action.group)
                 sent = 2 * (n - 1) / n * flat.numel() * flat.element_size()
                 st.reduces.append((action.group, sent, start, time.perf_counter()))
         st.reductions.clear()
 
-        B = self.program.num_batches
-        self._collective(st.loss_work.wait, "the all-reduce of the losses")
-        losses = st.loss_sum
-        bad = [b for b in range(B) if not math.isfinite(float(losses[b]))]
-        if bad:
-            for s in self._mine:
-                self.stages[s].zero_grad(set_to_none=True)
-            raise NonFiniteLossError(
-                f"the loss of micro-batch {bad[0]} is {float(losses[bad[0]])} (computed on rank "
-                f"{self.program.loss_rank(bad[0])}) in step {self._step_no}; no weights were changed. "
-                f"Lower the learning rate or check the inputs of that micro-batch"
-            )
+    def _hold_gradients(self) -> None:
+        """Keep this step's gradients of truth for the update that ends the accumulation."""
+        for s in self._owned:
+            held = self._held.setdefault(s, [None] * len(self._params[s]))
+            for i, p in enumerate(self._params[s]):
+                if p.grad is not None:
+                    held[i] = p.grad.detach().clone() if held[i] is None else held[i].add_(p.grad)
 
-        for s, flat in st.returned:
-            self._accept(s, flat)
+    def _update(self, loss: float) -> None:
+        """The optimizer step, on the gradients of truth (with those held
+        from earlier steps of the accumulation): unscaled by the fp16 loss
+        scale, clipped to the global norm every rank agrees on, skipped on
+        every rank when that norm is not finite under fp16."""
+        truth = [p for s in self._owned for p in self._params[s]]
+        for s, held in self._held.items():
+            for p, h in zip(self._params[s], held):
+                if h is not None:
+                    p.grad = h if p.grad is None else p.grad.add_(h)
+        self._held = {}
+        grads = [p.grad for p in truth if p.grad is not None]
+        if self._scale.enabled and grads:
+            torch._foreach_mul_(grads, 1.0 / self._scale.scale)
+        self.last_step_skipped, self.last_grad_norm = False, None
+        if self._scale.enabled or self.clip_grad_norm is not None:
+            norm = self.last_grad_norm = self._global_grad_norm()
+            if self._scale.enabled:
+                self._scale.update(found_inf=not math.isfinite(norm))
+                if not math.isfinite(norm):
+                    self.last_step_skipped = True
+                    return
+            if self.clip_grad_norm is not None and grads:
+                torch.nn.utils.clip_grads_with_norm_(truth, self.clip_grad_norm, torch.tensor(norm, device=self.device))
         for s, host in self.host_weights.items():
             for p, h in zip(self._params[s], host):
                 h.grad = None if p.grad is None else p.grad.detach().to(h.device)
         if self.optimizer is not None:
             self.optimizer.step()
-        for s in self._mine:
-            self.stages[s].zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                _step_scheduler(self.scheduler, loss)
         for host in self.host_weights.values():
             for h in host:
                 h.grad = None
-        self._release_weights()
-        st.clock.sync()
-        st.end = time.perf_counter()
-        self.last_step_seconds = st.end - st.begin
-        self.last_loss = float(losses.mean())
-        if self.record:
-            self._gather_timeline(st)
-        return self.last_loss
+
+    def _global_grad_norm(self) -> float:
+        """The L2 norm of every stage's gradient, the same on every rank: each
+        rank adds the squares of the shares it is the first holder of (a
+        replicated stage counts once, each shard of a tensor-parallel stage
+        once), and all ranks sum them."""
+        grads = [p.grad for s in self._counts_norm for p in self._params[s] if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
+        total = local.cpu().reshape(1)
+        self._collective(lambda: dist.all_reduce(total, group=self._control), "the all-reduce of the gradient norm")
+        return math.sqrt(float(total[0]))
+
+    def _average_buffers(self) -> None:
+        """Average each stage's buffers over the ranks that ran its forwards
+        in this step, and give the mean to every holder of its weights:
+        replicas end a step with equal BatchNorm statistics."""
+        for s, (members, group) in self._buffer_groups.items():
+            buffers = _buffers(self.stages[s])
+            ran = self._buffer_runs[s]
+            flat = torch.cat([b.detach().double().reshape(-1) * ran for b in buffers]
+                             + [torch.ones(1, dtype=torch.float64, device=self.device) * ran])
+            flat = flat.cpu()
+            self._collective(lambda: dist.all_reduce(flat, group=group), f"the average of stage {s}'s buffers")
+            mean = flat[:-1] / flat[-1]
+            with torch.no_grad():
+                for b, chunk in zip(buffers, mean.split([b.numel() for b in buffers])):
+                    b.copy_(chunk.reshape(b.shape).to(b.dtype) if b.is_floating_point()
+                            else chunk.floor().reshape(b.shape).to(b.dtype))
 
     def _gather_timeline(self, st) -> None:
         notes = RankNotes(
@@ -902,8 +1175,9 @@ class _StepState:
     tensors), graphs, posted transfers, notes; ``micro_in[b]`` holds the
     tensors of micro-batch b's inputs, ``micro_t[b]`` its targets as given."""
 
-    def __init__(self, trainer: Trainer, micro_in, micro_t):
+    def __init__(self, trainer: Trainer, micro_in, micro_t, evaluating: bool = False):
         self.trainer = trainer
+        self.evaluating = evaluating
         self.micro_in, self.micro_t = micro_in, micro_t
         self.uses = dict(trainer.program.uses[trainer.rank])
         self.values: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -1248,8 +1522,23 @@ def _gradients(roots, grads, inputs: Sequence[torch.Tensor], retain_graph: bool)
                                     retain_graph=retain_graph, allow_unused=True))
 
 
+def _step_scheduler(scheduler, loss: float) -> None:
+    """Step an LR scheduler after an optimizer step; one that adapts to the
+    loss (``ReduceLROnPlateau``) is given the step's loss."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(loss)
+    else:
+        scheduler.step()
+
+
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(like)
+
+
+def _buffers(stage: nn.Module) -> list[torch.Tensor]:
+    """The buffers of a stage that training changes (running statistics,
+    counters); boolean ones (masks) are constants."""
+    return [b for b in stage.buffers() if b.dtype != torch.bool]
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:

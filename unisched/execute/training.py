@@ -1,0 +1,204 @@
+"""The numerics of a training step beyond the schedule, shared by the Trainer
+and the one-process reference so that both compute the same thing.
+
+- **Precision.** ``"fp32"``, ``"bf16"`` or ``"fp16"``: forwards and the loss
+  run under ``torch.autocast`` in the compute dtype while the weights of
+  truth and the optimizer state stay fp32, and every value one stage passes
+  to another has its floating tensors cast to the compute dtype
+  (:func:`to_compute_dtype`), so activations and their gradients travel in it.
+- **Loss scaling** for fp16 (:class:`LossScale`): torch's GradScaler rule
+  (skip the step and back off when a gradient is not finite, grow after a
+  run of good steps), decided from a verdict every rank shares.
+- **Dropout.** The forward of stage s on micro-batch b in step k runs under
+  the RNG seed :func:`micro_batch_seed` ``(seed, k, s, b)``, which depends on
+  nothing else (not the schedule, not the rank), so a forward recomputed on
+  another rank draws the same masks, and one process can draw them too.
+- **Options** (:func:`check_options`): what the Trainer refuses before it
+  talks to any other rank, with the field named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from numbers import Real
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from unisched.errors import ShapeError
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Precision name -> the compute dtype autocast runs in (None: no autocast)."""
+
+LOSS_SCALE_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+"""fp16 loss scaling, in ``torch.amp.GradScaler``'s names and with its defaults."""
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` on ``device``'s type in ``dtype``, or nothing for fp32."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def to_compute_dtype(value: Any, dtype: torch.dtype | None) -> Any:
+    """``value`` (a tensor pytree one stage passes to another) with its
+    floating tensors in ``dtype``; integer ids and masks as they are."""
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    return tree_map(lambda t: to_compute_dtype(t, dtype) if isinstance(t, torch.Tensor) else t, value)
+
+
+_MASK = (1 << 64) - 1
+
+
+def micro_batch_seed(seed: int, step: int, stage: int, batch: int) -> int:
+    """The RNG seed of stage ``stage``'s forward on micro-batch ``batch`` in
+    step ``step`` (counted from 0): a splitmix64 mix of the four numbers,
+    the same on every rank and in every schedule."""
+    state = 0
+    for part in (seed, step, stage, batch):
+        state = (state ^ (int(part) & _MASK)) * 0x9E3779B97F4A7C15 & _MASK
+        state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK
+        state ^= state >> 31
+    return state & ((1 << 63) - 1)
+
+
+class LossScale:
+    """Dynamic loss scaling for fp16, as ``torch.amp.GradScaler`` does it:
+    the loss is multiplied by ``scale`` before the backward and the
+    gradients divided by it before the optimizer step; a step whose
+    gradients hold an inf or a NaN anywhere is skipped and the scale
+    multiplied by ``backoff_factor``; after ``growth_interval`` good steps in
+    a row it is multiplied by ``growth_factor``.  Disabled (scale 1, never
+    skips) for fp32 and bf16."""
+
+    def __init__(self, enabled: bool, init_scale: float, growth_factor: float, backoff_factor: float,
+                 growth_interval: int):
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.good_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        """After an update step: back off if it found an inf or NaN, grow after enough good ones."""
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def loss_scale(precision: str, options: dict | None) -> LossScale:
+    """The :class:`LossScale` for ``precision``, GradScaler's defaults overridden by ``options``."""
+    return LossScale(precision == "fp16", **{**LOSS_SCALE_DEFAULTS, **(options or {})})
+
+
+# ---------------------------------------------------------------------- options
+def check_options(stages, loss_fn, optimizer, *, timeout, lookahead, record, seed, precision, clip_grad_norm,
+                  scheduler, accumulate, loss_scale_options) -> None:
+    """Refuse a Trainer option that cannot work, naming it and what to pass
+    instead.  Pure: every rank given the same options raises the same error."""
+    _check_stages(stages)
+    for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if not callable(value):
+            raise ShapeError(f"{name} must be callable, got {_shown(value)}"
+                             + ("; pass a factory: lambda params: torch.optim.SGD(params, lr=0.1)"
+                                if name == "optimizer" else "; pass loss_fn(output, target) -> scalar tensor"))
+    if not _positive(timeout):
+        raise ShapeError(f"timeout must be a positive, finite number of seconds, got {_shown(timeout)}")
+    if not _whole(lookahead) or lookahead < 0:
+        raise ShapeError(f"lookahead must be a whole number of items >= 0 (how early a receive is posted), "
+                         f"got {_shown(lookahead)}")
+    if not isinstance(record, bool) and (not _whole(record) or record < 1):
+        raise ShapeError(f"record must be True, False or a whole number N >= 1 (record every N-th step), "
+                         f"got {_shown(record)}")
+    if not _whole(seed):
+        raise ShapeError(f"seed must be a whole number, got {_shown(seed)}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ShapeError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {_shown(precision)}")
+    if clip_grad_norm is not None and not _positive(clip_grad_norm):
+        raise ShapeError(f"clip_grad_norm must be a positive, finite number (the largest global L2 norm of the "
+                         f"gradients) or None for no clipping, got {_shown(clip_grad_norm)}")
+    if scheduler is not None and not callable(scheduler):
+        raise ShapeError(f"scheduler must be a factory optimizer -> LRScheduler (e.g. lambda opt: "
+                         f"torch.optim.lr_scheduler.StepLR(opt, 10)) or None, got {_shown(scheduler)}")
+    if not _whole(accumulate) or accumulate < 1:
+        raise ShapeError(f"accumulate must be a whole number >= 1 (steps whose gradients add up before one "
+                         f"optimizer step), got {_shown(accumulate)}")
+    _check_loss_scale(precision, loss_scale_options)
+
+
+def check_scheduler(made: Any) -> None:
+    """What the scheduler factory returned must step."""
+    if not callable(getattr(made, "step", None)):
+        raise ShapeError(f"the scheduler factory returned {_shown(made)}, which has no step(); return a "
+                         f"torch.optim.lr_scheduler.LRScheduler built on the optimizer it is given")
+
+
+def _check_stages(stages) -> None:
+    if callable(stages) and not isinstance(stages, nn.Module):
+        return
+    if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__") or not hasattr(stages, "__getitem__"):
+        raise ShapeError(f"stages must be a list of torch.nn.Module (one per stage) or a factory "
+                         f"stage -> nn.Module, got {_shown(stages)}")
+    for s, stage in enumerate(stages):
+        if not isinstance(stage, nn.Module):
+            raise ShapeError(f"stages[{s}] is of type {type(stage).__name__}, not a torch.nn.Module; pass one "
+                             f"nn.Module per stage, or a factory stage -> nn.Module")
+
+
+def _check_loss_scale(precision: str, options) -> None:
+    if options is None:
+        return
+    if precision != "fp16":
+        raise ShapeError(f"loss_scale applies to precision='fp16' only (precision is {precision!r}); drop it")
+    if not isinstance(options, dict) or set(options) - set(LOSS_SCALE_DEFAULTS):
+        raise ShapeError(f"loss_scale must be a dict with keys among {sorted(LOSS_SCALE_DEFAULTS)}, "
+                         f"got {_shown(options)}")
+    merged = {**LOSS_SCALE_DEFAULTS, **options}
+    if not (_positive(merged["init_scale"]) and _positive(merged["growth_factor"]) and merged["growth_factor"] >= 1
+            and _positive(merged["backoff_factor"]) and merged["backoff_factor"] < 1
+            and _whole(merged["growth_interval"]) and merged["growth_interval"] >= 1):
+        raise ShapeError(f"loss_scale {options!r}: init_scale must be > 0, growth_factor >= 1, 0 < "
+                         f"backoff_factor < 1 and growth_interval a whole number >= 1")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"
+
+
+def caught(check: Callable[[], None]) -> Exception | None:
+    """The error ``check()`` raises, or None."""
+    try:
+        check()
+    except Exception as error:
+        return error
+    return None

@@ -139,6 +139,12 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "strategy: its shape, costs, memory limit and order come from the file",
     )
     _add_problem_arguments(simulate)
+    simulate.add_argument(
+        "--topology", metavar="FILE|PRESET",
+        help="price every transfer on a cluster: a JSON topology file (docs/topology.md) or a preset "
+        "(dgx_h100, dgx_a100, p4d_24xlarge); transfers share NVLink ports and NICs, all-reduces follow NCCL's "
+        "cost models, times in seconds and sizes in bytes (give them with --costs)",
+    )
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
     simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
     simulate.add_argument("--time-unit", default="s", metavar="UNIT",
@@ -250,12 +256,17 @@ def cmd_simulate(args) -> int:
     if args.out:
         options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
         sim.save(args.out, **options)
+    cluster = _cluster_json(sim)
     if args.json:
-        print(_dumps({**_result_json(sim), **({"plan": args.plan} if args.plan is not None else {})}))
+        print(_dumps({**_result_json(sim), **({"plan": args.plan} if args.plan is not None else {}), **cluster}))
         return 0
     print(sim.to_text(width=args.width, color=args.color, stats=True))
     print()
     print(sim.summary())
+    if cluster:
+        topology = cluster["topology"]
+        print(f"  on {topology['name'] or 'the topology'}: {topology['nodes']} node(s) x {topology['devices_per_node']} "
+              f"devices, {topology['nics_per_node']} NICs per node, all-reduces as {topology['collective']}s")
     if args.out:
         print(f"\nwrote {args.out}")
     return 0
@@ -268,7 +279,7 @@ def _simulate_plan(args):
         ("--stages", args.stages), ("--batches", args.batches), ("--forward", args.forward),
         ("--backward", args.backward), ("--backward-input", args.backward_input),
         ("--backward-weight", args.backward_weight), ("--costs", args.costs), ("--memory-limit", args.memory_limit),
-        ("--priority", args.priority),
+        ("--priority", args.priority), ("--topology", args.topology),
     ) if value is not None]
     if given:
         raise UniSchedError(
@@ -468,6 +479,13 @@ def _costs(args):
             if value < 0 or not math.isfinite(value):
                 raise UniSchedError(f"--{flag.replace('_', '-')} must be a non-negative number, got {value}")
             changes[flag] = value
+    if getattr(args, "topology", None):
+        from dataclasses import fields
+
+        from unisched.topology import ClusterCosts
+
+        changes.update(topology=args.topology)
+        return ClusterCosts(**{f.name: getattr(costs, f.name) for f in fields(costs)}, **changes)
     if not changes:
         return costs
     from dataclasses import replace
@@ -502,6 +520,12 @@ def _simulate(args, name: str, params: dict):
         W, S, B, strategy, priority,
         costs=_costs(args), memory_limit=_memory_limit(args.memory_limit), split_backward=split,
     )
+
+
+def _cluster_json(sim) -> dict:
+    """The topology a simulation ran on (sized to its workers), or nothing."""
+    cluster = getattr(sim.costs, "cluster", None)
+    return {"topology": cluster(sim.shape.num_workers).to_dict()} if cluster is not None else {}
 
 
 def _rho(sim) -> float:

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from unisched.costs import Costs, Link
+from unisched.costs import Costs, Link, PerStage, _check_per_stage
 from unisched.errors import ShapeError
 
 PRESETS = Path(__file__).resolve().parent / "topologies"
@@ -270,9 +270,15 @@ class ClusterCosts(Costs):
 
     topology: Any = None
     replicas: int = 1
+    tensor_parallel_bytes: PerStage | None = None
+    """Bytes a tensor-parallel gang all-reduces per pass of a stage (default:
+    the stage's ``activation_bytes``; Megatron-LM's layer all-reduces twice in
+    the forward and twice in the backward, so 2 x layers x activation)."""
 
     def __post_init__(self):
         super().__post_init__()
+        if self.tensor_parallel_bytes is not None:
+            _check_per_stage("tensor_parallel_bytes", self.tensor_parallel_bytes)
         if self.topology is None:
             raise ShapeError("ClusterCosts needs a topology (a preset name, a JSON file or a Topology)")
         object.__setattr__(self, "topology", Topology.load(self.topology))
@@ -285,6 +291,11 @@ class ClusterCosts(Costs):
         super().check(num_workers, num_stages)
         self.cluster(num_workers)
         return self
+
+    def tensor_parallel_sizes(self, num_stages: int):
+        """Per stage: the bytes a gang all-reduces per pass."""
+        name = "activation_bytes" if self.tensor_parallel_bytes is None else "tensor_parallel_bytes"
+        return self.per_stage(name, num_stages)
 
     def cluster(self, num_workers: int) -> Topology:
         """The topology sized for ``num_workers`` workers times the replicas."""

@@ -75,14 +75,30 @@ class Model:
     """One layer's forward of one micro-batch on one GPU (seconds)."""
     layer_weight_bytes: float
     activation_bytes: float
-    """The tensor one layer hands the next for one micro-batch (what moves
-    between stages, and what a tensor-parallel gang all-reduces)."""
+    """The tensor one layer hands the next for one micro-batch: what moves
+    between stages, and what a tensor-parallel gang all-reduces twice per
+    layer in each pass (Megatron-LM's layer)."""
     layer_stash_bytes: float
     """What one layer keeps for its backward per micro-batch (split over a gang's T ranks)."""
     backward_ratio: float = 2.0
     optimizer_bytes_per_weight_byte: float = 6.0
     """Optimizer state per byte of weights (Adam's fp32 copy and two moments
     for bf16 weights: 12 bytes per 2-byte weight)."""
+
+    @classmethod
+    def transformer(cls, layers: int, hidden: int, sequence: int, micro_batch: int = 1,
+                    gpu_flops: float = 400e12) -> "Model":
+        """A GPT-style transformer in bf16 at ``gpu_flops`` achieved: a layer's
+        forward is 24 b s h^2 (1 + s / 6h) flops and 12 h^2 weights (Narayanan
+        et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+        Using Megatron-LM", 2021); it keeps 34 s b h bytes for its backward
+        with selective recomputation (Korthikanti et al., "Reducing Activation
+        Recomputation in Large Transformer Models", 2022)."""
+        b, s, h = micro_batch, sequence, hidden
+        return cls(
+            layers=layers, layer_forward=24 * b * s * h * h * (1 + s / (6 * h)) / gpu_flops,
+            layer_weight_bytes=12 * h * h * 2.0, activation_bytes=2.0 * b * s * h, layer_stash_bytes=34.0 * s * b * h,
+        )
 
     def costs(self, layout: Layout, topology, replicas: int) -> ClusterCosts:
         """Per-stage costs of this model split by ``layout`` (P stages of
@@ -96,7 +112,7 @@ class Model:
         return ClusterCosts(
             forward=forward, backward=self.backward_ratio * forward, activation_bytes=self.activation_bytes,
             stash_bytes=per_stage * self.layer_stash_bytes / T, weight_bytes=per_stage * self.layer_weight_bytes,
-            topology=topology, replicas=replicas,
+            tensor_parallel_bytes=2 * per_stage * self.activation_bytes, topology=topology, replicas=replicas,
         )
 
     def state_bytes(self, layout: Layout) -> float:

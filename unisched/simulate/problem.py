@@ -203,12 +203,14 @@ def build(
     duration = costs.item_time(stage, direction, compute, S, W)
     act_bytes = costs.per_stage("activation_bytes", S)
     collective_time = np.zeros(n)
+    sizes = getattr(costs, "tensor_parallel_sizes", None)  # a cluster's costs may say what a gang all-reduces
+    gang_bytes = sizes(S) if sizes is not None else act_bytes
     for g, (members, collective) in enumerate(zip(gang_members, gang_collective)):
         rows = gang == g
         slowest = members[int(np.argmin(speeds[list(members)]))]  # a gang item runs at its slowest member's pace
         duration[rows] = costs.item_time(stage[rows], direction[rows], slowest, S, W)
         if collective:
-            collective_time[rows] = network.tensor_parallel_time(costs, members, act_bytes[stage[rows]])
+            collective_time[rows] = network.tensor_parallel_time(costs, members, gang_bytes[stage[rows]])
             duration[rows] += collective_time[rows]
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))

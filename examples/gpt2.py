@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 4 examples/gpt2.py --strategy interleaved --layers 16
     torchrun --nproc-per-node 4 examples/gpt2.py --strategy cuckoo --balance time --timeline step.html
     torchrun --nproc-per-node 4 examples/gpt2.py --plan plan.json      # from `unisched plan --out plan.json`
+    torchrun --nproc-per-node 4 examples/gpt2.py --steps 2000 --log-every 100 --checkpoint ckpt --checkpoint-every 500
+    torchrun --nproc-per-node 4 examples/gpt2.py --steps 1000 --resume ckpt   # 1000 more from the latest checkpoint
 
 The model is built in code from a GPT2Config (random weights, nothing is
 downloaded; dropout off, so that a backward recomputed on another rank sees
@@ -17,6 +19,12 @@ the same forward) and learns counting sequences of tokens.  The heart of it::
 
 GPT-2 ties lm_head to wte; on different stages the two cannot stay one
 tensor, so the last stage trains its own copy (``tied="untie"``).
+
+Every ``--log-every`` steps rank 0 prints the loss, step time, samples and
+tokens per second and the model's TFLOP/s (6 x its parameters outside
+the embeddings per token, as ``num_parameters(exclude_embeddings=True)``
+counts them); ``--peak-tflops`` (the peak of all ranks together) adds the
+model FLOPs utilisation.
 """
 
 from __future__ import annotations
@@ -30,8 +38,15 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from unisched.execute.arguments import add_schedule_arguments, check_training_arguments, make_schedule, positive_int
-from unisched.execute.example import median_ms, train_steps
+from unisched.execute.arguments import (
+    add_long_run_arguments,
+    add_schedule_arguments,
+    check_training_arguments,
+    make_schedule,
+    positive_float,
+    positive_int,
+)
+from unisched.execute.example import summary_line, train_steps
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
@@ -45,6 +60,16 @@ def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
     )
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
+
+
+def flops_per_token(args: argparse.Namespace, layers: int) -> float:
+    """Training FLOPs per token by the usual estimate (Kaplan et al. 2020):
+    6 x the parameters outside the embeddings, as the model counts them
+    (``num_parameters(exclude_embeddings=True)``); built on the meta
+    device, so nothing is allocated."""
+    with torch.device("meta"):
+        model = gpt2(args, layers)
+    return 6.0 * model.num_parameters(exclude_embeddings=True)
 
 
 def data(args: argparse.Namespace, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,13 +125,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", choices=("parameters", "uniform", "time"), default="parameters",
                    help="how split_model weighs blocks (default parameters)")
     p.add_argument("--rows-per-batch", type=positive_int, default=4, help="rows per micro-batch (default 4)")
-    p.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="adamw (default) or sgd with momentum 0.9")
     p.add_argument("--lr", type=float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait or step may take (default 300)")
     p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
     p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+    add_long_run_arguments(p, default_steps=10)
+    p.add_argument("--peak-tflops", type=positive_float, metavar="TFLOPS",
+                   help="peak TFLOP/s of all ranks together, to report the model FLOPs utilisation (MFU)")
     return p
 
 
@@ -133,20 +160,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer = make_optimizer(args)
         trainer = unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout)
         del stages  # the Trainer holds this rank's stages; the others' weights are freed
-        losses, seconds, _ = train_steps(trainer, functools.partial(data, args), args.steps,
-                                         B * args.rows_per_batch, quiet=args.json)
+        run = train_steps(trainer, functools.partial(data, args), args, B * args.rows_per_batch,
+                          tokens_per_row=args.positions, flops_per_token=flops_per_token(args, layers),
+                          peak_tflops=args.peak_tflops, quiet=args.json)
         report = {
             "strategy": getattr(schedule.strategy, "name", args.strategy) if not args.plan else f"plan {args.plan}",
             "shape": [trainer.world_size, S, B],
             "split": described,
             "layers": layers,
-            "losses": losses,
-            "step_ms_median": median_ms(seconds),
+            **run.summary(),
         }
         if args.check:
             state = trainer.gather_state_dict()
             if trainer.rank == 0:
-                report["max_difference_vs_one_process"] = check(args, state, S, B, layers, weights, optimizer)
+                report["max_difference_vs_one_process"] = check(args, state, S, B, layers, weights, optimizer,
+                                                                run.last_step)
         if trainer.rank == 0 and args.timeline:
             trainer.last_timeline.save(args.timeline)
             report["timeline"] = args.timeline
@@ -165,14 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def check(args, state: dict, S: int, B: int, layers: int, weights: list[float], optimizer) -> float:
+def check(args, state: dict, S: int, B: int, layers: int, weights: list[float], optimizer, steps: int) -> float:
     """Largest |difference| between the trained weights and one process
-    training the same split (the same block weights) on the whole batch."""
+    training the same split (the same block weights) on the whole batch for
+    ``steps`` steps from the start."""
     import unisched
     from unisched.execute import train_one_process
 
     stages = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
-    batches = (data(args, step, B * args.rows_per_batch) for step in range(args.steps))
+    batches = (data(args, step, B * args.rows_per_batch) for step in range(steps))
     _, reference = train_one_process(stages, next_token_loss, optimizer, batches)
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
@@ -185,10 +214,13 @@ def show(args, report: dict) -> None:
     print(f"{report['strategy']} on {W} ranks, {S} stages, {B} micro-batches: GPT-2 of {report['layers']} blocks, "
           f"{report['split']}")
     print(f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, median step {report['step_ms_median']:.1f} ms")
+    print(summary_line(report))
     if "max_difference_vs_one_process" in report:
         print(f"largest difference from one process: {report['max_difference_vs_one_process']:.2e}")
     if "timeline" in report:
         print(f"measured timeline saved to {report['timeline']}")
+    if report["checkpoints"]:
+        print(f"checkpoints saved: {', '.join(report['checkpoints'])}")
 
 
 if __name__ == "__main__":

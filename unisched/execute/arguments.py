@@ -17,7 +17,8 @@ DEFAULT_TOLERANCE = 1e-5
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """The options :func:`check_training_arguments` and :func:`make_schedule` read."""
     p.add_argument("--strategy", help=f"a registered strategy, NAME or NAME(K=V, ...) (default {DEFAULT_STRATEGY}; "
-                                      "unisched strategies lists them)")
+                                      "unisched strategies lists them), or your own MODULE:FUNCTION or "
+                                      "path/to/file.py:FUNCTION (a Work -> workers function or a factory)")
     p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
     p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
     p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
@@ -30,15 +31,48 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows-per-batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
     p.add_argument("--model-width", type=positive_int, default=64,
                    help="hidden width of the model (default 64; the transformer uses 32)")
-    p.add_argument("--steps", type=positive_int, default=10, help="training steps (default 10)")
-    p.add_argument("--lr", type=positive_float, default=0.2, help="SGD learning rate (default 0.2)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd (default) or adam")
+    p.add_argument("--lr", type=positive_float, help="learning rate (default 0.2 for sgd, 0.01 for adam)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds any wait or step may take (default 120)")
+    add_long_run_arguments(p, default_steps=10)
     p.add_argument("--check", action="store_true",
                    help="compare the trained weights with one process; fail (exit 1) beyond --tolerance")
     p.add_argument("--tolerance", type=positive_float, default=DEFAULT_TOLERANCE,
                    help=f"largest difference --check accepts (default {DEFAULT_TOLERANCE:g})")
     p.add_argument("--timeline", metavar="FILE", help=f"save the last measured step ({', '.join(TIMELINE_FORMATS)})")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+
+
+def add_long_run_arguments(p: argparse.ArgumentParser, default_steps: int) -> None:
+    """How long a run trains, what it logs, where it keeps checkpoints and
+    what it resumes from: the options both examples take."""
+    run = p.add_argument_group("long runs")
+    run.add_argument("--steps", type=positive_int, default=default_steps,
+                     help=f"training steps this run takes (default {default_steps}; after --resume, steps more)")
+    run.add_argument("--log-every", type=positive_int, metavar="N",
+                     help="print loss, step time and throughput every N steps (default: about ten lines a run)")
+    run.add_argument("--checkpoint", metavar="DIR", help="save checkpoints to DIR/step-N (after the last step, and "
+                                                         "every --checkpoint-every steps)")
+    run.add_argument("--checkpoint-every", type=positive_int, metavar="N", help="save a checkpoint every N steps")
+    run.add_argument("--resume", metavar="PATH", help="continue from a checkpoint, or the latest in a --checkpoint "
+                                                      "directory: the weights, optimizer state and step count")
+
+
+def check_long_run_arguments(args: argparse.Namespace) -> None:
+    """Refuse long-run options that cannot work, before anything starts."""
+    from unisched.execute.checkpoint_files import CheckpointError, latest_checkpoint
+
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise CheckpointError("--checkpoint-every needs --checkpoint DIR, the directory to save them in")
+    if args.resume:
+        latest_checkpoint(args.resume)
+    if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
+        raise CheckpointError(f"--checkpoint {args.checkpoint} is a file; name a directory to save checkpoints in")
+
+
+def log_interval(args: argparse.Namespace) -> int:
+    """Steps between two log lines: ``--log-every``, else about ten lines a run."""
+    return args.log_every or max(1, args.steps // 10)
 
 
 def positive_int(text: str) -> int:
@@ -70,6 +104,7 @@ def check_training_arguments(args: argparse.Namespace) -> None:
     ``--plan`` excludes ``--strategy``, ``--param``, ``-S`` and ``-B``."""
     import unisched
 
+    check_long_run_arguments(args)
     if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
         raise unisched.UniSchedError(
             f"--timeline {args.timeline}: the measured step is saved as {', '.join(TIMELINE_FORMATS)}; "
@@ -85,10 +120,13 @@ def check_training_arguments(args: argparse.Namespace) -> None:
     else:
         if args.strategy is None:
             args.strategy = DEFAULT_STRATEGY
+        from unisched.plan.command import is_user_strategy, load_user_function
         from unisched.plan.family import parse_params, strategy_spec
 
         args.strategy, params = strategy_spec(args.strategy, parse_params(args.param))
         args.param = [f"{k}={v}" for k, v in params.items()]
+        if is_user_strategy(args.strategy):
+            load_user_function(args.strategy)  # a missing module or function is refused here
 
 
 def pick_shape(name: str, workers: int, stages: int | None, batches: int | None, params: dict) -> tuple[int, int]:
@@ -107,7 +145,9 @@ def pick_shape(name: str, workers: int, stages: int | None, batches: int | None,
 
 
 def make_schedule(args, workers: int):
-    """The Simulation (or plan) every rank runs, and its (S, B)."""
+    """The Simulation (or plan) every rank runs, and its (S, B).  Your own
+    strategy (``MODULE:FUNCTION``) runs on S = ``--stages`` (default: the
+    workers) and B = ``--batches`` (default: twice the workers)."""
     import unisched
     from unisched import policies
 
@@ -118,10 +158,16 @@ def make_schedule(args, workers: int):
                 f"plan {args.plan} is for {plan.shape.num_workers} workers; launch that many processes, not {workers}"
             )
         return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
-    from unisched.plan.family import parse_params
+    from unisched.plan.command import is_user_strategy, user_strategy
+    from unisched.plan.family import label_of, parse_params
 
     params = parse_params(args.param)
     name = args.strategy or DEFAULT_STRATEGY
-    S, B = pick_shape(name, workers, args.stages, args.batches, params)
-    strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
+    if is_user_strategy(name):
+        S = args.stages or workers
+        B = args.batches or 2 * workers
+        strategy = user_strategy(name, (workers, S, B), params, label=label_of(name, params))
+    else:
+        S, B = pick_shape(name, workers, args.stages, args.batches, params)
+        strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
     return unisched.simulate(workers, S, B, strategy), S, B

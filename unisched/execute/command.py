@@ -4,9 +4,13 @@
     unisched run -W 4 --plan plan.json --model transformer --timeline step.html
     unisched run -W 4 --strategy "looped(group_size=2)" --program   # print the compiled programs, start nothing
     unisched run -W 4 --strategy looped --dry-run                   # print the torchrun command
+    unisched run -W 2 --strategy mine.py:schedule                   # your own strategy function or factory
+    unisched run -W 4 --steps 1000 --log-every 50 --checkpoint ckpt --checkpoint-every 200
+    unisched run -W 4 --steps 500 --resume ckpt                     # 500 more, from the latest checkpoint
 
 It checks everything it can before it starts a process (the options, the
-strategy on this shape, a plan file against the number of processes), then
+strategy on this shape or your own strategy's module and function, a plan
+file against the number of processes, a checkpoint to resume from), then
 launches ``torchrun ... -m unisched.execute.example`` (the same program as
 ``examples/train.py``); several nodes take ``--nnodes``, ``--node-rank``
 and ``--rdzv-endpoint`` exactly as torchrun does.  A rank's error is
@@ -34,8 +38,9 @@ DEFAULT_NPROC = 4
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a registered strategy or a plan file for real: one process per worker under torchrun, "
-        "NCCL on GPUs, gloo on CPU. Trains a small MLP or transformer and reports the loss, the measured "
-        "step against the simulator's prediction, and (with --check) the difference from one process."
+        "NCCL on GPUs, gloo on CPU. Trains a small MLP or transformer and reports the loss, step time and "
+        "throughput every --log-every steps, the measured step against the simulator's prediction, and (with "
+        "--check) the difference from one process; --checkpoint saves checkpoints and --resume continues from one."
     )
     launch = parser.add_argument_group("launch")
     launch.add_argument("--workers", "-W", "--nproc", "-n", dest="nproc", type=positive_int,
@@ -101,19 +106,26 @@ def torchrun_command(args: argparse.Namespace, workers: int) -> list[str]:
     return command
 
 
+VALUED = ("--stages", "--batches", "--timeline", "--model", "--rows-per-batch", "--model-width", "--optimizer", "--lr",
+          "--timeout", "--tolerance", "--steps", "--log-every", "--checkpoint", "--checkpoint-every", "--resume")
+SWITCHES = ("--check", "--json")
+"""The example's options that ``unisched run`` passes on as given."""
+
+
 def training_arguments(args: argparse.Namespace) -> list[str]:
     """The example's own options, as given."""
     out = ["--plan", args.plan] if args.plan else ["--strategy", args.strategy]
     for param in args.param:
         out += ["--param", param]
-    for flag, value in (("--stages", args.stages), ("--batches", args.batches), ("--timeline", args.timeline)):
+    for flag in VALUED:
+        value = getattr(args, _attribute(flag))
         if value is not None:
             out += [flag, str(value)]
-    out += ["--model", args.model, "--rows-per-batch", str(args.rows_per_batch), "--model-width", str(args.model_width),
-            "--steps", str(args.steps), "--lr", str(args.lr), "--timeout", str(args.timeout),
-            "--tolerance", str(args.tolerance)]
-    out += [flag for flag, on in (("--check", args.check), ("--json", args.json)) if on]
-    return out
+    return out + [flag for flag in SWITCHES if getattr(args, _attribute(flag))]
+
+
+def _attribute(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _workers(args: argparse.Namespace) -> int:

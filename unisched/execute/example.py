@@ -7,11 +7,13 @@ Launch one process per worker::
     unisched run --nproc 4 --strategy one_f_one_b --check
 
 Every rank builds the same stages (same seed), the same schedule and the same
-synthetic data; the Trainer does the rest.  Rank 0 prints the loss per step,
-the measured step next to the simulator's prediction with costs calibrated
-from the first steps, and, with ``--check``, the largest difference between
-the trained weights and one process training the same stages on the whole
-batch.
+synthetic data; the Trainer does the rest.  Rank 0 prints the loss, step
+time and throughput every ``--log-every`` steps, the measured step next to
+the simulator's prediction with costs calibrated from the first steps, and,
+with ``--check``, the largest difference between the trained weights and one
+process training the same stages on the whole batch for as many steps.
+``--checkpoint DIR`` saves checkpoints there, ``--resume DIR`` continues from
+the latest exactly (the data of step k is the same in every run).
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from unisched.execute.arguments import MODELS, add_training_arguments, check_training_arguments, make_schedule
+from unisched.execute.arguments import (
+    MODELS,
+    add_training_arguments,
+    check_training_arguments,
+    log_interval,
+    make_schedule,
+)
 
 
 # ---------------------------------------------------------------------- models
@@ -91,6 +100,19 @@ def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
     raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
 
 
+TOKENS_PER_ROW = {"mlp": None, "transformer": 12}
+"""What a row of each model's data is in tokens (None: not tokens)."""
+
+
+def make_optimizer(args: argparse.Namespace) -> Callable:
+    """The optimizer factory ``params -> Optimizer`` the Trainer calls on each rank."""
+    if args.optimizer == "adam":
+        lr = 0.01 if args.lr is None else args.lr
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    lr = 0.2 if args.lr is None else args.lr
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
 # ---------------------------------------------------------------------- the run
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,12 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = dist.get_world_size()
         schedule, S, B = make_schedule(args, workers)
         stages, loss_fn, data = build(args.model, S, args.model_width)
-        trainer = Trainer(stages, schedule, loss_fn, lambda p: torch.optim.SGD(p, lr=args.lr), timeout=args.timeout)
+        trainer = Trainer(stages, schedule, loss_fn, make_optimizer(args), timeout=args.timeout)
         report = _train(args, trainer, schedule, data, B)
         if args.check:
             state = trainer.gather_state_dict()
             if trainer.rank == 0:
-                difference = _check(args, state, S, B, data)
+                difference = _check(args, state, S, B, data, report["steps"])
                 report["max_difference_vs_one_process"] = difference
                 report["check"] = {"max_difference": difference, "tolerance": args.tolerance,
                                    "passed": difference <= args.tolerance}
@@ -147,13 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args, trainer, schedule, data, B: int) -> dict:
     from unisched.execute import calibrate_costs, predict
 
-    losses, seconds, timelines = train_steps(trainer, data, args.steps, B * args.rows_per_batch, quiet=args.json)
+    run = train_steps(trainer, data, args, B * args.rows_per_batch, tokens_per_row=TOKENS_PER_ROW[args.model],
+                      quiet=args.json)
+    timelines = run.timelines
     report = {
         "strategy": getattr(schedule.strategy, "name", str(args.strategy)),
         "model": args.model,
         "shape": [trainer.world_size, trainer.program.num_stages, B],
-        "losses": losses,
-        "step_ms_median": median_ms(seconds),
+        **run.summary(),
     }
     if trainer.rank == 0 and len(timelines) >= 3:
         costs = calibrate_costs(timelines[1 : len(timelines) // 2 + 1])
@@ -168,21 +191,117 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
     return report
 
 
-def train_steps(trainer, data: Callable[[int, int], tuple], steps: int, rows: int,
-                quiet: bool = False) -> tuple[list[float], list[float], list]:
-    """``steps`` training steps on ``data(step, rows)``: each step's loss,
-    seconds and measured timeline (None off rank 0); rank 0 prints each
-    step unless ``quiet``.  The training loop of every example."""
-    losses, seconds, timelines = [], [], []
-    for step in range(steps):
+@dataclass
+class RunLog:
+    """What a run's steps gave: per step the loss, seconds and measured
+    timeline (None off rank 0), one entry per log line, the checkpoints saved."""
+
+    first_step: int
+    rows: int
+    tokens_per_row: int | None = None
+    flops_per_token: float | None = None
+    peak_tflops: float | None = None
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    timelines: list = field(default_factory=list)
+    log: list[dict] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int:
+        """Steps taken in all, counting those before a resume."""
+        return self.first_step + len(self.losses)
+
+    def entry(self, since: int) -> dict:
+        """The log line for the steps from index ``since`` of this run to now:
+        their mean loss and step time, and what they processed per second."""
+        losses, seconds = self.losses[since:], self.seconds[since:]
+        entry = {"step": self.last_step, "loss": sum(losses) / len(losses),
+                 "step_ms": 1e3 * sum(seconds) / len(seconds), **self.throughput(seconds)}
+        self.log.append(entry)
+        return entry
+
+    def throughput(self, seconds: Sequence[float]) -> dict:
+        """Samples per second over steps that took ``seconds``; for a model of
+        tokens, tokens per second; for one that says its FLOPs per token, the
+        model TFLOP/s, and their share of ``peak_tflops`` (all ranks) when given."""
+        samples = self.rows * len(seconds) / sum(seconds)
+        out = {"samples_per_s": samples}
+        if self.tokens_per_row:
+            out["tokens_per_s"] = samples * self.tokens_per_row
+            if self.flops_per_token:
+                out["model_tflops"] = out["tokens_per_s"] * self.flops_per_token / 1e12
+                if self.peak_tflops:
+                    out["mfu"] = out["model_tflops"] / self.peak_tflops
+        return out
+
+    def summary(self) -> dict:
+        """The run as the examples report it (the throughput leaves out the first step, a warm-up)."""
+        return {"first_step": self.first_step, "steps": self.last_step, "losses": self.losses,
+                "step_ms_median": median_ms(self.seconds), **self.throughput(self.seconds[1:] or self.seconds),
+                "log": self.log, "checkpoints": self.checkpoints}
+
+
+def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Namespace, rows: int, *,
+                tokens_per_row: int | None = None, flops_per_token: float | None = None,
+                peak_tflops: float | None = None, quiet: bool = False) -> RunLog:
+    """The training loop of every example: continue from ``args.resume``,
+    take ``args.steps`` steps on ``data(step, rows)`` (``step`` counts from
+    the start of training, so a resumed run sees the data the unbroken one
+    would), log every :func:`~unisched.execute.arguments.log_interval`
+    steps (rank 0 prints unless ``quiet``), save a checkpoint every
+    ``args.checkpoint_every`` steps and after the last."""
+    run = RunLog(_resume(trainer, args.resume) if args.resume else 0, rows, tokens_per_row, flops_per_token,
+                 peak_tflops)
+    every, logged = log_interval(args), 0
+    end = run.first_step + args.steps
+    for step in range(run.first_step, end):
         x, y = data(step, rows)
         start = time.perf_counter()
-        losses.append(trainer.step(x, y))
-        seconds.append(time.perf_counter() - start)
-        timelines.append(trainer.last_timeline)
-        if trainer.rank == 0 and not quiet:
-            print(f"step {step}: loss {losses[-1]:.4f}  {seconds[-1] * 1e3:.1f} ms", flush=True)
-    return losses, seconds, timelines
+        run.losses.append(trainer.step(x, y))
+        run.seconds.append(time.perf_counter() - start)
+        run.timelines.append(trainer.last_timeline)
+        done = step + 1
+        if done % every == 0 or done == end:
+            entry = run.entry(logged)
+            logged = len(run.losses)
+            if trainer.rank == 0 and not quiet:
+                print(log_line(entry, end), flush=True)
+        if args.checkpoint and (done == end or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            run.checkpoints.append(str(_save(trainer, args.checkpoint, done)))
+    return run
+
+
+def log_line(entry: dict, end: int) -> str:
+    """One line of a run's log: ``step 20/100 loss 1.2345 12.3 ms/step 650 samples/s 7800 tokens/s``."""
+    width = len(str(end))
+    line = (f"step {entry['step']:>{width}}/{end}  loss {entry['loss']:.4f}  {entry['step_ms']:.1f} ms/step  "
+            f"{entry['samples_per_s']:.0f} samples/s")
+    if "tokens_per_s" in entry:
+        line += f"  {entry['tokens_per_s']:.0f} tokens/s"
+    if "mfu" in entry:
+        line += f"  {entry['model_tflops']:.3g} TFLOP/s  MFU {entry['mfu']:.1%}"
+    elif "model_tflops" in entry:
+        line += f"  {entry['model_tflops']:.3g} TFLOP/s"
+    return line
+
+
+def _resume(trainer, path: str) -> int:
+    """Load the latest checkpoint at ``path``; the number of steps it follows."""
+    from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+    found = latest_checkpoint(path)
+    step = (load_checkpoint(trainer, found) or {}).get("step")
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint {found} does not say how many steps it follows (it was saved without "
+                              f"extra={{'step': N}}); resume from one a run's --checkpoint saved")
+    return step
+
+
+def _save(trainer, directory: str, step: int):
+    from unisched.execute.checkpoint import save_checkpoint, step_checkpoint
+
+    return save_checkpoint(trainer, step_checkpoint(directory, step), extra={"step": step})
 
 
 def median_ms(seconds: Sequence[float]) -> float:
@@ -191,13 +310,14 @@ def median_ms(seconds: Sequence[float]) -> float:
     return 1e3 * kept[len(kept) // 2]
 
 
-def _check(args, state: dict, S: int, B: int, data) -> float:
-    """Largest |difference| between the trained weights and one process doing the same on the whole batch."""
+def _check(args, state: dict, S: int, B: int, data, steps: int) -> float:
+    """Largest |difference| between the trained weights and one process doing
+    the same on the whole batch for ``steps`` steps from the start."""
     from unisched.execute import train_one_process
 
     stages, loss_fn, _ = build(args.model, S, args.model_width)
-    batches = (data(step, B * args.rows_per_batch) for step in range(args.steps))
-    _, reference = train_one_process(stages, loss_fn, lambda params: torch.optim.SGD(params, lr=args.lr), batches)
+    batches = (data(step, B * args.rows_per_batch) for step in range(steps))
+    _, reference = train_one_process(stages, loss_fn, make_optimizer(args), batches)
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
 
@@ -208,6 +328,7 @@ def _print(args, report: dict, schedule) -> None:
     W, S, B = report["shape"]
     print(f"{report['strategy']} on {W} ranks, {S} stages, {B} micro-batches ({report['model']}): "
           f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, median step {report['step_ms_median']:.1f} ms")
+    print(summary_line(report))
     if "measured_ms" in report:
         print(f"measured step latency {report['measured_ms']:.1f} ms, simulator with calibrated costs "
               f"{report['predicted_ms']:.1f} ms (error {report['prediction_error']:.1%})")
@@ -218,8 +339,23 @@ def _print(args, report: dict, schedule) -> None:
               f"(tolerance {check['tolerance']:g})")
     if "timeline" in report:
         print(f"measured timeline saved to {report['timeline']}")
+    if report["checkpoints"]:
+        print(f"checkpoints saved: {', '.join(report['checkpoints'])}")
     if not math.isfinite(report["losses"][-1]):
         print("the loss is not finite", file=sys.stderr)
+
+
+def summary_line(report: dict) -> str:
+    """The run's steps and throughput, in one line."""
+    resumed = f" (resumed after step {report['first_step']})" if report["first_step"] else ""
+    line = f"steps {report['steps']}{resumed}: {report['samples_per_s']:.0f} samples/s"
+    if "tokens_per_s" in report:
+        line += f", {report['tokens_per_s']:.0f} tokens/s"
+    if "model_tflops" in report:
+        line += f", {report['model_tflops']:.3g} model TFLOP/s"
+    if "mfu" in report:
+        line += f" (MFU {report['mfu']:.1%})"
+    return line + " after the first step"
 
 
 if __name__ == "__main__":

@@ -1,39 +1,69 @@
-"""Peak memory per rank: the executor against torch.distributed.pipelining.
+"""Peak memory per rank: the executor against torch.distributed.pipelining,
+and against the simulator's prediction.
 
-    python benchmarks/memory.py                 # 2 ranks (this 2-core CPU machine), gloo
-    python benchmarks/memory.py --width 2048 --layers 4 --json
+    python benchmarks/memory.py                  # both models, 2 ranks (this 2-core CPU machine), gloo
+    python benchmarks/memory.py --model linear --width 2048 --json
 
-Same stages (``--layers`` x Linear(width, width), ReLU between, one stage
-per rank), same batch (32 rows, 4 micro-batches), same SGD (lr 1e-3), same
-number of steps:
+Two models, each split into one stage per rank, the same batch and SGD:
 
-- unisched ``gpipe`` vs ``torch.distributed.pipelining.ScheduleGPipe``;
-- unisched ``one_f_one_b`` vs ``Schedule1F1B``.
+- ``linear``: stages of ``--layers`` x Linear(width, width) with ReLU
+  between (32 rows in 4 micro-batches), built by
+  :func:`unisched.build_stages` from a factory;
+- ``gpt2``: the tiny random GPT-2 of ``examples/gpt2.py`` (2 blocks per
+  stage, width 64, 4 heads, 128 tokens, 32 positions, 4 rows per
+  micro-batch), split by :func:`unisched.split_model`.
 
-unisched's Trainer gets a stage factory, so a rank builds only the stages it
-computes or holds; the torch ``PipelineStage`` is given only its own stage,
-built the same way (:func:`unisched.execute.runtime.build_stages`).  Each
-system runs in its own freshly launched processes, one per rank, so peaks
-do not mix.  Per rank we record the resident set size (RSS) when the rank
-starts (the launcher's forkserver has already imported torch), RSS after
-set-up (before the first step), and the peak RSS of the process over the
-whole run (``getrusage(RUSAGE_SELF).ru_maxrss``).  A forked process's peak
-starts at its parent's RSS, so the peak is also reported as growth above the
-RSS at start, which is where the two systems differ, and as growth above the
-RSS after the schedule is simulated (the executor alone).  Ratios are
-unisched / torch; below 1.0 means unisched used less.  For reference, the
-simulator's predicted peak number of stashed micro-batch inputs per rank is
-shown too (its byte sizes are not given here, so only the counts).
+Against torch (``PipelineStage`` given only its rank's stage): unisched
+``gpipe`` vs ``ScheduleGPipe`` and ``one_f_one_b`` vs ``Schedule1F1B``.
+Against the simulator: unisched ``gpipe``, ``one_f_one_b``, ``zb_h1`` and
+``fsdp`` (fsdp: one micro-batch per rank, every rank computes every stage
+and holds one stage's weights).
+
+How memory is measured.  Each system runs in freshly launched processes,
+one per rank.  Every rank first fixes glibc's mmap threshold at 16 KiB
+(``mallopt``), so a freed tensor larger than that goes back to the system at
+once instead of staying in the heap: the resident set size (RSS) then
+follows the live tensors.  After set-up and one warm-up step (the shape
+probe, lazy allocations) a rank returns the heap's free memory to the
+system (``malloc_trim``) and records its RSS (the *baseline*: the
+process, its libraries and the weights it holds between steps) and resets
+the kernel's peak-RSS counter (``/proc/self/clear_refs``); after the timed
+steps its ``VmHWM`` is the peak, and the *step growth* is peak minus
+baseline: what training holds above the weights (gradients, stashes,
+fetched weights, buffers).  RSS rather than torch's CPU allocator or
+tracemalloc: tracemalloc sees only Python's allocator, not tensors, and the
+profiler's CPU memory events are per operator, not a running total; RSS is
+what the machine has to hold.  The process-lifetime peak
+(``ru_maxrss``, set-up included) and the RSS at start are reported as before.
+
+The simulator's prediction (:func:`unisched.memory_curves`, total bytes)
+uses Costs from the real model: the times calibrated from three recorded
+steps (``Trainer.calibrate``), each stage's ``weight_bytes`` and
+``activation_bytes`` from the Trainer (parameters; the agreed layouts of its
+inputs), and ``stash_bytes`` measured here: what a forward keeps for its
+backward when the runtime keeps its autograd graph (the stage's inputs, its
+output and the tensors autograd saves, parameters left out, each storage
+once), with ``input_grad_frees=0`` (the runtime keeps the whole graph from
+the input-gradient pass to the weight-gradient pass).  It is replayed in
+the order that ran (:func:`unisched.execute.predict`).  Compared: the
+predicted growth above the weights of truth (predicted peak minus the
+rank's weights of truth) with the measured step growth, and the predicted
+peak with the rank's weights of truth plus the measured step growth.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
+import gc
 import json
 import os
 import resource
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -41,19 +71,65 @@ from torch import nn
 
 import unisched
 from unisched import policies
-from unisched.execute import Trainer
+from unisched.execute import Trainer, predict
 from unisched.execute.launch import run_local
-from unisched.execute.runtime import build_stages
-from unisched.memory import peak_activations
+from unisched.execute.stages import build_stages
+from unisched.memory import memory_curves
 
-ROWS = 32
-MICRO_BATCHES = 4
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import gpt2 as gpt2_example  # noqa: E402
+
 LR = 1e-3
 MiB = 1024 * 1024
-KINDS = {"gpipe": "ScheduleGPipe", "one_f_one_b": "Schedule1F1B"}
+MMAP_THRESHOLD = 16 * 1024
+TORCH_KINDS = {"gpipe": "ScheduleGPipe", "one_f_one_b": "Schedule1F1B"}
+SIMULATED_KINDS = ("gpipe", "one_f_one_b", "zb_h1", "fsdp")
 
 
-def make_stage(width: int, layers: int) -> nn.Module:
+# ---------------------------------------------------------------------- the models
+@dataclasses.dataclass
+class Model:
+    """One model's stages, batch and loss, rebuilt the same way in every process."""
+
+    name: str
+    config: dict
+
+    @property
+    def micro_batches(self) -> int:
+        return 4
+
+    def stages(self, S: int):
+        """A factory (or ModelStages) of S stages."""
+        c = self.config
+        if self.name == "linear":
+            return lambda s: make_linear_stage(c["width"], c["layers"])
+        return unisched.split_model(gpt2_example.gpt2(self.example_args(), 2 * S), S, tied="untie")
+
+    def batch(self, B: int):
+        c = self.config
+        if self.name == "linear":
+            g = torch.Generator().manual_seed(7)
+            rows = 8 * B
+            return torch.randn(rows, c["width"], generator=g), torch.randn(rows, c["width"], generator=g)
+        return gpt2_example.data(self.example_args(), 0, c["rows_per_batch"] * B)
+
+    def loss_fn(self):
+        return nn.functional.mse_loss if self.name == "linear" else gpt2_example.next_token_loss
+
+    def example_args(self) -> SimpleNamespace:
+        c = self.config
+        return SimpleNamespace(vocab=c["vocab"], positions=c["positions"], width=c["width"], heads=c["heads"],
+                               attention="sdpa")
+
+    def describe(self) -> str:
+        c = self.config
+        if self.name == "linear":
+            return f"stages of {c['layers']} x Linear({c['width']}, {c['width']}), 32 rows in 4 micro-batches"
+        return (f"GPT-2 of 2 blocks per stage, width {c['width']}, {c['heads']} heads, vocabulary {c['vocab']}, "
+                f"{c['positions']} positions, {c['rows_per_batch']} rows per micro-batch")
+
+
+def make_linear_stage(width: int, layers: int) -> nn.Module:
     """``layers`` Linear(width, width) with a ReLU between each two."""
     modules: list[nn.Module] = []
     for i in range(layers):
@@ -67,58 +143,122 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR)
 
 
+def shape_of(kind: str, W: int, B: int) -> tuple[int, int, int]:
+    """(workers, stages, micro-batches) of a strategy: fsdp takes one micro-batch per rank."""
+    return (W, W, W) if kind == "fsdp" else (W, W, B)
+
+
 def make_schedule(kind: str, W: int, S: int, B: int):
     return unisched.simulate(W, S, B, policies.get(kind, num_workers=W, num_stages=S, num_batches=B))
 
 
+# ---------------------------------------------------------------------- what a forward keeps
+def kept_bytes(stages, micro_batch) -> list[float]:
+    """Per stage, the bytes a forward keeps for its backward when its autograd
+    graph is kept: its inputs, its output and the tensors autograd saves
+    (parameters left out, each storage counted once), on one micro-batch."""
+    out = []
+    x = micro_batch
+    for stage in stages:
+        params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        seen: dict[int, int] = {}
+
+        def keep(t: torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        x = x.detach().requires_grad_(x.is_floating_point())
+        keep(x)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            y = stage(x)
+        keep(y)
+        out.append(float(sum(seen.values())))
+        x = y
+    return out
+
+
+# ---------------------------------------------------------------------- measuring a rank
+LIBC = ctypes.CDLL("libc.so.6")
+
+
+def fix_mmap_threshold() -> None:
+    """Freed tensors larger than the threshold go back to the system at once, so RSS follows the live tensors."""
+    M_MMAP_THRESHOLD = -3
+    LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def rss_now() -> int:
-    """Current resident set size in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_peak() -> int:
-    """Peak resident set size of this process in bytes (ru_maxrss is KiB on Linux)."""
+def rss_peak_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Reset the kernel's peak RSS of this process to its RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def lifetime_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def batch(width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
-
-
-# ---------------------------------------------------------------------- one rank, one system
-def _unisched(rank: int, world: int, kind: str, config: dict) -> dict:
-    start = rss_now()
-    width, layers = config["width"], config["layers"]
-    x, y = batch(width)
-    schedule = make_schedule(kind, world, world, MICRO_BATCHES)
-    scheduled = rss_now()
-    trainer = Trainer(lambda s: make_stage(width, layers), schedule, nn.functional.mse_loss, sgd, record=False)
-    built = [s for s, stage in enumerate(trainer.stages) if stage is not None]
+def baseline() -> int:
     dist.barrier()
-    after_setup = rss_now()
+    gc.collect()
+    LIBC.malloc_trim(0)
+    rss = rss_now()
+    reset_peak()
+    return rss
+
+
+def _unisched(rank: int, world: int, model: Model, kind: str, config: dict) -> dict:
+    fix_mmap_threshold()
+    start = rss_now()
+    W, S, B = shape_of(kind, world, model.micro_batches)
+    x, y = model.batch(B)
+    schedule = make_schedule(kind, W, S, B)
+    trainer = Trainer(model.stages(S), schedule, model.loss_fn(), sgd, record=False)
+    built = [s for s, stage in enumerate(trainer.stages) if stage is not None]
+    trainer.step(x, y)
+    base = baseline()
     for _ in range(config["steps"]):
         trainer.step(x, y)
     dist.barrier()
-    return {"start": start, "scheduled": scheduled, "after_setup": after_setup, "peak": rss_peak(), "end": rss_now(),
-            "stages_built": built}
+    result = {"start": start, "baseline": base, "peak": rss_peak_since_reset(), "lifetime_peak": lifetime_peak(),
+              "stages_built": built}
+    costs = trainer.calibrate(x, y, steps=3)
+    owned = [s for s in range(S) if rank in trainer.program.replicas[s]]
+    result["weights_of_truth"] = float(sum(trainer.weight_bytes[s] for s in owned))
+    if rank == 0:
+        result["costs"] = costs
+    trainer.close()
+    return result
 
 
-def _torch(rank: int, world: int, kind: str, config: dict) -> dict:
+def _torch(rank: int, world: int, model: Model, kind: str, config: dict) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    fix_mmap_threshold()
     start = rss_now()
-    width, layers = config["width"], config["layers"]
-    x, y = batch(width)
-    module = build_stages(lambda s: make_stage(width, layers), world, only=[rank])[rank]
+    B = model.micro_batches
+    x, y = model.batch(B)
+    module = build_stages(model.stages(world), world, only=[rank])[rank]
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule_cls = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B}[kind]
-    schedule = schedule_cls(stage, n_microbatches=MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
+    schedule = schedule_cls(stage, n_microbatches=B, loss_fn=model.loss_fn())
     optimizer = sgd(module.parameters())
-    dist.barrier()
-    after_setup = rss_now()
-    for _ in range(config["steps"]):
+
+    def step():
         if rank == 0:
             schedule.step(x)
         elif rank == world - 1:
@@ -127,85 +267,142 @@ def _torch(rank: int, world: int, kind: str, config: dict) -> dict:
             schedule.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    step()
+    base = baseline()
+    for _ in range(config["steps"]):
+        step()
     dist.barrier()
-    return {"start": start, "scheduled": start, "after_setup": after_setup, "peak": rss_peak(), "end": rss_now(),
+    return {"start": start, "baseline": base, "peak": rss_peak_since_reset(), "lifetime_peak": lifetime_peak(),
             "stages_built": [rank]}
 
 
-def measure(fn, world: int, kind: str, config: dict) -> list[dict]:
+def measure(fn, world: int, model: Model, kind: str, config: dict) -> list[dict]:
     """``fn`` on ``world`` freshly launched ranks; their measurements, or an error."""
-    results = run_local(fn, world, kind, config, timeout=config["timeout"], group_timeout=300)
+    results = run_local(fn, world, model, kind, config, timeout=config["timeout"], group_timeout=300)
     failed = [r for r in results if r.error is not None]
     if failed:
-        raise RuntimeError(f"{fn.__name__} {kind}: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+        raise RuntimeError(f"{fn.__name__} {model.name} {kind}: " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
     return [r.value for r in results]
 
 
+# ---------------------------------------------------------------------- prediction
+def predicted_peaks(model: Model, kind: str, W: int, costs) -> list[float]:
+    """The simulator's peak bytes per rank for the schedule that ran, under
+    ``costs`` (calibrated) with the stash sizes measured on the real stages."""
+    _, S, B = shape_of(kind, W, model.micro_batches)
+    stages = build_stages(model.stages(S), S)
+    x, _ = model.batch(B)
+    stash = kept_bytes(stages, x.chunk(B)[0])
+    costs = dataclasses.replace(costs, stash_bytes=stash, input_grad_frees=0.0)
+    timeline = predict(make_schedule(kind, W, S, B), costs).timeline
+    return [c.peak for c in memory_curves(timeline, "total", "bytes")]
+
+
 # ---------------------------------------------------------------------- report
+def run_model(model: Model, W: int, config: dict, kinds_torch, kinds_simulated) -> dict:
+    out: dict = {"torch": {}, "simulated": {}}
+    for kind in kinds_torch:
+        out["torch"][kind] = {"unisched": measure(_unisched, W, model, kind, config),
+                              "torch": measure(_torch, W, model, kind, config)}
+    for kind in kinds_simulated:
+        ranks = out["torch"].get(kind, {}).get("unisched") or measure(_unisched, W, model, kind, config)
+        costs = ranks[0].pop("costs", None)
+        for r in ranks[1:]:
+            r.pop("costs", None)
+        predicted = predicted_peaks(model, kind, W, costs)
+        out["simulated"][kind] = [
+            {"predicted_peak": p, "weights_of_truth": r["weights_of_truth"], "measured_growth": r["peak"] - r["baseline"],
+             "predicted_growth": p - r["weights_of_truth"]}
+            for p, r in zip(predicted, ranks)
+        ]
+    for kind in kinds_torch:
+        for r in out["torch"][kind]["unisched"]:
+            r.pop("costs", None)
+    return out
+
+
+def ratios(run: dict) -> dict:
+    torch_ratios = {
+        kind: {
+            "lifetime_peak": [u["lifetime_peak"] / t["lifetime_peak"] for u, t in zip(pair["unisched"], pair["torch"])],
+            "step_peak": [u["peak"] / t["peak"] for u, t in zip(pair["unisched"], pair["torch"])],
+            "step_growth": [(u["peak"] - u["baseline"]) / max(t["peak"] - t["baseline"], 1)
+                            for u, t in zip(pair["unisched"], pair["torch"])],
+        }
+        for kind, pair in run["torch"].items()
+    }
+    simulated = {
+        kind: {
+            "growth": [r["measured_growth"] / max(r["predicted_growth"], 1) for r in rows],
+            "peak": [(r["weights_of_truth"] + r["measured_growth"]) / max(r["predicted_peak"], 1) for r in rows],
+        }
+        for kind, rows in run["simulated"].items()
+    }
+    return {"vs_torch": torch_ratios, "measured_vs_simulated": simulated}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("linear", "gpt2", "both"), default="both", help="which model (default both)")
     parser.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages (default 2)")
     parser.add_argument("--width", type=int, default=4096, help="Linear width (default 4096)")
     parser.add_argument("--layers", type=int, default=2, help="Linear layers per stage (default 2)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per system (default 3)")
+    parser.add_argument("--gpt2-width", type=int, default=64, help="GPT-2 n_embd (default 64, examples/gpt2.py's)")
+    parser.add_argument("--steps", type=int, default=3, help="measured training steps per system (default 3)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (default 300)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks
-    config = {"width": args.width, "layers": args.layers, "steps": args.steps, "timeout": args.timeout}
+    config = {"steps": args.steps, "timeout": args.timeout}
+    models = {
+        "linear": Model("linear", {"width": args.width, "layers": args.layers}),
+        "gpt2": Model("gpt2", {"width": args.gpt2_width, "heads": 4, "vocab": 128, "positions": 32, "rows_per_batch": 4}),
+    }
+    chosen = list(models) if args.model == "both" else [args.model]
     started = time.perf_counter()
-    runs: dict[str, dict] = {}
-    for kind, torch_name in KINDS.items():
-        runs[kind] = {
-            "unisched": measure(_unisched, W, kind, config),
-            "torch": measure(_torch, W, kind, config),
-            "simulated_peak_stashes": peak_activations(make_schedule(kind, W, W, MICRO_BATCHES).timeline),
-        }
-    ratios = {
-        kind: {
-            "peak": [u["peak"] / t["peak"] for u, t in zip(run["unisched"], run["torch"])],
-            "growth": [(u["peak"] - u["start"]) / max(t["peak"] - t["start"], 1)
-                       for u, t in zip(run["unisched"], run["torch"])],
-            "growth_after_schedule": [(u["peak"] - u["scheduled"]) / max(t["peak"] - t["scheduled"], 1)
-                                      for u, t in zip(run["unisched"], run["torch"])],
-        }
-        for kind, run in runs.items()
-    }
-    stage_bytes = args.layers * (args.width * args.width + args.width) * 4
-    result = {
-        "runs": runs,
-        "ratios": ratios,
-        "config": {"ranks": W, "width": args.width, "layers_per_stage": args.layers, "rows": ROWS,
-                   "micro_batches": MICRO_BATCHES, "steps": args.steps, "lr": LR, "backend": "gloo",
-                   "stage_weight_bytes": stage_bytes, "cpus": os.cpu_count(),
-                   "seconds": time.perf_counter() - started},
-    }
+    runs = {name: run_model(models[name], W, config, TORCH_KINDS, SIMULATED_KINDS) for name in chosen}
+    result = {"runs": runs, "ratios": {name: ratios(run) for name, run in runs.items()},
+              "config": {"ranks": W, "steps": args.steps, "lr": LR, "backend": "gloo", "cpus": os.cpu_count(),
+                         "mmap_threshold": MMAP_THRESHOLD, "seconds": time.perf_counter() - started,
+                         "models": {name: models[name].describe() for name in chosen}}}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{W} ranks (gloo, CPU), stages of {args.layers} x Linear({args.width}, {args.width}) "
-          f"({stage_bytes / MiB:.0f} MiB of weights each), {ROWS} rows in {MICRO_BATCHES} micro-batches, "
-          f"SGD, {args.steps} steps ({result['config']['seconds']:.0f} s; {os.cpu_count()} CPUs)")
-    print("\nRSS per rank in MiB: at start / after the schedule is simulated / after set-up / peak "
-          "(growth = peak - start)")
-    for kind, torch_name in KINDS.items():
-        run = runs[kind]
-        for system, label in (("unisched", f"unisched {kind}"), ("torch", f"torch {torch_name}")):
-            for rank, m in enumerate(run[system]):
-                print(f"  {label:<22} rank {rank}  {m['start'] / MiB:5.0f} / {m['scheduled'] / MiB:5.0f} / {m['after_setup'] / MiB:5.0f} / "
-                      f"{m['peak'] / MiB:5.0f}   growth {(m['peak'] - m['start']) / MiB:5.0f}   "
-                      f"stages built {m['stages_built']}")
-    print("\nratios unisched / torch per rank: peak RSS; growth above start; growth above the RSS after the "
-          "schedule is simulated\n(the executor alone); <= 1.0 is as small or smaller")
-    for kind, torch_name in KINDS.items():
-        for rank in range(W):
-            print(f"  {kind + ' / ' + torch_name:<28} rank {rank}  peak {ratios[kind]['peak'][rank]:6.3f}   "
-                  f"growth {ratios[kind]['growth'][rank]:6.3f}   "
-                  f"executor growth {ratios[kind]['growth_after_schedule'][rank]:6.3f}")
-    print("\nsimulator's predicted peak stashed micro-batch inputs per rank")
-    for kind in KINDS:
-        print(f"  {kind:<12} {runs[kind]['simulated_peak_stashes']}")
+    show(result, W)
     return 0
+
+
+def show(result: dict, W: int) -> None:
+    c = result["config"]
+    print(f"{W} ranks (gloo, CPU), SGD, {c['steps']} measured steps after one warm-up ({c['seconds']:.0f} s; "
+          f"{c['cpus']} CPUs); MiB")
+    for name, run in result["runs"].items():
+        r = result["ratios"][name]
+        print(f"\n{name}: {c['models'][name]}")
+        print("  vs torch.distributed.pipelining, per rank: RSS at start / baseline after warm-up / step peak / "
+              "lifetime peak")
+        for kind, torch_name in TORCH_KINDS.items():
+            for system, label in (("unisched", f"unisched {kind}"), ("torch", f"torch {torch_name}")):
+                for rank, m in enumerate(run["torch"][kind][system]):
+                    print(f"    {label:<22} rank {rank}  {m['start'] / MiB:6.1f} / {m['baseline'] / MiB:6.1f} / "
+                          f"{m['peak'] / MiB:6.1f} / {m['lifetime_peak'] / MiB:6.1f}   step growth "
+                          f"{(m['peak'] - m['baseline']) / MiB:6.2f}   stages built {m['stages_built']}")
+        print("  ratios unisched / torch per rank (<= 1.0: as small or smaller): step peak, lifetime peak, step growth")
+        for kind, torch_name in TORCH_KINDS.items():
+            v = r["vs_torch"][kind]
+            for rank in range(W):
+                print(f"    {kind + ' / ' + torch_name:<28} rank {rank}  step peak {v['step_peak'][rank]:6.3f}   "
+                      f"lifetime peak {v['lifetime_peak'][rank]:6.3f}   step growth {v['step_growth'][rank]:6.3f}")
+        print("  vs the simulator, per rank: weights of truth, predicted peak, predicted growth above the weights, "
+              "measured step growth; ratios measured / predicted")
+        for kind, rows in run["simulated"].items():
+            v = r["measured_vs_simulated"][kind]
+            for rank, row in enumerate(rows):
+                print(f"    {kind:<12} rank {rank}  weights {row['weights_of_truth'] / MiB:7.2f}  predicted "
+                      f"{row['predicted_peak'] / MiB:7.2f}  growth: predicted {row['predicted_growth'] / MiB:7.2f} "
+                      f"measured {row['measured_growth'] / MiB:7.2f}   ratio growth {v['growth'][rank]:6.3f}  "
+                      f"peak {v['peak'][rank]:6.3f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""`unisched run` for long runs: logs, checkpoints, an exact resume, and
+your own strategy named MODULE:FUNCTION.  Each run takes the example's
+arguments exactly as `unisched run --dry-run` prints them for torchrun and
+runs that program on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+import textwrap
+
+import pytest
+import torch
+
+from unisched.cli import main
+from unisched.execute import command
+from unisched.execute.checkpoint import read_checkpoint, step_checkpoint
+from unisched.execute.launch import run_local
+
+
+def example_argv(capsys, *options: str) -> list[str]:
+    """The arguments `unisched run -W 2 ...` gives each rank's program."""
+    assert main(["run", "-W", "2", *options, "--dry-run"]) == 0
+    printed = shlex.split(capsys.readouterr().out)
+    return printed[printed.index("unisched.execute.example") + 1:]
+
+
+def _example(rank: int, world: int, argv: list[str]):
+    from unisched.execute.example import main as example_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = example_main(argv)
+    return code, out.getvalue()
+
+
+def run_example(argv: list[str]) -> str:
+    """Rank 0's output of the example on 2 ranks (every rank must exit 0)."""
+    results = run_local(_example, 2, argv, timeout=120)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+        assert r.value[0] == 0, f"rank {r.rank} exited {r.value[0]}: {r.value[1]}"
+    assert results[1].value[1] == "", "only rank 0 prints"
+    return results[0].value[1]
+
+
+def test_a_resumed_run_continues_exactly(capsys, tmp_path):
+    first, again = tmp_path / "first", tmp_path / "again"
+    common = ["--strategy", "gpipe", "--optimizer", "adam", "--check"]
+    argv = example_argv(capsys, *common, "--steps", "4", "--log-every", "2", "--checkpoint", str(first),
+                        "--checkpoint-every", "2", "--json")
+    assert "--checkpoint-every" in argv and "--log-every" in argv and "--optimizer" in argv
+    straight = json.loads(run_example(argv))
+    assert straight["checkpoints"] == [str(step_checkpoint(first, 2)), str(step_checkpoint(first, 4))]
+    assert [entry["step"] for entry in straight["log"]] == [2, 4]
+    assert straight["log"][1]["loss"] == pytest.approx(sum(straight["losses"][2:]) / 2)
+    assert all(entry["samples_per_s"] > 0 and entry["step_ms"] > 0 for entry in straight["log"])
+    assert straight["check"]["passed"]
+
+    argv = example_argv(capsys, *common, "--steps", "2", "--log-every", "1", "--resume",
+                        str(step_checkpoint(first, 2)), "--checkpoint", str(again))
+    printed = run_example(argv).splitlines()
+    lines = [line for line in printed if line.startswith("step ") and "/4" in line]
+    assert [line.split()[1] for line in lines] == ["3/4", "4/4"]
+    for line, expected in zip(lines, straight["losses"][2:]):
+        assert float(line.split()[3]) == pytest.approx(expected, abs=1e-4) and "samples/s" in line
+    assert any(line.startswith("steps 4 (resumed after step 2)") for line in printed)
+    assert any(line.startswith("check passed") for line in printed), "against one process trained 4 steps"
+
+    unbroken, resumed = read_checkpoint(step_checkpoint(first, 4)), read_checkpoint(step_checkpoint(again, 4))
+    assert any(key.endswith(".exp_avg") for key in unbroken), "Adam's state is kept"
+    for key, value in unbroken.items():
+        if torch.is_tensor(value) and not key.startswith("trainer."):
+            assert (resumed[key] - value).abs().max() < 1e-6, key
+
+
+STRATEGY = """
+from unisched import ComputeAndWeightWorkers, Direction
+
+def backwards_elsewhere(num_workers, num_stages, num_batches):
+    def mapping(work):
+        worker = work.stage % num_workers
+        if work.direction != Direction.FORWARD:
+            worker = num_workers - 1 - worker
+        return ComputeAndWeightWorkers(worker, work.stage % num_workers)
+    return mapping
+"""
+
+
+def test_your_own_strategy_runs_by_module_and_function(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text(textwrap.dedent(STRATEGY))
+    target = f"{path}:backwards_elsewhere"
+    assert main(["run", "-W", "2", "--strategy", target, "--program", "--json"]) == 0
+    programs = json.loads(capsys.readouterr().out)
+    assert programs["stages"] == 2 and programs["batches"] == 4
+    assert any(text.startswith("0B") for text in programs["ranks"][1]), "stage 0's backward runs on rank 1"
+    argv = example_argv(capsys, "--strategy", target, "--steps", "2", "--check", "--json")
+    report = json.loads(run_example(argv))
+    assert report["strategy"] == target and report["check"]["passed"]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--strategy", "no_such_module_here:f"], "no_such_module_here"),
+    (["--strategy", "unisched.work:no_such_function"], "unisched.work has no 'no_such_function'"),
+    (["--strategy", "missing/file.py:f"], "no file missing/file.py"),
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint DIR"),
+    (["--resume", "no/such/dir"], "no checkpoint in no/such/dir"),
+])
+def test_unisched_run_refuses_before_launching(capsys, monkeypatch, argv, expected):
+    monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))
+    assert main(["run", "-W", "2", *argv]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and expected in error[0] and "Traceback" not in error[0]

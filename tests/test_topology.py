@@ -204,6 +204,10 @@ def test_a_layout_that_does_not_divide_is_refused():
     with pytest.raises(ShapeError, match="devices_per_node=8"):
         simulate_layout(Layout(3, 2, 2), "dgx_h100", policies.get("gpipe", num_workers=2, num_stages=2,
                                                                   num_batches=2), MODEL)
+    with pytest.raises(ShapeError, match="nodes=4 x devices_per_node=8 = 32 devices but the step has 16"):
+        cluster = {**Topology.load("dgx_h100").to_dict(), "nodes": 4}
+        simulate_layout(Layout(2, 2, 4), cluster, policies.get("gpipe", num_workers=2, num_stages=2,
+                                                              num_batches=2), MODEL)
     with pytest.raises(ShapeError, match="pipeline strategy 'gpipe' must be built for 4 workers"):
         simulate_layout(Layout(2, 4, 8), "dgx_h100", policies.get("gpipe", num_workers=2, num_stages=2,
                                                                   num_batches=2), MODEL)

@@ -187,9 +187,10 @@ def test_cli_json_and_out(tmp_path, capsys):
                       "--strategy", "gpipe", "--time-limit", "5", "--json", "--out", str(out)]))
     assert code == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["latency"] == 51 and data["optimal"] is True
+    assert data["latency"] == 51 and data["optimal"] is False
+    assert data["plan"]["proven_for"] == "orders of the mapping of gpipe"
     assert data["lower_bound"] == 51 and data["strategy"].startswith("gpipe")
-    assert data["plan"]["version"] == 1
+    assert data["plan"]["version"] >= 1
     assert load_plan(out).simulate().latency == 51
 
 
@@ -198,7 +199,7 @@ def test_cli_report_shows_table_bounds_and_diagram(capsys):
                       "--no-color"]))
     assert code == 0
     text = capsys.readouterr().out
-    assert "lower bounds:" in text and "best:" in text and "w0|" in text
+    assert "lower bounds" in text and "best:" in text and "w0|" in text
 
 
 def test_cli_costs_file_clashes_with_flags(tmp_path):

@@ -6,11 +6,17 @@
 - memory-time: the input of (stage s, batch b) lives at least from F(s, b)'s
   start to its backward's end, i.e. through the forwards and backwards of
   every stage downstream of s; W workers holding M each give at most W M of "live memory" per
-  unit of time (the paper's throughput bound rho <= M / S, made exact);
+  unit of time (the paper's throughput bound rho <= M / S, made exact).  With
+  per-worker limits the sum of the limits stands for W M, and with a memory
+  budget in bytes, at most the budgets less every stage's weights and
+  optimizer state (each held by at least one worker);
 - CP-SAT's own bound, when a model ran.
 
-For a fixed mapping the same ideas apply per worker: its own work, and the
-memory-time of the stashes it keeps against its own limit.
+These hold for every schedule of the whole scheme (:data:`ANY_SCHEDULE`), and
+for the latency objective; for the span objective only the work bound does
+(a worker's busy span is at least its work).  For a fixed mapping the same
+ideas apply per worker: its own work, and the memory-time of the stashes it
+keeps against its own limit.
 """
 
 from __future__ import annotations
@@ -22,48 +28,76 @@ from unisched.plan.problem import PlanProblem
 from unisched.simulate.simulation import downstream_paths
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
+ANY_SCHEDULE = "any schedule"
+"""The class the shape bounds hold for."""
+
 
 def shape_bounds(problem: PlanProblem) -> dict[str, float]:
-    """Bounds no mapping or order can beat."""
+    """Bounds no mapping or order can beat (of the problem's objective)."""
     W, S, B = problem.shape
     costs = problem.costs
     durations = costs.durations(S)
     speeds = costs.speeds(W)
     per_stage = sum(durations[d] for d in problem.dirs)
-    bounds = {
-        "critical_path": float(_downstream(problem).max() / speeds.max()),
-        "work": float(B * per_stage.sum() / speeds.sum()),
-    }
-    if problem.memory_limit:
+    bounds = {"work": float(B * per_stage.sum() / speeds.sum())}
+    if problem.objective == "span":
+        return bounds
+    bounds = {"critical_path": float(_downstream(problem).max() / speeds.max()), **bounds}
+    room = _stash_room(problem)
+    if room and np.isfinite(room):
         live = _live_time(problem) / speeds.max()
-        bounds["memory_time"] = float(B * (live * problem.stash_sizes).sum() / (W * problem.memory_limit))
+        bounds["memory_time"] = float(B * (live * problem.stash_sizes).sum() / room)
     return bounds
 
 
-def mapping_bounds(problem: PlanProblem, compute: np.ndarray) -> dict[str, float]:
-    """Bounds for one fixed mapping (``compute`` over the simulator's item ids)."""
+def _stash_room(problem: PlanProblem) -> float:
+    """The most stash all workers together may hold at once (inf: unlimited)."""
+    room = float(problem.limits().sum())
+    if problem.memory_budget is not None and problem.costs.has_sizes:
+        budget = np.broadcast_to(np.asarray(problem.memory_budget, dtype=float), (problem.shape.num_workers,))
+        room = min(room, float(budget.sum() - problem.owner_bytes().sum()))
+    return room
+
+
+def mapping_bounds(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray | None = None) -> dict[str, float]:
+    """Bounds for one fixed mapping (``compute`` and ``weight`` over the simulator's item ids)."""
     W, S, B = problem.shape
     costs = problem.costs
     batch, stage, direction = problem.items.arrays()
+    compute = np.asarray(compute)
     speeds = costs.speeds(W)
     seconds = costs.item_time(stage, direction, compute, S, W)
     bounds = shape_bounds(problem)
     bounds["busiest_worker"] = float(np.bincount(compute, weights=seconds, minlength=W).max())
-    if problem.memory_limit:
-        keeper = direction == dataflow.first_backward(problem.split_backward)
-        live = _live_time(problem) / speeds.max()
-        held = np.bincount(compute[keeper], weights=(live * problem.stash_sizes)[stage[keeper]], minlength=W)
-        bounds["memory_time"] = float(held.max() / problem.memory_limit)
+    limits = problem.stash_limits(compute, compute if weight is None else np.asarray(weight))
+    if limits is not None and problem.objective != "span":
+        limits = np.broadcast_to(np.asarray(limits, dtype=float), (W,))
+        shares = dataflow.stash_share_array(direction, problem.split_backward, costs.input_grad_frees)
+        lives = _live_time(problem, per_share=True)
+        held = np.zeros(W)
+        for d in problem.dirs[1:]:
+            rows = direction == d
+            live = lives[d] / speeds.max()
+            np.add.at(held, compute[rows], (live * problem.stash_sizes)[stage[rows]] * shares[rows])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_worker = np.where(held > 0, held / limits, 0.0)
+        bounds["memory_time"] = float(np.max(per_worker))
     return bounds
 
 
-def _live_time(problem: PlanProblem) -> np.ndarray:
-    """Shortest time a stash of each stage is held (forward start to releasing backward end)."""
+def _live_time(problem: PlanProblem, per_share: bool = False):
+    """Shortest time a stash of each stage is held (forward start to releasing backward end),
+    averaged over its shares; or per freeing pass (a dict by direction) with ``per_share``."""
     later = _downstream(problem)
-    if problem.split_backward:
-        durations = problem.costs.durations(problem.shape.num_stages)
-        later = later + (1.0 - problem.costs.input_grad_frees) * durations[BACKWARD_WEIGHT]
-    return later
+    first = dataflow.first_backward(problem.split_backward)
+    if not problem.split_backward:
+        return {first: later} if per_share else later
+    durations = problem.costs.durations(problem.shape.num_stages)
+    lives = {first: later, BACKWARD_WEIGHT: later + durations[BACKWARD_WEIGHT]}
+    if per_share:
+        return lives
+    shares = dataflow.stash_shares(True, problem.costs.input_grad_frees)
+    return sum(shares[d] * lives[d] for d in lives)
 
 
 def _downstream(problem: PlanProblem) -> np.ndarray:

@@ -1,15 +1,25 @@
-"""CP-SAT for the mapping itself: which worker computes each (stage, batch),
-which worker holds each stage's weights, and in what order.
+"""CP-SAT for the mapping itself: which worker computes each pass, which
+worker holds each stage's weights, and in what order.
 
-Every (stage, batch) has one optional interval per worker for each of its
-passes; one presence literal per (stage, batch, worker) is shared by the
-forward and its backward(s), so a stash never moves.  A stage has one weight
-worker; a worker computing a stage it does not hold waits ``fetch`` for the
-weights and sends the gradient back ``fetch`` after its last backward.  A
-worker may hold at most ``max_stages_per_worker`` stages (its own and
-fetched ones).  Activations and gradients take ``comm`` only when the two ends
-of an edge of the stage graph run on different workers for that batch.  Redundant cumulatives (all work
-with capacity W; all live activations with capacity W*M) tighten the bound.
+Two classes of schedules, each named by the claim a proof makes
+(:data:`WHOLE_SCHEME`, :data:`PAIRED`):
+
+- the whole scheme: a (stage, batch) has one placement literal per worker for
+  its forward and another for its backward passes (B, or I and W together),
+  so the backward may run away from its forward and the stash follows it
+  (what moves, and what it costs, is :func:`unisched.dataflow.moved_data`'s
+  rule: nothing at a source stage, the stage's inputs elsewhere);
+- paired: one literal per (stage, batch, worker) shared by all its passes, so a
+  stash never moves: far fewer choices, for larger problems.
+
+A stage has one weight worker, chosen apart from its compute workers; a worker
+computing a stage it does not hold waits ``fetch`` for the weights and sends
+the gradient back ``fetch`` after its last gradient pass.  A worker may hold at
+most ``max_stages_per_worker`` stages (its own and fetched ones), and within a
+memory budget its weights, optimizer state and live stashes.  Data takes its
+transfer time only when the two ends of a dependency run on different
+workers.  Redundant cumulatives (all work with capacity W; all live
+activations with capacity W*M) tighten the bound.
 
 The search starts from a complete feasible hint (the best schedule found so
 far, relabelled to fit the symmetry breaking); when the model is large, a
@@ -29,8 +39,10 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.plan.order import Solved, live_stashes, make_solver, memory_demands
+from unisched.plan.order import (EARLY_CLAIMS, Solved, capacity, earliest_forwards, live_start, live_stashes, make_solver,
+                                 memory_demands, run_solver)
 from unisched.plan.problem import TimedProblem
+from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD
 
 WHOLE_MODEL_LIMIT = 160
@@ -39,6 +51,38 @@ LNS_PAIRS = 64
 """(stage, batch) pairs whose workers one LNS round frees."""
 LNS_ROUND_SECONDS = 4.0
 """Longest single LNS round: many short rounds beat a few long ones on large models."""
+WHOLE_SCHEME_UP_TO = (4, 4, 8)
+"""The largest (W, S, B) whose mapping search covers the whole scheme by default."""
+
+WHOLE_SCHEME = ("schedules with one weight worker per stage (a forward and its backward may run on different "
+                "workers; a split backward's I and W on one)")
+PAIRED = "schedules with one worker per (stage, micro-batch) and one weight worker per stage"
+
+
+def whole_scheme_by_default(shape) -> bool:
+    """Whether the mapping search covers the whole scheme when not told (small problems)."""
+    return all(n <= most for n, most in zip(shape, WHOLE_SCHEME_UP_TO))
+
+
+def proven_class(whole: bool, asap_replay: bool = False) -> str:
+    """The class of schedules a proof of the mapping model covers."""
+    if not whole:
+        return PAIRED
+    return f"{WHOLE_SCHEME[:-1]}; {EARLY_CLAIMS})" if asap_replay else WHOLE_SCHEME
+
+
+def class_breadth(name: str) -> int:
+    """How wide a class of schedules is (0: every schedule), to state the widest claim proven."""
+    order = ("any schedule", WHOLE_SCHEME, proven_class(True, True), PAIRED)
+    return order.index(name) if name in order else len(order)
+
+
+def exact_links(timed: TimedProblem) -> bool:
+    """Whether the model's one transfer time per stage is every link's (else it takes the
+    worst link and its bound proves nothing)."""
+    W = timed.shape.num_workers
+    off = ~np.eye(W, dtype=bool)
+    return all(np.all(m[off] == m[off][:1]) for m in (timed.comm, timed.fetch, timed.stash)) if W > 1 else True
 
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], float]
@@ -65,24 +109,39 @@ def solve_mapping(
     seed: int = 0,
     lns: bool | None = None,
     score: Scorer | None = None,
+    whole: bool | None = None,
+    lower_bound: int = 0,
+    asap_replay: bool = True,
 ) -> Solved:
     """Search mappings and orders together; LNS when the model is large (or ``lns=True``).
 
+    ``whole`` (default: :func:`whole_scheme_by_default`) searches the whole
+    scheme rather than one worker per (stage, batch); ``lower_bound`` (ticks),
+    a bound proven for every schedule, lets the search stop once it is met;
+    ``asap_replay``: solutions will be replayed from their orders alone, so a stash
+    kept away from its forward counts from that forward's earliest start
+    (:mod:`unisched.plan.order`).
     The model leaves out link contention, so with ``score`` every solution
     CP-SAT reports is replayed and the one with the best replay is kept.
     """
     W, S, B = timed.shape
+    if whole is None:
+        whole = whole_scheme_by_default(timed.shape)
+    if hint is not None and not fits(timed, hint.compute, hint.weight, whole):
+        hint = None
     if lns is None:
         lns = S * B > WHOLE_MODEL_LIMIT and hint is not None
     if hint is not None and score is not None:
         hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
+    common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
+                  asap_replay=asap_replay)
     if not lns or hint is None:
-        return _solve(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed, score=score)
-    return _lns(timed, time_limit=time_limit, hint=hint, num_workers=num_workers, seed=seed, score=score)
+        return _solve(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
+    return _lns(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
 
 
 def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int,
-         score: Scorer | None) -> Solved:
+         score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool) -> Solved:
     """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
     begin = time.perf_counter()
     deadline = begin + time_limit
@@ -91,20 +150,23 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     best = hint
     window = max(2, min(B, LNS_PAIRS // S))
     round_limit = max(1.0, min(LNS_ROUND_SECONDS, time_limit / 6))
-    whole = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, num_workers=num_workers,
-                   seed=seed, score=score)
-    bound = whole.bound
-    best = _better(best, whole)
-    while time.perf_counter() < deadline - 0.2 and best.makespan > bound:
+    common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
+                  asap_replay=asap_replay)
+    first = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, seed=seed, **common)
+    bound = first.bound
+    best = _better(best, first)
+    interrupted = first.interrupted
+    while time.perf_counter() < deadline - 0.2 and best.makespan > bound and not interrupted:
         first = rng.randrange(B)
         free = {(first + k) % B for k in range(window)} if rng.random() < 0.5 else set(rng.sample(range(B), window))
         left = deadline - time.perf_counter()
-        result = _solve(timed, time_limit=min(round_limit, left), hint=best, num_workers=num_workers,
-                        seed=rng.randrange(1 << 30), free_batches=free, score=score)
+        result = _solve(timed, time_limit=min(round_limit, left), hint=best, seed=rng.randrange(1 << 30),
+                        free_batches=free, **common)
         best = _better(best, result)
-    status = "OPTIMAL" if best.makespan <= bound and whole.optimal else "FEASIBLE"
+        interrupted = result.interrupted
+    status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
     return Solved(status, best.starts, best.compute, best.weight, best.makespan, bound,
-                  time.perf_counter() - begin, best.score)
+                  time.perf_counter() - begin, best.score, interrupted)
 
 
 def _better(best: Incumbent, result: Solved) -> Incumbent:
@@ -120,24 +182,66 @@ def _better(best: Incumbent, result: Solved) -> Incumbent:
 class _Collector(cp_model.CpSolverSolutionCallback):
     """Keeps every solution CP-SAT reports, to be replayed afterwards."""
 
-    def __init__(self, x, owner, start, shape, timed: TimedProblem, limit: int = 64):
+    def __init__(self, places: "_Places", owner, start, timed: TimedProblem, limit: int = 64):
         super().__init__()
-        self.x, self.owner, self.start, self.shape, self.timed = x, owner, start, shape, timed
+        self.places, self.owner, self.start, self.timed = places, owner, start, timed
         self.limit = limit
         self.solutions: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
 
     def on_solution_callback(self) -> None:
-        W, S, B = self.shape
-        owners = [next(w for w in range(W) if self.boolean_value(self.owner[s, w])) for s in range(S)]
-        where = np.array([[next(w for w in range(W) if self.boolean_value(self.x[s, b, w])) for s in range(S)]
-                          for b in range(B)])
-        batch, stage = self.timed.batch, self.timed.stage
-        compute = where[batch, stage].astype(np.int64)
-        weight = np.asarray(owners, dtype=np.int64)[stage]
+        W, S, B = self.timed.shape
+        owners = np.array([next(w for w in range(W) if self.boolean_value(self.owner[s, w])) for s in range(S)])
+        where = {(s, b, g): w for (s, b, g, w), literal in self.places.x.items() if self.boolean_value(literal)}
+        compute = np.array([where[self.places.group(i)] for i in range(len(self.start))], dtype=np.int64)
+        weight = owners[self.timed.stage].astype(np.int64)
         starts = np.array([self.value(v) for v in self.start], dtype=np.int64)
         self.solutions.append((compute, weight, starts, int(self.objective_value)))
         if len(self.solutions) > self.limit:
             del self.solutions[0]
+
+
+class _Places:
+    """The placement literals: per (stage, batch, group, worker), group 0 the forward and group 1
+    the backward passes; in the paired class both groups share the forward's literals."""
+
+    def __init__(self, model, timed: TimedProblem, whole: bool):
+        W, S, B = timed.shape
+        self.timed, self.whole, self.W = timed, whole, W
+        groups = 2 if whole else 1
+        self.model = model
+        self.apart: dict = {}
+        self.x = {(s, b, g, w): model.new_bool_var(f"x{s},{b},{g},{w}")
+                  for s in range(S) for b in range(B) for g in range(groups) for w in range(W)}
+        for s in range(S):
+            for b in range(B):
+                for g in range(groups):
+                    model.add_exactly_one(self.x[s, b, g, w] for w in range(W))
+
+    def group(self, item: int) -> tuple[int, int, int]:
+        """(stage, batch, group) of an item."""
+        backward = self.whole and self.timed.direction[item] != FORWARD
+        return int(self.timed.stage[item]), int(self.timed.batch[item]), int(backward)
+
+    def of_item(self, item: int, worker: int):
+        """The literal "item runs on worker"."""
+        s, b, g = self.group(item)
+        return self.x[s, b, g, worker]
+
+    def away(self, u: int, v: int):
+        """A literal true when items u and v run on different workers (False: they never do)."""
+        gu, gv = self.group(u), self.group(v)
+        if gu == gv:
+            return False
+        key = (gu, gv) if gu < gv else (gv, gu)
+        if key not in self.apart:
+            self.apart[key] = literal = self.model.new_bool_var(f"apart{key}")
+            for w in range(self.W):
+                self.model.add(literal >= self.x[(*gu, w)] - self.x[(*gv, w)])
+        return self.apart[key]
+
+    def on(self, s: int, b: int, w: int):
+        """The literals of (stage, batch) on worker w."""
+        return [self.x[s, b, g, w] for g in range(2 if self.whole else 1)]
 
 
 def _solve(
@@ -147,8 +251,11 @@ def _solve(
     hint: Incumbent | None,
     num_workers: int,
     seed: int,
+    whole: bool,
     free_batches: set[int] | None = None,
     score: Scorer | None = None,
+    lower_bound: int = 0,
+    asap_replay: bool = True,
 ) -> Solved:
     begin = time.perf_counter()
     problem = timed.problem
@@ -157,25 +264,24 @@ def _solve(
     if hint is not None:
         hint = canonical(timed, hint) if free_batches is None else hint
     duration = timed.duration  # (items, workers)
-    comm = timed.comm.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
     fetch = timed.fetch.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
     uniform = bool(np.all(duration == duration[:, :1]))
-    horizon = int(duration.max(axis=1).sum() + 2 * B * S * comm.max(initial=0) + 2 * fetch.max(initial=0) + 1)
+    horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
+                  + 2 * fetch.max(initial=0) + 1)
     if hint is not None:
         horizon = min(horizon, int(hint.makespan))
 
-    x = {(s, b, w): model.new_bool_var(f"x{s},{b},{w}") for s in range(S) for b in range(B) for w in range(W)}
+    places = _Places(model, timed, whole)
     owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}
     held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
     for s in range(S):
         model.add_exactly_one(owner[s, w] for w in range(W))
-        for b in range(B):
-            model.add_exactly_one(x[s, b, w] for w in range(W))
-            for w in range(W):
-                model.add_implication(x[s, b, w], held[w, s])
         for w in range(W):
+            mine = [v for b in range(B) for v in places.on(s, b, w)]
+            for v in mine:
+                model.add_implication(v, held[w, s])
             model.add_implication(owner[s, w], held[w, s])
-            model.add_bool_or([owner[s, w]] + [x[s, b, w] for b in range(B)]).only_enforce_if(held[w, s])
+            model.add_bool_or([owner[s, w]] + mine).only_enforce_if(held[w, s])
     if problem.max_stages_per_worker is not None and problem.max_stages_per_worker < S:
         for w in range(W):
             model.add(sum(held[w, s] for s in range(S)) <= problem.max_stages_per_worker)
@@ -186,115 +292,149 @@ def _solve(
     per_worker: list[list] = [[] for _ in range(W)]
     main = []
     for i in range(n):
-        b, s = int(timed.batch[i]), int(timed.stage[i])
         if uniform:
             end.append(start[i] + int(duration[i, 0]))
             main.append(model.new_fixed_size_interval_var(start[i], int(duration[i, 0]), f"m{i}"))
         else:
             e = model.new_int_var(0, horizon, f"e{i}")
-            model.add(e == start[i] + sum(int(duration[i, w]) * x[s, b, w] for w in range(W)))
+            model.add(e == start[i] + sum(int(duration[i, w]) * places.of_item(i, w) for w in range(W)))
             end.append(e)
         for w in range(W):
             per_worker[w].append(model.new_optional_fixed_size_interval_var(
-                start[i], int(duration[i, w]), x[s, b, w], f"o{i},{w}"))
+                start[i], int(duration[i, w]), places.of_item(i, w), f"o{i},{w}"))
     for w in range(W):
         model.add_no_overlap(per_worker[w])
     if uniform:
         model.add_cumulative(main, [1] * n, W)
 
-    makespan = model.new_int_var(0, horizon, "makespan")
+    makespan = model.new_int_var(min(int(lower_bound), horizon), horizon, "makespan")
     for i in range(n):
         model.add(makespan >= end[i])
 
-    same = {}
-    for b in range(B):
-        for p, t in problem.stage_graph.graph.edges:
-            z = [model.new_bool_var(f"z{p},{t},{b},{w}") for w in range(W)]
-            for w in range(W):
-                model.add_implication(z[w], x[p, b, w])
-                model.add_implication(z[w], x[t, b, w])
-            same[p, t, b] = z
-    edges = timed.data_edges()
-    for u, v, s in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist()):
-        su, sv = int(timed.stage[u]), int(timed.stage[v])
-        if su == sv:
-            model.add(start[v] >= end[u])
-        else:
-            upstream, downstream = (su, sv) if timed.direction[u] == FORWARD else (sv, su)
-            c = int(comm[s])
-            model.add(start[v] >= end[u] + c - c * sum(same[upstream, downstream, int(timed.batch[u])]))
+    _transfers(model, timed, places, start, end)
+    _weights(model, timed, places, owner, start, end, makespan, fetch)
+    _memory(model, timed, places, owner, held, start, end, horizon, asap_replay)
 
     grid = problem.item_grid()
     forward = problem.dirs.index(FORWARD)
-    last = problem.dirs.index(dataflow.gradient_pass(problem.split_backward))
-    for s in range(S):
-        if not fetch[s]:
-            continue
-        for b in range(B):
-            f, r = grid[b, s, forward], grid[b, s, last]
-            for w in range(W):
-                model.add(start[f] >= int(fetch[s])).only_enforce_if([x[s, b, w], owner[s, w].Not()])
-                model.add(makespan >= end[r] + int(fetch[s])).only_enforce_if([x[s, b, w], owner[s, w].Not()])
-
-    _memory(model, timed, x, start, end, horizon)
-
     first = problem.stage_graph.sources[0]
     if free_batches is None:
         for b in range(B - 1):
             model.add(start[grid[b, first, forward]] <= start[grid[b + 1, first, forward]])
-        if uniform and problem.costs.worker_speed is None and not problem.costs.links:
-            model.add(x[first, 0, 0] == 1)
+        if uniform and problem.identical_workers:
+            model.add(places.of_item(int(grid[0, first, forward]), 0) == 1)
 
     if hint is not None:
-        _add_hint(model, timed, hint, x, owner, held, same, start, makespan)
+        _add_hint(model, timed, hint, places, owner, held, start, makespan)
         if free_batches is not None:
-            for b in range(B):
-                if b in free_batches:
-                    continue
-                for s in range(S):
-                    model.add(x[s, b, int(hint.compute[grid[b, s, forward]])] == 1)
+            for i in range(n):
+                if int(timed.batch[i]) not in free_batches:
+                    model.add(places.of_item(i, int(hint.compute[i])) == 1)
             for s in range(S):
                 model.add(owner[s, int(hint.weight[grid[0, s, forward]])] == 1)
     model.minimize(makespan)
     solver = make_solver(time_limit, num_workers, seed)
-    collector = _Collector(x, owner, start, (W, S, B), timed)
-    status = solver.solve(model, collector)
+    collector = _Collector(places, owner, start, timed)
+    status, interrupted = run_solver(solver, model, collector)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
     bound = int(solver.best_objective_bound) if free_batches is None else 0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) or not collector.solutions:
         if status == cp_model.INFEASIBLE and free_batches is None:
             bound = horizon
-        return Solved(name, None, None, None, None, bound, wall)
+        return Solved(name, None, None, None, None, bound, wall, interrupted=interrupted)
     solutions = collector.solutions
     if score is None:
         compute, weight, starts, objective = solutions[-1]
-        return Solved(name, starts, compute, weight, objective, bound, wall)
+        return Solved(name, starts, compute, weight, objective, bound, wall, interrupted=interrupted)
     scored = [(score(c, w, st), obj, c, w, st) for c, w, st, obj in solutions]
     value, objective, compute, weight, starts = min(scored, key=lambda row: (row[0], row[1]))
-    return Solved(name, starts, compute, weight, objective, bound, wall, value)
+    return Solved(name, starts, compute, weight, objective, bound, wall, value, interrupted)
 
 
-def _memory(model, timed: TimedProblem, x, start, end, horizon) -> None:
+def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
+    """Every dependency: its destination starts after its source ends, plus the time its data
+    takes (:meth:`TimedProblem.delays`' rule, at the worst link) when the two run apart."""
     problem = timed.problem
-    if problem.memory_limit is None:
-        return
-    _, capacity, _ = memory_demands(timed)
     W = problem.shape.num_workers
+    edges = timed.data_edges()
+    comm = timed.comm.max(axis=(0, 1)) if W > 1 else np.zeros(problem.shape.num_stages, dtype=np.int64)
+    stash = timed.stash.max(axis=(0, 1)) if W > 1 else np.zeros(problem.shape.num_stages, dtype=np.int64)
+    is_stash = edges.moves == TRANSFER_KINDS.index("stash")
+    for u, v, s, moves, stashed in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist(),
+                                       edges.moves.tolist(), is_stash.tolist()):
+        delay = int(stash[s] if stashed else comm[s])
+        away = places.away(u, v) if moves != dataflow.MOVES_NOTHING and delay else False
+        if away is False:
+            model.add(start[v] >= end[u])
+        else:
+            model.add(start[v] >= end[u] + delay * away)
+
+
+def _weights(model, timed: TimedProblem, places: _Places, owner, start, end, makespan, fetch) -> None:
+    """A pass away from its stage's weight worker starts after the fetch arrives; the gradient
+    pass's worker returns the gradient within the step."""
+    problem = timed.problem
+    W, S, B = problem.shape
+    gradient = dataflow.gradient_pass(problem.split_backward)
+    for i in range(problem.num_items):
+        s = int(timed.stage[i])
+        if not fetch[s]:
+            continue
+        for w in range(W):
+            away = [places.of_item(i, w), owner[s, w].Not()]
+            model.add(start[i] >= int(fetch[s])).only_enforce_if(away)
+            if timed.direction[i] == gradient:
+                model.add(makespan >= end[i] + int(fetch[s])).only_enforce_if(away)
+
+
+def _memory(model, timed: TimedProblem, places: _Places, owner, held, start, end, horizon,
+            asap_replay: bool) -> None:
+    """Live stashes on the worker of the pass that frees them, within each worker's stash limit
+    and what its weights and optimizer state leave of its budget."""
+    problem = timed.problem
+    W, S, B = problem.shape
+    if problem.memory_limit is None and problem.memory_budget is None:
+        return
+    _, _, unit = memory_demands(timed)
+    limits = problem.limits()
+    caps = []
+    budget = problem.memory_budget
+    for w in range(W):
+        limit = capacity(unit, limits[w]) if np.isfinite(limits[w]) else None
+        if budget is None:
+            caps.append(limit)
+            continue
+        room = capacity(unit, np.broadcast_to(np.asarray(budget, dtype=float), (W,))[w])
+        weights = sum(unit(problem.weight_bytes()[s]) * held[w, s] for s in range(S)) \
+            + sum(unit(problem.owner_bytes()[s] - problem.weight_bytes()[s]) * owner[s, w] for s in range(S))
+        model.add(weights <= room)
+        if not problem.costs.has_sizes:
+            caps.append(limit)
+            continue
+        cap = model.new_int_var(0, room if limit is None else min(room, limit), f"cap{w}")
+        model.add(cap <= room - weights)
+        caps.append(cap)
+    earliest = earliest_forwards(timed)
     per_worker: list[tuple[list, list]] = [([], []) for _ in range(W)]
     everything, amounts = [], []
+    claims: dict = {}
     for s, b, f, r, demand in live_stashes(timed):
         size = model.new_int_var(0, horizon, f"live{r}")
-        everything.append(model.new_interval_var(start[f], size, end[r], f"l{r}"))
+        if f not in claims:
+            claims[f] = live_start(model, earliest, s, f, start, asap_replay and places.away(f, r))
+        begin = claims[f]
+        everything.append(model.new_interval_var(begin, size, end[r], f"l{r}"))
         amounts.append(demand)
         for w in range(W):
-            per_worker[w][0].append(model.new_optional_interval_var(start[f], size, end[r], x[s, b, w], f"l{r},{w}"))
+            per_worker[w][0].append(model.new_optional_interval_var(begin, size, end[r], places.of_item(r, w),
+                                                                    f"l{r},{w}"))
             per_worker[w][1].append(demand)
-    for intervals, demand in per_worker:
-        if sum(demand) > capacity:
-            model.add_cumulative(intervals, demand, capacity)
-    if sum(amounts) > capacity * W:
-        model.add_cumulative(everything, amounts, capacity * W)
+    for (intervals, demand), cap in zip(per_worker, caps):
+        if cap is not None and (not isinstance(cap, int) or sum(demand) > cap):
+            model.add_cumulative(intervals, demand, cap)
+    if budget is None and all(c is not None for c in caps) and sum(amounts) > sum(caps):
+        model.add_cumulative(everything, amounts, sum(caps))
 
 
 def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
@@ -308,9 +448,7 @@ def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
     compute, weight, starts = (np.empty_like(a) for a in (hint.compute, hint.weight, hint.starts))
     for relabelled, a in ((compute, hint.compute), (weight, hint.weight), (starts, hint.starts)):
         relabelled[grid] = a[grid[order]]
-    symmetric = bool(np.all(timed.duration == timed.duration[:, :1])) and timed.problem.costs.worker_speed is None \
-        and not timed.problem.costs.links
-    if symmetric:
+    if bool(np.all(timed.duration == timed.duration[:, :1])) and problem.identical_workers:
         leader = int(compute[first[0]])
         swap = np.arange(W)
         swap[[0, leader]] = swap[[leader, 0]]
@@ -318,42 +456,44 @@ def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
     return Incumbent(compute, weight, starts, hint.makespan)
 
 
-def _add_hint(model, timed: TimedProblem, hint: Incumbent, x, owner, held, same, start, makespan) -> None:
+def _add_hint(model, timed: TimedProblem, hint: Incumbent, places: _Places, owner, held, start, makespan) -> None:
     problem = timed.problem
     W, S, B = problem.shape
-    forwards = problem.item_grid()[:, :, problem.dirs.index(FORWARD)]
-    where = {}
-    for b in range(B):
-        for s in range(S):
-            where[s, b] = int(hint.compute[forwards[b, s]])
-            for w in range(W):
-                model.add_hint(x[s, b, w], where[s, b] == w)
-    owners = [int(hint.weight[forwards[0, s]]) for s in range(S)]
+    where = {places.group(i): int(hint.compute[i]) for i in range(problem.num_items)}
+    for (s, b, g, w), literal in places.x.items():
+        model.add_hint(literal, where[s, b, g] == w)
+    owners = [int(hint.weight[problem.items.id(0, s, FORWARD)]) for s in range(S)]
     for s in range(S):
         for w in range(W):
             model.add_hint(owner[s, w], owners[s] == w)
-            model.add_hint(held[w, s], owners[s] == w or any(where[s, b] == w for b in range(B)))
-    for (p, t, b), z in same.items():
-        for w in range(W):
-            model.add_hint(z[w], where[p, b] == w and where[t, b] == w)
+            model.add_hint(held[w, s], owners[s] == w or any(where[g] == w for g in where if g[0] == s))
+    for (gu, gv), literal in places.apart.items():
+        model.add_hint(literal, where[gu] != where[gv])
     for i, v in enumerate(start):
         model.add_hint(v, int(hint.starts[i]))
     model.add_hint(makespan, int(hint.makespan))
 
 
-def incumbent_from(timed: TimedProblem, compute, weight, starts) -> Incumbent | None:
-    """A hint for the mapping model, if the schedule fits its structure (a forward and its
-    backwards on one worker, one weight worker per stage) and its timing rules."""
+def fits(timed: TimedProblem, compute, weight, whole: bool) -> bool:
+    """Whether a mapping lies in the model's class: one weight worker per stage, and all passes of a
+    (stage, batch) on one worker (paired) or all its backward passes on one (whole scheme)."""
+    problem = timed.problem
+    grid = problem.item_grid()
+    per_pair = np.asarray(compute)[grid]
+    backward = per_pair[:, :, 1:] if whole else per_pair
+    if np.any(backward != backward[:, :, :1]):
+        return False
+    owners = np.asarray(weight)[grid]
+    return not np.any(owners != owners[:1, :, :1])
+
+
+def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = False) -> Incumbent | None:
+    """A hint for the mapping model, if the schedule fits its class (:func:`fits`) and its timing rules."""
     problem = timed.problem
     W, S, B = problem.shape
     compute = np.asarray(compute, dtype=np.int64)
     weight = np.asarray(weight, dtype=np.int64)
-    grid = problem.item_grid()
-    per_pair = compute[grid]
-    if np.any(per_pair != per_pair[:, :, :1]):
-        return None
-    owners = weight[grid]
-    if np.any(owners != owners[:1, :, :1]):
+    if not fits(timed, compute, weight, whole):
         return None
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]

@@ -6,19 +6,33 @@ they ran on another worker; a borrowed stage's weights arrive ``fetch`` after
 the step starts and its gradient goes back ``fetch`` after its last backward.
 Activation memory is a cumulative constraint per worker over "live"
 intervals, from a forward's start to its backward's end on the backward's
-worker, which CP-SAT propagates far better than a reservoir.
+worker, which CP-SAT propagates far better than a reservoir.  A stash kept
+on another worker than its forward's is counted there from the earliest time
+its forward can start in any schedule (:func:`earliest_forwards`) when the
+schedule is replayed from its orders alone (``asap_replay``): the simulator
+then runs each item as early as it can, so such a forward may claim its room
+sooner than the model placed it, and counting it from then is what keeps
+the replay within the limit (and free of deadlocks).  A replay that follows
+start times as well would not need this restriction.
 
 Micro-batches with identical mappings are interchangeable, so the model
 fixes their order at the first stage (sound); ``fifo=True`` also keeps them
 first-in-first-out at every stage, a restriction that shrinks the search but
 may cut off the optimum, so a FIFO answer is never called proven.
+
+A lower bound proven elsewhere (``lower_bound``) is a constraint on the
+objective, so the search stops as soon as a schedule meets it.  A solve runs
+in a thread of its own, so Ctrl-C stops it and says so (``Solved.interrupted``)
+instead of ending only that one call.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 
+import networkx as nx
 import numpy as np
 from ortools.sat.python import cp_model
 
@@ -41,6 +55,8 @@ class Solved:
     wall: float
     score: float | None = None
     """The replayed latency of this solution, when the search scored its solutions."""
+    interrupted: bool = False
+    """Ctrl-C stopped the search: the caller stops searching and answers with what it has."""
 
     @property
     def optimal(self) -> bool:
@@ -61,8 +77,12 @@ def solve_order(
     fifo: bool = False,
     num_workers: int = 2,
     seed: int = 0,
+    lower_bound: int = 0,
+    asap_replay: bool = True,
 ) -> Solved:
-    """Best order for the mapping ``compute`` / ``weight`` (arrays over item ids)."""
+    """Best order for the mapping ``compute`` / ``weight`` (arrays over item ids);
+    ``lower_bound`` (ticks): a bound proven for this mapping, where the search may stop;
+    ``asap_replay``: the order will be replayed from orders alone (see the module docstring)."""
     compute = np.asarray(compute, dtype=np.int64)
     weight = np.asarray(weight, dtype=np.int64)
     begin = time.perf_counter()
@@ -80,7 +100,7 @@ def solve_order(
     start = [model.new_int_var(int(release[i]), horizon, f"s{i}") for i in range(n)]
     end = [start[i] + int(duration[i]) for i in range(n)]
     intervals = [model.new_fixed_size_interval_var(start[i], int(duration[i]), f"x{i}") for i in range(n)]
-    makespan = model.new_int_var(0, horizon, "makespan")
+    makespan = model.new_int_var(min(int(lower_bound), horizon), horizon, "makespan")
 
     for w in range(timed.shape.num_workers):
         mine = [intervals[i] for i in np.flatnonzero(compute == w)]
@@ -91,7 +111,7 @@ def solve_order(
     for i in range(n):
         model.add(makespan >= end[i] + int(tails[i]))
 
-    _memory(model, timed, compute, start, end, horizon)
+    _memory(model, timed, compute, weight, start, end, horizon, asap_replay)
     _symmetry(model, timed, compute, weight, start, fifo)
 
     if hint_starts is not None:
@@ -100,15 +120,17 @@ def solve_order(
         model.add_hint(makespan, int(np.max(np.asarray(hint_starts) + duration + tails)))
     model.minimize(makespan)
     solver = make_solver(time_limit, num_workers, seed)
-    status = solver.solve(model)
+    status, interrupted = run_solver(solver, model)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
     if status == cp_model.INFEASIBLE:
-        return Solved(name, None, compute, weight, None, horizon, wall)
+        return Solved(name, None, compute, weight, None, horizon, wall, interrupted=interrupted)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return Solved(name, None, compute, weight, None, int(solver.best_objective_bound), wall)
+        return Solved(name, None, compute, weight, None, int(solver.best_objective_bound), wall,
+                      interrupted=interrupted)
     starts = np.array([solver.value(s) for s in start], dtype=np.int64)
-    return Solved(name, starts, compute, weight, int(solver.objective_value), int(solver.best_objective_bound), wall)
+    return Solved(name, starts, compute, weight, int(solver.objective_value), int(solver.best_objective_bound), wall,
+                  interrupted=interrupted)
 
 
 def solve_order_staged(
@@ -120,30 +142,70 @@ def solve_order_staged(
     hint_starts: np.ndarray | None = None,
     num_workers: int = 2,
     seed: int = 0,
-    fifo_share: float = 0.4,
+    lower_bound: int = 0,
+    cold_share: float = 0.25,
+    fifo_share: float = 0.3,
 ) -> Solved:
-    """A first-in-first-out pass (small search, good schedules fast), then the full
-    model warm-started from it, which alone can prove optimality."""
+    """The full model without a hint first, briefly (a hint can steer CP-SAT's search away from a
+    proof it finds at once without), then a first-in-first-out pass (small search, good schedules
+    fast), then the full model warm-started from the best so far, which alone can prove optimality."""
     begin = time.perf_counter()
-    first = solve_order(timed, compute, weight, time_limit=time_limit * fifo_share, hint_starts=hint_starts,
-                        fifo=True, num_workers=num_workers, seed=seed)
-    hint = first.starts if first.found else hint_starts
-    left = time_limit - (time.perf_counter() - begin)
-    if left <= 0.05:
-        return replace(first, status="FEASIBLE" if first.found else first.status, bound=0)
-    full = solve_order(timed, compute, weight, time_limit=left, hint_starts=hint, num_workers=num_workers, seed=seed)
-    if full.found and (not first.found or full.objective <= first.objective):
-        return replace(full, wall=time.perf_counter() - begin)
-    return replace(first, status="FEASIBLE", bound=full.bound, wall=time.perf_counter() - begin)
+
+    def left() -> float:
+        return time_limit - (time.perf_counter() - begin)
+
+    common = dict(num_workers=num_workers, seed=seed, lower_bound=lower_bound)
+    cold = solve_order(timed, compute, weight, time_limit=time_limit * cold_share, **common)
+    if cold.optimal or cold.status == "INFEASIBLE" or cold.interrupted or left() <= 0.05:
+        return replace(cold, wall=time.perf_counter() - begin)
+    first = solve_order(timed, compute, weight, time_limit=min(left(), time_limit * fifo_share),
+                        hint_starts=hint_starts, fifo=True, **common)
+    best = min((s for s in (cold, first) if s.found), key=lambda s: s.objective, default=None)
+    if first.interrupted or left() <= 0.05:
+        return _settled(best, cold, begin)
+    hint = best.starts if best is not None else hint_starts
+    full = solve_order(timed, compute, weight, time_limit=left(), hint_starts=hint, **common)
+    if full.found and (best is None or full.objective <= best.objective):
+        return replace(full, bound=max(full.bound, cold.bound), wall=time.perf_counter() - begin)
+    return _settled(best, full, begin, bound=max(full.bound, cold.bound))
+
+
+def _settled(best: Solved | None, last: Solved, begin: float, bound: int | None = None) -> Solved:
+    """The best solution of a staged search; proven where it meets a full model's bound
+    (a first-in-first-out pass proves nothing)."""
+    bound = last.bound if bound is None else bound
+    wall = time.perf_counter() - begin
+    if best is None:
+        return replace(last, wall=wall, bound=bound)
+    return replace(best, status="OPTIMAL" if best.objective <= bound else "FEASIBLE", bound=bound, wall=wall,
+                   interrupted=last.interrupted or best.interrupted)
 
 
 def make_solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:
-    """A CP-SAT solver with a time limit, a number of search workers and a fixed seed."""
+    """A CP-SAT solver with a time limit, a number of search workers and a fixed seed;
+    Ctrl-C is left to :func:`run_solver`."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
     solver.parameters.num_workers = max(1, int(num_workers))
     solver.parameters.random_seed = seed
+    solver.parameters.catch_sigint_signal = False
     return solver
+
+
+def run_solver(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None) -> tuple[int, bool]:
+    """Solve in a thread of its own while this one waits, so that Ctrl-C (a KeyboardInterrupt here)
+    stops the search and keeps its best solution: (status, whether Ctrl-C stopped it)."""
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(solver.solve(model, callback)), daemon=True)
+    thread.start()
+    interrupted = False
+    while thread.is_alive():
+        try:
+            thread.join(0.05)
+        except KeyboardInterrupt:
+            interrupted = True
+            solver.stop_search()
+    return outcome[0], interrupted
 
 
 def _releases(timed: TimedProblem, compute, weight) -> np.ndarray:
@@ -173,15 +235,27 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
 
 
 def memory_demands(timed: TimedProblem) -> tuple[dict, int, Ticks]:
-    """Integer demand of each backward's share of its stash, and the limit, in one unit."""
+    """Integer demand of each backward pass's share of its stash, the least worker's stash limit
+    (``memory_limit``; 0 when none) and the unit they and every memory limit and weight size
+    are counted in."""
     problem = timed.problem
     sizes = problem.stash_sizes
     shares = dataflow.stash_shares(problem.split_backward, problem.costs.input_grad_frees)
     values = [sizes[s] * share for s in range(len(sizes)) for share in shares.values()]
-    unit = Ticks.for_times(values + [problem.memory_limit or 0.0])
+    limits = problem.limits()
+    values += limits[np.isfinite(limits)].tolist()
+    if problem.memory_budget is not None:
+        values += np.ravel(problem.memory_budget).tolist() + problem.owner_bytes().tolist() \
+            + problem.weight_bytes().tolist()
+    unit = Ticks.for_times(values)
     demands = {(s, d): unit(sizes[s] * share) for s in range(len(sizes)) for d, share in shares.items()}
-    capacity = int(np.floor(problem.memory_limit * unit.scale + 1e-6))
-    return demands, capacity, unit
+    least = float(limits.min()) if np.isfinite(limits.min()) else 0.0
+    return demands, capacity(unit, least), unit
+
+
+def capacity(unit: Ticks, limit: float) -> int:
+    """A memory limit in the integer unit of :func:`memory_demands` (rounded down: never looser)."""
+    return int(np.floor(float(limit) * unit.scale + 1e-6))
 
 
 def live_stashes(timed: TimedProblem) -> list[tuple[int, int, int, int, int]]:
@@ -196,21 +270,53 @@ def live_stashes(timed: TimedProblem) -> list[tuple[int, int, int, int, int]]:
             for b in range(B) for s in range(S) for d in problem.dirs if demands.get((s, d))]
 
 
-def _memory(model, timed: TimedProblem, compute, start, end, horizon) -> None:
+def earliest_forwards(timed: TimedProblem) -> np.ndarray:
+    """Per stage: the earliest tick its forward can start in any schedule (its upstream
+    forwards on the fastest workers, transfers left out)."""
     problem = timed.problem
-    if problem.memory_limit is None:
+    graph = problem.stage_graph
+    forward = problem.item_grid()[0, :, problem.dirs.index(FORWARD)]
+    fastest = timed.duration[forward].min(axis=1)
+    earliest = np.zeros(graph.num_stages, dtype=np.int64)
+    for s in nx.topological_sort(graph.graph):
+        earliest[s] = max((earliest[p] + fastest[p] for p in graph.predecessors[s]), default=0)
+    return earliest
+
+
+def live_start(model, earliest: np.ndarray, s: int, f: int, start, away) -> object:
+    """When a stash of stage ``s`` (forward ``f``) starts taking room on the worker that frees it:
+    at the forward's start on the same worker (``away`` False), at its stage's earliest start
+    away from it (``away`` True, or a literal)."""
+    if away is False:
+        return start[f]
+    if away is True:
+        return int(earliest[s])
+    begin = model.new_int_var(int(earliest[s]), cp_model.INT32_MAX, f"claim{f}")
+    model.add(begin == start[f]).only_enforce_if(away.Not())
+    model.add(begin == int(earliest[s])).only_enforce_if(away)
+    return begin
+
+
+def _memory(model, timed: TimedProblem, compute, weight, start, end, horizon, asap_replay: bool) -> None:
+    """Per worker, its live stashes within its stash limit (what its weights leave of a budget)."""
+    problem = timed.problem
+    limits = problem.stash_limits(compute, weight)
+    if limits is None:
         return
-    _, capacity, _ = memory_demands(timed)
+    limits = np.broadcast_to(np.asarray(limits, dtype=float), (problem.shape.num_workers,))
+    _, _, unit = memory_demands(timed)
+    earliest = earliest_forwards(timed)
     per_worker: dict[int, tuple[list, list]] = {w: ([], []) for w in range(problem.shape.num_workers)}
-    for _, _, f, r, demand in live_stashes(timed):
+    for s, _, f, r, demand in live_stashes(timed):
         size = model.new_int_var(0, horizon, f"live{r}")
-        live = model.new_interval_var(start[f], size, end[r], f"l{r}")
+        begin = live_start(model, earliest, s, f, start, asap_replay and bool(compute[f] != compute[r]))
+        live = model.new_interval_var(begin, size, end[r], f"l{r}")
         intervals, amounts = per_worker[int(compute[r])]
         intervals.append(live)
         amounts.append(demand)
     for w, (intervals, amounts) in per_worker.items():
-        if intervals and sum(amounts) > capacity:
-            model.add_cumulative(intervals, amounts, capacity)
+        if intervals and np.isfinite(limits[w]) and sum(amounts) > capacity(unit, limits[w]):
+            model.add_cumulative(intervals, amounts, capacity(unit, limits[w]))
 
 
 def _symmetry(model, timed: TimedProblem, compute, weight, start, fifo: bool) -> None:
@@ -229,15 +335,35 @@ def _symmetry(model, timed: TimedProblem, compute, weight, start, fifo: bool) ->
                     model.add(start[u] <= start[v])
 
 
-def check_mapping_memory(timed: TimedProblem, compute: np.ndarray) -> None:
-    """A mapping that keeps more of one micro-batch's stashes on a worker than its limit can never run."""
+def order_class(problem, label: str, compute: np.ndarray) -> str:
+    """The class of schedules a proof of the order model covers: the orders of one mapping
+    (with ``asap_replay``'s restriction where the mapping keeps a stash away from its forward
+    under a memory limit)."""
+    name = f"orders of the mapping of {label}"
+    limited = problem.memory_limit is not None or problem.memory_budget is not None
+    grid = problem.item_grid()
+    if limited and np.any(np.asarray(compute)[grid][:, :, 1:] != np.asarray(compute)[grid][:, :, :1]):
+        return f"{name} ({EARLY_CLAIMS})"
+    return name
+
+
+EARLY_CLAIMS = "a stash kept away from its forward's worker counted there from that forward's earliest start"
+"""The restriction ``asap_replay`` adds to a class of schedules when memory is limited."""
+
+
+def check_mapping_memory(timed: TimedProblem, compute: np.ndarray, weight: np.ndarray | None = None) -> None:
+    """A mapping whose weights exceed a worker's budget, or that keeps more of one micro-batch's
+    stashes on a worker than its limit, can never run."""
     problem = timed.problem
-    if problem.memory_limit is None:
+    compute = np.asarray(compute)
+    limits = problem.stash_limits(compute, compute if weight is None else np.asarray(weight))
+    if limits is None:
         return
-    need, worker = problem.min_memory_mapped(compute)
-    if need > problem.memory_limit + 1e-9:
+    need, worker = problem.min_memory_mapped(compute, limits)
+    limit = float(np.broadcast_to(np.asarray(limits, dtype=float), (problem.shape.num_workers,))[worker])
+    if need > limit + 1e-9:
         raise PlanInputError(
-            f"infeasible: this mapping keeps {need:g} of one micro-batch's stashes on worker {worker}, so the "
-            f"memory limit needs at least {need:g} (got {problem.memory_limit:g}); raise --memory-limit or "
+            f"infeasible: this mapping keeps {need:g} of one micro-batch's stashes on worker {worker}, so its "
+            f"memory limit needs at least {need:g} (got {limit:g}); raise --memory-limit or "
             "choose another strategy"
         )

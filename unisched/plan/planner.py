@@ -4,20 +4,26 @@ Three phases share one time limit:
 
 1. family search: every registered strategy setting, simulated (fast);
 2. CP-SAT order: the best mappings found keep their workers, CP-SAT picks the
-   order of work on each worker (hinted with the simulated schedule);
+   order of work on each worker;
 3. CP-SAT mapping: workers and order together, warm-started from the best so
-   far (skipped with ``strategy=``, which keeps that strategy's mapping).
+   far (skipped with ``strategy=``, which keeps that strategy's mapping); on
+   small problems over the whole scheme (a backward may run away from its
+   forward), else with one worker per (stage, micro-batch).
 
 Every candidate is replayed by the simulator with fixed orders, and the
-plan is the candidate with the shortest replay, so it is never worse than the
-best family member simulated.
+plan is the candidate with the best replay (of the chosen objective), so it is
+never worse than the best family member simulated.  The search stops early
+once the best meets a lower bound, and on Ctrl-C, answering with the best so
+far.  Every claim names the class of schedules it is proven for
+(``Plan.proven_for``, ``Plan.bound_for``): a bound or optimum of a restricted
+model is never stated as one over every schedule.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterable, TextIO
 
 import numpy as np
@@ -29,12 +35,13 @@ from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
 from unisched.work import ComputeAndWeightWorkers, Direction, Shape, Work
 
-from unisched.plan.bounds import mapping_bounds, shape_bounds
+from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
 from unisched.plan.family import FamilyResult, Member, measures, registry_members, search_family
-from unisched.plan.mapping import incumbent_from, solve_mapping
-from unisched.plan.order import Solved, check_mapping_memory, solve_order_staged
-from unisched.plan.planfile import Plan
-from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
+from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, incumbent_from, proven_class,
+                                   solve_mapping, whole_scheme_by_default)
+from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
+from unisched.plan.planfile import Plan, objective_value
+from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem, split_from
 from unisched.plan.schedule import Schedule
 
 ORDER_SHARE = 0.3
@@ -42,6 +49,11 @@ ORDER_SHARE = 0.3
 ORDERED_MAPPINGS = 3
 REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
+WIDE_SHARE = 0.4
+"""Share of the mapping search's time for the unrestricted whole-scheme model (a bound), when memory is limited."""
+SCHEMES = ("auto", "whole", "paired")
+"""Which class the mapping search covers: the whole scheme, one worker per (stage, micro-batch),
+or the whole scheme on small problems only (:func:`unisched.plan.mapping.whole_scheme_by_default`)."""
 
 
 @dataclass(eq=False)
@@ -51,12 +63,15 @@ class Candidate:
     schedule: Schedule
     replay: Simulation
     model_latency: float | None = None
-    proven: bool = False
     pareto: bool = False
 
     @property
     def latency(self) -> float:
         return float(self.replay.latency)
+
+    def value(self, objective: str) -> float:
+        """The candidate's replayed objective: its latency, or its longest worker busy span."""
+        return objective_value(self.replay, objective)
 
 
 def plan(
@@ -65,132 +80,282 @@ def plan(
     num_batches: int,
     costs: Costs | None = None,
     *,
-    memory_limit: float | None = None,
+    memory_limit: float | list[float] | None = None,
     max_stages_per_worker: int | None = None,
     strategy: str | None = None,
     time_limit: float = 30.0,
-    split_backward: bool = False,
+    split_backward: bool | None = None,
     members: Iterable[tuple[str, Strategy | None, str]] | None = None,
     progress: TextIO | None = None,
     search_workers: int = 2,
     seed: int = 0,
+    memory_budget: float | list[float] | None = None,
+    optimizer_bytes: float | list[float] = 0.0,
+    objective: str = "latency",
+    scheme: str = "auto",
 ) -> Plan:
     """Plan one training step of ``num_batches`` micro-batches over ``num_stages``
     stages on ``num_workers`` workers within ``time_limit`` seconds.
 
     ``strategy`` keeps that registered strategy's mapping and optimizes only
     the order of work; ``members`` replaces the registry with your own
-    ``(label, Strategy, "")`` candidates.  Raises a ``UniSchedError`` saying
+    ``(label, Strategy, "")`` candidates.  The backward is split when asked or
+    when the costs give ``backward_input``/``backward_weight``.  Memory:
+    ``memory_limit`` caps stashes, ``memory_budget`` a worker's bytes of
+    weights, ``optimizer_bytes`` and stashes (one number, or one per worker).
+    ``objective``: "latency" or "span" (the longest worker busy span);
+    ``scheme``: one of :data:`SCHEMES`.  Raises a ``UniSchedError`` saying
     what is needed when the limits make every schedule impossible.
     """
     if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
             or not 0 < time_limit < math.inf):
         raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    if scheme not in SCHEMES:
+        raise PlanInputError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     begin = time.perf_counter()
-    deadline = begin + float(time_limit) * (1 - REPLAY_MARGIN)
     shape = Shape(num_workers, num_stages, num_batches).check()
-    check_plan_size(shape, split_backward)
     if costs is not None and not isinstance(costs, Costs):
         raise PlanInputError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
     costs = (costs or Costs()).check(num_workers, num_stages)
-    problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split_backward)
-    timed = _timed(problem)
-    if members is None:
-        members = registry_members(problem, only=strategy)
-    family = search_family(problem, members, progress=progress, memory_variants=strategy is None)
-
-    candidates: list[Candidate] = []
-    for member in family.feasible:
-        candidate = _replayed(problem, member.label, "family", _schedule_of(problem, member))
-        if candidate is not None:
-            candidate.pareto = member.pareto
-            candidates.append(candidate)
-
-    fixed = strategy is not None
-    if fixed:
-        ordered = _ordering_targets(problem, timed, family.members, True, 1)
-    else:
-        built = search_family(problem, constructed_members(problem))
-        for member in built.feasible:
-            candidate = _replayed(problem, member.label, "constructed", _schedule_of(problem, member))
-            if candidate is not None:
-                candidates.append(candidate)
-        ordered = _ordering_targets(problem, timed, family.feasible, False, ORDERED_MAPPINGS)
-        ordered += _ordering_targets(problem, timed, built.members, False, len(built.members))
-        ordered = _distinct(ordered)
-    order_budget = (deadline - time.perf_counter()) * (1.0 if fixed else ORDER_SHARE)
-    order_results: list[tuple[str, Solved]] = []
-    for label, compute, weight, hint in ordered:
-        left = deadline - time.perf_counter()
-        budget = min(left, order_budget / max(len(ordered), 1))
-        if budget <= 0.05:
-            break
-        _say(progress, f"CP-SAT order of {label} ({budget:.1f} s) ...")
-        solved = solve_order_staged(timed, compute, weight, time_limit=budget, hint_starts=hint,
-                                    num_workers=search_workers, seed=seed)
-        order_results.append((label, solved))
-        if solved.found:
-            schedule = Schedule.from_starts(problem, compute, weight, solved.starts, name=f"{label}+cpsat")
-            candidate = _replayed(problem, f"{label} + cpsat order", "cpsat-order", schedule,
-                                  timed.ticks.time(solved.objective), solved.optimal)
-            if candidate is not None:
-                candidates.append(candidate)
-
-    mapping_solved: Solved | None = None
-    if not fixed and deadline - time.perf_counter() > 0.5:
-        hint = _best_incumbent(timed, candidates)
-        _say(progress, f"CP-SAT mapping search ({deadline - time.perf_counter():.1f} s) ...")
-        mapping_solved = solve_mapping(timed, time_limit=deadline - time.perf_counter(), hint=hint,
-                                       num_workers=search_workers, seed=seed, score=_scorer(problem))
-        if mapping_solved.found:
-            schedule = Schedule.from_starts(problem, mapping_solved.compute, mapping_solved.weight,
-                                            mapping_solved.starts, name="cpsat")
-            candidate = _replayed(problem, "cpsat mapping", "cpsat-mapping", schedule,
-                                  timed.ticks.time(mapping_solved.objective),
-                                  mapping_solved.optimal and mapping_solved.objective <= mapping_solved.bound)
-            if candidate is not None:
-                candidates.append(candidate)
-
+    split = split_from(costs, split_backward)
+    check_plan_size(shape, split)
+    problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split, memory_budget,
+                          optimizer_bytes, objective)
+    whole = whole_scheme_by_default(shape) if scheme == "auto" else scheme == "whole"
+    search = _Search(problem, _timed(problem), begin + float(time_limit) * (1 - REPLAY_MARGIN), progress,
+                     search_workers, seed, strategy is not None)
+    family = FamilyResult()
+    try:
+        family = search.family(members if members is not None else registry_members(problem, only=strategy))
+        targets = search.targets(family)
+        search.orders(targets)
+        if strategy is None:
+            search.mapping(whole)
+    except KeyboardInterrupt:
+        search.interrupted = True
     _say(progress, "")
-    if not candidates:
-        raise UniSchedError(_nothing_found(problem, family, order_results, strategy, time_limit))
-    # on a tie, a named strategy beats a reordered one, which beats a new mapping
-    rank = {"family": 0, "constructed": 1, "cpsat-order": 2, "cpsat-mapping": 3}
-    best = min(enumerate(candidates), key=lambda ic: (round(ic[1].latency, 9), rank[ic[1].source], ic[0]))[1]
+    if not search.candidates:
+        if search.interrupted:
+            raise UniSchedError("interrupted before any schedule was found: let the search run longer")
+        raise UniSchedError(_nothing_found(problem, family, search.order_results, strategy, time_limit))
+    return search.answer(family, time.perf_counter() - begin)
 
-    if fixed:
-        bounds = mapping_bounds(problem, best.schedule.compute)
-        proven = [s for _, s in order_results if s.found]
-        if proven:
-            bounds["cpsat"] = timed.ticks.time(max(s.bound for s in proven))
-    else:
+
+@dataclass(eq=False)
+class _Search:
+    """The state of one planning run: the candidates so far, the bounds they are judged
+    against, and whether to go on (time left, no Ctrl-C, no candidate meeting a bound)."""
+
+    problem: PlanProblem
+    timed: TimedProblem
+    deadline: float
+    progress: TextIO | None
+    search_workers: int
+    seed: int
+    fixed: bool
+    candidates: list[Candidate] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)
+    order_results: list[tuple[str, Solved]] = field(default_factory=list)
+    built: FamilyResult = field(default_factory=FamilyResult)
+    proofs: list[tuple[str, float]] = field(default_factory=list)
+    """(class of schedules, CP-SAT's lower bound for it) of every model run whose bound holds."""
+    interrupted: bool = False
+
+    # ------------------------------------------------------------------ phases
+    def family(self, members) -> FamilyResult:
+        """Simulate the named strategies (under the least stash limit when workers' limits differ)."""
+        problem = self.problem
+        searched = problem
+        if np.ndim(problem.memory_limit):
+            searched = replace(problem, memory_limit=float(min(problem.memory_limit)))
+        family = search_family(searched, members, progress=self.progress,
+                               memory_variants=not self.fixed and problem.memory_limit is None)
+        for member in family.feasible:
+            self.add(member.label, "family", _schedule_of(problem, member), pareto=member.pareto)
+        if not self.fixed:
+            self.built = search_family(searched, constructed_members(problem))
+            for member in self.built.feasible:
+                self.add(member.label, "constructed", _schedule_of(problem, member))
+        return family
+
+    def targets(self, family: FamilyResult):
+        """The mappings whose order CP-SAT improves (nothing once a bound is met)."""
+        if self.done():
+            return []
+        if self.fixed:
+            return _ordering_targets(self.problem, self.timed, family.members, True, 1)
+        built = self.built.members
+        return _distinct(_ordering_targets(self.problem, self.timed, family.feasible, False, ORDERED_MAPPINGS)
+                         + _ordering_targets(self.problem, self.timed, built, False, len(built)))
+
+    def orders(self, targets) -> None:
+        """CP-SAT orders of fixed mappings, each stopping at its mapping's lower bound."""
+        budget = (self.deadline - time.perf_counter()) * (1.0 if self.fixed else ORDER_SHARE)
+        for label, compute, weight, hint in targets:
+            left = self.deadline - time.perf_counter()
+            share = min(left, budget / max(len(targets), 1))
+            if share <= 0.05 or self.done():
+                break
+            _say(self.progress, f"CP-SAT order of {label} ({share:.1f} s) ...")
+            bound = max(mapping_bounds(self.problem, compute, weight).values())
+            solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
+                                        num_workers=self.search_workers, seed=self.seed,
+                                        lower_bound=self._ticks_below(bound))
+            self.order_results.append((label, solved))
+            self.interrupted |= solved.interrupted
+            if self.fixed and self.problem.objective == "latency" and solved.bound > 0:
+                self.proofs.append((order_class(self.problem, label, compute), self.timed.ticks.time(solved.bound)))
+            if solved.found:
+                schedule = Schedule.from_starts(self.problem, compute, weight, solved.starts, name=f"{label}+cpsat")
+                self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
+
+    def mapping(self, whole: bool) -> None:
+        """CP-SAT over mappings and orders, warm-started from the best candidate that fits its class.
+
+        With memory limited over the whole scheme, the model whose solutions replay from their
+        orders alone (``asap_replay``) is a restriction; the unrestricted model runs first, for a
+        bound over the whole class (and any solution of it that replays)."""
+        if self.deadline - time.perf_counter() <= 0.5 or self.done():
+            return
+        limited = self.problem.memory_limit is not None or self.problem.memory_budget is not None
+        runs = [(False, WIDE_SHARE), (True, 1.0)] if whole and limited else [(True, 1.0)]
+        for asap_replay, share in runs:
+            left = self.deadline - time.perf_counter()
+            if left <= 0.5 or self.done():
+                return
+            self._map(whole, asap_replay and limited, left * share)
+
+    def _map(self, whole: bool, asap_replay: bool, seconds: float) -> None:
+        name = proven_class(whole, asap_replay)
+        hint = _best_incumbent(self.timed, self.candidates, whole)
+        _say(self.progress, f"CP-SAT mapping search over {name} ({seconds:.1f} s) ...")
+        solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
+                               seed=self.seed, score=_scorer(self.problem), whole=whole, asap_replay=asap_replay,
+                               lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())))
+        self.interrupted |= solved.interrupted
+        if exact_links(self.timed) and self.problem.objective == "latency" and solved.bound > 0 \
+                and (solved.found or solved.status == "INFEASIBLE"):
+            self.proofs.append((name, self.timed.ticks.time(solved.bound)))
+        if solved.found:
+            schedule = Schedule.from_starts(self.problem, solved.compute, solved.weight, solved.starts, name="cpsat")
+            self.add("cpsat mapping", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective))
+
+    # ------------------------------------------------------------------ candidates and bounds
+    def add(self, label: str, source: str, schedule: Schedule, model_latency: float | None = None,
+            pareto: bool = False) -> None:
+        """Replay a schedule and keep it; one that cannot run under the plan's limits is dropped,
+        saying why (a CP-SAT schedule that the replay cannot follow is left out silently)."""
+        try:
+            replay = schedule.simulate()
+        except UniSchedError as error:
+            if source in ("family", "constructed"):
+                self.dropped.append({"strategy": label, "reason": str(error).splitlines()[0]})
+            return
+        self.candidates.append(Candidate(label, source, schedule, replay, model_latency, pareto))
+
+    def best(self) -> Candidate | None:
+        """The candidate with the best replayed objective; on a tie, a named strategy beats a
+        reordered one, which beats a new mapping."""
+        if not self.candidates:
+            return None
+        rank = {"family": 0, "constructed": 1, "cpsat-order": 2, "cpsat-mapping": 3}
+        objective = self.problem.objective
+        return min(enumerate(self.candidates),
+                   key=lambda ic: (round(ic[1].value(objective), 9), round(ic[1].latency, 9), rank[ic[1].source],
+                                   ic[0]))[1]
+
+    def bounds(self, value: float) -> tuple[dict[str, float], dict[str, str]]:
+        """Every lower bound known and the class of schedules each holds for; a bound of a
+        restricted class above ``value`` (the best replay) only says the best lies outside
+        that class, and is left out."""
+        problem = self.problem
         bounds = shape_bounds(problem)
-        if mapping_solved is not None and mapping_solved.found and mapping_solved.bound > 0:
-            bounds["cpsat"] = timed.ticks.time(mapping_solved.bound)
-    lower = max(bounds.values())
-    # a CP-SAT proof covers what its model searched: the fixed mapping (with strategy=),
-    # or every mapping of the mapping model
-    proof_source = "cpsat-order" if fixed else "cpsat-mapping"
-    proofs = [c.latency for c in candidates if c.source == proof_source and c.proven
-              and c.model_latency is not None and abs(c.latency - c.model_latency) < 1e-9]
-    optimal = best.latency <= lower + 1e-9 or any(best.latency <= p + 1e-9 for p in proofs)
-    if optimal:
-        lower = max(lower, best.latency)
-    rows = [_row(c, lower, c is best and optimal) for c in sorted(candidates, key=lambda c: c.latency)]
-    dropped = [{"strategy": m.label, "reason": m.reason} for m in family.dropped]
-    return Plan(
-        schedule=best.schedule,
-        strategy_name=best.label,
-        latency=best.latency,
-        lower_bound=float(lower),
-        bounds=bounds,
-        optimal=bool(optimal),
-        model_latency=best.model_latency,
-        candidates=rows,
-        dropped=dropped,
-        elapsed=time.perf_counter() - begin,
-        replay=best.replay,
-    )
+        classes = {k: ANY_SCHEDULE for k in bounds}
+        if self.fixed:
+            best = self.best()
+            mapping = mapping_bounds(problem, best.schedule.compute, best.schedule.weight)
+            name = order_class(problem, best.label.split(" + ")[0], best.schedule.compute)
+            for key, bound in mapping.items():
+                if bound > bounds.get(key, -math.inf):
+                    bounds[key], classes[key] = bound, name
+        for name, bound in self.proofs:
+            key = bound_key(name)
+            if bound > bounds.get(key, -math.inf):
+                bounds[key], classes[key] = bound, name
+        keep = [k for k in bounds if classes[k] == ANY_SCHEDULE or bounds[k] <= value + 1e-9]
+        return {k: bounds[k] for k in keep}, {k: classes[k] for k in keep}
+
+    def done(self) -> bool:
+        """Whether to stop searching: Ctrl-C, the time limit, or a candidate meeting a lower bound."""
+        if self.interrupted or time.perf_counter() >= self.deadline:
+            return True
+        best = self.best()
+        if best is None:
+            return False
+        bound = max(shape_bounds(self.problem).values())
+        if self.fixed:
+            bound = max(mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
+        return best.value(self.problem.objective) <= bound + 1e-9
+
+    def _ticks_below(self, bound: float) -> int:
+        """A lower bound in CP-SAT's ticks, rounded down (never stronger than proven)."""
+        return max(0, int(math.floor(bound * self.timed.ticks.scale + 1e-6)))
+
+    # ------------------------------------------------------------------ the answer
+    def answer(self, family: FamilyResult, elapsed: float) -> Plan:
+        """The best candidate as a Plan, with the bounds and the claims of what is proven."""
+        objective = self.problem.objective
+        best = self.best()
+        value = best.value(objective)
+        bounds, classes = self.bounds(value)
+        meeting = [k for k in bounds if bounds[k] >= value - 1e-9]
+        if meeting:
+            key = min(meeting, key=lambda k: class_breadth(classes[k]))
+            proven_for = classes[key]
+        else:
+            key = max(bounds, key=lambda k: (bounds[k], -class_breadth(classes[k])))
+            proven_for = ""
+        lower, bound_for = bounds[key], classes[key]
+        optimal = bool(proven_for)
+        rows = [_row(c, lower, c is best and optimal, objective)
+                for c in sorted(self.candidates, key=lambda c: (c.value(objective), c.latency))]
+        dropped = [{"strategy": m.label, "reason": m.reason} for m in family.dropped] + self.dropped
+        result = Plan(
+            schedule=best.schedule,
+            strategy_name=best.label,
+            latency=best.latency,
+            lower_bound=float(lower),
+            bounds=bounds,
+            optimal=optimal,
+            model_latency=best.model_latency,
+            candidates=rows,
+            dropped=dropped,
+            elapsed=elapsed,
+            replay=best.replay,
+        )
+        claims = {"proven_for": proven_for, "bound_for": bound_for, "bound_classes": classes,
+                  "objective": objective, "objective_value": value, "interrupted": self.interrupted}
+        return _with_claims(result, claims)
+
+
+def bound_key(name: str) -> str:
+    """The key of a CP-SAT bound in ``Plan.bounds``, after the class of schedules it holds for."""
+    if name.startswith("orders of"):
+        return "cpsat_order"
+    return {WHOLE_SCHEME: "cpsat_whole_scheme", proven_class(True, True): "cpsat_whole_scheme_early_claims",
+            PAIRED: "cpsat_paired"}[name]
+
+
+def _with_claims(result: Plan, claims: dict) -> Plan:
+    """The plan with what its claims are proven for: fields of :class:`Plan` where it has them,
+    else attributes of the same names (so the plan file and the command can state them)."""
+    known = {f.name for f in fields(Plan)}
+    for name, value in claims.items():
+        if name in known:
+            result = replace(result, **{name: value})
+        else:
+            setattr(result, name, value)
+    return result
 
 
 MAX_PLAN_ITEMS = 20_000
@@ -257,23 +422,18 @@ def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
     return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
 
 
-def _replayed(problem: PlanProblem, label: str, source: str, schedule: Schedule,
-              model_latency: float | None = None, proven: bool = False) -> Candidate | None:
-    try:
-        replay = schedule.simulate()
-    except UniSchedError:
-        return None
-    return Candidate(label, source, schedule, replay, model_latency, proven)
-
-
 def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[Member], fixed: bool,
                       limit: int):
     """(label, compute, weight, hint ticks) for the mappings whose order CP-SAT improves:
-    the first ``limit`` distinct mappings of ``members`` that can run under the memory limit."""
+    the first ``limit`` distinct mappings of ``members`` that can run under the memory limits
+    (a strategy whose fixed order needs another backward than the plan's is not one of them)."""
     targets = []
     seen = set()
     for member in members:
-        if member.strategy is None or len(targets) >= limit:
+        strategy = member.strategy
+        if strategy is None or len(targets) >= limit:
+            continue
+        if strategy.worker_orders is not None and strategy.split_backward != problem.split_backward:
             continue
         if member.simulation is not None:
             t = member.simulation.timeline
@@ -281,7 +441,7 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
             compute, weight = t.worker[rows], t.weight_worker[rows]
             hint = np.array([timed.ticks(x) for x in t.start[rows]], dtype=np.int64)
         elif fixed or member.reason.startswith("deadlock"):
-            compute, weight = _map(problem, member.strategy)
+            compute, weight = _map(problem, strategy)
             hint = None
         else:
             continue
@@ -290,10 +450,10 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
             continue
         seen.add(key)
         if fixed:
-            check_mapping_memory(timed, compute)
+            check_mapping_memory(timed, compute, weight)
         else:
             try:
-                check_mapping_memory(timed, compute)
+                check_mapping_memory(timed, compute, weight)
             except UniSchedError:
                 continue
         targets.append((member.label, compute, weight, hint))
@@ -364,21 +524,24 @@ def _scorer(problem: PlanProblem):
     return score
 
 
-def _best_incumbent(timed: TimedProblem, candidates: list[Candidate]):
-    """The shortest candidate that fits the mapping model, as its warm start."""
+def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: bool):
+    """The shortest candidate that fits the mapping model's class, as its warm start."""
     for candidate in sorted(candidates, key=lambda c: c.latency):
         t = candidate.replay.timeline
         starts = np.array([timed.ticks(x) for x in t.start[_rows_of(timed.problem, t)]], dtype=np.int64)
-        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts)
+        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, whole)
         if incumbent is not None:
             return incumbent
     return None
 
 
-def _row(candidate: Candidate, lower: float, optimal: bool) -> dict:
+def _row(candidate: Candidate, lower: float, optimal: bool, objective: str) -> dict:
     row = {"strategy": candidate.label, "source": candidate.source}
     row.update(measures(candidate.replay))
-    row["gap"] = (candidate.latency - lower) / lower if lower > 0 else 0.0
+    value = candidate.value(objective)
+    if objective != "latency":
+        row[objective] = value
+    row["gap"] = (value - lower) / lower if lower > 0 else 0.0
     row["optimal"] = bool(optimal)
     row["pareto"] = bool(candidate.pareto)
     row["model_latency"] = candidate.model_latency

@@ -13,9 +13,20 @@ so that the simulator's replay of a plan and the CP-SAT model agree:
   cached for the step); the accumulated gradient goes back in ``T`` after the
   worker's last backward of that stage.
 
+A weight fetch is a transfer like any other: it pays the link's latency, so
+``--comm T`` alone makes a fetch (and a gradient return) take ``T`` too;
+``--fetch`` makes them longer, never shorter.
+
 The one thing the model leaves out is contention on a link (a fetch and an
 activation queueing on the same pair of workers); the latency a plan reports
 is always the simulator's replay, which includes it.
+
+Memory is limited two ways, both per worker (one number for all, or a list):
+``memory_limit`` caps the stashed activations, as :func:`unisched.simulate`
+does; ``memory_budget`` caps everything a worker holds, in bytes: the weights
+it is weight worker of (with their ``optimizer_bytes``), the weights it
+fetches to compute (kept for the step), and its stashes.  A budget leaves
+each worker the stash limit :meth:`PlanProblem.stash_limits` says.
 """
 
 from __future__ import annotations
@@ -77,36 +88,63 @@ def encode_costs(
     )
 
 
+OBJECTIVES = ("latency", "span")
+"""What a plan minimizes: the step's latency (first item to the last gradient
+return), or the longest busy span of one worker (its first item's start to its
+last item's end), which is what repeats when steps follow each other with the
+optimizer step overlapped (the zero-bubble paper's measure)."""
+
+
+def split_from(costs: Costs, split_backward: bool | None) -> bool:
+    """Whether a step splits its backward: when asked, or when the costs give
+    an input- or weight-gradient time.  Asking for a split without those times
+    is a contradiction (the halves would be guesses), refused."""
+    given = costs.backward_input is not None or costs.backward_weight is not None
+    if split_backward and not given:
+        raise PlanInputError(
+            "a split backward was asked for but the costs give no backward_input or backward_weight time: give "
+            "--backward-input and --backward-weight (or those fields of the costs file), or do not split"
+        )
+    return bool(split_backward) or given
+
+
 @dataclass(frozen=True)
 class PlanProblem:
     """One planning question: shape, costs and the limits a plan must respect.
 
-    ``memory_limit`` is in activation units (stashes), or in bytes when the
-    costs give ``activation_bytes``, as in :func:`unisched.simulate`.
-    ``max_stages_per_worker`` caps how many stages' weights a worker holds:
-    those it is weight worker of plus those it fetches to compute.
+    ``memory_limit`` caps each worker's stashes, in activation units or in
+    bytes when the costs give ``activation_bytes``, as in
+    :func:`unisched.simulate` (one number, or one per worker);
+    ``memory_budget`` caps each worker's bytes of weights, optimizer state
+    (``optimizer_bytes`` per stage, held by a stage's weight workers) and
+    stashes.  ``max_stages_per_worker`` caps how many stages' weights a worker
+    holds: those it is weight worker of plus those it fetches to compute.
+    ``objective`` is one of :data:`OBJECTIVES`.
     """
 
     shape: Shape
     costs: Costs = field(default_factory=Costs)
-    memory_limit: float | None = None
+    memory_limit: float | tuple[float, ...] | None = None
     max_stages_per_worker: int | None = None
     split_backward: bool = False
+    memory_budget: float | tuple[float, ...] | None = None
+    optimizer_bytes: float | tuple[float, ...] = 0.0
+    objective: str = "latency"
 
     def __post_init__(self):
         Shape(*self.shape).check()
         object.__setattr__(self, "shape", Shape(*self.shape))
         object.__setattr__(self, "costs", _infinite_links(self.costs))
-        if self.memory_limit is not None and (isinstance(self.memory_limit, bool)
-                                              or not isinstance(self.memory_limit, (int, float, np.number))):
-            raise PlanInputError(
-                f"the planner takes one memory limit for every worker, got {self.memory_limit!r}; give a number"
-            )
-        if self.memory_limit is not None and not (self.memory_limit >= 0 and math.isfinite(self.memory_limit)):
-            raise PlanInputError(f"--memory-limit must be a non-negative number, got {self.memory_limit!r}")
+        W, S = self.shape.num_workers, self.shape.num_stages
+        object.__setattr__(self, "memory_limit", _per_worker("--memory-limit", self.memory_limit, W))
+        object.__setattr__(self, "memory_budget", _per_worker("memory_budget", self.memory_budget, W))
+        optimizer = _per_worker("optimizer_bytes", self.optimizer_bytes, S, what="stage")
+        object.__setattr__(self, "optimizer_bytes", 0.0 if optimizer is None else optimizer)
         K = self.max_stages_per_worker
         if K is not None and (isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1):
             raise PlanInputError(f"--max-stages-per-worker must be a positive integer, got {K!r}")
+        if self.objective not in OBJECTIVES:
+            raise PlanInputError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         self.check_feasible()
 
     # ------------------------------------------------------------------ items
@@ -143,6 +181,61 @@ class PlanProblem:
         S = self.shape.num_stages
         return self.costs.per_stage("stash_bytes", S) if self.costs.has_sizes else np.ones(S)
 
+    # ------------------------------------------------------------------ memory per worker
+    def limits(self) -> np.ndarray:
+        """Each worker's stash limit (``inf`` where none)."""
+        W = self.shape.num_workers
+        return np.full(W, np.inf) if self.memory_limit is None else np.broadcast_to(
+            np.asarray(self.memory_limit, dtype=float), (W,)).copy()
+
+    @property
+    def identical_workers(self) -> bool:
+        """Whether every worker is alike (same speed, links, limits): workers can then be relabelled."""
+        costs = self.costs
+        return (costs.worker_speed is None and not costs.links and np.ndim(self.memory_limit) == 0
+                and np.ndim(self.memory_budget) == 0)
+
+    def weight_bytes(self) -> np.ndarray:
+        """Per stage: the bytes of its weights a worker holds (owned or fetched)."""
+        return self.costs.per_stage("weight_bytes", self.shape.num_stages)
+
+    def owner_bytes(self) -> np.ndarray:
+        """Per stage: what its weight worker holds, its weights and their optimizer state."""
+        return self.weight_bytes() + np.broadcast_to(np.asarray(self.optimizer_bytes, dtype=float),
+                                                     (self.shape.num_stages,))
+
+    def weight_need(self, compute: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """Per worker: the bytes of weights and optimizer state a mapping has it hold for the whole step
+        (a fetched stage is kept until its gradient has gone back, :mod:`unisched.memory`)."""
+        W, S, B = self.shape
+        _, stage, _ = self.items.arrays()
+        owned = np.zeros((W, S), dtype=bool)
+        owned[np.asarray(weight), stage] = True
+        held = owned.copy()
+        held[np.asarray(compute), stage] = True
+        return held @ self.weight_bytes() + owned @ (self.owner_bytes() - self.weight_bytes())
+
+    def stash_limits(self, compute: np.ndarray, weight: np.ndarray):
+        """The per-worker stash limits a mapping runs under (what :func:`unisched.simulate` takes):
+        ``memory_limit``, and with a budget what the mapping's weights leave of it.  None: no limit.
+        Raises :class:`PlanInputError` naming the worker whose weights alone exceed its budget."""
+        if self.memory_budget is None:
+            return self.memory_limit
+        budget = np.broadcast_to(np.asarray(self.memory_budget, dtype=float), (self.shape.num_workers,))
+        need = self.weight_need(compute, weight)
+        worst = int(np.argmax(need - budget))
+        if need[worst] > budget[worst] + 1e-9:
+            raise PlanInputError(
+                f"infeasible: worker {worst} holds {need[worst]:.4g} bytes of weights and optimizer state, more "
+                f"than its memory budget of {budget[worst]:.4g}: hold fewer stages there, or raise the budget"
+            )
+        limits = self.limits()
+        if self.costs.has_sizes:
+            limits = np.minimum(limits, budget - need)
+        if np.all(np.isinf(limits)):
+            return None
+        return float(limits[0]) if np.all(limits == limits[0]) else tuple(float(v) for v in limits)
+
     # ------------------------------------------------------------------ feasibility
     def check_feasible(self) -> None:
         """Reject limits no mapping can meet, saying the least that would do."""
@@ -154,14 +247,36 @@ class PlanProblem:
                 f"infeasible: {W} workers holding at most {K} stage(s) each cannot hold {S} stages; "
                 f"--max-stages-per-worker needs at least {need}"
             )
+        self._check_budget()
         if self.memory_limit is None:
             return
         need = self.min_memory_free()
-        if self.memory_limit + 1e-9 < need:
+        most = float(self.limits().max())
+        if most + 1e-9 < need:
             raise PlanInputError(
-                f"infeasible: memory limit {self.memory_limit:g} is too small; every micro-batch holds all its "
+                f"infeasible: memory limit {most:g} is too small; every micro-batch holds all its "
                 f"{S} stashes at once after its last forward, so some worker needs at least {need:g}; "
                 f"raise --memory-limit to {need:g} or more"
+            )
+
+    def _check_budget(self) -> None:
+        """A budget must hold every stage's weights and optimizer state somewhere, and its stash."""
+        if self.memory_budget is None:
+            return
+        budget = np.broadcast_to(np.asarray(self.memory_budget, dtype=float), (self.shape.num_workers,))
+        owner = self.owner_bytes()
+        stash = self.stash_sizes if self.costs.has_sizes else np.zeros_like(owner)
+        s = int(np.argmax(owner + stash))
+        if owner[s] + stash[s] > budget.max() + 1e-9:
+            raise PlanInputError(
+                f"infeasible: no worker's memory budget (at most {budget.max():.4g} bytes) holds stage {s}'s "
+                f"weights and optimizer state and one stash ({owner[s] + stash[s]:.4g} bytes): raise the budget or "
+                "split the model into more stages"
+            )
+        if owner.sum() > budget.sum() + 1e-9:
+            raise PlanInputError(
+                f"infeasible: the stages' weights and optimizer state take {owner.sum():.4g} bytes, more than the "
+                f"workers' memory budgets together ({budget.sum():.4g}): raise the budget or use more workers"
             )
 
     def min_memory_free(self) -> float:
@@ -176,17 +291,42 @@ class PlanProblem:
         per_worker = -(-S // W)
         return float(max(sizes[:per_worker].sum(), sizes.max()))
 
-    def min_memory_mapped(self, compute: np.ndarray) -> tuple[float, int]:
-        """The least memory limit a fixed mapping runs with, and the worker that needs it:
-        the most stashes of one micro-batch kept on one worker."""
+    def stash_need(self, compute: np.ndarray) -> np.ndarray:
+        """Per worker: the most stash one micro-batch keeps there under the mapping ``compute``,
+        the least stash limit that worker runs with."""
         batch, stage, direction = self.items.arrays()
-        keep = direction == dataflow.first_backward(self.split_backward)
-        sizes = self.stash_sizes
+        shares = dataflow.stash_share_array(direction, self.split_backward, self.costs.input_grad_frees)
         W, S, B = self.shape
         table = np.zeros((B, W))
-        np.add.at(table, (batch[keep], compute[keep]), sizes[stage[keep]])
-        worst = np.unravel_index(np.argmax(table), table.shape)
-        return float(table.max()), int(worst[1])
+        keep = shares > 0
+        np.add.at(table, (batch[keep], np.asarray(compute)[keep]), (self.stash_sizes[stage] * shares)[keep])
+        return table.max(axis=0)
+
+    def min_memory_mapped(self, compute: np.ndarray, limits=None) -> tuple[float, int]:
+        """How far a fixed mapping is from fitting: (the most stash of one micro-batch on one worker,
+        that worker), the worker with the least room under ``limits`` (default ``memory_limit``)."""
+        most = self.stash_need(compute)
+        limits = self.limits() if limits is None else np.broadcast_to(np.asarray(limits, dtype=float), most.shape)
+        worst = int(np.argmax(most - limits)) if np.any(np.isfinite(limits)) else int(np.argmax(most))
+        return float(most[worst]), worst
+
+
+def _per_worker(name: str, value, count: int, what: str = "worker"):
+    """A number or one per worker (stage), non-negative and finite; a list whose entries are all equal is one number."""
+    if value is None:
+        return None
+    numbers = [value] if np.ndim(value) == 0 else list(np.asarray(value, dtype=object).ravel()) \
+        if not isinstance(value, (str, bytes)) else None
+    if numbers is None or not all(not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.number))
+                                  for v in numbers):
+        raise PlanInputError(f"{name} must be a number or a list of numbers, one per {what}, got {value!r}")
+    if not all(v >= 0 and math.isfinite(v) for v in numbers):
+        raise PlanInputError(f"{name} must be non-negative finite numbers, got {value!r}")
+    if np.ndim(value) == 0:
+        return float(value)
+    if len(numbers) != count:
+        raise PlanInputError(f"{name} gives {len(numbers)} values but there are {count} {what}s: give one per {what}")
+    return float(numbers[0]) if len(set(numbers)) == 1 else tuple(float(v) for v in numbers)
 
 
 def _infinite_links(costs: Costs) -> Costs:

@@ -1,5 +1,6 @@
 """A schedule as the planner hands it on: each item's workers and each worker's
-order, and the strategy the simulator replays it as."""
+order, and the strategy the simulator replays it as (under the stash limits
+its mapping leaves each worker: :meth:`PlanProblem.stash_limits`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class Schedule:
     def worker_orders(self) -> dict[int, list[Work]]:
         return {w: [self.work(i) for i in order] for w, order in self.orders.items()}
 
+    def memory_limit(self):
+        """The stash limit of each worker under this mapping (one number when all agree; None: none)."""
+        return self.problem.stash_limits(self.compute, self.weight)
+
     def strategy(self, description: str = "") -> Strategy:
         """The strategy the simulator and the executor replay this schedule as."""
         problem = self.problem
@@ -53,12 +58,12 @@ class Schedule:
             self.worker_orders(),
             split_backward=problem.split_backward,
             stage_graph=problem.stage_graph,
-            memory_limit=problem.memory_limit,
+            memory_limit=self.memory_limit(),
             name=self.name,
             description=description or "a plan: fixed workers and a fixed order of work on each worker",
         )
 
     def simulate(self) -> Simulation:
         W, S, B = self.problem.shape
-        return simulate(W, S, B, self.strategy(), costs=self.problem.costs, memory_limit=self.problem.memory_limit,
+        return simulate(W, S, B, self.strategy(), costs=self.problem.costs, memory_limit=self.memory_limit(),
                         split_backward=self.problem.split_backward)

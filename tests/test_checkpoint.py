@@ -39,9 +39,13 @@ def adam(params):
     return torch.optim.Adam(params, lr=0.05)
 
 
-def trainer_for(name: str, world: int, stages=None) -> unisched.Trainer:
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def trainer_for(name: str, world: int, stages=None, optimizer=adam) -> unisched.Trainer:
     schedule = simulate(world, S, B, policies.get(name, num_workers=world, num_stages=S, num_batches=B))
-    return unisched.Trainer(stages or make_stages(), schedule, nn.functional.mse_loss, adam, timeout=60)
+    return unisched.Trainer(stages or make_stages(), schedule, nn.functional.mse_loss, optimizer, timeout=60)
 
 
 def train(trainer, steps: range) -> list[float]:
@@ -79,14 +83,16 @@ def _resume(rank: int, world: int, directory: str):
 
 
 def _elsewhere(rank: int, world: int, directory: str):
-    """Into ddp (every stage on every rank) and fsdp (stage s on rank s), and a model of other shapes."""
+    """Into ddp (every stage on every rank) and fsdp (stage s on rank s);
+    refused: a model of other shapes, another optimizer, a place that cannot be written."""
     out = {}
     wider = trainer_for("gpipe", world, make_stages(width=WIDTH * 2))
-    try:
-        load_checkpoint(wider, step_checkpoint(directory, 2))
-    except CheckpointError as error:
-        out["refused"] = str(error)
+    out["refused"] = _refusal(lambda: load_checkpoint(wider, step_checkpoint(directory, 2)))
+    out["unwritable"] = _refusal(lambda: save_checkpoint(wider, f"{directory}/step-00000002/.metadata/inside"))
     wider.close()
+    other = trainer_for("gpipe", world, optimizer=sgd)
+    out["other optimizer"] = _refusal(lambda: load_checkpoint(other, step_checkpoint(directory, 2)))
+    other.close()
     for name in ("ddp", "fsdp"):
         trainer = trainer_for(name, world)
         load_checkpoint(trainer, step_checkpoint(directory, 2))
@@ -94,6 +100,14 @@ def _elsewhere(rank: int, world: int, directory: str):
         out[name] = trainer.gather_state_dict()
         trainer.close()
     return out
+
+
+def _refusal(action) -> str | None:
+    try:
+        action()
+    except CheckpointError as error:
+        return str(error)
+    return None
 
 
 def _ranks(fn, world: int, *args) -> list:
@@ -159,6 +173,15 @@ def test_a_checkpoint_of_another_model_is_refused_on_every_rank(runs):
     message = messages.pop()
     assert "stage 0 '0.weight'" in message and "(8, 8)" in message and "(16, 16)" in message
     assert "same model" in message
+    refused = {out["other optimizer"] for out in elsewhere}
+    assert len(refused) == 1 and "optimizer is Adam but this Trainer's is SGD" in refused.pop()
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_on_every_rank_and_leaves_the_old_one(runs):
+    directory, *_, elsewhere = runs
+    messages = {out["unwritable"] for out in elsewhere}
+    assert len(messages) == 1 and "cannot write" in messages.pop()
+    assert set(checkpoint_state_dict(step_checkpoint(directory, 2))) == set(reference(0))
 
 
 def test_latest_checkpoint_skips_unfinished_ones_and_says_what_is_missing(tmp_path):

@@ -79,6 +79,62 @@ class RankNotes:
     end: float = 0.0
 
 
+class NotesLayout:
+    """How one rank's :class:`RankNotes` travel to rank 0: as one float64
+    tensor of a length every rank knows from the program (no pickling, one
+    ``gather``).  Items are named by their index in the rank's actions,
+    all-reduces by their replica set's index in ``program.groups()``.
+
+    ``[begin, end, #items, #sends, #receives, #reduces]`` then per item
+    ``(action index, start, end)``, per send ``(message, posted)``, per
+    receive ``(message, wait start, wait end)``, per all-reduce ``(group,
+    bytes, start, end)``, padded with zeros."""
+
+    HEAD = 6
+
+    def __init__(self, program):
+        self.program = program
+        self.groups = program.groups()
+        self.group_ids = {g: i for i, g in enumerate(self.groups)}
+        self.length = self.HEAD + max(
+            3 * sum(a.is_compute for a in acts) + 2 * sum(a.is_send for a in acts)
+            + 3 * sum(a.is_recv for a in acts) + 4 * sum(a.op == "R" for a in acts)
+            for acts in program.actions
+        )
+
+    def pack(self, begin: float, end: float, items, sends: dict, receives: dict, reduces) -> "np.ndarray":
+        """``items``: (action index, start, end); ``reduces``: (group, bytes, start, end)."""
+        flat = np.zeros(self.length)
+        flat[: self.HEAD] = begin, end, len(items), len(sends), len(receives), len(reduces)
+        rows = [np.asarray(items, dtype=float).reshape(-1, 3),
+                np.asarray(list(sends.items()), dtype=float).reshape(-1, 2),
+                np.asarray([(m, a, z) for m, (a, z) in receives.items()], dtype=float).reshape(-1, 3),
+                np.asarray([(self.group_ids[g], n, a, z) for g, n, a, z in reduces], dtype=float).reshape(-1, 4)]
+        at = self.HEAD
+        for block in rows:
+            flat[at: at + block.size] = block.reshape(-1)
+            at += block.size
+        return flat
+
+    def unpack(self, rank: int, flat: "np.ndarray") -> RankNotes:
+        begin, end, *counts = flat[: self.HEAD]
+        blocks, at = [], self.HEAD
+        for count, width in zip(counts, (3, 2, 3, 4)):
+            n = int(count) * width
+            blocks.append(flat[at: at + n].reshape(-1, width))
+            at += n
+        items, sends, receives, reduces = blocks
+        actions = self.program.actions[rank]
+        return RankNotes(
+            rank, float(begin),
+            [(actions[int(i)].work, float(a), float(z)) for i, a, z in items],
+            {int(m): float(t) for m, t in sends},
+            {int(m): (float(a), float(z)) for m, a, z in receives},
+            [(self.groups[int(g)], float(n), float(a), float(z)) for g, n, a, z in reduces],
+            float(end),
+        )
+
+
 def assemble(program, notes: Sequence[RankNotes], activation_bytes, output_bytes, weight_bytes, offsets=None,
              label="", gradient_bytes=None) -> Timeline:
     """One measured Timeline from every rank's notes, times from the earliest step start.
@@ -289,4 +345,4 @@ def _message_latency(timelines: Sequence[Timeline]) -> float:
     return float(np.percentile(spans, 10)) if spans else 0.0
 
 
-__all__ = ["Clock", "RankNotes", "assemble", "calibrate_costs", "predict"]
+__all__ = ["Clock", "NotesLayout", "RankNotes", "assemble", "calibrate_costs", "predict"]

@@ -22,6 +22,7 @@ from unisched.execute.training import (
     autocast,
     check_options,
     micro_batch_seed,
+    seed_rng,
     to_compute_dtype,
 )
 from unisched.work import StageGraph, as_stage_graph
@@ -87,7 +88,7 @@ def train_one_process(
             for b in range(micro_batches):
                 outputs: dict[int, Any] = {}
                 for s in order:
-                    torch.manual_seed(micro_batch_seed(seed, step, s, b))
+                    seed_rng(device, micro_batch_seed(seed, step, s, b))
                     args = stage_arguments([outputs[p] for p in graph.predecessors[s]]
                                            or [tree_unflatten(list(micro_in[b]), in_spec)])
                     with autocast(device, dtype):

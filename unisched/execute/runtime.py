@@ -52,7 +52,7 @@ from unisched.execute.faults import (
     NonFiniteLossError,
     Watchdog,
 )
-from unisched.execute.measure import Clock, RankNotes, assemble
+from unisched.execute.measure import Clock, NotesLayout, assemble
 from unisched.execute.stages import is_factory, materialize
 from unisched.execute.training import (
     PRECISIONS,
@@ -62,6 +62,7 @@ from unisched.execute.training import (
     check_scheduler,
     loss_scale as _loss_scale,
     micro_batch_seed,
+    seed_rng,
     to_compute_dtype,
 )
 from unisched.dataflow import first_backward
@@ -222,7 +223,9 @@ class Trainer:
         self._recording = False
         self._state: _StepState | None = None
         self._watchdog = Watchdog(self.timeout, self._on_timeout)
-        self.last_timeline: Timeline | None = None
+        self._notes_layout = NotesLayout(program)
+        self._notes: list | None = None
+        self._timeline: Timeline | None = None
         self.last_loss: float | None = None
         self.last_step_seconds: float = 0.0
         self.last_step_skipped = False
@@ -642,7 +645,7 @@ class Trainer:
         else:
             self._backward(st, s, b, reads, input_only=action.op == "I")
         if self._recording and (index not in self._gangs or index in self._leads):
-            st.items.append((action.work, start, st.clock.mark()))
+            st.items.append((index, start, st.clock.mark()))
 
     def _call(self, s: int, args: list, batch: int | None = None) -> Any:
         """Stage ``s`` on ``args`` under the precision's autocast, the floating
@@ -650,7 +653,7 @@ class Trainer:
         for micro-batch ``batch``, under the RNG seed of (seed, step, stage,
         batch), so a recomputed forward draws the same dropout masks."""
         if batch is not None:
-            torch.manual_seed(micro_batch_seed(self._seed, self._step_no - 1, s, batch))
+            seed_rng(self.device, micro_batch_seed(self._seed, self._step_no - 1, s, batch))
         with autocast(self.device, self._dtype):
             out = self.stages[s](*args)
         if self._dtype is not None and self._graph.successors[s]:
@@ -1111,30 +1114,30 @@ class Trainer:
                             else chunk.floor().reshape(b.shape).to(b.dtype))
 
     def _gather_timeline(self, st) -> None:
-        notes = RankNotes(
-            self.rank,
-            st.begin,
-            [(w, st.clock.resolve(a), st.clock.resolve(z)) for w, a, z in st.items],
-            st.sends,
-            st.receives,
-            st.reduces,
-            st.end,
-        )
-        everyone = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(notes, everyone, dst=0, group=self._control)
+        """Rank 0 gathers every rank's notes of the step, as one float64
+        tensor each (:class:`NotesLayout`: no pickling); the Timeline is
+        assembled when :attr:`last_timeline` is first read."""
+        mine = torch.from_numpy(self._notes_layout.pack(
+            st.begin, st.end, [(i, st.clock.resolve(a), st.clock.resolve(z)) for i, a, z in st.items],
+            st.sends, st.receives, st.reduces))
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control),
+                         "gathering the measured step on rank 0")
         if self.rank == 0:
-            self.last_timeline = assemble(
-                self.program, everyone, self._input_bytes(), self._output_bytes(), self.weight_bytes, self._offsets,
-                label=self.label, gradient_bytes=[layout.grad_wire.nbytes for layout in self._meta.outputs],
+            self._notes = ([self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(everyone)], self._meta)
+            self._timeline = None
+
+    @property
+    def last_timeline(self) -> Timeline | None:
+        """Rank 0: the last recorded step, a measured :class:`unisched.Timeline`
+        (None on the other ranks, and before a recorded step)."""
+        if self._timeline is None and self._notes is not None:
+            notes, meta = self._notes
+            self._timeline = assemble(
+                self.program, notes, _input_bytes(meta), _output_bytes(meta), self.weight_bytes, self._offsets,
+                label=self.label, gradient_bytes=[layout.grad_wire.nbytes for layout in meta.outputs],
             )
-
-    def _input_bytes(self) -> list[float]:
-        """Per stage, the bytes of its inputs for one micro-batch (what a forward stashes)."""
-        return [sum(layout.wire.nbytes for layout in layouts) for layouts in self._meta.inputs]
-
-    def _output_bytes(self) -> list[float]:
-        """Per stage, the bytes of its output for one micro-batch (what its messages carry)."""
-        return [layout.wire.nbytes for layout in self._meta.outputs]
+        return self._timeline
 
     # ------------------------------------------------------------------ faults
     def _failure(self, error: BaseException, st: "_StepState") -> ExecutionError:
@@ -1342,6 +1345,16 @@ class _Agreed(NamedTuple):
 SPREAD = (tuple, list)
 """Values of these types are unpacked into a stage's positional arguments
 (as torch.distributed.pipelining does); any other value is one argument."""
+
+
+def _input_bytes(meta: _Agreed) -> list[float]:
+    """Per stage, the bytes of its inputs for one micro-batch (what a forward stashes)."""
+    return [sum(layout.wire.nbytes for layout in layouts) for layouts in meta.inputs]
+
+
+def _output_bytes(meta: _Agreed) -> list[float]:
+    """Per stage, the bytes of its output for one micro-batch (what its messages carry)."""
+    return [layout.wire.nbytes for layout in meta.outputs]
 
 
 def stage_arguments(values: Sequence) -> list:

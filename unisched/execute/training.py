@@ -70,6 +70,16 @@ def micro_batch_seed(seed: int, step: int, stage: int, batch: int) -> int:
     return state & ((1 << 63) - 1)
 
 
+def seed_rng(device: torch.device, seed: int) -> None:
+    """Seed the CPU generator, and ``device``'s when it is a GPU, with
+    ``seed``.  Not ``torch.manual_seed``: before CUDA starts, that queues a
+    seeding of every GPU with the caller's stack formatted (about a
+    millisecond a call), and the Trainer seeds once per forward."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
 class LossScale:
     """Dynamic loss scaling for fp16, as ``torch.amp.GradScaler`` does it:
     the loss is multiplied by ``scale`` before the backward and the

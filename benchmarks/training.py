@@ -1,0 +1,182 @@
+"""What the Trainer's options cost and change, measured side by side in one run.
+
+    python benchmarks/training.py               # 2 gloo ranks on this CPU machine
+    python benchmarks/training.py --ranks 4
+
+1. **Recording overhead.**  The same Trainer steps with ``record=True``
+   (a measured Timeline every step), ``record=10`` (every 10th step) and
+   ``record=False``, in short rounds that alternate between the three so a
+   busy machine slows them alike.  Stages: ``--layers`` x (Linear(width) +
+   ReLU) per stage, one stage per rank, 64 rows in 8 micro-batches, under
+   gpipe and one_f_one_b.  A ratio is the median over rounds of that round's
+   ratio of median step times (recorded / unrecorded); the target is <= 1.05.
+2. **bf16 against fp32.**  A tiny GPT-2 (the test's configuration: 8 blocks
+   of width 16, vocabulary 32, 8 positions) split into one stage per rank
+   by ``unisched.split_model``, trained 20 steps under gpipe with AdamW, once
+   with ``precision="fp32"`` and once with ``"bf16"`` (CPU autocast), same
+   data; the loss curves side by side and the relative difference after 20
+   steps (target <= 2%), with the median step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import unisched
+from unisched import policies
+from unisched.execute import Trainer
+from unisched.execute.launch import check, run_local
+
+ROWS = 64
+MICRO_BATCHES = 8
+VOCAB, POSITIONS, WIDTH, HEADS, LAYERS = 32, 8, 16, 2, 8
+GPT_ROWS = 16
+GPT_STEPS = 20
+
+
+def make_stages(num_stages: int, width: int, layers: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+            for _ in range(num_stages)]
+
+
+def schedule(name: str, W: int, B: int):
+    return unisched.simulate(W, W, B, policies.get(name, num_workers=W, num_stages=W, num_batches=B))
+
+
+# ---------------------------------------------------------------------- 1. recording
+def _recording(config: dict) -> dict:
+    W, width, layers = dist.get_world_size(), config["width"], config["layers"]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
+    modes = {"record=True": True, "record=10": 10, "record=False": False}
+    out = {}
+    for name in ("gpipe", "one_f_one_b"):
+        trainer = Trainer(make_stages(W, width, layers), schedule(name, W, MICRO_BATCHES), nn.functional.mse_loss,
+                          lambda params: torch.optim.SGD(params, lr=0.01))
+        times = {mode: [] for mode in modes}
+        trainer.step(x, y)
+        for _ in range(config["rounds"]):
+            for mode, record in modes.items():
+                trainer.record = record
+                rnd = []
+                for _ in range(config["steps"]):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    trainer.step(x, y)
+                    dist.barrier()
+                    rnd.append(time.perf_counter() - start)
+                times[mode].append(rnd)
+        trainer.close()
+        off = times["record=False"]
+        out[name] = {
+            "step_ms": {mode: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for mode, rounds in times.items()},
+            "ratio": {mode: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, off))
+                      for mode, rounds in times.items() if mode != "record=False"},
+        }
+    return out
+
+
+# ---------------------------------------------------------------------- 2. bf16 against fp32
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def gpt2_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sequences with a stride: token ids and the next token of each."""
+    g = torch.Generator().manual_seed(100 + step)
+    start = torch.randint(0, VOCAB, (GPT_ROWS, 1), generator=g)
+    stride = torch.randint(1, 4, (GPT_ROWS, 1), generator=g)
+    tokens = (start + stride * torch.arange(POSITIONS + 1)) % VOCAB
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _precision() -> dict:
+    import warnings
+
+    W = dist.get_world_size()
+    out = {}
+    for precision in ("fp32", "bf16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            stages = unisched.split_model(gpt2(), W, tied="untie")
+        trainer = Trainer(stages, schedule("gpipe", W, 4), next_token_loss,
+                          lambda params: torch.optim.AdamW(params, lr=1e-2), precision=precision, record=False)
+        losses, seconds = [], []
+        for step in range(GPT_STEPS):
+            start = time.perf_counter()
+            losses.append(trainer.step(*gpt2_batch(step)))
+            seconds.append(time.perf_counter() - start)
+        trainer.close()
+        out[precision] = {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:])}
+    fp32, bf16 = out["fp32"]["losses"][-1], out["bf16"]["losses"][-1]
+    out["relative_difference_after_20_steps"] = abs(bf16 - fp32) / fp32
+    return out
+
+
+def _bench(rank: int, world: int, config: dict) -> dict | None:
+    result = {"recording": _recording(config)}
+    if config["gpt2"]:
+        result["precision"] = _precision()
+    return result if rank == 0 else None
+
+
+# ---------------------------------------------------------------------- report
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages (default 2)")
+    parser.add_argument("--width", type=int, default=1024, help="Linear width (default 1024)")
+    parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode per round (default 5)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds alternating the modes (default 8)")
+    parser.add_argument("--no-gpt2", action="store_true", help="skip the bf16 / fp32 GPT-2 comparison")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    config = {"width": args.width, "layers": args.layers, "steps": args.steps, "rounds": args.rounds,
+              "gpt2": not args.no_gpt2}
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    result = check(run_local(_bench, args.ranks, config, timeout=1200, group_timeout=300))[0]
+    result["config"] = {"ranks": args.ranks, "width": args.width, "layers_per_stage": args.layers, "rows": ROWS,
+                        "micro_batches": MICRO_BATCHES, "backend": "gloo", "threads_per_rank": 1,
+                        "cpus": os.cpu_count(), "load_average_before_after": [load_before, os.getloadavg()[0]],
+                        "seconds": time.perf_counter() - started}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.ranks} gloo ranks, {args.layers} x Linear({args.width}) per stage, {ROWS} rows in "
+          f"{MICRO_BATCHES} micro-batches; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print("\nrecording overhead (median step; ratio to record=False, median over alternating rounds; target <= 1.05)")
+    for name, row in result["recording"].items():
+        ms = row["step_ms"]
+        print(f"  {name:12s} " + "  ".join(f"{mode} {ms[mode]:7.2f} ms" for mode in ms)
+              + "   " + "  ".join(f"{mode}: {ratio:.3f}" for mode, ratio in row["ratio"].items()))
+    if "precision" in result:
+        p = result["precision"]
+        print(f"\nGPT-2 ({LAYERS} blocks, width {WIDTH}) split into {args.ranks} stages, gpipe, AdamW, {GPT_STEPS} steps")
+        print("  step   fp32     bf16")
+        for step in (0, 4, 9, 14, 19):
+            print(f"  {step + 1:4d}  {p['fp32']['losses'][step]:.4f}  {p['bf16']['losses'][step]:.4f}")
+        print(f"  after {GPT_STEPS} steps: |bf16 - fp32| / fp32 = {100 * p['relative_difference_after_20_steps']:.2f}% "
+              f"(target <= 2%); step {p['fp32']['step_ms']:.1f} ms fp32, {p['bf16']['step_ms']:.1f} ms bf16")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,13 +40,14 @@ from torch import nn
 
 from unisched.execute.arguments import (
     add_long_run_arguments,
+    add_numerics_arguments,
     add_schedule_arguments,
     check_training_arguments,
     make_schedule,
     positive_float,
     positive_int,
 )
-from unisched.execute.example import summary_line, train_steps
+from unisched.execute.example import summary_line, train_steps, trainer_options
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
@@ -131,6 +132,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
     p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+    add_numerics_arguments(p)
     add_long_run_arguments(p, default_steps=10)
     p.add_argument("--peak-tflops", type=positive_float, metavar="TFLOPS",
                    help="peak TFLOP/s of all ranks together, to report the model FLOPs utilisation (MFU)")
@@ -158,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stages = split(args, S, layers)
         described, weights = repr(stages), stages.weights
         optimizer = make_optimizer(args)
-        trainer = unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout)
+        trainer = unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout,
+                                   **trainer_options(args))
         del stages  # the Trainer holds this rank's stages; the others' weights are freed
         run = train_steps(trainer, functools.partial(data, args), args, B * args.rows_per_batch,
                           tokens_per_row=args.positions, flops_per_token=flops_per_token(args, layers),
@@ -202,7 +205,8 @@ def check(args, state: dict, S: int, B: int, layers: int, weights: list[float], 
 
     stages = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
     batches = (data(args, step, B * args.rows_per_batch) for step in range(steps))
-    _, reference = train_one_process(stages, next_token_loss, optimizer, batches)
+    _, reference = train_one_process(stages, next_token_loss, optimizer, batches, micro_batches=B,
+                                     **trainer_options(args))
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
 

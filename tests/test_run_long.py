@@ -1,5 +1,6 @@
-"""`unisched run` for long runs: logs, checkpoints, an exact resume, and
-your own strategy named MODULE:FUNCTION.  Each run takes the example's
+"""`unisched run` for long runs: logs, checkpoints, an exact resume (with
+bf16, clipping and a cosine schedule with warm-up), and your own strategy
+named MODULE:FUNCTION.  Each run takes the example's
 arguments exactly as `unisched run --dry-run` prints them for torchrun and
 runs that program on 2 gloo ranks."""
 
@@ -48,10 +49,13 @@ def run_example(argv: list[str]) -> str:
 
 def test_a_resumed_run_continues_exactly(capsys, tmp_path):
     first, again = tmp_path / "first", tmp_path / "again"
-    common = ["--strategy", "gpipe", "--optimizer", "adam", "--check"]
+    common = ["--strategy", "gpipe", "--optimizer", "adam", "--check", "--precision", "bf16", "--clip-grad-norm", "0.5",
+              "--lr-schedule", "cosine", "--warmup-steps", "2"]
     argv = example_argv(capsys, *common, "--steps", "4", "--log-every", "2", "--checkpoint", str(first),
                         "--checkpoint-every", "2", "--json")
-    assert "--checkpoint-every" in argv and "--log-every" in argv and "--optimizer" in argv
+    for flag in ("--checkpoint-every", "--log-every", "--optimizer", "--precision", "--clip-grad-norm", "--lr-schedule",
+                 "--warmup-steps"):
+        assert flag in argv
     straight = json.loads(run_example(argv))
     assert straight["checkpoints"] == [str(step_checkpoint(first, 2)), str(step_checkpoint(first, 4))]
     assert [entry["step"] for entry in straight["log"]] == [2, 4]
@@ -71,6 +75,9 @@ def test_a_resumed_run_continues_exactly(capsys, tmp_path):
 
     unbroken, resumed = read_checkpoint(step_checkpoint(first, 4)), read_checkpoint(step_checkpoint(again, 4))
     assert any(key.endswith(".exp_avg") for key in unbroken), "Adam's state is kept"
+    assert unbroken["trainer.scheduler"]["last_epoch"] == resumed["trainer.scheduler"]["last_epoch"] == 4
+    assert unbroken["trainer.training_state"]["step"] == resumed["trainer.training_state"]["step"] == 4
+    assert resumed["trainer.param_groups"] == unbroken["trainer.param_groups"], "the scheduled learning rate"
     for key, value in unbroken.items():
         if torch.is_tensor(value) and not key.startswith("trainer."):
             assert (resumed[key] - value).abs().max() < 1e-6, key
@@ -108,6 +115,7 @@ def test_your_own_strategy_runs_by_module_and_function(capsys, monkeypatch, tmp_
     (["--strategy", "missing/file.py:f"], "no file missing/file.py"),
     (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint DIR"),
     (["--resume", "no/such/dir"], "no checkpoint in no/such/dir"),
+    (["--precision", "fp8"], "--precision fp8: choose one of fp32, bf16, fp16"),
 ])
 def test_unisched_run_refuses_before_launching(capsys, monkeypatch, argv, expected):
     monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))

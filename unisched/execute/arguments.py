@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 MODELS = ("mlp", "transformer")
+LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_STRATEGY = "gpipe"
 TIMELINE_FORMATS = (".html", ".png", ".svg", ".json", ".txt")
 DEFAULT_TOLERANCE = 1e-5
@@ -34,6 +35,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd (default) or adam")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 0.2 for sgd, 0.01 for adam)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds any wait or step may take (default 120)")
+    add_numerics_arguments(p)
     add_long_run_arguments(p, default_steps=10)
     p.add_argument("--check", action="store_true",
                    help="compare the trained weights with one process; fail (exit 1) beyond --tolerance")
@@ -41,6 +43,20 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"largest difference --check accepts (default {DEFAULT_TOLERANCE:g})")
     p.add_argument("--timeline", metavar="FILE", help=f"save the last measured step ({', '.join(TIMELINE_FORMATS)})")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+
+
+def add_numerics_arguments(p: argparse.ArgumentParser) -> None:
+    """The Trainer's numerics: precision, clipping, the learning-rate schedule."""
+    numerics = p.add_argument_group("numerics")
+    numerics.add_argument("--precision", metavar="NAME",
+                          help="fp32 (default), bf16 (autocast, fp32 weights and optimizer state) or fp16 (with "
+                               "loss scaling)")
+    numerics.add_argument("--clip-grad-norm", type=positive_float, metavar="NORM",
+                          help="clip the gradients of all stages together to this global norm")
+    numerics.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                          help="constant (default) or cosine: decay to 0 over all the run's steps, after the warm-up")
+    numerics.add_argument("--warmup-steps", type=positive_int, metavar="N",
+                          help="raise the learning rate linearly over the first N steps")
 
 
 def add_long_run_arguments(p: argparse.ArgumentParser, default_steps: int) -> None:
@@ -56,6 +72,16 @@ def add_long_run_arguments(p: argparse.ArgumentParser, default_steps: int) -> No
     run.add_argument("--checkpoint-every", type=positive_int, metavar="N", help="save a checkpoint every N steps")
     run.add_argument("--resume", metavar="PATH", help="continue from a checkpoint, or the latest in a --checkpoint "
                                                       "directory: the weights, optimizer state and step count")
+
+
+def check_numerics_arguments(args: argparse.Namespace) -> None:
+    """Refuse a precision the Trainer does not know, before anything starts."""
+    if args.precision is not None:
+        from unisched.execute.training import PRECISIONS
+        import unisched
+
+        if args.precision not in PRECISIONS:
+            raise unisched.UniSchedError(f"--precision {args.precision}: choose one of {', '.join(PRECISIONS)}")
 
 
 def check_long_run_arguments(args: argparse.Namespace) -> None:
@@ -104,6 +130,7 @@ def check_training_arguments(args: argparse.Namespace) -> None:
     ``--plan`` excludes ``--strategy``, ``--param``, ``-S`` and ``-B``."""
     import unisched
 
+    check_numerics_arguments(args)
     check_long_run_arguments(args)
     if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
         raise unisched.UniSchedError(

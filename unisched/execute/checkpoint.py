@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from unisched.execute.checkpoint_files import CheckpointError, is_checkpoint, latest_checkpoint, step_checkpoint
 
 __all__ = ["CheckpointError", "checkpoint_state_dict", "latest_checkpoint", "load_checkpoint", "read_checkpoint",
-           "save_checkpoint", "step_checkpoint"]
+           "save_checkpoint", "saved_extra", "step_checkpoint"]
 PACKED = "@"
 """Marks an optimizer state field that is not a tensor (stored by :func:`pack`)."""
 
@@ -346,6 +346,14 @@ def checkpoint_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                if (where := _stage_of(key)) is not None and ":" not in where}
     _load_alone(path, weights)
     return {key[len("stages."):]: tensor for key, tensor in weights.items()}
+
+
+def saved_extra(path: str | Path) -> dict | None:
+    """The ``extra`` a checkpoint was saved with, read in one process."""
+    path = Path(path)
+    wanted = {key: _room(md) for key, md in read_metadata(path).state_dict_metadata.items() if key == "trainer.extra"}
+    _load_alone(path, wanted)
+    return unpack(wanted["trainer.extra"]) if wanted else None
 
 
 def read_checkpoint(path: str | Path, objects: bool = True) -> dict[str, Any]:

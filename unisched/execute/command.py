@@ -107,7 +107,8 @@ def torchrun_command(args: argparse.Namespace, workers: int) -> list[str]:
 
 
 VALUED = ("--stages", "--batches", "--timeline", "--model", "--rows-per-batch", "--model-width", "--optimizer", "--lr",
-          "--timeout", "--tolerance", "--steps", "--log-every", "--checkpoint", "--checkpoint-every", "--resume")
+          "--timeout", "--tolerance", "--precision", "--clip-grad-norm", "--lr-schedule", "--warmup-steps", "--steps",
+          "--log-every", "--checkpoint", "--checkpoint-every", "--resume")
 SWITCHES = ("--check", "--json")
 """The example's options that ``unisched run`` passes on as given."""
 

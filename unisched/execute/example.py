@@ -104,6 +104,44 @@ TOKENS_PER_ROW = {"mlp": None, "transformer": 12}
 """What a row of each model's data is in tokens (None: not tokens)."""
 
 
+def trainer_options(args: argparse.Namespace) -> dict:
+    """The Trainer's numerics options the run names (precision, clipping,
+    the LR schedule over all its steps); ``train_one_process`` takes the same."""
+    options = {}
+    if args.precision is not None:
+        options["precision"] = args.precision
+    if args.clip_grad_norm is not None:
+        options["clip_grad_norm"] = args.clip_grad_norm
+    if args.lr_schedule == "cosine" or args.warmup_steps:
+        options["scheduler"] = lr_schedule(args.lr_schedule or "constant", args.warmup_steps or 0,
+                                           first_step(args) + args.steps)
+    return options
+
+
+def lr_schedule(name: str, warmup: int, total: int) -> Callable:
+    """A scheduler factory: the learning rate rises linearly over ``warmup``
+    steps, then stays (``constant``) or follows a cosine down to 0 at step ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if name == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def first_step(args: argparse.Namespace) -> int:
+    """Steps taken before this run: those of the checkpoint ``--resume`` names, else 0."""
+    if not args.resume:
+        return 0
+    from unisched.execute.checkpoint import latest_checkpoint, saved_extra
+
+    found = latest_checkpoint(args.resume)
+    return _saved_step(found, saved_extra(found))
+
+
 def make_optimizer(args: argparse.Namespace) -> Callable:
     """The optimizer factory ``params -> Optimizer`` the Trainer calls on each rank."""
     if args.optimizer == "adam":
@@ -142,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = dist.get_world_size()
         schedule, S, B = make_schedule(args, workers)
         stages, loss_fn, data = build(args.model, S, args.model_width)
-        trainer = Trainer(stages, schedule, loss_fn, make_optimizer(args), timeout=args.timeout)
+        trainer = Trainer(stages, schedule, loss_fn, make_optimizer(args), timeout=args.timeout,
+                          **trainer_options(args))
         report = _train(args, trainer, schedule, data, B)
         if args.check:
             state = trainer.gather_state_dict()
@@ -288,12 +327,18 @@ def log_line(entry: dict, end: int) -> str:
 
 def _resume(trainer, path: str) -> int:
     """Load the latest checkpoint at ``path``; the number of steps it follows."""
-    from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from unisched.execute.checkpoint import latest_checkpoint, load_checkpoint
 
     found = latest_checkpoint(path)
-    step = (load_checkpoint(trainer, found) or {}).get("step")
+    return _saved_step(found, load_checkpoint(trainer, found))
+
+
+def _saved_step(path, extra: dict | None) -> int:
+    from unisched.execute.checkpoint import CheckpointError
+
+    step = (extra or {}).get("step")
     if not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"checkpoint {found} does not say how many steps it follows (it was saved without "
+        raise CheckpointError(f"checkpoint {path} does not say how many steps it follows (it was saved without "
                               f"extra={{'step': N}}); resume from one a run's --checkpoint saved")
     return step
 
@@ -317,7 +362,8 @@ def _check(args, state: dict, S: int, B: int, data, steps: int) -> float:
 
     stages, loss_fn, _ = build(args.model, S, args.model_width)
     batches = (data(step, B * args.rows_per_batch) for step in range(steps))
-    _, reference = train_one_process(stages, loss_fn, make_optimizer(args), batches)
+    _, reference = train_one_process(stages, loss_fn, make_optimizer(args), batches, micro_batches=B,
+                                     **trainer_options(args))
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
 

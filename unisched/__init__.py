@@ -101,7 +101,13 @@ _LAZY = {
     "from_torch_csv": "unisched.policies",
     "TorchCSVError": "unisched.policies",
     "epl": "unisched.epl",
+    "Topology": "unisched.topology",
+    "ClusterCosts": "unisched.topology",
+    "simulate_layout": "unisched.simulate.layout",
+    "ParallelLayout": "unisched.simulate.layout",
+    "TransformerModel": "unisched.simulate.layout",
 }
+_RENAMED = {"ParallelLayout": "Layout", "TransformerModel": "Model"}  # clearer at the package's top level
 
 
 def __getattr__(name: str):
@@ -109,5 +115,5 @@ def __getattr__(name: str):
 
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])
-        return module if module.__name__.endswith(name) else getattr(module, name)
+        return module if module.__name__.endswith(name) else getattr(module, _RENAMED.get(name, name))
     raise AttributeError(f"module 'unisched' has no attribute {name!r}")

@@ -31,14 +31,17 @@ from unisched.costs import Costs
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
-from unisched.plan.family import default_progress, label_of, parse_params, strategy_spec
-from unisched.plan.planfile import Plan, jsonable
+from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
+from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
 from unisched.plan.planner import plan
-from unisched.plan.problem import PlanInputError, encode_costs
+from unisched.plan.problem import PlanInputError, PlanProblem, encode_costs, split_from
+from unisched.plan.search import SEARCH_FROM_ITEMS, search
 
 DEFAULT_SHAPE = (4, 4, 8)
 DEFAULT_MEMORY_LIMIT = 2.0
 DEFAULT_TIME_LIMIT = 10.0
+SEARCHES = ("auto", "cpsat", "heuristic")
+"""Which search ``unisched plan`` runs (``--search``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--param", action="append", default=[], metavar="K=V",
                         help="parameter of --strategy, repeatable (e.g. group_size=2); the same as NAME(K=V)")
     search.add_argument("--time-limit", type=float, default=None,
-                        help=f"seconds for the whole search (default {DEFAULT_TIME_LIMIT:g})")
+                        help=f"seconds for the whole search (default {DEFAULT_TIME_LIMIT:g}); Ctrl-C stops it early "
+                        "with the best plan so far")
+    search.add_argument("--objective", choices=OBJECTIVES, default="latency",
+                        help="what to minimize: the step's latency (default), or the longest busy span of one "
+                        "worker (first item to last; the zero-bubble paper's measure when steps follow each other)")
+    search.add_argument("--search", choices=SEARCHES, default="auto",
+                        help="cpsat: the CP-SAT models; heuristic: list scheduling and local search on the named "
+                        f"strategies' mappings (unisched.plan.search); auto (default): heuristic from "
+                        f"{SEARCH_FROM_ITEMS} work items on, where the CP-SAT models do not finish")
     output = parser.add_argument_group("output")
     output.add_argument("--out", action="append", default=[], metavar="FILE",
                         help="by extension: .json writes the plan file (unisched.load_plan, `unisched simulate "
@@ -94,23 +105,30 @@ def run(args: argparse.Namespace) -> int:
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
-    strategy, members = None, None
-    named = _strategy(args.strategy, args.param)
-    if named is not None:
-        strategy = label_of(*named)
-        if is_user_strategy(named[0]):
-            members = [(strategy, user_strategy(named[0], (W, S, B), named[1], label=strategy), "")]
     costs, split = _costs(args)
-    result = plan(
-        W, S, B, costs,
-        memory_limit=memory_limit,
-        max_stages_per_worker=args.max_stages_per_worker,
-        strategy=strategy,
-        time_limit=time_limit,
-        split_backward=split,
-        members=members,
-        progress=default_progress(args.json),
-    )
+    split = split_from(costs, split)
+    strategy, members = _named_strategy(args, (W, S, B), split)
+    progress = default_progress(args.json)
+    if _heuristic(args.search, (W, S, B), split):
+        problem = PlanProblem(Shape(W, S, B), costs, memory_limit, args.max_stages_per_worker, split,
+                              objective=args.objective)
+        progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
+                       f"{problem.num_items:,} work items, {time_limit:g} s\n")
+        if strategy is not None and members is None:
+            members = _registry_member(problem, strategy)
+        result = search(problem, time_limit=time_limit, members=members, progress=progress)
+    else:
+        result = plan(
+            W, S, B, costs,
+            memory_limit=memory_limit,
+            max_stages_per_worker=args.max_stages_per_worker,
+            strategy=strategy,
+            time_limit=time_limit,
+            split_backward=split,
+            members=members,
+            progress=progress,
+            objective=args.objective,
+        )
     written = write_outputs(result, outputs)
     if args.json:
         print(json.dumps(jsonable(summary(result)), indent=1))
@@ -121,6 +139,40 @@ def run(args: argparse.Namespace) -> int:
     for path, what in written:
         print(f"wrote {path}: {what}")
     return 0
+
+
+def _heuristic(choice: str, shape, split: bool) -> bool:
+    """Whether ``--search`` asks for the heuristic search (``auto``: from :data:`SEARCH_FROM_ITEMS` items on)."""
+    if choice != "auto":
+        return choice == "heuristic"
+    W, S, B = shape
+    return S * B * (3 if split else 2) >= SEARCH_FROM_ITEMS
+
+
+def _named_strategy(args: argparse.Namespace, shape, split: bool):
+    """``--strategy`` as (label, members): your own strategy as the only member, a registered
+    one by its label; refused up front when its fixed order needs the other backward form."""
+    named = _strategy(args.strategy, args.param)
+    if named is None:
+        return None, None
+    label = label_of(*named)
+    if is_user_strategy(named[0]):
+        return label, [(label, user_strategy(named[0], shape, named[1], label=label), "")]
+    from unisched import policies
+
+    built = policies.get(named[0], *shape, **named[1])
+    reason = other_backward(built, split)
+    if reason:
+        flags = ("--backward-input and --backward-weight (or a costs file with backward_input and backward_weight)"
+                 if built.split_backward else "no --backward-input/--backward-weight")
+        raise PlanInputError(f"--strategy {label}: {reason}; give {flags}, or choose another strategy")
+    return label, None
+
+
+def _registry_member(problem: PlanProblem, label: str):
+    from unisched.plan.family import registry_members
+
+    return list(registry_members(problem, only=label))
 
 
 PLAN_DRAWINGS = (".png", ".svg", ".pdf", ".html", ".txt")
@@ -165,11 +217,8 @@ def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
     return strategy_spec(text, given)
 
 
-def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | None:
-    """One number, or one per worker separated by commas.  The planner's
-    models take one limit for every worker: a list plans under its least
-    value, which every worker's own limit allows (a note on stderr says so,
-    and ``--json`` output gives the limit used)."""
+def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | tuple[float, ...] | None:
+    """One number for every worker, or one per worker separated by commas."""
     if text is None:
         return None
     try:
@@ -180,21 +229,24 @@ def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> fl
         raise PlanInputError(f"--memory-limit must be non-negative numbers, got {text!r}")
     if len(values) > 1 and len(values) != num_workers:
         raise PlanInputError(f"--memory-limit gives {len(values)} limits but there are {num_workers} workers")
-    if len(set(values)) > 1 and not quiet:
-        print(f"note: the planner plans under one memory limit for every worker: {min(values):g}, the least of "
-              f"{text}", file=sys.stderr)
-    return min(values)
+    return values[0] if len(set(values)) == 1 else tuple(values)
 
 
 def summary(result: Plan) -> dict:
     """The --json object."""
     return {
+        "search": result.search,
+        "objective": result.objective,
+        "objective_value": result.value,
         "latency": result.latency,
-        "optimal": result.optimal,
+        "optimal": result.optimal_overall,
+        "proven_for": result.claimed_class(),
         "lower_bound": result.lower_bound,
+        "bound_for": result.bound_for,
         "gap": result.gap,
         "strategy": result.strategy_name,
         "bounds": dict(result.bounds),
+        "interrupted": result.interrupted,
         "elapsed": result.elapsed,
         "plan": result.to_dict(),
     }
@@ -203,10 +255,14 @@ def summary(result: Plan) -> dict:
 def report(result: Plan, width: int = 100, color: bool | str | None = None) -> str:
     W, S, B = result.shape
     problem = result.problem
+    limit = problem.memory_limit
+    shown = (",".join(f"{v:g}" for v in limit) if isinstance(limit, (tuple, list)) else f"{limit:g}") if limit else ""
     lines = [
-        f"plan: W={W} S={S} B={B}" + (f", memory limit {problem.memory_limit:g}" if problem.memory_limit else "")
+        f"plan: W={W} S={S} B={B}" + (f", memory limit {shown}" if shown else "")
         + (f", at most {problem.max_stages_per_worker} stages per worker" if problem.max_stages_per_worker else "")
         + (f" ({result.elapsed:.1f} s)" if result.elapsed is not None else ""),
+        f"search: {result.search}, minimizing {result.objective}"
+        + (" (interrupted: the best plan so far)" if result.interrupted else ""),
         "",
         f"{'#':>2}  {'strategy':<44} {'source':<13} {'latency':>8} {'bubble':>7} {'peak act':>8} "
         f"{'traffic':>7} {'gap':>7}  optimal",
@@ -225,13 +281,26 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
     bounds = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in result.bounds.items())
     lines += [
         "",
-        f"lower bounds: {bounds}",
-        f"best: {result.strategy_name}: latency {result.latency:g}, "
-        + ("proven optimal" if result.optimal else f"{result.gap:.1%} above the lower bound {result.lower_bound:g}"),
+        f"lower bounds ({result.objective}): {bounds}" + (f" (for {result.bound_for})" if result.bound_for else ""),
+        f"best: {result.strategy_name}: latency {result.latency:g}"
+        + (f", span {result.value:g}" if result.objective != "latency" else "") + ", " + _claim(result),
         "",
         _diagram(result, width, color),
     ]
     return "\n".join(lines)
+
+
+def _claim(result: Plan) -> str:
+    """What is proven about the best plan, never more: optimal over every schedule, optimal
+    within a restricted class (named), or how far it is above the lower bound."""
+    claimed = result.claimed_class()
+    if claimed == ANY_SCHEDULE:
+        return "proven optimal"
+    above = f"{result.gap:.1%} above the lower bound {result.lower_bound:g}"
+    if claimed:
+        return f"proven optimal among {claimed} only; " + above if result.gap > 1e-9 else \
+            f"proven optimal among {claimed} only"
+    return above
 
 
 def _cell(row, key: str, spec: str) -> str:
@@ -460,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     except UniSchedError as error:
         print(f"unisched plan: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("unisched plan: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ def search_family(
             result.members += _memory_variants(problem, member)
     if progress is not None:
         _progress(progress, len(candidates), len(candidates), "done")
-        progress.write("\n")
+        if _is_terminal(progress):
+            progress.write("\n")
         progress.flush()
     _mark_pareto(result.feasible)
     return result
@@ -193,14 +194,20 @@ def _memory_variants(problem: PlanProblem, member: Member) -> list[Member]:
     return variants
 
 
+def other_backward(strategy: Strategy, split_backward: bool) -> str:
+    """Why a strategy cannot serve a step with this backward form ("" if it can): its fixed
+    order is written for the other one."""
+    if strategy.worker_orders is None or strategy.split_backward == split_backward:
+        return ""
+    return "its fixed order needs " + ("a split backward (--backward-input/--backward-weight)"
+                                       if strategy.split_backward else "an unsplit backward")
+
+
 def _evaluate(problem: PlanProblem, member: Member) -> None:
     strategy = member.strategy
     W, S, B = problem.shape
-    if strategy.worker_orders is not None and strategy.split_backward != problem.split_backward:
-        member.reason = (
-            "its fixed order needs " + ("a split backward (--backward-input/--backward-weight)"
-                                        if strategy.split_backward else "an unsplit backward")
-        )
+    member.reason = other_backward(strategy, problem.split_backward)
+    if member.reason:
         return
     limit = _limit(problem.memory_limit if member.memory_limit is None else member.memory_limit,
                    strategy.memory_limit)
@@ -245,13 +252,49 @@ def _mark_pareto(members: list[Member]) -> None:
 
 
 def _progress(stream: TextIO, done: int, total: int, label: str) -> None:
-    width = 24
-    filled = int(width * done / max(total, 1))
-    stream.write(f"\rfamily search [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:<40}")
+    """A bar redrawn in place on a terminal; elsewhere (a log, a pipe) one line at the start and one at the end."""
+    if _is_terminal(stream):
+        width = 24
+        filled = int(width * done / max(total, 1))
+        stream.write(f"\rfamily search [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:<40}")
+    elif done == 0:
+        stream.write(f"family search: simulating {total} strategy settings ...\n")
+    elif done == total:
+        stream.write(f"family search: {total} strategy settings simulated\n")
     stream.flush()
 
 
-def default_progress(json_output: bool) -> TextIO | None:
-    """A progress bar on an interactive terminal, never with --json."""
-    return sys.stderr if not json_output and sys.stderr.isatty() else None
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
+
+class ProgressLines:
+    """Progress for a log, a pipe or beside ``--json``: what a terminal would redraw in
+    place (text between carriage returns) becomes one plain line each, repeats dropped."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.last = ""
+
+    def write(self, text: str) -> int:
+        for piece in text.replace("\r", "\n").split("\n"):
+            piece = piece.strip()
+            if piece and piece != self.last:
+                self.stream.write(piece + "\n")
+                self.last = piece
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def default_progress(json_output: bool = False) -> TextIO:
+    """Progress on stderr: redrawn in place on an interactive terminal, else (off a
+    terminal, or with ``--json``, whose stdout carries only the JSON object) as plain lines."""
+    if not json_output and sys.stderr.isatty():
+        return sys.stderr
+    return ProgressLines(sys.stderr)

@@ -1,38 +1,47 @@
 """The plan: what the planner proposes, and its versioned JSON file.
 
-Format (``"format": "unisched-plan"``, ``"version": 1``)::
+Format (``"format": "unisched-plan"``, ``"version": 2``)::
 
     {
-      "format": "unisched-plan", "version": 1,
+      "format": "unisched-plan", "version": 2,
       "shape": {"num_workers": W, "num_stages": S, "num_batches": B},
       "split_backward": false,
       "costs": {...the fields of unisched.Costs...},
       "memory_limit": M or null, "max_stages_per_worker": K or null,
       "strategy": "cpsat mapping",        # what produced it
+      "search": "cpsat",                  # which search ran: "cpsat" or "heuristic search"
+      "objective": "latency",             # what it minimized: "latency" or "span"
+      "objective_value": 68.0,            # that measure of the replay
       "latency": 68.0,                    # the simulator's replay
       "model_latency": 68.0,              # CP-SAT's objective, when a model ran
-      "optimal": false, "lower_bound": 48.0,
+      "optimal": false,                   # true only when proven over every schedule
+      "proven_for": "",                   # the class of schedules an optimality proof covers
+      "lower_bound": 48.0, "bound_for": "any schedule", "gap": 0.42,
       "bounds": {"work": 48.0, "critical_path": 12.0, ...},
+      "interrupted": false,               # the search was stopped by Ctrl-C
       "mapping": {"0F0": [compute, weight], "0B0": [...], ...},
       "orders": {"0": ["0F0", "0F1", ...], ...},
+      "starts": {"0F0": 0.0, "0B0": 9.0, ...},   # each item's start in the replay
       "candidates": [{"strategy": ..., "latency": ..., ...}, ...]
     }
 
 Work items are written as ``{stage}{F|B|I|W}{batch}``.  Loading checks the
-format, the version, that the mapping covers exactly the shape's items and
-that every order lists exactly its worker's items.
+format, the version (1 and 2 are read), that the mapping covers exactly the
+shape's items, that every order lists exactly its worker's items, and that
+the replay of the orders gives the file's latency and start times.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
 from unisched.simulate.simulation import Simulation, check_size
@@ -43,7 +52,11 @@ from unisched.plan.problem import PlanProblem
 from unisched.plan.schedule import Schedule
 
 FORMAT = "unisched-plan"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 1 files (no start times, no claims' classes) are still read."""
+ANY_SCHEDULE = "any schedule"
+"""The class of schedules a proof over the whole scheme covers (what ``"optimal": true`` means)."""
 
 
 class PlanFileError(UniSchedError, ValueError):
@@ -71,6 +84,21 @@ class Plan:
     elapsed: float | None = None
     replay: Simulation | None = field(default=None, repr=False)
     """The simulator's run of ``schedule`` (made once: by the planner, by the loader's check, or here)."""
+    objective: str = "latency"
+    """What the search minimized: the step's ``"latency"`` or the longest worker busy ``"span"``."""
+    objective_value: float | None = None
+    """That measure of the replay (None: the latency)."""
+    proven_for: str = ""
+    """The class of schedules among which this plan is proven best ("" if none):
+    :data:`ANY_SCHEDULE`, or a restricted class such as one mapping's orders."""
+    bound_for: str = ""
+    """The class of schedules ``lower_bound`` holds for ("": not stated, as in version 1 files)."""
+    bound_classes: Mapping[str, str] = field(default_factory=dict)
+    """The class each of ``bounds`` holds for."""
+    interrupted: bool = False
+    """Whether the search was stopped (Ctrl-C) before its time limit."""
+    search: str = "cpsat"
+    """Which search produced the plan."""
 
     @property
     def problem(self) -> PlanProblem:
@@ -89,8 +117,29 @@ class Plan:
         return self.problem.memory_limit
 
     @property
+    def value(self) -> float:
+        """The plan's objective: its latency, or its longest worker busy span."""
+        return self.latency if self.objective_value is None else float(self.objective_value)
+
+    @property
     def gap(self) -> float:
-        return (self.latency - self.lower_bound) / self.lower_bound if self.lower_bound > 0 else 0.0
+        return (self.value - self.lower_bound) / self.lower_bound if self.lower_bound > 0 else 0.0
+
+    @property
+    def optimal_overall(self) -> bool:
+        """Whether the plan is proven best among every schedule (not only a restricted class)."""
+        return bool(self.optimal) and self.claimed_class() == ANY_SCHEDULE
+
+    def claimed_class(self) -> str:
+        """The class an optimality claim covers: ``proven_for``, or for a planner that did not
+        say, :data:`ANY_SCHEDULE` only when a bound that holds for every schedule (critical
+        path, work) meets the plan, else the planner's searched class."""
+        if not self.optimal:
+            return ""
+        if self.proven_for:
+            return self.proven_for
+        general = max((self.bounds.get(k, 0.0) for k in ("critical_path", "work")), default=0.0)
+        return ANY_SCHEDULE if self.value <= general * (1 + TOLERANCE) else "the planner's searched class"
 
     def strategy(self) -> Strategy:
         return self.schedule.strategy(description=f"plan found by {self.strategy_name}")
@@ -103,28 +152,45 @@ class Plan:
     def worker_orders(self) -> dict[int, list[Work]]:
         return self.schedule.worker_orders()
 
+    def starts(self) -> dict[str, float]:
+        """Each item's start in the replay, by its name (``"2F0"``)."""
+        t = self.simulate().timeline
+        return {str(t.work(i)): float(t.start[i]) for i in range(len(t))}
+
     # ------------------------------------------------------------------ file
     def to_dict(self) -> dict:
+        """The plan file's object.  It claims no more than was proven: ``"optimal"`` is
+        true only for a proof over every schedule; a proof over a restricted class is
+        written as ``"proven_for"`` beside ``"optimal": false``."""
         problem = self.problem
         schedule = self.schedule
+        claimed = self.claimed_class()
         return {
             "format": FORMAT,
             "version": VERSION,
             "shape": dict(zip(Shape._fields, map(int, problem.shape))),
             "split_backward": problem.split_backward,
             "costs": problem.costs.to_dict(),
-            "memory_limit": problem.memory_limit,
-            "max_stages_per_worker": problem.max_stages_per_worker,
+            **{name: getattr(problem, name) for name in PROBLEM_FIELDS if hasattr(problem, name)},
             "strategy": self.strategy_name,
+            "search": self.search,
+            "objective": self.objective,
+            "objective_value": self.value,
             "latency": self.latency,
             "model_latency": self.model_latency,
-            "optimal": self.optimal,
+            "optimal": claimed == ANY_SCHEDULE,
+            "proven_for": claimed,
             "lower_bound": self.lower_bound,
+            "bound_for": self.bound_for,
+            "gap": self.gap,
             "bounds": dict(self.bounds),
+            "bound_classes": dict(self.bound_classes),
+            "interrupted": self.interrupted,
             "mapping": {
                 str(schedule.work(i)): [int(c), int(w)] for i, (c, w) in enumerate(zip(schedule.compute, schedule.weight))
             },
             "orders": {str(w): [str(work) for work in works] for w, works in schedule.worker_orders().items()},
+            "starts": self.starts(),
             "candidates": [dict(row) for row in self.candidates],
             "dropped": [dict(row) for row in self.dropped],
         }
@@ -134,8 +200,14 @@ class Plan:
 
     def __repr__(self) -> str:
         W, S, B = self.shape
+        claimed = self.claimed_class()
+        proof = "" if not claimed else ", optimal" if claimed == ANY_SCHEDULE else f", optimal among {claimed}"
         return (f"<Plan {self.strategy_name} W={W} S={S} B={B}: latency {self.latency:g}, "
-                f"lower bound {self.lower_bound:g}{', optimal' if self.optimal else ''}>")
+                f"lower bound {self.lower_bound:g}{proof}>")
+
+
+PROBLEM_FIELDS = ("memory_limit", "max_stages_per_worker", "memory_budget", "optimizer_bytes")
+"""The limits of :class:`PlanProblem` a plan file keeps (those this version's problem has)."""
 
 
 def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, num_workers: int | None = None,
@@ -178,10 +250,10 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     """A plan from its JSON object, replayed and checked against what the object claims."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanFileError(f"{source} is not a unisched plan file (expected \"format\": \"{FORMAT}\")")
-    if data.get("version") != VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise PlanFileError(
-            f"{source} is a version {data.get('version')!r} plan file; this unisched reads version {VERSION}: "
-            "plan again with this version"
+            f"{source} is a version {data.get('version')!r} plan file; this unisched reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: plan again with this version"
         )
     for name in ("shape", "costs", "mapping", "orders"):
         if not isinstance(data.get(name), dict):
@@ -196,13 +268,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         raise PlanFileError(f"{source}: {error}") from None
     try:
         costs = Costs.from_dict(data["costs"]).check(shape.num_workers, shape.num_stages)
-        problem = PlanProblem(
-            shape,
-            costs,
-            memory_limit=data.get("memory_limit"),
-            max_stages_per_worker=data.get("max_stages_per_worker"),
-            split_backward=split,
-        )
+        problem = PlanProblem(shape, costs, split_backward=split, **_problem_fields(data))
     except UniSchedError as error:
         raise PlanFileError(f"{source} describes an impossible problem: {error}") from error
     except (TypeError, ValueError) as error:
@@ -219,12 +285,22 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     optimal = data.get("optimal", False)
     if not isinstance(optimal, bool):
         raise PlanFileError(f"{source} is malformed: 'optimal' must be true or false, got {optimal!r}")
+    texts = {key: _text(data, key, source, default) for key, default in
+             (("objective", "latency"), ("proven_for", ""), ("bound_for", ""), ("search", "cpsat"))}
+    if texts["objective"] not in OBJECTIVES:
+        raise PlanFileError(f"{source} is malformed: 'objective' must be one of {', '.join(OBJECTIVES)}, "
+                            f"got {texts['objective']!r}")
     candidates = _rows(data, "candidates", ("strategy", "source"), source, CANDIDATE_NUMBERS)
     dropped = _rows(data, "dropped", ("strategy", "reason"), source)
     schedule = _schedule(problem, data["mapping"], data["orders"], source, name)
-    replay = _replay(schedule, source)
+    starts = _starts(problem, data.get("starts"), source)
+    replay = _replay(schedule, source, starts is not None)
     latency = float(replay.latency)
-    _check_claims(source, latency, claims["latency"], claims["lower_bound"] or 0.0, bounds, optimal)
+    value = objective_value(replay, texts["objective"])
+    optimal = optimal or bool(texts["proven_for"])  # optimal within that class
+    _check_claims(source, latency, claims["latency"], value, claims["lower_bound"] or 0.0, bounds, optimal)
+    if starts is not None:
+        _check_starts(source, replay, starts)
     return Plan(
         schedule=schedule,
         strategy_name=name,
@@ -236,29 +312,104 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         candidates=candidates,
         dropped=dropped,
         replay=replay,
+        objective=texts["objective"],
+        objective_value=value,
+        proven_for=texts["proven_for"],
+        bound_for=texts["bound_for"],
+        bound_classes={str(k): str(v) for k, v in (data.get("bound_classes") or {}).items()},
+        interrupted=bool(data.get("interrupted", False)),
+        search=texts["search"],
     )
+
+
+OBJECTIVES = ("latency", "span")
+"""What a plan may have minimized (:attr:`Plan.objective`)."""
+
+
+def objective_value(sim: Simulation, objective: str) -> float:
+    """A replay's latency, or its longest worker busy span (first item's start to last item's end)."""
+    if objective == "latency":
+        return float(sim.latency)
+    t = sim.timeline
+    first = np.full(t.num_workers, np.inf)
+    last = np.full(t.num_workers, -np.inf)
+    np.minimum.at(first, t.worker, t.start)
+    np.maximum.at(last, t.worker, t.end)
+    used = np.isfinite(first)
+    return float((last[used] - first[used]).max(initial=0.0))
+
+
+def _problem_fields(data: Mapping) -> dict:
+    """The limits the file gives that this version's :class:`PlanProblem` takes (lists as tuples)."""
+    known = {f.name for f in fields(PlanProblem)}
+    given = {}
+    for name in PROBLEM_FIELDS + ("objective",):
+        if name in known and data.get(name) is not None:
+            value = data[name]
+            given[name] = tuple(value) if isinstance(value, list) else value
+    return given
+
+
+def _text(data: Mapping, key: str, source: str, default: str) -> str:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise PlanFileError(f"{source} is malformed: {key!r} must be a string, got {value!r:.80}")
+    return value
+
+
+def _starts(problem: PlanProblem, starts: Any, source: str) -> np.ndarray | None:
+    """The file's start times by item id (version 2), or None (version 1)."""
+    if starts is None:
+        return None
+    if not isinstance(starts, dict):
+        raise PlanFileError(f"{source} is malformed: 'starts' must be a JSON object of item: start time")
+    times = np.full(problem.num_items, np.nan)
+    for text, value in starts.items():
+        times[_item(problem, text, source)] = _number(starts, text, source, where="starts")
+    if np.isnan(times).any():
+        first = problem.items.work(int(np.flatnonzero(np.isnan(times))[0]))
+        raise PlanFileError(f"{source}: 'starts' lacks the start time of {first}; the file is damaged: plan again")
+    return times
+
+
+def _check_starts(source: str, replay: Simulation, starts: np.ndarray) -> None:
+    """The orders must reproduce the start times the file keeps."""
+    t = replay.timeline
+    items = dataflow.Items(t.num_stages, t.num_batches, t.split_backward)
+    ids = items.id(t.batch, t.stage, t.direction)
+    slack = TOLERANCE * max(1.0, float(np.abs(starts).max(initial=0.0)))
+    differ = np.flatnonzero(np.abs(t.start - starts[ids]) > slack)
+    if len(differ):
+        i = int(differ[0])
+        raise PlanFileError(
+            f"{source} says {t.work(i)} starts at {starts[ids[i]]:g} but its orders replay it at {t.start[i]:g} "
+            f"({len(differ)} start time(s) differ); the file was edited or made with other costs: plan again"
+        )
 
 
 TOLERANCE = 1e-9
 """Relative difference allowed between a file's latency and its replay (float round-off)."""
 
 
-def _replay(schedule: Schedule, source: str) -> Simulation:
+def _replay(schedule: Schedule, source: str, timed: bool = False) -> Simulation:
     try:
         replay = schedule.simulate()
     except UniSchedError as error:
-        raise PlanFileError(
-            f"{source} cannot be replayed: {str(error).splitlines()[0]}; the file was edited or damaged: plan again"
-        ) from None
+        cause = ("its start times keep a worker waiting in a way its per-worker orders cannot express (the "
+                 "simulator replays orders, not start times)" if timed else "the file was edited or damaged")
+        raise PlanFileError(f"{source} cannot be replayed: {str(error).splitlines()[0]}; {cause}: plan again") from None
     latency = float(replay.latency)
     if not (math.isfinite(latency) and latency >= 0):
         raise PlanFileError(f"{source} replays to latency {latency!r}; plan again")
     return replay
 
 
-def _check_claims(source: str, latency: float, claimed: float, lower_bound: float, bounds: Mapping[str, float],
-                  optimal: bool) -> None:
-    """What the file says about its schedule must be what the replay shows."""
+def _check_claims(source: str, latency: float, claimed: float, value: float, lower_bound: float,
+                  bounds: Mapping[str, float], optimal: bool) -> None:
+    """What the file says about its schedule must be what the replay shows (``value``: the
+    replay's objective, which the bounds are bounds of)."""
     slack = TOLERANCE * max(1.0, abs(latency))
     if abs(claimed - latency) > slack:
         raise PlanFileError(
@@ -266,15 +417,15 @@ def _check_claims(source: str, latency: float, claimed: float, lower_bound: floa
             "or made with other costs: plan again (`unisched plan ... --out`)"
         )
     for name, bound in (("lower_bound", lower_bound), *((f"bounds.{k}", v) for k, v in bounds.items())):
-        if bound > latency + slack:
+        if bound > value + slack:
             raise PlanFileError(
-                f"{source} claims a lower bound {name} = {bound:g} above its own replayed latency {latency:g}, "
+                f"{source} claims a lower bound {name} = {bound:g} above its own replayed value {value:g}, "
                 "which no bound can be; the file was edited: plan again"
             )
-    if optimal and lower_bound < latency - slack:
+    if optimal and lower_bound < value - slack:
         raise PlanFileError(
-            f"{source} claims to be optimal but its lower bound {lower_bound:g} is below its latency {latency:g} "
-            "(the planner claims optimality only when a bound reaches the latency); the file was edited: plan again"
+            f"{source} claims to be optimal but its lower bound {lower_bound:g} is below its value {value:g} "
+            "(the planner claims optimality only when a bound reaches it); the file was edited: plan again"
         )
 
 
@@ -399,4 +550,4 @@ def jsonable(value):
     return value
 
 
-__all__ = ["FORMAT", "Plan", "PlanFileError", "VERSION", "load_plan", "plan_from_dict"]
+__all__ = ["ANY_SCHEDULE", "FORMAT", "Plan", "PlanFileError", "VERSION", "load_plan", "objective_value", "plan_from_dict"]

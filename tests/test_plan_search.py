@@ -1,0 +1,162 @@
+"""The anytime search for large plans (unisched.plan.search) and how `unisched plan` runs it."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from unisched.cli import main
+from unisched.plan import PlanInputError, PlanProblem, encode_costs
+from unisched.plan import search as search_module
+from unisched.plan.family import registry_members, search_family
+from unisched.plan.planfile import objective_value
+from unisched.plan.problem import TimedProblem
+from unisched.plan.search import Mapped, construct, evaluate, rules, search, seed_mappings
+from unisched.work import Shape
+
+# the zero-bubble paper's profiled times of its 1.5B model (T_F, T_B = input gradient, T_W, T_comm)
+PAPER_COSTS = encode_costs(forward=18.522, backward=18.086 + 9.337, backward_input=18.086, backward_weight=9.337,
+                           comm=0.601)
+
+
+def paper_problem(p: int, m: int, memory: float, objective: str = "latency") -> PlanProblem:
+    kwargs = {"objective": objective} if objective != "latency" else {}
+    return PlanProblem(Shape(p, p, m), PAPER_COSTS, memory_limit=memory, max_stages_per_worker=1,
+                       split_backward=True, **kwargs)
+
+
+def best_named(problem: PlanProblem, objective: str) -> float:
+    family = search_family(problem, registry_members(problem))
+    return min(objective_value(member.simulation, objective) for member in family.feasible)
+
+
+def test_evaluate_times_fixed_orders_as_the_simulator_replays_them():
+    problem = paper_problem(4, 8, memory=8)
+    timed = TimedProblem.build(problem)
+    family = search_family(problem, registry_members(problem, only="zb_h2"))
+    mapping = seed_mappings(problem, family.feasible, family, constructed=False)[0]
+    m = Mapped.build(timed, mapping.compute, mapping.weight, mapping.label)
+    checked = 0
+    for rule in rules(True, False)[::7]:
+        orders = construct(m, rule)
+        timing = evaluate(m, orders)
+        assert timing is not None, rule
+        schedule = search_module.Schedule(problem, m.compute, m.weight, {w: o.tolist() for w, o in enumerate(orders)})
+        t = schedule.simulate().timeline
+        ids = problem.items.id(t.batch, t.stage, t.direction)
+        np.testing.assert_allclose(t.start, timed.ticks.time(1) * timing.start[ids])
+        t.check(memory_limit=8)
+        checked += 1
+    assert checked >= 3
+
+
+def test_evaluate_rejects_orders_against_dependencies_or_memory():
+    problem = PlanProblem(Shape(2, 2, 4), encode_costs(), memory_limit=2)
+    timed = TimedProblem.build(problem)
+    stage = problem.items.arrays()[1]
+    m = Mapped.build(timed, stage % 2, stage % 2, "gpipe")
+    ids = problem.item_grid()  # [batch, stage, pass]
+    gpipe = [np.concatenate([ids[:, w, 0], ids[::-1, w, 1]]) for w in range(2)]  # all forwards, then backwards
+    assert evaluate(m, gpipe) is None  # four stashes of stage 0 on worker 0, over its limit 2
+    one_f_one_b = [np.array([ids[0, 0, 0], ids[1, 0, 0], ids[0, 0, 1], ids[2, 0, 0], ids[1, 0, 1], ids[3, 0, 0],
+                             ids[2, 0, 1], ids[3, 0, 1]]),
+                   np.array([x for b in range(4) for x in (ids[b, 1, 0], ids[b, 1, 1])])]
+    assert evaluate(m, one_f_one_b) is not None
+    backwards_first = [gpipe[0][::-1], one_f_one_b[1]]
+    assert evaluate(m, backwards_first) is None  # a backward before its own forward
+
+
+def test_search_beats_the_zero_bubble_hand_schedule_at_twice_its_memory():
+    problem = paper_problem(4, 8, memory=8, objective="span")
+    result = search(problem, time_limit=1.5, objective="span")
+    replay = result.simulate()
+    replay.timeline.check(memory_limit=8)
+    assert result.search == "heuristic search" and result.objective == "span"
+    assert result.value == pytest.approx(objective_value(replay, "span"))
+    assert result.value < best_named(problem, "span") - 1.0  # zb_h2, the best named strategy here
+    assert not result.optimal and result.lower_bound == pytest.approx(8 * (18.522 + 18.086 + 9.337))
+
+
+def test_search_finds_memory_aware_orders_where_named_strategies_deadlock():
+    problem = PlanProblem(Shape(4, 4, 8), encode_costs(), memory_limit=2)
+    result = search(problem, time_limit=1.0)
+    result.simulate().timeline.check(memory_limit=2)
+    assert result.latency < best_named(problem, "latency")  # gpipe and 1F1B: 51
+
+
+def test_search_stops_as_soon_as_the_bound_is_met():
+    problem = PlanProblem(Shape(4, 4, 4), encode_costs())  # each micro-batch on its own worker meets the bound
+    stream = io.StringIO()
+    result = search(problem, time_limit=60, progress=stream)
+    assert result.optimal and result.latency == result.lower_bound == 12
+    assert result.elapsed < 30
+    assert "(bound met)" in stream.getvalue()
+
+
+def test_an_interrupted_search_returns_the_best_plan_so_far(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(search_module, "construct", interrupted)
+    problem = paper_problem(4, 8, memory=4)
+    stream = io.StringIO()
+    result = search(problem, time_limit=30, progress=stream)
+    assert result.interrupted and result.elapsed < 15
+    assert result.latency == pytest.approx(best_named(problem, "latency"))
+    assert "(interrupted)" in stream.getvalue()
+
+
+def test_progress_is_a_plain_line_per_improvement():
+    stream = io.StringIO()
+    search(paper_problem(4, 8, memory=8), time_limit=1.0, objective="span", progress=stream)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) >= 2 and all(line.startswith("search: span ") for line in lines)
+    assert "\r" not in stream.getvalue()
+    values = [float(line.split()[2].rstrip(",")) for line in lines]
+    assert values == sorted(values, reverse=True) and values[-1] < values[0]
+
+
+def test_bad_search_arguments_are_refused():
+    problem = PlanProblem(Shape(2, 2, 2))
+    with pytest.raises(PlanInputError, match="time_limit"):
+        search(problem, time_limit=0)
+    with pytest.raises(PlanInputError, match="objective"):
+        search(problem, time_limit=1, objective="throughput")
+
+
+# ---------------------------------------------------------------------- the command
+def test_plan_runs_the_heuristic_search_on_large_problems(capsys):
+    assert main(["plan", "-W", "8", "-S", "8", "-B", "32", "--memory-limit", "4", "--time-limit", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    answer = json.loads(captured.out)
+    assert answer["search"] == "heuristic search" and answer["plan"]["search"] == "heuristic search"
+    assert "search: heuristic" in captured.err and "\r" not in captured.err  # progress lines, even with --json
+    assert answer["latency"] >= answer["lower_bound"] and not answer["optimal"]
+    best_family = min(row["latency"] for row in answer["plan"]["candidates"] if row["source"] == "family")
+    assert answer["latency"] <= best_family
+
+
+def test_plan_search_flag_and_report_say_which_search_ran(capsys):
+    assert main(["plan", "-W", "2", "-S", "2", "-B", "4", "--search", "heuristic", "--time-limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "search: heuristic search, minimizing latency" in out
+    assert main(["plan", "-W", "2", "-S", "2", "-B", "4", "--search", "cpsat", "--time-limit", "1"]) == 0
+    assert "search: cpsat, minimizing latency" in capsys.readouterr().out
+
+
+def test_a_strategy_whose_order_needs_a_split_backward_is_refused_before_planning(capsys):
+    assert main(["plan", "--strategy", "zb_h1", "--time-limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--strategy zb_h1: its fixed order needs a split backward" in err and "--backward-weight" in err
+    assert "raise --time-limit" not in err
+
+
+def test_the_report_names_the_class_an_optimum_is_proven_for(capsys):
+    assert main(["plan", "-W", "4", "-S", "4", "-B", "8", "--backward-input", "1", "--backward-weight", "1",
+                 "--memory-limit", "8", "--strategy", "zb_h1", "--time-limit", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "best: zb_h1: latency 27, proven optimal among orders of the mapping of zb_h1 only" in out
+    assert "dropped" not in out

@@ -1,0 +1,829 @@
+"""Anytime search for plans too large for the CP-SAT models.
+
+The idea is the zero-bubble paper's automatic scheduling, followed by local
+search, all on fixed mappings taken from the named strategies:
+
+1. **Seeds.** Every named strategy the family search could run gives a
+   mapping (who computes each item) and its simulated per-worker orders.
+2. **Construction** (:func:`construct`). For each seed mapping, a list
+   scheduler walks time forward: a free worker runs a ready backward (the
+   input-gradient pass) first; else a forward, while it has fewer forwards in
+   flight than its warm-up allows and its memory has room; else a weight pass
+   when the gap before its next backward or forward is long enough, or when
+   memory or the end of the step asks for it.  A grid of warm-ups and gap
+   thresholds (:class:`Rule`) gives as many schedules.
+3. **Improvement** (:func:`improve`). Local search on the per-worker orders
+   of the best few: move an item (weight passes most often) a few places in
+   its worker's order, keep the move when the schedule is no longer, and
+   prefer the busiest worker.
+
+Every candidate is timed as the simulator times fixed per-worker orders: each
+item starts when its worker's previous item has ended and its inputs have
+arrived (:func:`evaluate`, compiled with numba), and it is rejected if a
+worker's stashes exceed the memory limit.  The best is replayed by
+:func:`unisched.simulate` and reported as that replay, beside the named
+strategies' own replays, so the plan is never worse than the best of them.
+
+Anytime: the search stops at its time limit, on Ctrl-C (the best plan so far
+is returned) or as soon as the best meets the lower bound of
+:mod:`unisched.plan.bounds`.  ``objective="span"`` minimizes the longest
+per-worker busy span (first item's start to last item's end), the measure of
+the zero-bubble paper's bubble rate; the default is the step's latency.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from heapq import heappop, heappush
+from typing import Iterable, Sequence, TextIO
+
+import numpy as np
+
+from unisched import dataflow
+from unisched.errors import UniSchedError
+from unisched.strategy import Strategy
+from unisched.work import BACKWARD_WEIGHT, FORWARD
+
+from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
+from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
+from unisched.plan.order import live_stashes, memory_demands, step_tails
+from unisched.plan.planfile import Plan
+from unisched.plan.planner import _map as map_arrays, constructed_members
+from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
+from unisched.plan.schedule import Schedule
+
+OBJECTIVES = ("latency", "span")
+"""What the search minimizes: the step's latency, or the longest per-worker busy span."""
+SEARCH_FROM_ITEMS = 500
+"""From this many work items on, ``unisched plan`` runs this search instead of the CP-SAT models."""
+CONSTRUCT_SHARE = 0.35
+"""Share of the time limit the constructions may take before local search starts."""
+FIRST_RULES = 4
+"""Rules every seed mapping is tried with before the rest of the grid goes to the most promising."""
+NO_LIMIT = np.iinfo(np.int64).max // 4
+"""A worker's stash capacity when it has no limit."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One setting of the list scheduler (:func:`construct`).
+
+    ``warmup``: forwards a worker may run ahead of its backwards, as
+    ``(scale, extra)``: ``scale * (W - w) + extra`` on worker w (None: as many
+    as memory allows).  ``fill``: a weight pass runs in an idle gap at least
+    ``fill`` times its length (inf: only when memory or the end of the step
+    asks).  ``fit``: a forward runs only if it ends before the next backward
+    is known to arrive.  ``later_stages_first``: among a worker's stages,
+    later ones first (for V and interleaved placements).  ``reserve``: a
+    micro-batch's first forward reserves memory for all its stashes on every
+    worker that will keep one, so that no later forward of it waits for
+    memory (where a worker keeps stashes of several stages, claiming stash by
+    stash can fill every worker with micro-batches none of which can go on)."""
+
+    warmup: tuple[float, int] | None = None
+    fill: float = 1.0
+    fit: bool = False
+    later_stages_first: bool = False
+    reserve: bool = False
+
+    def caps(self, num_workers: int) -> np.ndarray:
+        if self.warmup is None:
+            return np.full(num_workers, np.iinfo(np.int64).max // 4)
+        scale, extra = self.warmup
+        return np.maximum(1, np.ceil(scale * (num_workers - np.arange(num_workers))).astype(np.int64) + extra)
+
+    def label(self) -> str:
+        warm = "memory" if self.warmup is None else f"{self.warmup[0]:g}(W-w){self.warmup[1]:+d}"
+        return f"warm-up {warm}, fill {self.fill:g}" + (", fit" if self.fit else "") + (
+            ", later stages first" if self.later_stages_first else "")
+
+
+def rules(split_backward: bool, several_stages: bool) -> list[Rule]:
+    """The grid the constructions run over (weight-pass thresholds only with a split backward;
+    stage orders and reservations only where a worker computes several stages)."""
+    warmups = [None, (2.0, -1), (1.0, 0), (2.0, 0), (1.5, 0), (1.0, 1), (1.25, 0), (1.75, 0), (2.5, 0), (3.0, 0)]
+    fills = [0.5, 0.0, 1.0, 0.25, 0.75, math.inf] if split_backward else [math.inf]
+    orders = [False, True] if several_stages else [False]
+    return [Rule(w, f, fit, o, several_stages) for fit in (False, True) for w in warmups for f in fills
+            for o in orders]
+
+
+# ---------------------------------------------------------------------- one mapping, timed
+@dataclass(eq=False)
+class Mapped:
+    """A planning problem with its mapping fixed, in CP-SAT's integer ticks: what
+    :func:`evaluate` and :func:`construct` need (durations, dependencies with
+    their transfer delays, release times, step tails, stashes and the limit)."""
+
+    timed: TimedProblem
+    label: str
+    compute: np.ndarray
+    weight: np.ndarray
+    duration: np.ndarray
+    release: np.ndarray
+    tail: np.ndarray
+    succ_ptr: np.ndarray
+    succ_idx: np.ndarray
+    succ_delay: np.ndarray
+    num_preds: np.ndarray
+    stash_forward: np.ndarray
+    stash_release: np.ndarray
+    stash_demand: np.ndarray
+    capacity: np.ndarray
+    """Each worker's stash limit in the stashes' integer unit (:data:`NO_LIMIT`: none)."""
+
+    @classmethod
+    def build(cls, timed: TimedProblem, compute, weight, label: str) -> "Mapped":
+        compute = np.asarray(compute, dtype=np.int64)
+        weight = np.asarray(weight, dtype=np.int64)
+        n = len(compute)
+        edges = timed.data_edges()
+        delay = timed.delays(edges, compute).astype(np.int64)
+        order = np.argsort(edges.src, kind="stable")
+        succ_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(edges.src, minlength=n), out=succ_ptr[1:])
+        borrowed = dataflow.fetches_weights(compute, weight)
+        release = np.zeros(n, dtype=np.int64)
+        release[borrowed] = timed.fetch[weight[borrowed], compute[borrowed], timed.stage[borrowed]]
+        problem = timed.problem
+        stashes = np.zeros((3, 0), dtype=np.int64)
+        capacity = np.full(problem.shape.num_workers, NO_LIMIT, dtype=np.int64)
+        limits = _stash_limits(problem, compute, weight)
+        if limits is not None:
+            _, _, unit = memory_demands(timed)
+            limits = np.broadcast_to(np.asarray(limits, dtype=float), capacity.shape)
+            capacity = np.where(np.isfinite(limits), np.floor(limits * unit.scale + 1e-6), NO_LIMIT).astype(np.int64)
+            rows = live_stashes(timed)
+            stashes = np.array([(f, r, d) for _, _, f, r, d in rows], dtype=np.int64).reshape(-1, 3).T
+        return cls(
+            timed=timed, label=label, compute=compute, weight=weight,
+            duration=timed.duration[np.arange(n), compute].astype(np.int64),
+            release=release, tail=step_tails(timed, compute, weight).astype(np.int64),
+            succ_ptr=succ_ptr, succ_idx=edges.dst[order].astype(np.int64), succ_delay=delay[order],
+            num_preds=np.bincount(edges.dst, minlength=n).astype(np.int64),
+            stash_forward=stashes[0], stash_release=stashes[1], stash_demand=stashes[2], capacity=capacity,
+        )
+
+    @property
+    def problem(self) -> PlanProblem:
+        return self.timed.problem
+
+    @property
+    def limited(self) -> bool:
+        return bool(np.any(self.capacity < NO_LIMIT))
+
+    @property
+    def num_workers(self) -> int:
+        return self.problem.shape.num_workers
+
+
+@dataclass(eq=False)
+class Timing:
+    """What :func:`evaluate` found for one set of orders (ticks)."""
+
+    start: np.ndarray
+    end: np.ndarray
+    score: tuple[int, int]
+    """(objective, tie-break): the tie-break (the sum of the workers' finishing
+    times or spans) lets the local search move across plateaus."""
+
+
+def evaluate(m: Mapped, orders: Sequence[np.ndarray], objective: str = "latency") -> Timing | None:
+    """The schedule the simulator makes of these fixed per-worker orders (every
+    item as early as its worker's order and its inputs allow), or None when the
+    orders contradict the dependencies or exceed the memory limit."""
+    kernels = _kernels()
+    prev, nxt = _sequence(orders, len(m.compute))
+    start, end, ok = kernels.asap(m.duration, m.release, m.succ_ptr, m.succ_idx, m.succ_delay, m.num_preds, prev, nxt)
+    if not ok:
+        return None
+    if m.limited and not kernels.memory_ok(start, end, m.stash_forward, m.stash_release, m.stash_demand,
+                                                  m.compute, m.capacity, m.num_workers):
+        return None
+    return Timing(start, end, _score(m, start, end, objective))
+
+
+def _score(m: Mapped, start: np.ndarray, end: np.ndarray, objective: str) -> tuple[int, int]:
+    W = m.num_workers
+    if objective == "latency":
+        finish = np.zeros(W, dtype=np.int64)
+        np.maximum.at(finish, m.compute, end + m.tail)
+        return int(finish.max()), int(finish.sum())
+    first = np.full(W, np.iinfo(np.int64).max)
+    last = np.zeros(W, dtype=np.int64)
+    np.minimum.at(first, m.compute, start)
+    np.maximum.at(last, m.compute, end)
+    spans = np.where(last > 0, last - np.minimum(first, last), 0)
+    return int(spans.max()), int(spans.sum())
+
+
+def _sequence(orders: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's predecessor and successor in its worker's order (-1: none)."""
+    prev = np.full(n, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    for order in orders:
+        if len(order) > 1:
+            prev[order[1:]] = order[:-1]
+            nxt[order[:-1]] = order[1:]
+    return prev, nxt
+
+
+# ---------------------------------------------------------------------- compiled kernels
+def _asap(duration, release, succ_ptr, succ_idx, succ_delay, num_preds, prev, nxt):
+    """Earliest start of every item given its data dependencies and its
+    worker's order; ok is False when they form a cycle."""
+    n = duration.shape[0]
+    waiting = num_preds.copy()
+    start = release.copy()
+    end = np.zeros(n, dtype=np.int64)
+    stack = np.empty(n, dtype=np.int64)
+    top = 0
+    for i in range(n):
+        if prev[i] >= 0:
+            waiting[i] += 1
+        if waiting[i] == 0:
+            stack[top] = i
+            top += 1
+    done = 0
+    while top > 0:
+        top -= 1
+        u = stack[top]
+        done += 1
+        finish = start[u] + duration[u]
+        end[u] = finish
+        for k in range(succ_ptr[u], succ_ptr[u + 1]):
+            v = succ_idx[k]
+            arrive = finish + succ_delay[k]
+            if arrive > start[v]:
+                start[v] = arrive
+            waiting[v] -= 1
+            if waiting[v] == 0:
+                stack[top] = v
+                top += 1
+        v = nxt[u]
+        if v >= 0:
+            if finish > start[v]:
+                start[v] = finish
+            waiting[v] -= 1
+            if waiting[v] == 0:
+                stack[top] = v
+                top += 1
+    return start, end, done == n
+
+
+def _memory_ok(start, end, forward, release, demand, compute, capacity, num_workers):
+    """Whether every worker's live stashes stay within ``capacity``: a stash
+    share is live on its freeing pass's worker from the forward's start to that
+    pass's end (a share freed at an instant is free for a forward starting then)."""
+    k = forward.shape[0]
+    times = np.empty(2 * k, dtype=np.int64)
+    for j in range(k):
+        times[2 * j] = 2 * start[forward[j]] + 1
+        times[2 * j + 1] = 2 * end[release[j]]
+    order = np.argsort(times, kind="mergesort")
+    level = np.zeros(num_workers, dtype=np.int64)
+    for e in order:
+        j = e // 2
+        w = compute[release[j]]
+        if e % 2 == 0:
+            level[w] += demand[j]
+            if level[w] > capacity[w]:
+                return False
+        else:
+            level[w] -= demand[j]
+    return True
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    asap: object
+    memory_ok: object
+
+
+@cache
+def _kernels() -> _Kernels:
+    """The kernels compiled by numba on first use (plain Python without numba)."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return _Kernels(_asap, _memory_ok)
+    jit = numba.njit(cache=True, nogil=True)
+    return _Kernels(jit(_asap), jit(_memory_ok))
+
+
+# ---------------------------------------------------------------------- construction
+def construct(m: Mapped, rule: Rule) -> list[np.ndarray] | None:
+    """Per-worker orders made by walking time forward with ``rule`` (see the
+    module docstring), or None when the rule leaves every worker waiting."""
+    return _Builder(m, rule).run()
+
+
+class _Builder:
+    """The list scheduler of :func:`construct`: one decision each time a worker is free."""
+
+    def __init__(self, m: Mapped, rule: Rule):
+        problem = m.problem
+        W = m.num_workers
+        batch, stage, direction = problem.items.arrays()
+        self.m, self.rule = m, rule
+        self.kind = np.where(direction == FORWARD, 0, np.where(direction == BACKWARD_WEIGHT, 2, 1)).tolist()
+        sign = -1 if rule.later_stages_first else 1
+        self.key = list(zip(batch.tolist(), (sign * stage).tolist()))
+        self.worker = m.compute.tolist()
+        self.duration = m.duration.tolist()
+        self.arrival = m.release.tolist()
+        self.waiting = m.num_preds.tolist()
+        self.succ_ptr, self.succ_idx, self.succ_delay = m.succ_ptr.tolist(), m.succ_idx.tolist(), m.succ_delay.tolist()
+        self.cap = rule.caps(W).tolist()
+        self.free = [0] * W
+        self.ahead = [0] * W  # forwards run minus first backwards run, per worker
+        self.left = np.bincount(m.compute[direction != BACKWARD_WEIGHT], minlength=W).tolist()
+        self.ready: list[list[list[int]]] = [[[], [], []] for _ in range(W)]
+        self.orders: list[list[int]] = [[] for _ in range(W)]
+        self.events: list[tuple[int, int]] = []
+        self.idle = [False] * W
+        self._memory_tables(m)
+
+    def _memory_tables(self, m: Mapped) -> None:
+        """Per forward, its claims (holder, amount); per freeing pass, its release."""
+        n = len(m.compute)
+        self.claims: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.frees: list[tuple[int, int] | None] = [None] * n
+        batch, stage, _ = m.problem.items.arrays()
+        entry = {}  # micro-batch -> its first forward (of a source stage)
+        sources = set(m.problem.stage_graph.sources)
+        for f in m.stash_forward.tolist():
+            if int(stage[f]) in sources:
+                entry.setdefault(int(batch[f]), f)
+        for f, r, d in zip(m.stash_forward.tolist(), m.stash_release.tolist(), m.stash_demand.tolist()):
+            holder = self.worker[r]
+            claimer = entry.get(int(batch[f]), f) if self.rule.reserve else f
+            self.claims[claimer].append((holder, d))
+            self.frees[r] = (holder, d)
+        self.capacity = m.capacity.tolist()
+        self.limited = m.limited
+        self.live = [0] * m.num_workers
+        self.releases: list[list[tuple[int, int]]] = [[] for _ in range(m.num_workers)]
+
+    def run(self) -> list[np.ndarray] | None:
+        for i, count in enumerate(self.waiting):
+            if count == 0:
+                self._make_ready(i)
+        for w in range(len(self.free)):
+            heappush(self.events, (0, w))
+        while self.events:
+            t, w = heappop(self.events)
+            if t < self.free[w]:
+                continue
+            self._decide(w, t)
+        if any(count != -1 for count in self.waiting):
+            return None
+        return [np.array(order, dtype=np.int64) for order in self.orders]
+
+    def _make_ready(self, item: int) -> None:
+        w = self.worker[item]
+        self.ready[w][self.kind[item]].append(item)
+        if self.idle[w]:
+            self.idle[w] = False
+            heappush(self.events, (max(self.free[w], self.arrival[item]), w))
+
+    def _level(self, holder: int, t: int) -> int:
+        releases = self.releases[holder]
+        while releases and releases[0][0] <= t:
+            self.live[holder] -= heappop(releases)[1]
+        return self.live[holder]
+
+    def _fits(self, item: int, t: int) -> bool:
+        if not self.limited:
+            return True
+        need: dict[int, int] = {}
+        for holder, amount in self.claims[item]:
+            need[holder] = need.get(holder, 0) + amount
+        return all(self._level(h, t) + a <= self.capacity[h] for h, a in need.items())
+
+    def _decide(self, w: int, t: int) -> None:
+        forwards, backwards, weights = self.ready[w]
+        arrival, key = self.arrival, self.key
+        now_b = [i for i in backwards if arrival[i] <= t]
+        if now_b:
+            return self._run(w, min(now_b, key=key.__getitem__), t)
+        may_forward = self.ahead[w] < self.cap[w]
+        next_b = min((arrival[i] for i in backwards), default=math.inf)
+        fitting = [i for i in forwards if may_forward and self._fits(i, t)]
+        now_f = [i for i in fitting if arrival[i] <= t
+                 and (not self.rule.fit or t + self.duration[i] <= next_b)]
+        if now_f:
+            return self._run(w, min(now_f, key=key.__getitem__), t)
+        now_w = [i for i in weights if arrival[i] <= t]
+        if now_w:
+            item = min(now_w, key=key.__getitem__)
+            blocked = any(not self._fits(i, t) for i in forwards if arrival[i] <= t) and may_forward
+            upcoming = min([next_b] + [arrival[i] for i in fitting], default=math.inf)
+            if blocked or self.left[w] == 0 or upcoming - t >= self.rule.fill * self.duration[item]:
+                return self._run(w, item, t)
+        self._wait(w, t)
+
+    def _wait(self, w: int, t: int) -> None:
+        """Look again at the next known arrival or memory release; else when new work arrives."""
+        times = [self.arrival[i] for kind in self.ready[w] for i in kind if self.arrival[i] > t]
+        times += [r[0] for r in self.releases[w] if r[0] > t]
+        if times:
+            heappush(self.events, (min(times), w))
+        self.idle[w] = True
+
+    def _run(self, w: int, item: int, t: int) -> None:
+        self.ready[w][self.kind[item]].remove(item)
+        self.waiting[item] = -1
+        self.orders[w].append(item)
+        finish = t + self.duration[item]
+        self.free[w] = finish
+        kind = self.kind[item]
+        if kind == 0:
+            self.ahead[w] += 1
+            for holder, amount in self.claims[item]:
+                self._level(holder, t)
+                self.live[holder] += amount
+        elif kind == 1:
+            self.ahead[w] -= 1
+        if kind != 2:
+            self.left[w] -= 1
+        if self.frees[item] is not None:
+            holder, amount = self.frees[item]
+            heappush(self.releases[holder], (finish, amount))
+            self._wake(holder, finish)
+        for k in range(self.succ_ptr[item], self.succ_ptr[item + 1]):
+            nxt = self.succ_idx[k]
+            self.arrival[nxt] = max(self.arrival[nxt], finish + self.succ_delay[k])
+            self.waiting[nxt] -= 1
+            if self.waiting[nxt] == 0:
+                self._make_ready(nxt)
+        self.idle[w] = False
+        heappush(self.events, (finish, w))
+
+    def _wake(self, holder: int, when: int) -> None:
+        for w in range(len(self.idle)):
+            if self.idle[w] and self.ready[w][0]:
+                self.idle[w] = False
+                heappush(self.events, (max(self.free[w], when), w))
+
+
+# ---------------------------------------------------------------------- improvement
+@dataclass(eq=False)
+class Start:
+    """A point the local search works from: a mapping, its orders and their timing."""
+
+    m: Mapped
+    orders: list[np.ndarray]
+    timing: Timing
+    how: str
+    stale: int = 0
+    """Moves tried since the last one that made it better."""
+
+
+def improve(start: Start, objective: str, moves: int, rng: np.random.Generator) -> bool:
+    """Try ``moves`` local moves on ``start`` (changed in place); whether it got strictly better.
+
+    A move takes an item of a worker (the worker that sets the objective half
+    the time; a weight pass more often than not) and puts it a few places
+    earlier or later in that worker's order; it is kept when the schedule is
+    valid and no worse (ties are kept too, so the search drifts across plateaus)."""
+    m, orders = start.m, start.orders
+    W = m.num_workers
+    weights = m.problem.items.arrays()[2] == BACKWARD_WEIGHT
+    reach = max(2, 2 * W)
+    better = False
+    for _ in range(moves):
+        w = _busiest(m, start.timing, objective) if rng.random() < 0.5 else int(rng.integers(W))
+        order = orders[w]
+        if len(order) < 2:
+            continue
+        if rng.random() < 0.6 and weights.any():
+            candidates = np.flatnonzero(weights[order])
+            i = int(candidates[rng.integers(len(candidates))]) if len(candidates) else int(rng.integers(len(order)))
+        else:
+            i = int(rng.integers(len(order)))
+        j = int(np.clip(i + rng.integers(-reach, reach + 1), 0, len(order) - 1))
+        if i == j:
+            continue
+        moved = np.insert(np.delete(order, i), j, order[i])
+        orders[w] = moved
+        timing = evaluate(m, orders, objective)
+        if timing is not None and timing.score <= start.timing.score:
+            better = better or timing.score[0] < start.timing.score[0]
+            start.stale = 0 if timing.score < start.timing.score else start.stale + 1
+            start.timing = timing
+        else:
+            orders[w] = order
+            start.stale += 1
+    return better
+
+
+def _busiest(m: Mapped, timing: Timing, objective: str) -> int:
+    """The worker that sets the objective: the last to finish, or the longest span."""
+    W = m.num_workers
+    last = np.zeros(W, dtype=np.int64)
+    np.maximum.at(last, m.compute, timing.end + (m.tail if objective == "latency" else 0))
+    if objective == "latency":
+        return int(np.argmax(last))
+    first = np.full(W, np.iinfo(np.int64).max)
+    np.minimum.at(first, m.compute, timing.start)
+    return int(np.argmax(last - np.minimum(first, last)))
+
+
+# ---------------------------------------------------------------------- the search
+def search(
+    problem: PlanProblem,
+    *,
+    time_limit: float = 10.0,
+    objective: str | None = None,
+    members: Iterable[tuple[str, Strategy | None, str]] | None = None,
+    progress: TextIO | None = None,
+    seed: int = 0,
+) -> Plan:
+    """The best plan found within ``time_limit`` seconds (see the module docstring).
+
+    ``objective`` defaults to the problem's; ``members`` replaces the
+    registry's strategies as seeds; ``progress`` gets a line per improvement
+    (at most two a second) and one when the search ends.  Ctrl-C ends the
+    search early with the best plan so far."""
+    objective = objective or getattr(problem, "objective", "latency")
+    if objective not in OBJECTIVES:
+        raise PlanInputError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
+            or not 0 < time_limit < math.inf):
+        raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    begin = time.perf_counter()
+    run = _Run(problem, objective, progress, begin)
+    try:
+        family = search_family(problem, members if members is not None else registry_members(problem))
+    except KeyboardInterrupt:
+        raise UniSchedError("interrupted before any schedule was found: let the search run longer") from None
+    seeds = sorted(family.feasible, key=lambda member: objective_of(member.simulation, objective))
+    if not seeds:
+        raise UniSchedError(_nothing_runs(problem, family))
+    run.offer_seed(seeds[0])
+    try:
+        mappings = seed_mappings(problem, seeds, family, constructed=members is None)
+        starts = run.constructions(mappings, begin + CONSTRUCT_SHARE * float(time_limit))
+        run.local_search(starts, begin + float(time_limit), np.random.default_rng(seed))
+    except KeyboardInterrupt:
+        run.interrupted = True
+    return run.answer(seeds, family)
+
+
+def objective_of(sim, objective: str) -> float:
+    """A simulated step's latency, or its longest per-worker busy span."""
+    if objective == "latency":
+        return float(sim.latency)
+    return float(spans(sim.timeline).max(initial=0.0))
+
+
+def spans(timeline) -> np.ndarray:
+    """Per worker: from its first item's start to its last item's end (0 for an idle worker)."""
+    W = timeline.num_workers
+    first = np.full(W, np.inf)
+    last = np.full(W, -np.inf)
+    np.minimum.at(first, timeline.worker, timeline.start)
+    np.maximum.at(last, timeline.worker, timeline.end)
+    return np.where(np.isfinite(first), last - first, 0.0)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """A mapping to construct orders for, with the orders it came with (None: none that run)."""
+
+    label: str
+    compute: np.ndarray
+    weight: np.ndarray
+    orders: list[np.ndarray] | None = None
+
+
+def seed_mappings(problem: PlanProblem, feasible: list[Member], family, constructed: bool = True) -> list[Mapping]:
+    """Distinct mappings to start from: the named strategies that ran (best first, with their
+    simulated orders), the planner's constructed mappings (with ``constructed``), and the
+    named strategies whose greedy replay deadlocked under the memory limit (a memory-aware
+    order may run them)."""
+    found: list[Mapping] = []
+    for member in feasible:
+        schedule = _schedule_of(problem, member)
+        orders = [np.asarray(schedule.orders[w], dtype=np.int64) for w in range(problem.shape.num_workers)]
+        found.append(Mapping(member.label, schedule.compute, schedule.weight, orders))
+    others = [(label, strategy) for label, strategy, _ in constructed_members(problem)] if constructed else []
+    others += [(m.label, m.strategy) for m in family.dropped
+               if m.strategy is not None and m.reason.startswith("deadlock")]
+    for label, strategy in others:
+        if other_backward(strategy, problem.split_backward):
+            continue
+        compute, weight = map_arrays(problem, strategy)
+        found.append(Mapping(label, compute, weight))
+    distinct, seen = [], set()
+    for mapping in found:
+        key = mapping.compute.tobytes() + mapping.weight.tobytes()
+        if key not in seen and _within_limits(problem, mapping.compute):
+            seen.add(key)
+            distinct.append(mapping)
+    return distinct
+
+
+def _within_limits(problem: PlanProblem, compute: np.ndarray) -> bool:
+    """Whether a mapping can run at all: stages per worker and one micro-batch's stashes per worker."""
+    K = problem.max_stages_per_worker
+    held = np.zeros((problem.shape.num_workers, problem.shape.num_stages), dtype=bool)
+    held[compute, problem.items.arrays()[1]] = True
+    if K is not None and held.sum(axis=1).max() > K:
+        return False
+    if problem.memory_limit is None:
+        return True
+    need, worker = problem.min_memory_mapped(compute)
+    return need <= float(np.min(problem.memory_limit)) + 1e-9
+
+
+SAY_EVERY = 0.5
+"""Seconds between two progress lines."""
+
+
+@dataclass(eq=False)
+class _Run:
+    """One search: the best so far (a seed's replay or a searched order), the bound, progress."""
+
+    problem: PlanProblem
+    objective: str
+    progress: TextIO | None
+    begin: float
+    best_value: float = math.inf
+    best_label: str = ""
+    best_seed: Member | None = None
+    best_start: Start | None = None
+    interrupted: bool = False
+    said: float = -math.inf
+    unsaid: bool = False
+
+    def __post_init__(self):
+        self.timed = _timed(self.problem)
+        bounds = shape_bounds(self.problem)
+        self.bounds = {"work": bounds["work"]} if self.objective == "span" else bounds
+        self.bound = max(self.bounds.values())
+
+    @property
+    def met(self) -> bool:
+        return self.best_value <= self.bound * (1 + 1e-9)
+
+    def offer_seed(self, member: Member) -> None:
+        self.best_value = objective_of(member.simulation, self.objective)
+        self.best_label, self.best_seed = member.label, member
+        self._announce()
+
+    def offer(self, start: Start) -> bool:
+        """Keep ``start`` as the best if it is; whether it was."""
+        value = self.timed.ticks.time(start.timing.score[0])
+        if value >= self.best_value - 1e-9:
+            return False
+        self.best_value, self.best_label, self.best_start = value, f"{start.m.label} + {start.how}", start
+        self._announce()
+        return True
+
+    def _announce(self, final: str = "") -> None:
+        now = time.perf_counter()
+        if self.progress is None or (not final and now - self.said < SAY_EVERY):
+            self.unsaid = not final
+            return
+        gap = (self.best_value - self.bound) / self.bound if self.bound > 0 else 0.0
+        self.progress.write(f"search: {self.objective} {self.best_value:g}, {gap:.1%} above the bound "
+                            f"{self.bound:g} ({self.best_label}) after {now - self.begin:.1f} s{final}\n")
+        self.progress.flush()
+        self.said, self.unsaid = now, False
+
+    def constructions(self, seeds: list[Mapping], until: float) -> list[Start]:
+        """The seeds' own orders, then the list scheduler's: first a few rules on every seed
+        mapping, then the rest of the grid on the most promising mappings, until ``until``."""
+        problem = self.problem
+        starts: list[Start] = []
+        tried: list[tuple[Mapped, list[Rule]]] = []
+        for seed in seeds:
+            if self.met or time.perf_counter() > until:
+                break
+            m = Mapped.build(self.timed, seed.compute, seed.weight, seed.label)
+            if seed.orders is not None:
+                timing = evaluate(m, seed.orders, self.objective)
+                if timing is not None:
+                    starts.append(Start(m, seed.orders, timing, "its own order"))
+            held = np.zeros((m.num_workers, problem.shape.num_stages), dtype=bool)
+            held[m.compute, m.timed.stage] = True
+            grid = rules(problem.split_backward, bool(held.sum(axis=1).max() > 1))
+            made = [self._construct(m, rule, starts) for rule in grid[:FIRST_RULES] if time.perf_counter() < until]
+            if any(made):
+                tried.append((m, grid[FIRST_RULES:]))
+        by_mapping = {id(s.m): s.timing.score for s in sorted(starts, key=lambda s: s.timing.score, reverse=True)}
+        for m, rest in sorted(tried, key=lambda mr: by_mapping.get(id(mr[0]), (math.inf,))):
+            for rule in rest:
+                if self.met or time.perf_counter() > until:
+                    break
+                self._construct(m, rule, starts)
+        return sorted(starts, key=lambda s: s.timing.score)
+
+    def _construct(self, m: Mapped, rule: Rule, starts: list[Start]) -> bool:
+        orders = construct(m, rule)
+        timing = evaluate(m, orders, self.objective) if orders is not None else None
+        if timing is None:
+            return False
+        start = Start(m, orders, timing, rule.label())
+        starts.append(start)
+        self.offer(start)
+        return True
+
+    def local_search(self, starts: list[Start], deadline: float, rng: np.random.Generator) -> None:
+        """Improve the best few starting points, the most promising first, until the deadline or the bound."""
+        pool = starts[:3]
+        while pool and not self.met and time.perf_counter() < deadline:
+            pool.sort(key=lambda s: (s.stale > 20 * len(s.m.compute), s.timing.score))
+            start = pool[0]
+            if improve(start, self.objective, 50, rng):
+                start.how = start.how.removesuffix(" + local search") + " + local search"
+                self.offer(start)
+
+    def answer(self, seeds: list[Member], family) -> Plan:
+        """The best found, replayed by the simulator, as a Plan (the best seed if the replay disagrees)."""
+        stop = " (interrupted)" if self.interrupted else " (bound met)" if self.met else " (time limit)"
+        label, source, schedule, sim = self._replayed_best(seeds[0])
+        self.best_label = label
+        self.best_value = objective_of(sim, self.objective)
+        self._announce(final=stop)
+        rows = [dict(strategy=label, source=source, **measures(sim))]
+        rows += [dict(strategy=m.label, source="family", **measures(m.simulation)) for m in seeds if m.label != label]
+        value = self.best_value
+        proven = value <= self.bound * (1 + 1e-9)
+        for row in rows:
+            row.update(gap=(row["latency"] - self.bound) / self.bound if self.bound > 0 else 0.0,
+                       optimal=proven and row is rows[0], pareto=False, model_latency=None)
+        rows.sort(key=lambda row: row["latency"])
+        return Plan(
+            schedule=schedule,
+            strategy_name=label,
+            latency=float(sim.latency),
+            lower_bound=float(self.bound),
+            bounds=dict(self.bounds),
+            optimal=proven,
+            candidates=rows,
+            dropped=[{"strategy": m.label, "reason": m.reason} for m in family.dropped],
+            elapsed=time.perf_counter() - self.begin,
+            replay=sim,
+            objective=self.objective,
+            objective_value=value,
+            proven_for=ANY_SCHEDULE if proven else "",
+            bound_for=ANY_SCHEDULE,
+            interrupted=self.interrupted,
+            search="heuristic search",
+        )
+
+    def _replayed_best(self, seed: Member):
+        """(label, source, schedule, replay) of the best: the searched orders as the simulator
+        replays them, unless that replay fails or is worse than the best seed's."""
+        fallback = (seed.label, "family", _schedule_of(self.problem, seed), seed.simulation)
+        start = self.best_start
+        if start is None:
+            return fallback
+        schedule = Schedule(self.problem, start.m.compute, start.m.weight,
+                            {w: order.tolist() for w, order in enumerate(start.orders)}, name="search")
+        try:
+            sim = schedule.simulate()
+        except UniSchedError:
+            return fallback
+        if objective_of(sim, self.objective) > objective_of(seed.simulation, self.objective) + 1e-9:
+            return fallback
+        return f"{start.m.label} + {start.how}", "search", schedule, sim
+
+
+def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
+    """A family member's simulated run as fixed workers and per-worker orders."""
+    t = member.simulation.timeline
+    rows = np.empty(problem.num_items, dtype=np.int64)
+    rows[problem.items.id(t.batch, t.stage, t.direction)] = np.arange(len(t))
+    return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
+
+
+def _stash_limits(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray):
+    """Each worker's stash limit under this mapping (None: no limit): what the problem says
+    its weights leave of a memory budget, or its memory limit."""
+    if hasattr(problem, "stash_limits"):
+        return problem.stash_limits(compute, weight)
+    return problem.memory_limit
+
+
+def _timed(problem: PlanProblem) -> TimedProblem:
+    try:
+        return TimedProblem.build(problem)
+    except (OverflowError, ValueError) as error:
+        raise PlanInputError(
+            f"the costs do not fit the integer ticks the search counts time in ({error}): give the times in a "
+            "coarser unit (e.g. milliseconds instead of microseconds)"
+        ) from None
+
+
+def _nothing_runs(problem: PlanProblem, family) -> str:
+    W, S, B = problem.shape
+    reasons = "; ".join(f"{m.label}: {m.reason}" for m in family.dropped[:4])
+    return (f"no named strategy runs on W={W}, S={S}, B={B} under these limits, so the search has no seed"
+            + (f" (dropped: {reasons})" if reasons else "") + "; raise --memory-limit or allow more stages per worker")

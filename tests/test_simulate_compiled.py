@@ -16,6 +16,7 @@ from unisched import ComputeAndWeightWorkers, Costs, DeadlockError
 from unisched.simulate import engine, fast
 from unisched.simulate.priorities import BUILTIN_PRIORITIES
 from unisched.simulate.problem import build
+from unisched.timeline import TRANSFER_KINDS
 from unisched.work import Shape, as_stage_graph
 
 pytestmark = pytest.mark.skipif(fast.compiled_schedule() is None, reason="numba is not installed")
@@ -41,19 +42,22 @@ def both_runs(shape, strategy, priority, costs, limit, split, graph, in_bytes):
     p = build(shape, strategy, priority, costs, limit, split, graph, in_bytes)
     assert fast.covers(p)
     try:
-        start, end, _ = engine.run(p)
-        expected = (np.asarray(start), np.asarray(end))
+        start, end, rows = engine.run(p)
+        expected = (np.asarray(start), np.asarray(end), rows)
     except DeadlockError as error:
         expected = error
     return expected, fast.run(p)
 
 
 def assert_same(expected, got):
-    start, end = got
+    """Same start and end of every item and the same transfers booked in the
+    same order, or, where the engine deadlocks, items left unscheduled."""
+    start, end, rows = got
     if isinstance(expected, DeadlockError):
         assert start.min() < 0, "the engine deadlocks, so the compiled greedy must leave items unscheduled"
     else:
         assert np.array_equal(start, expected[0]) and np.array_equal(end, expected[1])
+        assert rows == expected[2]
 
 
 def diamond_or_chain(S, diamond):
@@ -73,7 +77,7 @@ def diamond_or_chain(S, diamond):
     diamond=st.booleans(),
     priority=st.sampled_from([*BUILTIN_PRIORITIES, "random"]),
     limit=st.one_of(st.none(), st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0]), st.just("per worker")),
-    costs=st.sampled_from(["unit", "per stage", "speeds", "bytes"]),
+    costs=st.sampled_from(["unit", "per stage", "speeds", "bytes", "links", "weights"]),
     input_grad_frees=st.sampled_from([0.5, 0.25, 1.0]),
     seed=st.integers(0, 2**31),
 )
@@ -88,14 +92,21 @@ def test_random_strategies_same_timeline(W, S, B, split, diamond, priority, limi
                            input_grad_frees=input_grad_frees),
         "speeds": Costs(worker_speed=list(rng.choice([0.5, 1.0, 2.0], W)), input_grad_frees=input_grad_frees),
         "bytes": Costs(activation_bytes=list(rng.choice([1.0, 3.0], S)), input_grad_frees=input_grad_frees),
+        "links": Costs(activation_bytes=list(rng.choice([1.0, 3.0], S)), bandwidth=float(rng.choice([0.5, 2.0])),
+                       latency=float(rng.choice([0.0, 0.25])), input_grad_frees=input_grad_frees,
+                       links={(0, W - 1): unisched.Link(0.5, 1.0)} if W > 1 else {}),
+        "weights": Costs(weight_bytes=list(rng.choice([0.0, 1.0, 4.0], S)), activation_bytes=1.0, bandwidth=2.0,
+                         prefetch_depth=int(rng.integers(0, 3)), cache_weights=bool(rng.integers(2)),
+                         input_grad_frees=input_grad_frees),
     }[costs]
     if limit == "per worker":
         limit = list(rng.choice([2.0, 3.0, 4.0], W))
-    if limit is not None and costs == "bytes":
+    in_bytes = cost_of.has_sizes
+    if limit is not None and in_bytes:
         limit = np.asarray(limit) * 3.0
-    if limit is not None and np.min(limit) < (3.0 if costs == "bytes" else 1.0):
+    if limit is not None and np.min(limit) < (3.0 if in_bytes else 1.0):
         limit = None  # a limit below one stash is refused before simulating (test_bad_input)
-    expected, got = both_runs(shape, strategy, order, cost_of, limit, split, diamond_or_chain(S, diamond), None)
+    expected, got = both_runs(shape, strategy, order, cost_of, limit, split, diamond_or_chain(S, diamond), in_bytes)
     assert_same(expected, got)
 
 
@@ -133,25 +144,40 @@ def test_named_strategies_same_timeline(name, W, S, B):
     assert_same(expected, got)
 
 
-def test_simulate_takes_the_compiled_path_with_a_memory_limit(monkeypatch):
-    """1F1B at a size the compiled greedy runs: simulate() never calls the
-    engine, and its timeline is the engine's."""
+@pytest.mark.parametrize("name, costs", [
+    ("one_f_one_b", Costs()),
+    ("zb_h1", Costs(activation_bytes=1.0, bandwidth=4.0, latency=0.1)),
+    ("fsdp", Costs(activation_bytes=1.0, weight_bytes=8.0, bandwidth=4.0, prefetch_depth=2)),
+])
+def test_simulate_takes_the_compiled_path(monkeypatch, name, costs):
+    """At a size the compiled greedy runs, simulate() never calls the engine,
+    and its timeline and transfers are the engine's."""
     W = S = 16
-    B = fast.COMPILED_FROM // (2 * S) + 1
-    strategy = unisched.policies.get("one_f_one_b", num_workers=W, num_stages=S, num_batches=B)
+    B = 16 if name == "fsdp" else fast.COMPILED_FROM // (2 * S) + 1
+    if name == "fsdp":
+        S = fast.COMPILED_FROM // (2 * B) + 1
+    strategy = unisched.policies.get(name, num_workers=W, num_stages=S, num_batches=B)
     priority = strategy.priority or BUILTIN_PRIORITIES["oldest_batch_first"](S, B)
-    p = build(Shape(W, S, B), strategy, priority, Costs(), strategy.memory_limit, False, as_stage_graph(S, None), False)
-    start, end, _ = engine.run(p)
+    p = build(Shape(W, S, B), strategy, priority, costs, strategy.memory_limit, strategy.split_backward,
+              as_stage_graph(S, None), False)
+    start, end, rows = engine.run(p)
+    assert p.num_items >= fast.COMPILED_FROM and (rows is None) == (not costs.has_communication)
 
     def refuse(problem):
         raise AssertionError("the engine ran a step the compiled greedy covers")
 
     monkeypatch.setattr(engine, "run", refuse)
-    t = unisched.simulate(W, S, B, strategy).timeline
+    t = unisched.simulate(W, S, B, strategy, costs=costs).timeline
     index = t.index()
     for i in range(p.num_items):
         row = index[p.work(i)]
         assert (t.start[row], t.end[row]) == (start[i], end[i])
+    if rows:
+        booked = sorted((r[1], r[2], r[3], r[4], r[5]) for r in rows)
+        got = t.transfers
+        kept = got.kind != TRANSFER_KINDS.index("allreduce")
+        assert booked == sorted(zip(got.src[kept].tolist(), got.dst[kept].tolist(), got.start[kept].tolist(),
+                                    got.end[kept].tolist(), got.nbytes[kept].tolist()))
 
 
 def test_a_compiled_deadlock_is_explained_by_the_engine():

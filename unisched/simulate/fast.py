@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import NamedTuple
+
 import numpy as np
 
 from unisched.dataflow import EDGE_PRIMARY
+from unisched.simulate.problem import EDGE_SEQUENCE, moves
 from unisched.simulate.stashes import StashAccounts, region_starts
+from unisched.timeline import TRANSFER_KINDS
 
 COMPILED_FROM = 4096
 """Steps with fewer items run on the Python engine, in a few milliseconds."""
@@ -43,17 +47,74 @@ _EPS = 1e-9
 
 
 def covers(problem) -> bool:
-    """Whether the compiled greedy runs this problem (else the engine does)."""
-    return not problem.comm and not problem.gang_members
+    """Whether the compiled greedy runs this problem (else the engine does):
+    no gangs and no topology (links between pairs of workers are fine)."""
+    return getattr(problem.costs, "topology", None) is None and not problem.gang_members
+
+
+class Graph(NamedTuple):
+    """The items, their durations and ranks, and the dependencies followed (CSR by source)."""
+
+    worker: np.ndarray
+    duration: np.ndarray
+    rank: np.ndarray
+    succ_ptr: np.ndarray
+    succ_idx: np.ndarray
+    succ_primary: np.ndarray
+    """Per edge: whether it triggers its target (its rank becomes the target's key)."""
+    succ_sends: np.ndarray
+    """Per edge: whether it goes through the network (fixed-order edges do not)."""
+    num_deps: np.ndarray
+    source_items: np.ndarray
+    source_keys: np.ndarray
+    num_workers: int
+
+
+class Links(NamedTuple):
+    """The network between pairs of workers (``engine._Communication``
+    without gangs or topology), or all empty when communication is free.
+
+    Every transfer that may happen has its link (one per ordered pair of
+    workers, with its latency and bandwidth) known in advance: an edge's,
+    an item's weight fetch and its gradient's return.  A link's calendar
+    (busy intervals, sorted) has one slot per such transfer."""
+
+    on: bool
+    edge_kind: np.ndarray
+    """Per edge: the transfer kind it moves (a code of ``TRANSFER_KINDS``), -1: nothing."""
+    edge_bytes: np.ndarray
+    edge_link: np.ndarray
+    fetch_link: np.ndarray
+    """Per item: the link its weights come over, -1 when its worker holds them."""
+    return_link: np.ndarray
+    """Per item: the link its weight gradient goes back over, -1: none."""
+    weight_bytes: np.ndarray
+    stage: np.ndarray
+    num_stages: int
+    latency: np.ndarray
+    bandwidth: np.ndarray
+    link_src: np.ndarray
+    link_dst: np.ndarray
+    calendar_base: np.ndarray
+    grads_per_stage: np.ndarray
+    """Per (worker, stage): how many of its items return a gradient of that stage."""
+    prefetch_depth: int
+    cache_weights: bool
+    weights_kind: int
+    gradient_kind: int
+
+
+def graph_of(problem) -> Graph:
+    return Graph(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
+                 problem.succ_kind == EDGE_PRIMARY, problem.succ_kind != EDGE_SEQUENCE, problem.num_deps,
+                 problem.sources[0], problem.rank[problem.sources[1]], problem.num_workers)
 
 
 def stash_accounts(problem) -> StashAccounts:
     """``problem``'s memory model as flat arrays (empty without a limit)."""
     n, W = problem.num_items, problem.num_workers
     if problem.claims is None:
-        none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
-        return StashAccounts(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
-                             none_i, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W, np.int64))
+        return no_stashes(n, W)
     claim_ptr, (claim_worker, claim_amount) = _csr(problem.claims, n, 2)
     release_ptr, (release_worker, release_amount, release_owner) = _csr(problem.releases_of, n, 3)
     claim_worker, release_worker = claim_worker.astype(np.int64), release_worker.astype(np.int64)
@@ -77,6 +138,12 @@ def stash_accounts(problem) -> StashAccounts:
     )
 
 
+def no_stashes(n: int, W: int) -> StashAccounts:
+    none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+    return StashAccounts(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
+                         none_i, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W, np.int64))
+
+
 def _csr(rows: list, n: int, width: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """Per-item tuples of ``width``-tuples (or None) as a pointer array and columns."""
     counts = np.fromiter((len(r) if r else 0 for r in rows), dtype=np.int64, count=n)
@@ -86,41 +153,83 @@ def _csr(rows: list, n: int, width: int) -> tuple[np.ndarray, tuple[np.ndarray, 
     return ptr, tuple(flat.T.copy())
 
 
+def links_of(problem) -> Links:
+    """``problem``'s network as :class:`Links` (off when communication is free)."""
+    n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
+    worker, holder = problem.worker_array, problem.weight_worker_array
+    src = np.repeat(np.arange(n), np.diff(problem.succ_ptr))
+    dst = problem.succ_idx
+    if not problem.comm:
+        none = np.zeros(0, np.int64)
+        return Links(False, none, np.zeros(0), none, none, none, np.zeros(0), none, S, np.zeros(0), np.zeros(0),
+                     none, none, none, none, 0, False, 0, 0)
+    kinds, nbytes = moves(problem, np.stack([src, dst, problem.succ_kind, problem.succ_moved]))
+    kinds = kinds.astype(np.int64)
+    kinds[(worker[src] == worker[dst]) | (problem.succ_kind == EDGE_SEQUENCE)] = -1
+    fetches = worker != holder
+    returns = np.asarray(problem.returns_gradient, dtype=bool)
+    pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + worker)[fetches],
+                           (worker * W + holder)[returns]])
+    pairs, link, per_link = np.unique(pair, return_inverse=True, return_counts=True)
+    link = link.reshape(-1)
+    edge_link, fetch_link, return_link = np.full(len(kinds), -1), np.full(n, -1), np.full(n, -1)
+    edges, fetched = int((kinds >= 0).sum()), int(fetches.sum())
+    edge_link[kinds >= 0] = link[:edges]
+    fetch_link[fetches] = link[edges:edges + fetched]
+    return_link[returns] = link[edges + fetched:]
+    found = [problem.costs.link(int(a), int(b)) for a, b in zip(pairs // W, pairs % W)]
+    grads = np.zeros(W * S, np.int64)
+    for (w, s), count in problem.gradient_returns.items():
+        grads[w * S + s] = count
+    return Links(
+        on=True, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float), edge_link=edge_link,
+        fetch_link=fetch_link, return_link=return_link, weight_bytes=np.asarray(problem.weight_bytes, dtype=float),
+        stage=problem.stage, num_stages=S, latency=np.array([f.latency for f in found], dtype=float),
+        bandwidth=np.array([f.bandwidth for f in found], dtype=float), link_src=pairs // W, link_dst=pairs % W,
+        calendar_base=region_starts(per_link), grads_per_stage=grads, prefetch_depth=int(problem.prefetch_depth),
+        cache_weights=bool(problem.cache_weights), weights_kind=TRANSFER_KINDS.index("weights"),
+        gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
+    )
+
+
 def run(problem):
-    """Start and end time of every item of ``problem`` (compiled, or None
-    without numba); items never scheduled (a deadlock) keep start -1."""
+    """Start and end time of every item of ``problem``, and the transfers
+    booked (the engine's rows, None with free communication); or None
+    without numba.  Items never scheduled (a deadlock) keep start -1."""
     kernel = compiled_schedule()
     if kernel is None:
         return None
-    a = stash_accounts(problem)
-    return kernel(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
-                  problem.succ_kind == EDGE_PRIMARY, problem.num_deps, problem.sources[0],
-                  problem.rank[problem.sources[1]], problem.num_workers, a.limit, a.claim_ptr, a.claim_worker,
-                  a.claim_amount, a.claim_pair, a.pair_ptr, a.pair_base, a.release_ptr, a.release_worker,
-                  a.release_amount, a.release_base)
+    links = links_of(problem)
+    start, end, rows = kernel(graph_of(problem), stash_accounts(problem), links)
+    if not links.on:
+        return start, end, None
+    kind, src, dst, begin, arrive, nbytes, item = rows
+    names = [TRANSFER_KINDS[k] for k in kind.tolist()]
+    return start, end, list(zip(names, src.tolist(), dst.tolist(), begin.tolist(), arrive.tolist(), nbytes.tolist(),
+                                item.tolist()))
 
 
 def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
            num_workers):
-    """:func:`schedule` without a memory limit."""
-    n = worker.shape[0]
-    none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
-    return schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
-                    num_workers, none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i,
-                    np.zeros(num_workers + 1, np.int64), none_i, np.zeros(n + 1, np.int64), none_i, none_f,
-                    np.zeros(num_workers, np.int64))
+    """Start and end times without memory limits or communication."""
+    graph = Graph(worker, duration, rank, succ_ptr, succ_idx, succ_primary, np.ones(len(succ_idx), bool), num_deps,
+                  source_items, source_keys, num_workers)
+    none = np.zeros(0, np.int64)
+    links = Links(False, none, np.zeros(0), none, none, none, np.zeros(0), none, 0, np.zeros(0), np.zeros(0), none,
+                  none, none, none, 0, False, 0, 0)
+    start, end, _ = schedule(graph, no_stashes(len(worker), num_workers), links)
+    return start, end
 
 
 # ---------------------------------------------------------------------- the greedy
-def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
-             num_workers, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_ptr, pair_base,
-             release_ptr, release_worker, release_amount, release_base):
-    """Start and end time of every item; items never scheduled keep start -1.
-
-    ``engine.run`` step for step; the memory arguments are those of
-    :class:`~unisched.simulate.stashes.StashAccounts` (``limit`` empty: no limit)."""
+def schedule(graph, stashes, links):
+    """Start and end time of every item (items never scheduled keep start
+    -1), and the transfers booked as columns (kind, src, dst, start, end,
+    bytes, item).  ``engine.run`` step for step."""
+    worker, duration, rank, num_workers = graph.worker, graph.duration, graph.rank, graph.num_workers
+    succ_ptr, succ_idx, succ_primary, succ_sends = graph.succ_ptr, graph.succ_idx, graph.succ_primary, graph.succ_sends
     n = worker.shape[0]
-    remaining = num_deps.copy()
+    remaining = graph.num_deps.copy()
     ready = np.zeros(n)
     trigger_time = np.full(n, -math.inf)
     trigger_rank = np.zeros(n, dtype=np.int64)
@@ -128,15 +237,8 @@ def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps,
     end = np.zeros(n)
     free = np.zeros(num_workers)
 
-    # the main heap, and the slack one step may push onto it at most
-    most_pairs = 0
-    for w in range(num_workers):
-        most_pairs = max(most_pairs, pair_ptr[w + 1] - pair_ptr[w])
-    most_out, most_memory = 0, 0
-    for i in range(n):
-        most_out = max(most_out, succ_ptr[i + 1] - succ_ptr[i])
-        most_memory = max(most_memory, claim_ptr[i + 1] - claim_ptr[i] + release_ptr[i + 1] - release_ptr[i])
-    slack = 4 + most_out + most_memory * most_pairs
+    # the main heap, with room for what one step may push
+    slack = _slack(graph, stashes)
     capacity = 2 * n + num_workers + slack
     heap_t = np.empty(capacity)
     heap_k = np.empty(capacity, dtype=np.int64)
@@ -149,22 +251,16 @@ def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps,
     late_k = np.empty(n, dtype=np.int64)
     late_e = np.empty(n, dtype=np.int64)
 
-    # memory: levels, booked releases per worker, parked forwards per (storage, compute worker)
-    memory = limit.shape[0] > 0
-    live = np.zeros(num_workers)
-    release_size = np.zeros(num_workers, dtype=np.int64)
-    release_t = np.empty(release_worker.shape[0])
-    release_a = np.empty(release_worker.shape[0])
-    scratch_t = np.empty(release_worker.shape[0])
-    scratch_a = np.empty(release_worker.shape[0])
-    park_size = np.zeros(pair_base.shape[0], dtype=np.int64)
-    park_k = np.empty(claim_pair.shape[0], dtype=np.int64)
-    park_e = np.empty(claim_pair.shape[0], dtype=np.int64)
-    woken = np.empty(max(most_pairs, 1), dtype=np.int64)
+    memory = stashes.limit.shape[0] > 0
+    levels = _memory_state(stashes, num_workers)
+    woken = np.empty(num_workers + 1, dtype=np.int64)
+    network = _network_state(links, worker, num_workers)
+    rows = _rows(links, n)
+    booked = 0
 
-    for i in range(source_items.shape[0]):
-        trigger_rank[source_items[i]] = source_keys[i]
-        size = _push(heap_t, heap_k, heap_e, size, 0.0, source_keys[i], source_items[i])
+    for i in range(graph.source_items.shape[0]):
+        trigger_rank[graph.source_items[i]] = graph.source_keys[i]
+        size = _push(heap_t, heap_k, heap_e, size, 0.0, graph.source_keys[i], graph.source_items[i])
 
     while size > 0:
         if size + slack > heap_t.shape[0]:
@@ -190,45 +286,46 @@ def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps,
                 continue
 
         if memory:
-            retry = _admit(item, t, key, worker, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base,
-                           live, release_base, release_size, release_t, release_a, scratch_t, scratch_a,
-                           park_size, park_k, park_e)
+            retry = _admit(item, t, key, stashes, levels)
             if retry != t:
                 if retry < math.inf:
                     size = _push(heap_t, heap_k, heap_e, size, retry, key, item)
                 continue
 
-        finish = t + duration[item]
-        start[item] = t
+        begin = t
+        if links.on:
+            begin, booked = _fetch_weights(item, w, t, links, network, rows, booked)
+        finish = begin + duration[item]
+        start[item] = begin
         end[item] = finish
         free[w] = finish
         if late_size[w] > 0:
             size = _push(heap_t, heap_k, heap_e, size, finish, late_k[late_base[w]], -1 - w)
-        if memory:  # book the item's claims and releases; retry forwards parked where they land
-            for c in range(claim_ptr[item], claim_ptr[item + 1]):
-                holder = claim_worker[c]
-                live[holder] += claim_amount[c]
-                count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
+        if memory:  # book the item's claims and releases; retry the forwards parked where they land
+            for c in range(stashes.claim_ptr[item], stashes.claim_ptr[item + 1]):
+                count = _claim(c, stashes, levels, woken)
                 for j in range(count):
                     other = woken[j]
-                    size = _push(heap_t, heap_k, heap_e, size, max(t, ready[other]), trigger_rank[other], other)
-            for r in range(release_ptr[item], release_ptr[item + 1]):
-                holder = release_worker[r]
-                release_size[holder] = _pair_push(release_t, release_a, release_base[holder], release_size[holder],
-                                                  finish, release_amount[r])
-                count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
+                    size = _push(heap_t, heap_k, heap_e, size, max(begin, ready[other]), trigger_rank[other], other)
+            for r in range(stashes.release_ptr[item], stashes.release_ptr[item + 1]):
+                count = _release(r, finish, stashes, levels, woken)
                 for j in range(count):
                     other = woken[j]
-                    size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other],
-                                 other)
+                    size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other], other)
+        if links.on:
+            booked = _return_gradient(item, finish, links, network, rows, booked)
 
         item_rank = rank[item]
         for k in range(succ_ptr[item], succ_ptr[item + 1]):
             nxt = succ_idx[k]
-            if finish > ready[nxt]:
-                ready[nxt] = finish
-            if succ_primary[k] and finish > trigger_time[nxt]:
-                trigger_time[nxt] = finish
+            arrive = finish
+            if links.on and succ_sends[k] and links.edge_kind[k] >= 0:
+                arrive, booked = _send(links.edge_link[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt,
+                                       links, network, rows, booked)
+            if arrive > ready[nxt]:
+                ready[nxt] = arrive
+            if succ_primary[k] and arrive > trigger_time[nxt]:
+                trigger_time[nxt] = arrive
                 trigger_rank[nxt] = item_rank
             remaining[nxt] -= 1
             if remaining[nxt] == 0:
@@ -241,7 +338,24 @@ def schedule(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps,
                         size = _push(heap_t, heap_k, heap_e, size, free[nxt_worker], nxt_key, -1 - nxt_worker)
                 else:
                     size = _push(heap_t, heap_k, heap_e, size, ready[nxt], nxt_key, nxt)
-    return start, end
+    kind, src, dst, row_start, row_end, nbytes, row_item = rows
+    return start, end, (kind[:booked], src[:booked], dst[:booked], row_start[:booked], row_end[:booked],
+                        nbytes[:booked], row_item[:booked])
+
+
+def _slack(graph, stashes):
+    """The most entries one step pushes onto the main heap: a late worker
+    (twice), a retry, the successors, and a parked forward per compute
+    worker for each claim and release."""
+    most_pairs = 0
+    for w in range(graph.num_workers):
+        most_pairs = max(most_pairs, stashes.pair_ptr[w + 1] - stashes.pair_ptr[w])
+    most_out, most_memory = 0, 0
+    for i in range(graph.worker.shape[0]):
+        most_out = max(most_out, graph.succ_ptr[i + 1] - graph.succ_ptr[i])
+        most_memory = max(most_memory, stashes.claim_ptr[i + 1] - stashes.claim_ptr[i]
+                          + stashes.release_ptr[i + 1] - stashes.release_ptr[i])
+    return 4 + most_out + most_memory * most_pairs
 
 
 def _regions(owner, count):
@@ -256,36 +370,48 @@ def _regions(owner, count):
 
 
 # ---------------------------------------------------------------------- memory (engine._Memory)
-def _level(w, t, live, release_base, release_size, release_t, release_a):
+def _memory_state(stashes, num_workers):
+    """Live stashes per worker, the releases booked on each (a heap of
+    (time, amount) per worker), a scratch copy, and the forwards parked per
+    (storage, compute worker) pair (a heap of (key, item) each)."""
+    releases = stashes.release_worker.shape[0]
+    return (np.zeros(num_workers), np.zeros(num_workers, dtype=np.int64), np.empty(releases), np.empty(releases),
+            np.empty(releases), np.empty(releases), np.zeros(stashes.pair_base.shape[0], dtype=np.int64),
+            np.empty(stashes.claim_pair.shape[0], dtype=np.int64), np.empty(stashes.claim_pair.shape[0], dtype=np.int64))
+
+
+def _level(w, t, stashes, levels):
     """Worker w's live stashes at ``t``, after the releases booked up to then."""
-    base = release_base[w]
+    live, release_size, release_t, release_a = levels[0], levels[1], levels[2], levels[3]
+    base = stashes.release_base[w]
     while release_size[w] > 0 and release_t[base] <= t + _EPS:
         live[w] -= release_a[base]
         release_size[w] = _pair_pop(release_t, release_a, base, release_size[w])
     return live[w]
 
 
-def _admit(item, t, key, worker, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base,
-           live, release_base, release_size, release_t, release_a, scratch_t, scratch_a, park_size, park_k, park_e):
+def _admit(item, t, key, stashes, levels):
     """``t`` if ``item`` may start at ``t``; else when to look again (inf: parked)."""
+    park_size, park_k, park_e = levels[6], levels[7], levels[8]
     retry = t
-    for c in range(claim_ptr[item], claim_ptr[item + 1]):
-        w = claim_worker[c]
-        need = _level(w, t, live, release_base, release_size, release_t, release_a) + claim_amount[c] - limit[w]
+    for c in range(stashes.claim_ptr[item], stashes.claim_ptr[item + 1]):
+        w = stashes.claim_worker[c]
+        need = _level(w, t, stashes, levels) + stashes.claim_amount[c] - stashes.limit[w]
         if need <= _EPS:
             continue
-        when = _when_freed(need, release_base[w], release_size[w], release_t, release_a, scratch_t, scratch_a)
+        when = _when_freed(need, stashes.release_base[w], levels[1][w], levels)
         if when == math.inf:
-            pair = claim_pair[c]
-            park_size[pair] = _late_push(park_k, park_e, pair_base[pair], park_size[pair], key, item)
+            pair = stashes.claim_pair[c]
+            park_size[pair] = _late_push(park_k, park_e, stashes.pair_base[pair], park_size[pair], key, item)
             return math.inf
         retry = max(retry, when)
     return retry
 
 
-def _when_freed(need, base, count, release_t, release_a, scratch_t, scratch_a):
+def _when_freed(need, base, count, levels):
     """The first booked release time by which ``need`` is freed (releases in
     time order, as the engine's ``sorted``), or inf."""
+    release_t, release_a, scratch_t, scratch_a = levels[2], levels[3], levels[4], levels[5]
     for i in range(count):
         scratch_t[i] = release_t[base + i]
         scratch_a[i] = release_a[base + i]
@@ -299,16 +425,137 @@ def _when_freed(need, base, count, release_t, release_a, scratch_t, scratch_a):
     return math.inf
 
 
-def _wake(w, pair_ptr, pair_base, park_size, park_k, park_e, woken):
-    """Take the first parked forward of each compute worker waiting on w; how many."""
+def _claim(c, stashes, levels, woken):
+    """Book claim ``c``; the parked forwards to retry (how many, in ``woken``)."""
+    w = stashes.claim_worker[c]
+    levels[0][w] += stashes.claim_amount[c]
+    return _wake(w, stashes, levels, woken)
+
+
+def _release(r, finish, stashes, levels, woken):
+    """Book release ``r`` at ``finish``; the parked forwards to retry."""
+    w = stashes.release_worker[r]
+    levels[1][w] = _pair_push(levels[2], levels[3], stashes.release_base[w], levels[1][w], finish,
+                              stashes.release_amount[r])
+    return _wake(w, stashes, levels, woken)
+
+
+def _wake(w, stashes, levels, woken):
+    """Take the first parked forward of each compute worker waiting on w."""
+    park_size, park_k, park_e = levels[6], levels[7], levels[8]
     count = 0
-    for pair in range(pair_ptr[w], pair_ptr[w + 1]):
+    for pair in range(stashes.pair_ptr[w], stashes.pair_ptr[w + 1]):
         if park_size[pair] > 0:
-            base = pair_base[pair]
+            base = stashes.pair_base[pair]
             woken[count] = park_e[base]
             count += 1
             park_size[pair] = _late_pop(park_k, park_e, base, park_size[pair])
     return count
+
+
+# ---------------------------------------------------------------------- network (engine._Communication)
+def _network_state(links, worker, num_workers):
+    """Each link's calendar (busy intervals, sorted), each worker's start
+    times (for prefetch), the stages resident on each worker, and the
+    gradients each (worker, stage) still has to return."""
+    slots = 0
+    if links.on:
+        slots = links.edge_link.shape[0] + 2 * worker.shape[0]
+    return (np.empty(slots), np.empty(slots), np.zeros(links.latency.shape[0], dtype=np.int64),
+            np.empty(worker.shape[0] if links.on else 0), _regions(worker, num_workers),
+            np.zeros(num_workers, dtype=np.int64),
+            np.zeros(num_workers * links.num_stages if links.on else 0, dtype=np.bool_), links.grads_per_stage.copy())
+
+
+def _rows(links, n):
+    """Room for every transfer the step may book."""
+    slots = links.edge_link.shape[0] + 2 * n if links.on else 0
+    return (np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64),
+            np.empty(slots), np.empty(slots), np.empty(slots), np.empty(slots, dtype=np.int64))
+
+
+def _send(link, kind, ready, nbytes, item, links, network, rows, booked):
+    """Book ``nbytes`` on ``link`` from ``ready``; when it arrives, and the rows booked."""
+    latency, occupy = links.latency[link], nbytes / links.bandwidth[link]
+    begin = _book(link, ready, occupy, links, network)
+    arrive = begin + latency + occupy
+    rows[0][booked], rows[1][booked], rows[2][booked] = kind, links.link_src[link], links.link_dst[link]
+    rows[3][booked], rows[4][booked], rows[5][booked], rows[6][booked] = begin, arrive, nbytes, item
+    return arrive, booked + 1
+
+
+def _book(link, ready, occupy, links, network):
+    """The first gap of ``occupy`` at or after ``ready`` on the link, taken (engine._Calendar.book)."""
+    if occupy <= 0:
+        return ready
+    starts, ends, sizes = network[0], network[1], network[2]
+    base, size = links.calendar_base[link], sizes[link]
+    i = _bisect_right(ends, base, base + size, ready) - base
+    begin = ready
+    while i < size and starts[base + i] < begin + occupy:
+        begin = max(begin, ends[base + i])
+        i += 1
+    for j in range(size, i, -1):
+        starts[base + j], ends[base + j] = starts[base + j - 1], ends[base + j - 1]
+    starts[base + i], ends[base + i] = begin, begin + occupy
+    sizes[link] = size + 1
+    return begin
+
+
+def _fetch_weights(item, w, t, links, network, rows, booked):
+    """When ``item``'s weights are on its worker w: at once if w holds them
+    or keeps them from an earlier fetch, else when the fetch arrives, issued
+    ``prefetch_depth`` items earlier (``engine._Communication._fetch``)."""
+    history, history_base, history_size, resident = network[3], network[4], network[5], network[6]
+    base = history_base[w]
+    history[base + history_size[w]] = t
+    history_size[w] += 1
+    link = links.fetch_link[item]
+    if link < 0:
+        return t, booked
+    stage = links.stage[item]
+    if links.cache_weights and resident[w * links.num_stages + stage]:
+        return t, booked
+    depth, count = links.prefetch_depth, history_size[w]
+    if depth > 0:
+        issue = history[base + count - 1 - depth] if count > depth else 0.0
+    else:
+        issue = t
+    arrive, booked = _send(link, links.weights_kind, issue, links.weight_bytes[stage], item, links, network, rows,
+                           booked)
+    if links.cache_weights:
+        resident[w * links.num_stages + stage] = True
+    if arrive > t:
+        history[base + count - 1] = arrive
+    return max(t, arrive), booked
+
+
+def _return_gradient(item, finish, links, network, rows, booked):
+    """Send ``item``'s weight gradient back to its weight worker (with cached
+    weights: once, after the worker's last item of that stage)."""
+    link = links.return_link[item]
+    if link < 0:
+        return booked
+    stage = links.stage[item]
+    if links.cache_weights:
+        grads_left = network[7]
+        at = links.link_src[link] * links.num_stages + stage
+        grads_left[at] -= 1
+        if grads_left[at] != 0:
+            return booked
+    _, booked = _send(link, links.gradient_kind, finish, links.weight_bytes[stage], item, links, network, rows, booked)
+    return booked
+
+
+def _bisect_right(values, lo, hi, x):
+    """First index in ``values[lo:hi]`` (sorted) whose value is above ``x``."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if x < values[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 # ---------------------------------------------------------------------- flat heaps
@@ -430,8 +677,11 @@ def _pair_pop(at, aa, base, size):
     return size
 
 
-_HELPERS = ("_regions", "_level", "_admit", "_when_freed", "_wake", "_before", "_push", "_pop", "_grown",
-            "_late_push", "_late_pop", "_pair_push", "_pair_pop", "schedule")
+_HELPERS = ("_before", "_push", "_pop", "_grown", "_late_push", "_late_pop", "_pair_push", "_pair_pop", "_regions",
+            "_slack", "_memory_state", "_level", "_when_freed", "_admit", "_wake", "_claim", "_release",
+            "_network_state", "_rows", "_bisect_right", "_book", "_send", "_fetch_weights", "_return_gradient",
+            "schedule")
+"""What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
 
 @cache
@@ -442,16 +692,12 @@ def compiled_schedule():
     except ImportError:  # pragma: no cover - numba is a dependency; this keeps the simulator usable without it
         return None
     jit = numba.njit(cache=True, nogil=True)
-    for name in _HELPERS:  # callees first: a compiled function calls the compiled ones
+    for name in _HELPERS:
         globals()[name] = jit(globals()[name])
     return globals()["schedule"]
 
 
 @cache
 def compiled_greedy():
-    """:func:`greedy` compiled by numba (on first use), or None without numba."""
-    if compiled_schedule() is None:  # pragma: no cover - see compiled_schedule
-        return None
-    import numba
-
-    return numba.njit(cache=True, nogil=True)(greedy)
+    """:func:`greedy` on the compiled :func:`schedule`, or None without numba."""
+    return greedy if compiled_schedule() is not None else None

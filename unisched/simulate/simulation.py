@@ -121,9 +121,9 @@ def _run(problem):
     The general engine also runs when the compiled one leaves items
     unscheduled, to explain the deadlock."""
     if problem.num_items >= fast.COMPILED_FROM and fast.covers(problem):
-        times = fast.run(problem)
-        if times is not None and times[0].min(initial=0.0) >= 0:
-            return times[0], times[1], None
+        compiled = fast.run(problem)
+        if compiled is not None and compiled[0].min(initial=0.0) >= 0:
+            return compiled
     start, end, booked = engine.run(problem)
     return np.asarray(start), np.asarray(end), booked
 

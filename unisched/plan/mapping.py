@@ -39,7 +39,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.plan.order import (EARLY_CLAIMS, Solved, capacity, earliest_forwards, live_start, live_stashes, make_solver,
+from unisched.plan.order import (EARLY_CLAIMS, Solved, busy_span, capacity, earliest_forwards, live_start, live_stashes, make_solver,
                                  memory_demands, run_solver)
 from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
@@ -98,6 +98,12 @@ class Incumbent:
     starts: np.ndarray
     makespan: int
     score: float = math.inf
+    objective: int | None = None
+    """The model's objective (ticks): the makespan, or the longest busy span with that objective."""
+
+    @property
+    def value(self) -> int:
+        return self.makespan if self.objective is None else self.objective
 
 
 def solve_mapping(
@@ -156,7 +162,7 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     bound = first.bound
     best = _better(best, first)
     interrupted = first.interrupted
-    while time.perf_counter() < deadline - 0.2 and best.makespan > bound and not interrupted:
+    while time.perf_counter() < deadline - 0.2 and best.value > bound and not interrupted:
         first = rng.randrange(B)
         free = {(first + k) % B for k in range(window)} if rng.random() < 0.5 else set(rng.sample(range(B), window))
         left = deadline - time.perf_counter()
@@ -164,8 +170,8 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
                         free_batches=free, **common)
         best = _better(best, result)
         interrupted = result.interrupted
-    status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
-    return Solved(status, best.starts, best.compute, best.weight, best.makespan, bound,
+    status = "OPTIMAL" if best.value <= bound else "FEASIBLE"
+    return Solved(status, best.starts, best.compute, best.weight, best.value, bound,
                   time.perf_counter() - begin, best.score, interrupted)
 
 
@@ -173,10 +179,10 @@ def _better(best: Incumbent, result: Solved) -> Incumbent:
     if not result.found:
         return best
     candidate = Incumbent(result.compute, result.weight, result.starts, result.objective,
-                          result.score if result.score is not None else math.inf)
+                          result.score if result.score is not None else math.inf, objective=result.objective)
     if math.isinf(candidate.score) and math.isinf(best.score):
-        return candidate if candidate.makespan < best.makespan else best
-    return candidate if (candidate.score, candidate.makespan) < (best.score, best.makespan) else best
+        return candidate if candidate.value < best.value else best
+    return candidate if (candidate.score, candidate.value) < (best.score, best.value) else best
 
 
 class _Collector(cp_model.CpSolverSolutionCallback):
@@ -268,7 +274,8 @@ def _solve(
     uniform = bool(np.all(duration == duration[:, :1]))
     horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
                   + 2 * fetch.max(initial=0) + 1)
-    if hint is not None:
+    span = problem.objective == "span"
+    if hint is not None and not span:
         horizon = min(horizon, int(hint.makespan))
 
     places = _Places(model, timed, whole)
@@ -307,7 +314,7 @@ def _solve(
     if uniform:
         model.add_cumulative(main, [1] * n, W)
 
-    makespan = model.new_int_var(min(int(lower_bound), horizon), horizon, "makespan")
+    makespan = model.new_int_var(0 if span else min(int(lower_bound), horizon), horizon, "makespan")
     for i in range(n):
         model.add(makespan >= end[i])
 
@@ -332,7 +339,11 @@ def _solve(
                     model.add(places.of_item(i, int(hint.compute[i])) == 1)
             for s in range(S):
                 model.add(owner[s, int(hint.weight[grid[0, s, forward]])] == 1)
-    model.minimize(makespan)
+    if span:
+        workers = [[(start[i], end[i], places.of_item(i, w)) for i in range(n)] for w in range(W)]
+        model.minimize(busy_span(model, workers, horizon, lower_bound))
+    else:
+        model.minimize(makespan)
     solver = make_solver(time_limit, num_workers, seed)
     collector = _Collector(places, owner, start, timed)
     status, interrupted = run_solver(solver, model, collector)
@@ -406,8 +417,7 @@ def _memory(model, timed: TimedProblem, places: _Places, owner, held, start, end
             caps.append(limit)
             continue
         room = capacity(unit, np.broadcast_to(np.asarray(budget, dtype=float), (W,))[w])
-        weights = sum(unit(problem.weight_bytes()[s]) * held[w, s] for s in range(S)) \
-            + sum(unit(problem.owner_bytes()[s] - problem.weight_bytes()[s]) * owner[s, w] for s in range(S))
+        weights = _weight_need(model, problem, unit, owner, held, w)
         model.add(weights <= room)
         if not problem.costs.has_sizes:
             caps.append(limit)
@@ -437,6 +447,20 @@ def _memory(model, timed: TimedProblem, places: _Places, owner, held, start, end
         model.add_cumulative(everything, amounts, sum(caps))
 
 
+def _weight_need(model, problem, unit, owner, held, w: int):
+    """Worker w's bytes of weights, gradients and optimizer state (in ``unit``), as
+    :meth:`PlanProblem.weight_need` counts them: with one weight worker per stage, the
+    workers returning it a gradient are the other holders."""
+    W, S, B = problem.shape
+    weights, optimizer = problem.weight_bytes(), problem.owner_bytes() - problem.weight_bytes()
+    total = 0
+    for s in range(S):
+        returning = model.new_int_var(0, W - 1, f"returning{w},{s}")
+        model.add(returning >= sum(held[v, s] for v in range(W)) - 1 - (W - 1) * (1 - owner[s, w]))
+        total += unit(2 * weights[s]) * held[w, s] + unit(optimizer[s]) * owner[s, w] + unit(weights[s]) * returning
+    return total
+
+
 def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
     """Relabel micro-batches (by first-stage start) and workers (batch 0's first
     stage on worker 0) so the hint satisfies the model's symmetry breaking."""
@@ -453,7 +477,7 @@ def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
         swap = np.arange(W)
         swap[[0, leader]] = swap[[leader, 0]]
         compute, weight = swap[compute], swap[weight]
-    return Incumbent(compute, weight, starts, hint.makespan)
+    return replace(hint, compute=compute, weight=weight, starts=starts)
 
 
 def _add_hint(model, timed: TimedProblem, hint: Incumbent, places: _Places, owner, held, start, makespan) -> None:
@@ -501,4 +525,11 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails = np.where(returning, fetch[timed.stage], 0)
     makespan = int(np.max(ends + tails))
-    return Incumbent(compute, weight, starts, makespan)
+    objective = None
+    if problem.objective == "span":
+        first, last = np.full(W, np.iinfo(np.int64).max), np.full(W, np.iinfo(np.int64).min)
+        np.minimum.at(first, compute, starts)
+        np.maximum.at(last, compute, ends)
+        used = np.isin(np.arange(W), compute)
+        objective = int((last[used] - first[used]).max())
+    return Incumbent(compute, weight, starts, makespan, objective=objective)

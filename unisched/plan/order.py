@@ -94,13 +94,14 @@ def solve_order(
     edges = timed.data_edges()
     delay = timed.delays(edges, compute)
     horizon = int(duration.sum() + delay.sum() + release.max(initial=0) + tails.max(initial=0) + 1)
-    if hint_starts is not None:
-        horizon = min(horizon, int(max(np.max(hint_starts + duration + tails), 0)) + 1) if len(hint_starts) else horizon
+    span = timed.problem.objective == "span"
+    if hint_starts is not None and len(hint_starts) and not span:
+        horizon = min(horizon, int(max(np.max(hint_starts + duration + tails), 0)) + 1)
 
     start = [model.new_int_var(int(release[i]), horizon, f"s{i}") for i in range(n)]
     end = [start[i] + int(duration[i]) for i in range(n)]
     intervals = [model.new_fixed_size_interval_var(start[i], int(duration[i]), f"x{i}") for i in range(n)]
-    makespan = model.new_int_var(min(int(lower_bound), horizon), horizon, "makespan")
+    makespan = model.new_int_var(0 if span else min(int(lower_bound), horizon), horizon, "makespan")
 
     for w in range(timed.shape.num_workers):
         mine = [intervals[i] for i in np.flatnonzero(compute == w)]
@@ -118,7 +119,9 @@ def solve_order(
         for i in range(n):
             model.add_hint(start[i], int(hint_starts[i]))
         model.add_hint(makespan, int(np.max(np.asarray(hint_starts) + duration + tails)))
-    model.minimize(makespan)
+    workers = [[(start[i], end[i], None) for i in np.flatnonzero(compute == w)]
+               for w in range(timed.shape.num_workers)]
+    model.minimize(busy_span(model, workers, horizon, lower_bound) if span else makespan)
     solver = make_solver(time_limit, num_workers, seed)
     status, interrupted = run_solver(solver, model)
     wall = time.perf_counter() - begin
@@ -131,6 +134,22 @@ def solve_order(
     starts = np.array([solver.value(s) for s in start], dtype=np.int64)
     return Solved(name, starts, compute, weight, int(solver.objective_value), int(solver.best_objective_bound), wall,
                   interrupted=interrupted)
+
+
+def busy_span(model, workers, horizon: int, lower_bound: int = 0):
+    """The span objective: the longest worker busy span, first item's start to last item's end.
+    ``workers``: per worker, (start, end, literal "on this worker" or None) of its possible items."""
+    span = model.new_int_var(min(int(lower_bound), horizon), horizon, "span")
+    for w, items in enumerate(workers):
+        if not items:
+            continue
+        first = model.new_int_var(0, horizon, f"first{w}")
+        last = model.new_int_var(0, horizon, f"last{w}")
+        for begin, finish, on in items:
+            model.add(first <= begin).only_enforce_if(on) if on is not None else model.add(first <= begin)
+            model.add(last >= finish).only_enforce_if(on) if on is not None else model.add(last >= finish)
+        model.add(span >= last - first)
+    return span
 
 
 def solve_order_staged(
@@ -196,15 +215,26 @@ def run_solver(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None
     """Solve in a thread of its own while this one waits, so that Ctrl-C (a KeyboardInterrupt here)
     stops the search and keeps its best solution: (status, whether Ctrl-C stopped it)."""
     outcome: list = []
-    thread = threading.Thread(target=lambda: outcome.append(solver.solve(model, callback)), daemon=True)
-    thread.start()
-    interrupted = False
-    while thread.is_alive():
+    finished = threading.Event()
+
+    def solve() -> None:
         try:
-            thread.join(0.05)
+            outcome.append(solver.solve(model, callback))
+        except BaseException as error:  # handed to the waiting thread
+            outcome.append(error)
+        finally:
+            finished.set()
+
+    threading.Thread(target=solve, daemon=True).start()
+    interrupted = False
+    while not finished.is_set():
+        try:
+            finished.wait(0.05)
         except KeyboardInterrupt:
             interrupted = True
             solver.stop_search()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
     return outcome[0], interrupted
 
 
@@ -246,7 +276,7 @@ def memory_demands(timed: TimedProblem) -> tuple[dict, int, Ticks]:
     values += limits[np.isfinite(limits)].tolist()
     if problem.memory_budget is not None:
         values += np.ravel(problem.memory_budget).tolist() + problem.owner_bytes().tolist() \
-            + problem.weight_bytes().tolist()
+            + (2 * problem.weight_bytes()).tolist() + problem.weight_bytes().tolist()
     unit = Ticks.for_times(values)
     demands = {(s, d): unit(sizes[s] * share) for s in range(len(sizes)) for d, share in shares.items()}
     least = float(limits.min()) if np.isfinite(limits.min()) else 0.0

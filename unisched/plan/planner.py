@@ -203,7 +203,7 @@ class _Search:
                                         lower_bound=self._ticks_below(bound))
             self.order_results.append((label, solved))
             self.interrupted |= solved.interrupted
-            if self.fixed and self.problem.objective == "latency" and solved.bound > 0:
+            if self.fixed and solved.bound > 0:
                 self.proofs.append((order_class(self.problem, label, compute), self.timed.ticks.time(solved.bound)))
             if solved.found:
                 schedule = Schedule.from_starts(self.problem, compute, weight, solved.starts, name=f"{label}+cpsat")
@@ -233,7 +233,7 @@ class _Search:
                                seed=self.seed, score=_scorer(self.problem), whole=whole, asap_replay=asap_replay,
                                lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())))
         self.interrupted |= solved.interrupted
-        if exact_links(self.timed) and self.problem.objective == "latency" and solved.bound > 0 \
+        if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
             self.proofs.append((name, self.timed.ticks.time(solved.bound)))
         if solved.found:
@@ -513,11 +513,11 @@ def _map(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarr
 
 
 def _scorer(problem: PlanProblem):
-    """The replayed latency of a CP-SAT solution (what a plan reports)."""
+    """The replayed objective of a CP-SAT solution (what a plan reports)."""
 
     def score(compute, weight, starts) -> float:
         try:
-            return float(Schedule.from_starts(problem, compute, weight, starts).simulate().latency)
+            return objective_value(Schedule.from_starts(problem, compute, weight, starts).simulate(), problem.objective)
         except UniSchedError:
             return float("inf")
 

@@ -200,20 +200,24 @@ class PlanProblem:
         return self.costs.per_stage("weight_bytes", self.shape.num_stages)
 
     def owner_bytes(self) -> np.ndarray:
-        """Per stage: what its weight worker holds, its weights and their optimizer state."""
+        """Per stage: its weights and their optimizer state (what its weight worker keeps)."""
         return self.weight_bytes() + np.broadcast_to(np.asarray(self.optimizer_bytes, dtype=float),
                                                      (self.shape.num_stages,))
 
     def weight_need(self, compute: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """Per worker: the bytes of weights and optimizer state a mapping has it hold for the whole step
-        (a fetched stage is kept until its gradient has gone back, :mod:`unisched.memory`)."""
+        """Per worker: the most bytes of weights, their gradients and optimizer state a mapping
+        has it hold at once, as :mod:`unisched.memory` counts them, taken for the whole step:
+        a stage it holds (owned or fetched) twice (its weights and their gradient), an owned
+        stage's optimizer state, and a buffer per worker that returns it a gradient."""
         W, S, B = self.shape
         _, stage, _ = self.items.arrays()
         owned = np.zeros((W, S), dtype=bool)
         owned[np.asarray(weight), stage] = True
         held = owned.copy()
         held[np.asarray(compute), stage] = True
-        return held @ self.weight_bytes() + owned @ (self.owner_bytes() - self.weight_bytes())
+        borrowers = (held & ~owned).sum(axis=0)
+        weights = self.weight_bytes()
+        return held @ (2 * weights) + owned @ (self.owner_bytes() - weights + borrowers * weights)
 
     def stash_limits(self, compute: np.ndarray, weight: np.ndarray):
         """The per-worker stash limits a mapping runs under (what :func:`unisched.simulate` takes):
@@ -264,19 +268,20 @@ class PlanProblem:
         if self.memory_budget is None:
             return
         budget = np.broadcast_to(np.asarray(self.memory_budget, dtype=float), (self.shape.num_workers,))
-        owner = self.owner_bytes()
+        owner = self.owner_bytes() + self.weight_bytes()
         stash = self.stash_sizes if self.costs.has_sizes else np.zeros_like(owner)
         s = int(np.argmax(owner + stash))
         if owner[s] + stash[s] > budget.max() + 1e-9:
             raise PlanInputError(
                 f"infeasible: no worker's memory budget (at most {budget.max():.4g} bytes) holds stage {s}'s "
-                f"weights and optimizer state and one stash ({owner[s] + stash[s]:.4g} bytes): raise the budget or "
-                "split the model into more stages"
+                f"weights, their gradient and optimizer state and one stash ({owner[s] + stash[s]:.4g} bytes): raise "
+                "the memory budget or split the model into more stages"
             )
         if owner.sum() > budget.sum() + 1e-9:
             raise PlanInputError(
-                f"infeasible: the stages' weights and optimizer state take {owner.sum():.4g} bytes, more than the "
-                f"workers' memory budgets together ({budget.sum():.4g}): raise the budget or use more workers"
+                f"infeasible: the stages' weights, gradients and optimizer state take {owner.sum():.4g} bytes, more "
+                f"than the workers' memory budgets together ({budget.sum():.4g}): raise the memory budget or use more "
+                "workers"
             )
 
     def min_memory_free(self) -> float:

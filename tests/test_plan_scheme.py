@@ -1,0 +1,166 @@
+"""The planner over the whole scheme: exact references for the smallest cases, claims that name
+the class they are proven for, memory budgets with weights, split backward from costs, early
+stops and Ctrl-C."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from unisched import Costs
+from unisched.errors import UniSchedError
+from unisched.memory import memory_curves
+from unisched.plan import PlanInputError, encode_costs, plan
+from unisched.plan.bounds import ANY_SCHEDULE
+from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping
+from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.plan.schedule import Schedule
+from unisched.work import Shape
+
+
+# ---------------------------------------------------------------------- exact references
+def test_smallest_case_is_13_over_the_whole_scheme_and_15_only_with_paired_passes():
+    """W = S = 2, B = 2, memory 1, comm 1: a backward away from its forward gives 13; keeping the
+    passes of a (stage, micro-batch) together cannot beat 15, and says so only for that class."""
+    whole = plan(2, 2, 2, encode_costs(comm=1), memory_limit=1, time_limit=10)
+    assert whole.latency == 13 and whole.simulate().latency == 13
+    assert whole.optimal and whole.proven_for == WHOLE_SCHEME
+    compute = whole.schedule.compute[whole.problem.item_grid()]
+    assert np.any(compute[:, :, 0] != compute[:, :, 1])  # some backward runs away from its forward
+
+    paired = plan(2, 2, 2, encode_costs(comm=1), memory_limit=1, time_limit=10, scheme="paired")
+    assert paired.latency == 15 and paired.optimal and paired.proven_for == PAIRED
+    assert paired.lower_bound == 15 and paired.bound_for == PAIRED
+
+
+def test_whole_scheme_model_finds_43_where_paired_passes_give_48():
+    """W = 2, S = 4, B = 4, memory 2, comm 1: the whole-scheme model's optimum is 43 (the paired
+    planner claimed 48 optimal)."""
+    problem = PlanProblem(Shape(2, 4, 4), encode_costs(comm=1), memory_limit=2)
+    solved = solve_mapping(TimedProblem.build(problem), time_limit=60, whole=True, asap_replay=False)
+    assert solved.optimal and solved.objective == 43
+
+
+def test_a_bound_of_a_restricted_class_never_claims_more():
+    result = plan(2, 2, 2, encode_costs(comm=1), memory_limit=1, time_limit=10, scheme="paired")
+    classes = result.bound_classes
+    assert classes["work"] == classes["critical_path"] == ANY_SCHEDULE
+    assert classes["cpsat_paired"] == PAIRED and result.bounds["cpsat_paired"] == 15
+    # 15 is no bound for every schedule: 13 exists
+    assert max(v for k, v in result.bounds.items() if classes[k] == ANY_SCHEDULE) <= 13
+
+
+# ---------------------------------------------------------------------- split backward
+def test_a_costs_file_with_both_halves_splits_the_backward(tmp_path, capsys):
+    from tests.test_plan import parse
+    from unisched.plan.command import run
+
+    costs = Costs(forward=1, backward=2, backward_input=1, backward_weight=1)
+    assert plan(2, 2, 4, costs, time_limit=5).problem.split_backward
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    assert run(parse(["-W", "2", "-S", "2", "-B", "4", "--costs", str(path), "--time-limit", "3", "--json"])) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["split_backward"] is True
+    assert any(text.startswith("0W") for text in data["plan"]["mapping"])
+
+
+def test_a_split_backward_without_its_times_is_refused():
+    with pytest.raises(PlanInputError, match="backward_input or backward_weight"):
+        plan(2, 2, 2, Costs(), split_backward=True, time_limit=2)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_mapping_model_with_a_split_backward_replays_within_its_memory(whole):
+    problem = PlanProblem(Shape(2, 2, 3), encode_costs(backward_input=1, backward_weight=1, comm=1),
+                          memory_limit=1.5, split_backward=True)
+    timed = TimedProblem.build(problem)
+    solved = solve_mapping(timed, time_limit=20, whole=whole)
+    assert solved.found
+    replay = Schedule.from_starts(problem, solved.compute, solved.weight, solved.starts).simulate()
+    assert replay.latency <= timed.ticks.time(solved.objective)
+    assert max(replay.worker_stats()["max_activation_storage"]) <= 1.5
+    grid = problem.item_grid()
+    assert np.all(solved.compute[grid][:, :, 1] == solved.compute[grid][:, :, 2])  # I and W together
+
+
+def test_fixed_strategy_needing_a_split_backward_is_not_planned_without_one():
+    with pytest.raises(UniSchedError, match="split backward"):
+        plan(4, 4, 8, strategy="zb_h1", time_limit=3)
+
+
+# ---------------------------------------------------------------------- memory
+def weighty_costs() -> Costs:
+    return Costs(forward=1, backward=2, activation_bytes=1.0, weight_bytes=10.0)
+
+
+def test_a_memory_budget_stops_replication_of_weights_that_do_not_fit():
+    free = plan(2, 2, 2, weighty_costs(), time_limit=5)
+    assert free.latency == 6  # data parallel: each worker holds both stages
+
+    # one stage's weights and gradient (20) and optimizer state (10), and a few stashes
+    budget = 34.0
+    fitted = plan(2, 2, 2, weighty_costs(), memory_budget=budget, optimizer_bytes=10.0, time_limit=5)
+    assert fitted.latency > free.latency
+    schedule = fitted.schedule
+    assert np.all(fitted.problem.weight_need(schedule.compute, schedule.weight) <= budget)
+    peaks = [curve.peak for curve in memory_curves(fitted.simulate().timeline, "total", "bytes")]
+    _, stage, _ = fitted.problem.items.arrays()
+    owned = [len(set(stage[schedule.weight == w].tolist())) for w in range(2)]
+    for w in range(2):  # the simulator's total leaves out the optimizer state
+        assert peaks[w] + 10.0 * owned[w] <= budget
+
+
+def test_a_budget_no_mapping_fits_names_what_to_change():
+    with pytest.raises(PlanInputError, match="memory budget"):
+        plan(2, 2, 2, weighty_costs(), memory_budget=30.0, optimizer_bytes=10.0, time_limit=2)
+
+
+def test_per_worker_memory_limits_are_each_workers_own():
+    result = plan(2, 2, 4, memory_limit=[1, 4], time_limit=5, scheme="paired")
+    peaks = result.simulate().worker_stats()["max_activation_storage"]
+    assert peaks[0] <= 1 and peaks[1] <= 4
+    least = plan(2, 2, 4, memory_limit=1, time_limit=5, scheme="paired")
+    assert result.latency < least.latency
+
+
+# ---------------------------------------------------------------------- stopping
+def test_the_search_stops_once_a_plan_meets_a_bound():
+    result = plan(2, 4, 8, time_limit=120)
+    assert result.optimal and result.proven_for == ANY_SCHEDULE
+    assert result.elapsed < 60
+
+
+def test_a_starting_hint_does_not_keep_the_order_solver_from_its_proof():
+    costs = encode_costs(backward_input=1, backward_weight=1)
+    result = plan(4, 4, 8, costs, memory_limit=8, strategy="zb_h1", time_limit=20)
+    assert result.latency == 27 and result.optimal
+    assert result.proven_for == "orders of the mapping of zb_h1"
+
+
+def test_ctrl_c_returns_the_best_plan_so_far():
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        result = plan(3, 4, 8, encode_costs(comm=1), memory_limit=2, time_limit=120)
+    finally:
+        timer.cancel()
+    assert result.interrupted and result.elapsed < 60
+    assert result.simulate().latency == result.latency
+    assert result.lower_bound <= result.latency
+
+
+# ---------------------------------------------------------------------- the span objective
+def test_span_objective_is_said_and_measured():
+    costs = encode_costs(backward_input=1, backward_weight=1)
+    result = plan(4, 4, 8, costs, memory_limit=8, max_stages_per_worker=1, time_limit=10, objective="span")
+    assert result.objective == "span"
+    t = result.simulate().timeline
+    spans = [t.end[t.worker == w].max() - t.start[t.worker == w].min() for w in range(4)]
+    assert result.objective_value == max(spans) == 24  # the work bound: no bubble in steady state
+    latency = plan(4, 4, 8, costs, memory_limit=8, max_stages_per_worker=1, time_limit=10)
+    assert latency.objective == "latency" and latency.objective_value == latency.latency

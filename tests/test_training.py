@@ -62,9 +62,9 @@ def make_stages(kind: str = "plain") -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(WIDTH, WIDTH), *copy.deepcopy(middle[kind]), nn.Tanh()) for _ in range(S)]
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(ROWS, WIDTH, generator=g) * 2, torch.randn(ROWS, WIDTH, generator=g)
+    return torch.randn(rows, WIDTH, generator=g) * 2, torch.randn(rows, WIDTH, generator=g)
 
 
 def momentum_sgd(params):
@@ -145,7 +145,19 @@ def _cases(rank: int, world: int, timelines: dict):
     out["precision"] = _precision(timelines["gpipe"][0])
     out["fp16"] = _fp16_skips(timelines["gpipe"][0])
     out["resume"] = _resume(timelines["one_f_one_b"][0])
+    out["record every 2"] = _record_every(timelines["gpipe"][0])
     return out
+
+
+def _record_every(gpipe):
+    trainer = Trainer(make_stages(), gpipe, loss_fn, momentum_sgd, timeout=30, record=2)
+    seen = []
+    for step in range(3):
+        trainer.step(*batch(step))
+        timeline = trainer.last_timeline
+        seen.append(None if timeline is None else (timeline.source, len(timeline)))
+    trainer.close()
+    return seen
 
 
 def _replicated_batchnorm(rank: int, ddp):
@@ -161,7 +173,7 @@ def _evaluate(schedule):
     trainer, _ = _train(stages, schedule, {}, 1)
     before = _as_numpy(trainer.gather_state_dict())
     optimizer_before = copy.deepcopy(trainer.optimizer.state_dict())
-    x, y = batch(7)
+    x, y = batch(7, rows=2 * ROWS)  # another batch shape than training's: probed once, then remembered
     losses = [trainer.evaluate(x, y) for _ in range(2)]
     unchanged = all(np.array_equal(v, before[k]) for k, v in _as_numpy(trainer.gather_state_dict()).items())
     momentum = [s["momentum_buffer"] for s in trainer.optimizer.state_dict()["state"].values()]
@@ -320,7 +332,7 @@ def test_evaluate_is_forward_only_and_touches_nothing(trained):
     train_one_process(stages, loss_fn, momentum_sgd, [batch(0)], micro_batches=B)
     for stage in stages:
         stage.eval()
-    x, y = batch(7)
+    x, y = batch(7, rows=2 * ROWS)
     with torch.no_grad():
         value = x
         for stage in stages:
@@ -386,6 +398,13 @@ def test_a_resumed_run_continues_exactly(trained):
         for key, value in seen["expected"].items():
             assert np.abs(seen["resumed"][key] - value).max() < 1e-6, (rank, key)
         assert "after 1 of 2 accumulated steps" in seen["refused"]
+
+
+# ---------------------------------------------------------------------- recording
+def test_record_n_measures_every_nth_step_on_rank_0(trained):
+    every = S * B * 2
+    assert trained[0]["record every 2"] == [None, ("measured", every), ("measured", every)]
+    assert all(rows["record every 2"] == [None, None, None] for rows in trained[1:])
 
 
 # ---------------------------------------------------------------------- bad options

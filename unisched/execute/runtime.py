@@ -24,7 +24,12 @@ each ``step`` walks the rank's instruction list:
   posted after the rank's last loss;
 - at the end everything is awaited, a NaN loss stops every rank with the
   same error before any weight changes, and the weight workers step their
-  optimizers.
+  optimizers, after the options in :mod:`unisched.execute.training` say
+  (fp16 loss scale, global-norm clipping, accumulation); stages' buffers
+  kept by several ranks are averaged;
+- each (stage, micro-batch) forward runs under an RNG seed of its own, so a
+  recomputed forward draws the same dropout masks; ``evaluate`` walks the
+  forward part of the program only.
 
 Backends are chosen automatically: NCCL when CUDA is present, gloo on CPU.
 """
@@ -104,8 +109,8 @@ class Trainer:
     graph takes their values one after the other, in stage order.  Only
     floating tensors that need a gradient send one back; integer token ids
     and boolean masks travel forward only.  The structure, shapes and dtypes
-    of every stage's output are agreed once by a shape probe (again when
-    the batch's own change); an output that departs from them later stops
+    of every stage's output are agreed once by a shape probe (once for
+    each structure, shapes and dtypes of the batch); an output that departs from them later stops
     every rank with an error naming the stage and the field.
 
     An item the schedule gives to a gang of workers runs on every member:
@@ -121,6 +126,17 @@ class Trainer:
     target)`` returns a scalar.  ``optimizer``: a callable ``params ->
     torch.optim.Optimizer``, run on the weight workers of each stage.
     ``timeout`` (seconds) bounds every wait and every step.
+
+    Training options (docs/executor.md, *Training options*): ``precision``
+    ``"fp32"``/``"bf16"``/``"fp16"`` (autocast, values between stages in the
+    compute dtype, fp16 loss scaling agreed by all ranks, ``loss_scale``
+    overriding GradScaler's defaults), ``clip_grad_norm`` (global L2 norm
+    over every stage on every rank), ``scheduler`` (a factory ``optimizer
+    -> LRScheduler``, stepped after each optimizer step), ``accumulate=k``
+    (the optimizer steps every k-th ``step``), ``record`` (True, False, or
+    N: every N-th step).  ``trainer.optimizer`` steps this rank's weights of
+    truth in the order of its owned stages; ``trainer.scheduler``;
+    :meth:`training_state` for checkpoints.
     """
 
     def __init__(
@@ -216,6 +232,7 @@ class Trainer:
                               if a.op == "F" or ((a.is_send or a.is_recv) and a.op[0] in "Fw")]
         self._counts_norm = {s for s in self._owned if self.program.reduce_group(self.rank, s)[0] == self.rank}
         self._meta: _Agreed | None = None
+        self._metas: dict[tuple, _Agreed] = {}
         self._failed: str | None = None
         self._step_no = 0
         self._accumulated = 0
@@ -316,10 +333,7 @@ class Trainer:
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 self._load_host_weights()
-                signature = (spec, [(t.shape, t.dtype) for t in micro_in[0]])
-                if self._meta is None or self._meta.signature != signature:
-                    self._stand_in_weights()  # the step's fetches replace them
-                    self._meta = self._agree_layouts(signature, tree_unflatten(list(micro_in[0]), spec))
+                self._meta = self._layouts_for(spec, micro_in[0])
                 loss = run(state)
             # inside the try: a timeout interrupt posted before this returns lands here
             self._watchdog.disarm(ticket)
@@ -491,6 +505,21 @@ class Trainer:
             return [0.0] * self.world_size
         return [t for _, t in seen]
 
+    def _layouts_for(self, spec: TreeSpec, leaves: tuple[torch.Tensor, ...]) -> "_Agreed":
+        """The layouts agreed for micro-batches like ``leaves``: remembered
+        (a few, so that evaluating on other shapes does not probe again at
+        every switch), or found by the shape probe, which every rank runs at
+        the same step since every rank sees the same batches."""
+        signature = (spec, tuple((t.shape, t.dtype) for t in leaves))
+        meta = self._metas.pop(signature, None)
+        if meta is None:
+            self._stand_in_weights()  # the step's fetches replace them
+            meta = self._agree_layouts(signature, tree_unflatten(list(leaves), spec))
+        self._metas[signature] = meta
+        while len(self._metas) > 8:
+            del self._metas[next(iter(self._metas))]
+        return meta
+
     def _agree_layouts(self, signature, sample) -> "_Agreed":
         """What travels in steps whose micro-batches look like ``sample``:
         its own layout and every stage's output's, from the shape probe."""
@@ -619,8 +648,8 @@ class Trainer:
         """Post the all-reduce of the per-micro-batch losses once this rank has
         computed its last one, so that it overlaps the rest of the step."""
         st.loss_sum = torch.zeros(self.program.num_batches, dtype=torch.float64)
-        for b, loss in st.losses.items():
-            st.loss_sum[b] = float(loss)
+        if st.losses:  # one copy to the host, not one per micro-batch
+            st.loss_sum[list(st.losses)] = torch.stack(list(st.losses.values())).double().cpu()
         try:
             st.loss_work = dist.all_reduce(st.loss_sum, group=self._control, async_op=True)
         except Exception as error:

@@ -77,7 +77,8 @@ def seed_rng(device: torch.device, seed: int) -> None:
     millisecond a call), and the Trainer seeds once per forward."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
 
 
 class LossScale:

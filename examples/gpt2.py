@@ -47,7 +47,7 @@ from unisched.execute.arguments import (
     positive_float,
     positive_int,
 )
-from unisched.execute.example import summary_line, train_steps, trainer_options
+from unisched.execute.example import reference_micro_batches, summary_line, train_steps, trainer_options
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
@@ -205,8 +205,8 @@ def check(args, state: dict, S: int, B: int, layers: int, weights: list[float], 
 
     stages = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
     batches = (data(args, step, B * args.rows_per_batch) for step in range(steps))
-    _, reference = train_one_process(stages, next_token_loss, optimizer, batches, micro_batches=B,
-                                     **trainer_options(args))
+    _, reference = train_one_process(stages, next_token_loss, optimizer, batches,
+                                     micro_batches=reference_micro_batches(args, B), **trainer_options(args))
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
 

@@ -118,6 +118,14 @@ def trainer_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def reference_micro_batches(args: argparse.Namespace, B: int) -> int:
+    """How the one-process reference of ``--check`` splits each batch: in
+    fp32 not at all (the whole batch, a computation independent of the
+    schedule's), under bf16 or fp16 into the run's B micro-batches, as
+    rounding in the compute dtype depends on which rows a matmul sums."""
+    return B if args.precision not in (None, "fp32") else 1
+
+
 def lr_schedule(name: str, warmup: int, total: int) -> Callable:
     """A scheduler factory: the learning rate rises linearly over ``warmup``
     steps, then stays (``constant``) or follows a cosine down to 0 at step ``total``."""
@@ -362,8 +370,8 @@ def _check(args, state: dict, S: int, B: int, data, steps: int) -> float:
 
     stages, loss_fn, _ = build(args.model, S, args.model_width)
     batches = (data(step, B * args.rows_per_batch) for step in range(steps))
-    _, reference = train_one_process(stages, loss_fn, make_optimizer(args), batches, micro_batches=B,
-                                     **trainer_options(args))
+    _, reference = train_one_process(stages, loss_fn, make_optimizer(args), batches,
+                                     micro_batches=reference_micro_batches(args, B), **trainer_options(args))
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 
 

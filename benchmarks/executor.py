@@ -1,32 +1,54 @@
 """The executor against PyTorch's own runtimes, side by side in one process group.
 
-    python benchmarks/executor.py               # 2 ranks (this 2-core CPU machine), gloo
-    python benchmarks/executor.py --ranks 4 --width 1024 --layers 2
+    python benchmarks/executor.py                       # the GPT-2 split, 2 ranks (this 2-core CPU machine), gloo
+    python benchmarks/executor.py --model gpt2 --ranks 4
+    python benchmarks/executor.py --model linear --ranks 4 --width 1024 --layers 2
+    python benchmarks/executor.py --profile one_f_one_b  # cProfile of unisched's steps, per rank
 
-Same stages (``--layers`` x (Linear(width, width) + ReLU) per stage, one
-stage per rank), same batch (64 rows, 8 micro-batches), same SGD:
+``--model gpt2`` (default): the tiny random GPT-2 of ``examples/gpt2.py``
+(width 64, 4 heads, vocabulary 128, 32 positions; 2 blocks per rank),
+split by :func:`unisched.split_model`, 4 rows per micro-batch, 8
+micro-batches, SGD.  Against torch.distributed.pipelining on the same
+stages (``PipelineStage`` per stage a rank holds):
 
-- unisched ``gpipe`` vs ``torch.distributed.pipelining.ScheduleGPipe``;
-- unisched ``one_f_one_b`` vs ``Schedule1F1B``;
-- unisched ``ddp`` (one micro-batch per rank) vs ``DistributedDataParallel``.
+- unisched ``gpipe`` vs ``ScheduleGPipe`` (one stage per rank);
+- unisched ``one_f_one_b`` vs ``Schedule1F1B`` (one stage per rank);
+- unisched ``interleaved`` and ``ScheduleInterleaved1F1B`` (torch's order,
+  rebuilt by :mod:`unisched.policies.torch_interop`) vs torch's
+  ``ScheduleInterleaved1F1B`` (two stages per rank, stage s on rank s mod W);
+- unisched ``ScheduleZBVZeroBubble`` (torch's order) vs torch's
+  ``ScheduleZBVZeroBubble`` (two stages per rank in a V, split backward).
+
+``--model linear``: stages of ``--layers`` x (Linear(width, width) + ReLU),
+one per rank, 64 rows in 8 micro-batches: ``gpipe``, ``one_f_one_b`` and
+``ddp`` (one micro-batch per rank) vs ``ScheduleGPipe``, ``Schedule1F1B``
+and ``DistributedDataParallel``.
 
 Rounds alternate between the systems so that a busy machine slows them
 alike; step times are measured on rank 0 between barriers; a ratio is the
 median over rounds of that round's ratio of median step times (a paired
-comparison, robust to the load drifting between rounds).  Then, in more alternating rounds with recording on,
-unisched's costs are calibrated from every other step and the simulator's
-predicted latency is compared with the median measured latency of the steps
-in between.  Ratios below 1.0 mean unisched is faster.
+comparison, robust to the load drifting between rounds).  Then, in more
+alternating rounds with recording on, unisched's costs are calibrated from
+every other step and the simulator's predicted latency is compared with the
+median measured latency of the steps in between.  Ratios below 1.0 mean
+unisched is faster.  With ``--profile NAME`` each rank instead runs
+unisched's NAME steps under cProfile and reports its hot spots
+(file:function, share of the step time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +58,9 @@ import unisched
 from unisched import policies
 from unisched.execute import Trainer, calibrate_costs, predict
 from unisched.execute.launch import check, run_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import gpt2 as gpt2_example  # noqa: E402
 
 ROWS = 64
 MICRO_BATCHES = 8
@@ -54,40 +79,107 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR)
 
 
-def make_schedules(W: int) -> dict:
-    """The three unisched schedules: pipelines of W stages over 8 micro-batches, ddp with one per rank."""
-    shapes = {"gpipe": (W, MICRO_BATCHES), "one_f_one_b": (W, MICRO_BATCHES), "ddp": (W, W)}
-    return {
-        name: unisched.simulate(W, S, B, policies.get(name, num_workers=W, num_stages=S, num_batches=B))
-        for name, (S, B) in shapes.items()
-    }
+def make_schedule(name: str, W: int, S: int, B: int):
+    return unisched.simulate(W, S, B, policies.get(name, num_workers=W, num_stages=S, num_batches=B))
+
+
+# ---------------------------------------------------------------------- the models
+class Case(NamedTuple):
+    """One comparison: unisched's strategy ``ours`` against torch's ``theirs``
+    on ``S`` stages of ``B`` micro-batches (``ddp``: one per rank)."""
+
+    ours: str
+    theirs: str
+    stages_per_rank: int
+
+
+LINEAR_CASES = [Case("gpipe", "ScheduleGPipe", 1), Case("one_f_one_b", "Schedule1F1B", 1), Case("ddp", "DDP", 1)]
+GPT2_CASES = [
+    Case("gpipe", "ScheduleGPipe", 1),
+    Case("one_f_one_b", "Schedule1F1B", 1),
+    Case("interleaved", "ScheduleInterleaved1F1B", 2),
+    Case("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 2),
+    Case("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", 2),
+]
+GPT2 = {"width": 64, "heads": 4, "vocab": 128, "positions": 32, "rows_per_batch": 4, "attention": "sdpa"}
+
+
+class Workload:
+    """Stages, batch and loss of one model, built the same way on every rank."""
+
+    def __init__(self, model: str, config: dict, W: int):
+        self.model, self.config, self.W = model, config, W
+        self.cases = GPT2_CASES if model == "gpt2" else LINEAR_CASES
+
+    def stages(self, S: int):
+        if self.model == "linear":
+            return make_stages(S, self.config["width"], self.config["layers"])
+        args = SimpleNamespace(**GPT2)
+        return unisched.split_model(gpt2_example.gpt2(args, 2 * self.W), S, tied="untie")
+
+    def batch(self):
+        if self.model == "linear":
+            g = torch.Generator().manual_seed(7)
+            width = self.config["width"]
+            return torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
+        return gpt2_example.data(SimpleNamespace(**GPT2), 0, GPT2["rows_per_batch"] * MICRO_BATCHES)
+
+    def loss_fn(self):
+        return nn.functional.mse_loss if self.model == "linear" else gpt2_example.next_token_loss
+
+    def shape(self, case: Case) -> tuple[int, int, int]:
+        S = case.stages_per_rank * self.W
+        return (self.W, S, self.W) if case.ours == "ddp" else (self.W, S, MICRO_BATCHES)
+
+    def describe(self) -> str:
+        if self.model == "linear":
+            c = self.config
+            return f"stages of {c['layers']} x Linear({c['width']}) + ReLU, {ROWS} rows in {MICRO_BATCHES} micro-batches"
+        g = GPT2
+        return (f"GPT-2 of {2 * self.W} blocks (width {g['width']}, {g['heads']} heads, vocabulary {g['vocab']}, "
+                f"{g['positions']} positions), {g['rows_per_batch']} rows in each of {MICRO_BATCHES} micro-batches")
 
 
 # ---------------------------------------------------------------------- the systems
 class Unisched:
-    def __init__(self, timeline, W, width, layers):
-        self.trainer = Trainer(make_stages(W, width, layers), timeline, nn.functional.mse_loss, sgd, record=False)
+    def __init__(self, work: Workload, case: Case):
+        W, S, B = work.shape(case)
+        self.schedule = make_schedule(case.ours, W, S, B)
+        self.trainer = Trainer(work.stages(S), self.schedule, work.loss_fn(), sgd, record=False)
 
     def step(self, x, y):
         self.trainer.step(x, y)
 
 
-class TorchPipeline:
-    """torch.distributed.pipelining with one stage per rank."""
+def local_stages(kind: str, rank: int, W: int, S: int) -> list[int]:
+    """The stages torch's schedule ``kind`` puts on ``rank``."""
+    if S == W:
+        return [rank]
+    if kind == "ScheduleZBVZeroBubble":
+        return [rank, 2 * W - 1 - rank]
+    return list(range(rank, S, W))
 
-    def __init__(self, kind: str, W: int, width: int, layers: int):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+class TorchPipeline:
+    """torch.distributed.pipelining: a PipelineStage per stage the rank holds."""
+
+    def __init__(self, work: Workload, case: Case):
+        from torch.distributed import pipelining
 
         self.rank = dist.get_rank()
-        self.module = make_stages(W, width, layers)[self.rank]
-        stage = PipelineStage(self.module, self.rank, W, torch.device("cpu"))
-        schedule = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B}[kind]
-        self.schedule = schedule(stage, n_microbatches=MICRO_BATCHES, loss_fn=nn.functional.mse_loss)
-        self.optimizer = sgd(self.module.parameters())
-        self.last = self.rank == W - 1
+        W, S, B = work.shape(case)
+        modules = work.stages(S)
+        self.held = local_stages(case.theirs, self.rank, W, S)
+        stages = [pipelining.PipelineStage(modules[s], s, S, torch.device("cpu")) for s in self.held]
+        cls = getattr(pipelining, case.theirs)
+        self.schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=B, loss_fn=work.loss_fn())
+        self.optimizer = sgd([p for s in self.held for p in modules[s].parameters()])
+        self.first, self.last = 0 in self.held, S - 1 in self.held
 
     def step(self, x, y):
-        if self.rank == 0:
+        if self.first and self.last:
+            self.schedule.step(x, target=y, losses=[])
+        elif self.first:
             self.schedule.step(x)
         elif self.last:
             self.schedule.step(target=y, losses=[])
@@ -98,11 +190,11 @@ class TorchPipeline:
 
 
 class TorchDDP:
-    def __init__(self, W: int, width: int, layers: int):
+    def __init__(self, work: Workload, case: Case):
         from torch.nn.parallel import DistributedDataParallel
 
-        self.rank, self.world = dist.get_rank(), W
-        self.model = DistributedDataParallel(nn.Sequential(*make_stages(W, width, layers)))
+        self.rank, self.world = dist.get_rank(), work.W
+        self.model = DistributedDataParallel(nn.Sequential(*work.stages(work.W)))
         self.optimizer = sgd(self.model.parameters())
 
     def step(self, x, y):
@@ -113,21 +205,18 @@ class TorchDDP:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def theirs(work: Workload, case: Case):
+    return TorchDDP(work, case) if case.theirs == "DDP" else TorchPipeline(work, case)
+
+
 # ---------------------------------------------------------------------- one rank
-def _bench(rank: int, world: int, config: dict) -> dict | None:
-    W, width, layers = world, config["width"], config["layers"]
-    schedules = make_schedules(W)
-    timelines = {name: schedule.timeline for name, schedule in schedules.items()}
-    g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
-    systems = {
-        "unisched gpipe": Unisched(timelines["gpipe"], W, width, layers),
-        "torch ScheduleGPipe": TorchPipeline("gpipe", W, width, layers),
-        "unisched one_f_one_b": Unisched(timelines["one_f_one_b"], W, width, layers),
-        "torch Schedule1F1B": TorchPipeline("one_f_one_b", W, width, layers),
-        "unisched ddp": Unisched(timelines["ddp"], W, width, layers),
-        "torch DDP": TorchDDP(W, width, layers),
-    }
+def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
+    work = Workload(model, config, world)
+    x, y = work.batch()
+    systems = {}
+    for case in work.cases:
+        systems[f"unisched {case.ours}"] = Unisched(work, case)
+        systems.setdefault(f"torch {case.theirs}", theirs(work, case))
     times: dict[str, list[list[float]]] = {name: [] for name in systems}
     for system in systems.values():
         system.step(x, y)
@@ -141,32 +230,30 @@ def _bench(rank: int, world: int, config: dict) -> dict | None:
                 dist.barrier()
                 times[name][-1].append(time.perf_counter() - start)
 
-    calibration = {name: [] for name in schedules}
-    held_out = {name: [] for name in schedules}
-    for _ in range(config["rounds"]):
-        for name in schedules:
-            trainer = systems[f"unisched {name}"].trainer
+    calibration = {case.ours: [] for case in work.cases}
+    held_out = {case.ours: [] for case in work.cases}
+    for _ in range(config["prediction_rounds"]):
+        for case in work.cases:
+            trainer = systems[f"unisched {case.ours}"].trainer
             trainer.record = True
             for step in range(2 * config["steps"]):
                 trainer.step(x, y)
-                (calibration if step % 2 == 0 else held_out)[name].append(trainer.last_timeline)
+                (calibration if step % 2 == 0 else held_out)[case.ours].append(trainer.last_timeline)
             trainer.record = False
-    predictions = {}
-    if rank == 0:
-        for name, schedule in schedules.items():
-            costs = calibrate_costs(calibration[name])
-            predicted = predict(schedule, costs).latency
-            measured = statistics.median(t.latency for t in held_out[name])
-            predictions[name] = {"predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured,
-                                 "error": abs(predicted - measured) / measured}
     if rank != 0:
         return None
-    pairs = {"gpipe / ScheduleGPipe": ("unisched gpipe", "torch ScheduleGPipe"),
-             "one_f_one_b / Schedule1F1B": ("unisched one_f_one_b", "torch Schedule1F1B"),
-             "ddp / DDP": ("unisched ddp", "torch DDP")}
+    predictions = {}
+    for case in work.cases if config["prediction_rounds"] else []:
+        costs = calibrate_costs(calibration[case.ours])
+        predicted = predict(systems[f"unisched {case.ours}"].schedule, costs).latency
+        measured = statistics.median(t.latency for t in held_out[case.ours])
+        predictions[case.ours] = {"predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured,
+                                  "error": abs(predicted - measured) / measured}
     ratios = {
-        label: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(times[ours], times[theirs]))
-        for label, (ours, theirs) in pairs.items()
+        f"{case.ours} / {case.theirs}": statistics.median(
+            statistics.median(a) / statistics.median(b)
+            for a, b in zip(times[f"unisched {case.ours}"], times[f"torch {case.theirs}"]))
+        for case in work.cases
     }
     return {
         "step_ms": {name: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times.items()},
@@ -175,43 +262,99 @@ def _bench(rank: int, world: int, config: dict) -> dict | None:
     }
 
 
+def _profile(rank: int, world: int, model: str, config: dict, name: str) -> dict:
+    """unisched's ``name`` steps under cProfile on this rank: the functions
+    that take the most time of their own, and the runtime's own functions
+    by time including what they call, as shares of the profiled time."""
+    work = Workload(model, config, world)
+    case = next((c for c in work.cases if c.ours == name), None) or Case(name, "", 1)
+    x, y = work.batch()
+    system = Unisched(work, case)
+    system.step(x, y)
+    profiler = cProfile.Profile()
+    dist.barrier()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(config["rounds"] * config["steps"]):
+        system.step(x, y)
+    profiler.disable()
+    total = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats
+
+    def where(key) -> str:
+        file, line, function = key
+        return f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{function}"
+
+    rows = [(where(key), tt, ct, calls) for key, (_, calls, tt, ct, _) in stats.items()]
+    own = sorted(rows, key=lambda r: -r[1])[:config["top"]]
+    runtime = sorted((r for r in rows if "unisched/" in r[0]), key=lambda r: -r[2])[:config["top"]]
+    steps = config["rounds"] * config["steps"]
+    return {"rank": rank, "step_ms": 1e3 * total / steps,
+            "own": [(w, tt / total, calls // steps) for w, tt, _, calls in own],
+            "cumulative": [(w, ct / total, calls // steps) for w, _, ct, calls in runtime]}
+
+
 # ---------------------------------------------------------------------- report
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages (default 2)")
+    parser.add_argument("--model", choices=("gpt2", "linear"), default="gpt2", help="gpt2 (default) or linear")
+    parser.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
     parser.add_argument("--width", type=int, default=1024, help="Linear width (default 1024)")
     parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per system per round (default 3)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds alternating the systems (default 10)")
+    parser.add_argument("--prediction-rounds", type=int, default=3,
+                        help="rounds of recorded steps for the simulator's prediction (default 3; 0: none)")
+    parser.add_argument("--profile", metavar="STRATEGY", help="profile unisched's STRATEGY on every rank instead")
+    parser.add_argument("--top", type=int, default=15, help="functions listed per rank with --profile (default 15)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks
-    config = {"width": args.width, "layers": args.layers, "steps": args.steps, "rounds": args.rounds}
+    config = {"width": args.width, "layers": args.layers, "steps": args.steps, "rounds": args.rounds,
+              "prediction_rounds": args.prediction_rounds, "top": args.top}
+    work = Workload(args.model, config, W)
+    if args.profile:
+        return show_profile(check(run_local(_profile, W, args.model, config, args.profile, timeout=900,
+                                            group_timeout=300)), args)
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    result = check(run_local(_bench, W, config, timeout=900, group_timeout=300))[0]
-    ms = result["step_ms"]
-    result["config"] = {"ranks": W, "width": args.width, "layers_per_stage": args.layers, "rows": ROWS,
-                        "micro_batches": MICRO_BATCHES, "backend": "gloo", "threads_per_rank": 1, "cpus": os.cpu_count(),
+    result = check(run_local(_bench, W, args.model, config, timeout=1800, group_timeout=300))[0]
+    result["config"] = {"model": work.describe(), "ranks": W, "micro_batches": MICRO_BATCHES, "backend": "gloo",
+                        "threads_per_rank": 1, "cpus": os.cpu_count(),
                         "load_average_before_after": [load_before, os.getloadavg()[0]],
                         "seconds": time.perf_counter() - started}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     c = result["config"]
-    print(f"{W} ranks (gloo, CPU, 1 thread each), stages of {args.layers} x Linear({args.width}) + ReLU, "
-          f"{ROWS} rows in {MICRO_BATCHES} micro-batches ({c['seconds']:.0f} s; {c['cpus']} CPUs, load average "
-          f"{c['load_average_before_after'][0]:.1f} before, {c['load_average_before_after'][1]:.1f} after)")
+    print(f"{W} ranks (gloo, CPU, 1 thread each), {c['model']} ({c['seconds']:.0f} s; {c['cpus']} CPUs, load "
+          f"average {c['load_average_before_after'][0]:.1f} before, {c['load_average_before_after'][1]:.1f} after)")
     print("\nmedian step time")
-    for name, value in ms.items():
-        print(f"  {name:<22} {value:8.1f} ms")
+    for name, value in result["step_ms"].items():
+        print(f"  {name:<34} {value:8.1f} ms")
     print("\nratios (unisched / torch, median over rounds of each round's ratio; <= 1.0 is as fast or faster)")
     for name, value in result["ratios"].items():
-        print(f"  {name:<28} {value:6.3f}")
-    print("\nsimulated (costs calibrated on earlier steps) vs measured latency")
-    for name, row in result["prediction"].items():
-        print(f"  {name:<12} predicted {row['predicted_ms']:7.1f} ms  measured {row['measured_ms']:7.1f} ms  "
-              f"error {row['error']:.1%}")
+        print(f"  {name:<50} {value:6.3f}")
+    if result["prediction"]:
+        print("\nsimulated (costs calibrated on earlier steps) vs measured latency")
+        for name, row in result["prediction"].items():
+            print(f"  {name:<24} predicted {row['predicted_ms']:7.1f} ms  measured {row['measured_ms']:7.1f} ms  "
+                  f"error {row['error']:.1%}")
+    return 0
+
+
+def show_profile(ranks: list[dict], args) -> int:
+    if args.json:
+        print(json.dumps(ranks, indent=2))
+        return 0
+    for r in ranks:
+        print(f"rank {r['rank']}: unisched {args.profile}, {r['step_ms']:.1f} ms per profiled step")
+        print("  own time (share of the profiled time, calls per step)")
+        for where, share, calls in r["own"]:
+            print(f"    {share:6.1%}  {calls:6d}  {where}")
+        print("  unisched functions, time including callees")
+        for where, share, calls in r["cumulative"]:
+            print(f"    {share:6.1%}  {calls:6d}  {where}")
     return 0
 
 

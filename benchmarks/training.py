@@ -62,6 +62,7 @@ def _recording(config: dict) -> dict:
     for name in ("gpipe", "one_f_one_b"):
         trainer = Trainer(make_stages(W, width, layers), schedule(name, W, MICRO_BATCHES), nn.functional.mse_loss,
                           lambda params: torch.optim.SGD(params, lr=0.01))
+        recording = _time_recording_calls(trainer)
         times = {mode: [] for mode in modes}
         trainer.step(x, y)
         for _ in range(config["rounds"]):
@@ -77,12 +78,38 @@ def _recording(config: dict) -> dict:
                 times[mode].append(rnd)
         trainer.close()
         off = times["record=False"]
+        step_ms = {mode: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for mode, rounds in times.items()}
+        spent = [sum(parts) for parts in zip(*recording.values())]
         out[name] = {
-            "step_ms": {mode: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for mode, rounds in times.items()},
+            "step_ms": step_ms,
             "ratio": {mode: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, off))
                       for mode, rounds in times.items() if mode != "record=False"},
+            "recording_calls_ms": {part: 1e3 * statistics.median(t) for part, t in recording.items()},
+            "recording_share": statistics.median(spent) * 1e3 / step_ms["record=True"],
         }
     return out
+
+
+def _time_recording_calls(trainer: Trainer) -> dict[str, list[float]]:
+    """Per recorded step, the seconds this rank spent in what only a recorded
+    step does: the barrier that starts it, and gathering the notes to rank 0
+    (the time marks themselves are a perf_counter call per item)."""
+    spent = {"barrier": [], "gather": []}
+    collective, gather = trainer._collective, trainer._gather_timeline
+
+    def timed_collective(run, what):
+        start = time.perf_counter()
+        collective(run, what)
+        if what.startswith("the barrier"):
+            spent["barrier"].append(time.perf_counter() - start)
+
+    def timed_gather(st):
+        start = time.perf_counter()
+        gather(st)
+        spent["gather"].append(time.perf_counter() - start)
+
+    trainer._collective, trainer._gather_timeline = timed_collective, timed_gather
+    return spent
 
 
 # ---------------------------------------------------------------------- 2. bf16 against fp32
@@ -144,8 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages (default 2)")
     parser.add_argument("--width", type=int, default=1024, help="Linear width (default 1024)")
     parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage (default 2)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode per round (default 5)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds alternating the modes (default 8)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per round (default 2)")
+    parser.add_argument("--rounds", type=int, default=30, help="rounds alternating the modes (default 30)")
     parser.add_argument("--no-gpt2", action="store_true", help="skip the bf16 / fp32 GPT-2 comparison")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -167,6 +194,9 @@ def main(argv=None) -> int:
         ms = row["step_ms"]
         print(f"  {name:12s} " + "  ".join(f"{mode} {ms[mode]:7.2f} ms" for mode in ms)
               + "   " + "  ".join(f"{mode}: {ratio:.3f}" for mode, ratio in row["ratio"].items()))
+        calls = row["recording_calls_ms"]
+        print(f"  {'':12s} rank 0 in a recorded step: barrier {calls['barrier']:.2f} ms + gathering "
+              f"{calls['gather']:.2f} ms = {100 * row['recording_share']:.1f}% of the step")
     if "precision" in result:
         p = result["precision"]
         print(f"\nGPT-2 ({LAYERS} blocks, width {WIDTH}) split into {args.ranks} stages, gpipe, AdamW, {GPT_STEPS} steps")

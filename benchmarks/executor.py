@@ -32,8 +32,8 @@ alternating rounds with recording on, unisched's costs are calibrated from
 every other step and the simulator's predicted latency is compared with the
 median measured latency of the steps in between.  Ratios below 1.0 mean
 unisched is faster.  With ``--profile NAME`` each rank instead runs
-unisched's NAME steps under cProfile and reports its hot spots
-(file:function, share of the step time).
+unisched's NAME steps, then torch's matching schedule's, under cProfile
+and reports their hot spots (file:function, share of the profiled time).
 """
 
 from __future__ import annotations
@@ -263,35 +263,43 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
 
 
 def _profile(rank: int, world: int, model: str, config: dict, name: str) -> dict:
-    """unisched's ``name`` steps under cProfile on this rank: the functions
-    that take the most time of their own, and the runtime's own functions
-    by time including what they call, as shares of the profiled time."""
+    """unisched's ``name`` steps, then torch's matching schedule's, under
+    cProfile on this rank: the functions that take the most time of their
+    own, and unisched's functions by time including what they call, as
+    shares of the profiled time."""
     work = Workload(model, config, world)
     case = next((c for c in work.cases if c.ours == name), None) or Case(name, "", 1)
     x, y = work.batch()
-    system = Unisched(work, case)
-    system.step(x, y)
-    profiler = cProfile.Profile()
-    dist.barrier()
-    start = time.perf_counter()
-    profiler.enable()
-    for _ in range(config["rounds"] * config["steps"]):
+    out = {"rank": rank}
+    systems = {"unisched": Unisched(work, case)}
+    if case.theirs:
+        systems["torch"] = theirs(work, case)
+    for label, system in systems.items():
         system.step(x, y)
-    profiler.disable()
-    total = time.perf_counter() - start
-    stats = pstats.Stats(profiler).stats
+        profiler = cProfile.Profile()
+        dist.barrier()
+        start = time.perf_counter()
+        profiler.enable()
+        for _ in range(config["rounds"] * config["steps"]):
+            system.step(x, y)
+        profiler.disable()
+        out[label] = _hot_spots(profiler, time.perf_counter() - start, config)
+    return out
+
+
+def _hot_spots(profiler: cProfile.Profile, total: float, config: dict) -> dict:
+    steps = config["rounds"] * config["steps"]
 
     def where(key) -> str:
-        file, line, function = key
+        file, _, function = key
         return f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{function}"
 
-    rows = [(where(key), tt, ct, calls) for key, (_, calls, tt, ct, _) in stats.items()]
+    rows = [(where(key), tt, ct, calls) for key, (_, calls, tt, ct, _) in pstats.Stats(profiler).stats.items()]
     own = sorted(rows, key=lambda r: -r[1])[:config["top"]]
-    runtime = sorted((r for r in rows if "unisched/" in r[0]), key=lambda r: -r[2])[:config["top"]]
-    steps = config["rounds"] * config["steps"]
-    return {"rank": rank, "step_ms": 1e3 * total / steps,
+    ours = sorted((r for r in rows if "unisched/" in r[0]), key=lambda r: -r[2])[:config["top"]]
+    return {"step_ms": 1e3 * total / steps,
             "own": [(w, tt / total, calls // steps) for w, tt, _, calls in own],
-            "cumulative": [(w, ct / total, calls // steps) for w, _, ct, calls in runtime]}
+            "cumulative": [(w, ct / total, calls // steps) for w, _, ct, calls in ours]}
 
 
 # ---------------------------------------------------------------------- report
@@ -348,13 +356,18 @@ def show_profile(ranks: list[dict], args) -> int:
         print(json.dumps(ranks, indent=2))
         return 0
     for r in ranks:
-        print(f"rank {r['rank']}: unisched {args.profile}, {r['step_ms']:.1f} ms per profiled step")
-        print("  own time (share of the profiled time, calls per step)")
-        for where, share, calls in r["own"]:
-            print(f"    {share:6.1%}  {calls:6d}  {where}")
-        print("  unisched functions, time including callees")
-        for where, share, calls in r["cumulative"]:
-            print(f"    {share:6.1%}  {calls:6d}  {where}")
+        for label in ("unisched", "torch"):
+            if label not in r:
+                continue
+            p = r[label]
+            print(f"rank {r['rank']}: {label} ({args.profile}), {p['step_ms']:.1f} ms per profiled step")
+            print("  own time (share of the profiled time, calls per step)")
+            for where, share, calls in p["own"]:
+                print(f"    {share:6.1%}  {calls:6d}  {where}")
+            if p["cumulative"]:
+                print("  unisched functions, time including callees")
+                for where, share, calls in p["cumulative"]:
+                    print(f"    {share:6.1%}  {calls:6d}  {where}")
     return 0
 
 

@@ -238,12 +238,12 @@ def schedule(graph, stashes, links):
     free = np.zeros(num_workers)
 
     # the main heap, with room for what one step may push
-    slack = _slack(graph, stashes)
+    slack = _slack(succ_ptr, stashes.claim_ptr, stashes.release_ptr, stashes.pair_ptr)
     capacity = 2 * n + num_workers + slack
     heap_t = np.empty(capacity)
     heap_k = np.empty(capacity, dtype=np.int64)
     heap_e = np.empty(capacity, dtype=np.int64)
-    size = 0
+    size = n - n  # an int64, not the literal 0 (one compiled version of the heap functions)
 
     # each worker's late items
     late_base = _regions(worker, num_workers)
@@ -251,12 +251,30 @@ def schedule(graph, stashes, links):
     late_k = np.empty(n, dtype=np.int64)
     late_e = np.empty(n, dtype=np.int64)
 
+    # memory: live stashes and booked releases (a heap of (time, amount)) per
+    # worker, forwards parked per (storage, compute worker) pair (a heap of (key, item))
     memory = stashes.limit.shape[0] > 0
-    levels = _memory_state(stashes, num_workers)
+    limit, claim_ptr, claim_worker, claim_amount = stashes.limit, stashes.claim_ptr, stashes.claim_worker, stashes.claim_amount
+    claim_pair, pair_ptr, pair_base = stashes.claim_pair, stashes.pair_ptr, stashes.pair_base
+    release_ptr, release_worker, release_amount = stashes.release_ptr, stashes.release_worker, stashes.release_amount
+    release_base = stashes.release_base
+    live = np.zeros(num_workers)
+    release_size = np.zeros(num_workers, dtype=np.int64)
+    release_t, release_a = np.empty(release_worker.shape[0]), np.empty(release_worker.shape[0])
+    scratch_t, scratch_a = np.empty(release_worker.shape[0]), np.empty(release_worker.shape[0])
+    park_size = np.zeros(pair_base.shape[0], dtype=np.int64)
+    park_k, park_e = np.empty(claim_pair.shape[0], dtype=np.int64), np.empty(claim_pair.shape[0], dtype=np.int64)
     woken = np.empty(num_workers + 1, dtype=np.int64)
-    network = _network_state(links, worker, num_workers)
-    rows = _rows(links, n)
-    booked = 0
+
+    # the network: each link's calendar, each worker's start times (for
+    # prefetch), resident stages, gradients still to return, and the rows booked
+    comm = links.on
+    calendar_start, calendar_end, calendar_size = _calendars(links)
+    history, history_base, history_size = _histories(comm, worker, num_workers)
+    resident = np.zeros(num_workers * links.num_stages if comm else 0, dtype=np.bool_)
+    grads_left = links.grads_per_stage.copy()
+    rows = _rows(comm, links.edge_link.shape[0] + 2 * n)
+    booked = n - n
 
     for i in range(graph.source_items.shape[0]):
         trigger_rank[graph.source_items[i]] = graph.source_keys[i]
@@ -286,15 +304,22 @@ def schedule(graph, stashes, links):
                 continue
 
         if memory:
-            retry = _admit(item, t, key, stashes, levels)
+            retry = _admit(item, t, key, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base, live,
+                           release_base, release_size, release_t, release_a, scratch_t, scratch_a, park_size, park_k,
+                           park_e)
             if retry != t:
                 if retry < math.inf:
                     size = _push(heap_t, heap_k, heap_e, size, retry, key, item)
                 continue
 
         begin = t
-        if links.on:
-            begin, booked = _fetch_weights(item, w, t, links, network, rows, booked)
+        if comm:
+            history[history_base[w] + history_size[w]] = t
+            history_size[w] += 1
+            link = links.fetch_link[item]
+            if link >= 0:
+                begin, booked = _fetch(item, w, t, link, links, history, history_base[w], history_size[w], resident,
+                                       calendar_start, calendar_end, calendar_size, rows, booked)
         finish = begin + duration[item]
         start[item] = begin
         end[item] = finish
@@ -302,26 +327,32 @@ def schedule(graph, stashes, links):
         if late_size[w] > 0:
             size = _push(heap_t, heap_k, heap_e, size, finish, late_k[late_base[w]], -1 - w)
         if memory:  # book the item's claims and releases; retry the forwards parked where they land
-            for c in range(stashes.claim_ptr[item], stashes.claim_ptr[item + 1]):
-                count = _claim(c, stashes, levels, woken)
+            for c in range(claim_ptr[item], claim_ptr[item + 1]):
+                live[claim_worker[c]] += claim_amount[c]
+                count = _wake(claim_worker[c], pair_ptr, pair_base, park_size, park_k, park_e, woken)
                 for j in range(count):
                     other = woken[j]
                     size = _push(heap_t, heap_k, heap_e, size, max(begin, ready[other]), trigger_rank[other], other)
-            for r in range(stashes.release_ptr[item], stashes.release_ptr[item + 1]):
-                count = _release(r, finish, stashes, levels, woken)
+            for r in range(release_ptr[item], release_ptr[item + 1]):
+                holder = release_worker[r]
+                release_size[holder] = _pair_push(release_t, release_a, release_base[holder], release_size[holder],
+                                                  finish, release_amount[r])
+                count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
                 for j in range(count):
                     other = woken[j]
                     size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other], other)
-        if links.on:
-            booked = _return_gradient(item, finish, links, network, rows, booked)
+        if comm and links.return_link[item] >= 0 and _returns_now(item, links, grads_left):
+            _, booked = _send(links.return_link[item], links.gradient_kind, finish,
+                              links.weight_bytes[links.stage[item]], item, links, calendar_start, calendar_end,
+                              calendar_size, rows, booked)
 
         item_rank = rank[item]
         for k in range(succ_ptr[item], succ_ptr[item + 1]):
             nxt = succ_idx[k]
             arrive = finish
-            if links.on and succ_sends[k] and links.edge_kind[k] >= 0:
-                arrive, booked = _send(links.edge_link[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt,
-                                       links, network, rows, booked)
+            if comm and succ_sends[k] and links.edge_kind[k] >= 0:
+                arrive, booked = _send(links.edge_link[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt, links,
+                                       calendar_start, calendar_end, calendar_size, rows, booked)
             if arrive > ready[nxt]:
                 ready[nxt] = arrive
             if succ_primary[k] and arrive > trigger_time[nxt]:
@@ -343,18 +374,17 @@ def schedule(graph, stashes, links):
                         nbytes[:booked], row_item[:booked])
 
 
-def _slack(graph, stashes):
+def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr):
     """The most entries one step pushes onto the main heap: a late worker
     (twice), a retry, the successors, and a parked forward per compute
     worker for each claim and release."""
     most_pairs = 0
-    for w in range(graph.num_workers):
-        most_pairs = max(most_pairs, stashes.pair_ptr[w + 1] - stashes.pair_ptr[w])
+    for w in range(pair_ptr.shape[0] - 1):
+        most_pairs = max(most_pairs, pair_ptr[w + 1] - pair_ptr[w])
     most_out, most_memory = 0, 0
-    for i in range(graph.worker.shape[0]):
-        most_out = max(most_out, graph.succ_ptr[i + 1] - graph.succ_ptr[i])
-        most_memory = max(most_memory, stashes.claim_ptr[i + 1] - stashes.claim_ptr[i]
-                          + stashes.release_ptr[i + 1] - stashes.release_ptr[i])
+    for i in range(succ_ptr.shape[0] - 1):
+        most_out = max(most_out, succ_ptr[i + 1] - succ_ptr[i])
+        most_memory = max(most_memory, claim_ptr[i + 1] - claim_ptr[i] + release_ptr[i + 1] - release_ptr[i])
     return 4 + most_out + most_memory * most_pairs
 
 
@@ -370,83 +400,54 @@ def _regions(owner, count):
 
 
 # ---------------------------------------------------------------------- memory (engine._Memory)
-def _memory_state(stashes, num_workers):
-    """Live stashes per worker, the releases booked on each (a heap of
-    (time, amount) per worker), a scratch copy, and the forwards parked per
-    (storage, compute worker) pair (a heap of (key, item) each)."""
-    releases = stashes.release_worker.shape[0]
-    return (np.zeros(num_workers), np.zeros(num_workers, dtype=np.int64), np.empty(releases), np.empty(releases),
-            np.empty(releases), np.empty(releases), np.zeros(stashes.pair_base.shape[0], dtype=np.int64),
-            np.empty(stashes.claim_pair.shape[0], dtype=np.int64), np.empty(stashes.claim_pair.shape[0], dtype=np.int64))
-
-
-def _level(w, t, stashes, levels):
+def _level(w, t, live, base, release_size, release_t, release_a):
     """Worker w's live stashes at ``t``, after the releases booked up to then."""
-    live, release_size, release_t, release_a = levels[0], levels[1], levels[2], levels[3]
-    base = stashes.release_base[w]
     while release_size[w] > 0 and release_t[base] <= t + _EPS:
         live[w] -= release_a[base]
         release_size[w] = _pair_pop(release_t, release_a, base, release_size[w])
     return live[w]
 
 
-def _admit(item, t, key, stashes, levels):
+def _admit(item, t, key, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base, live, release_base,
+           release_size, release_t, release_a, scratch_t, scratch_a, park_size, park_k, park_e):
     """``t`` if ``item`` may start at ``t``; else when to look again (inf: parked)."""
-    park_size, park_k, park_e = levels[6], levels[7], levels[8]
     retry = t
-    for c in range(stashes.claim_ptr[item], stashes.claim_ptr[item + 1]):
-        w = stashes.claim_worker[c]
-        need = _level(w, t, stashes, levels) + stashes.claim_amount[c] - stashes.limit[w]
+    for c in range(claim_ptr[item], claim_ptr[item + 1]):
+        w = claim_worker[c]
+        need = _level(w, t, live, release_base[w], release_size, release_t, release_a) + claim_amount[c] - limit[w]
         if need <= _EPS:
             continue
-        when = _when_freed(need, stashes.release_base[w], levels[1][w], levels)
+        when = _when_freed(need, release_base[w], release_size[w], release_t, release_a, scratch_t, scratch_a)
         if when == math.inf:
-            pair = stashes.claim_pair[c]
-            park_size[pair] = _late_push(park_k, park_e, stashes.pair_base[pair], park_size[pair], key, item)
+            pair = claim_pair[c]
+            park_size[pair] = _late_push(park_k, park_e, pair_base[pair], park_size[pair], key, item)
             return math.inf
         retry = max(retry, when)
     return retry
 
 
-def _when_freed(need, base, count, levels):
+def _when_freed(need, base, count, release_t, release_a, scratch_t, scratch_a):
     """The first booked release time by which ``need`` is freed (releases in
     time order, as the engine's ``sorted``), or inf."""
-    release_t, release_a, scratch_t, scratch_a = levels[2], levels[3], levels[4], levels[5]
     for i in range(count):
         scratch_t[i] = release_t[base + i]
         scratch_a[i] = release_a[base + i]
     freed = 0.0
     while count > 0:
         time, released = scratch_t[0], scratch_a[0]
-        count = _pair_pop(scratch_t, scratch_a, 0, count)
+        count = _pair_pop(scratch_t, scratch_a, base - base, count)
         freed += released
         if freed >= need - _EPS:
             return time
     return math.inf
 
 
-def _claim(c, stashes, levels, woken):
-    """Book claim ``c``; the parked forwards to retry (how many, in ``woken``)."""
-    w = stashes.claim_worker[c]
-    levels[0][w] += stashes.claim_amount[c]
-    return _wake(w, stashes, levels, woken)
-
-
-def _release(r, finish, stashes, levels, woken):
-    """Book release ``r`` at ``finish``; the parked forwards to retry."""
-    w = stashes.release_worker[r]
-    levels[1][w] = _pair_push(levels[2], levels[3], stashes.release_base[w], levels[1][w], finish,
-                              stashes.release_amount[r])
-    return _wake(w, stashes, levels, woken)
-
-
-def _wake(w, stashes, levels, woken):
-    """Take the first parked forward of each compute worker waiting on w."""
-    park_size, park_k, park_e = levels[6], levels[7], levels[8]
+def _wake(w, pair_ptr, pair_base, park_size, park_k, park_e, woken):
+    """Take the first parked forward of each compute worker waiting on w; how many."""
     count = 0
-    for pair in range(stashes.pair_ptr[w], stashes.pair_ptr[w + 1]):
+    for pair in range(pair_ptr[w], pair_ptr[w + 1]):
         if park_size[pair] > 0:
-            base = stashes.pair_base[pair]
+            base = pair_base[pair]
             woken[count] = park_e[base]
             count += 1
             park_size[pair] = _late_pop(park_k, park_e, base, park_size[pair])
@@ -454,42 +455,39 @@ def _wake(w, stashes, levels, woken):
 
 
 # ---------------------------------------------------------------------- network (engine._Communication)
-def _network_state(links, worker, num_workers):
-    """Each link's calendar (busy intervals, sorted), each worker's start
-    times (for prefetch), the stages resident on each worker, and the
-    gradients each (worker, stage) still has to return."""
-    slots = 0
-    if links.on:
-        slots = links.edge_link.shape[0] + 2 * worker.shape[0]
-    return (np.empty(slots), np.empty(slots), np.zeros(links.latency.shape[0], dtype=np.int64),
-            np.empty(worker.shape[0] if links.on else 0), _regions(worker, num_workers),
-            np.zeros(num_workers, dtype=np.int64),
-            np.zeros(num_workers * links.num_stages if links.on else 0, dtype=np.bool_), links.grads_per_stage.copy())
+def _calendars(links):
+    """Each link's busy intervals, sorted: one region per link, a slot per transfer it may carry."""
+    slots = links.edge_link.shape[0] + 2 * links.stage.shape[0]
+    return np.empty(slots), np.empty(slots), np.zeros(links.latency.shape[0], dtype=np.int64)
 
 
-def _rows(links, n):
-    """Room for every transfer the step may book."""
-    slots = links.edge_link.shape[0] + 2 * n if links.on else 0
+def _histories(comm, worker, num_workers):
+    """Each worker's start times (a region per worker, a slot per item)."""
+    return np.empty(worker.shape[0] if comm else 0), _regions(worker, num_workers), np.zeros(num_workers, np.int64)
+
+
+def _rows(comm, slots):
+    """Room for every transfer the step may book: kind, src, dst, start, end, bytes, item."""
+    slots = slots if comm else 0
     return (np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64),
             np.empty(slots), np.empty(slots), np.empty(slots), np.empty(slots, dtype=np.int64))
 
 
-def _send(link, kind, ready, nbytes, item, links, network, rows, booked):
-    """Book ``nbytes`` on ``link`` from ``ready``; when it arrives, and the rows booked."""
+def _send(link, kind, ready, nbytes, item, links, calendar_start, calendar_end, calendar_size, rows, booked):
+    """Book ``nbytes`` on ``link`` from ``ready``: when it arrives, and how many rows are booked."""
     latency, occupy = links.latency[link], nbytes / links.bandwidth[link]
-    begin = _book(link, ready, occupy, links, network)
+    begin = ready
+    if occupy > 0:
+        begin = _book(calendar_start, calendar_end, links.calendar_base[link], calendar_size, link, ready, occupy)
     arrive = begin + latency + occupy
     rows[0][booked], rows[1][booked], rows[2][booked] = kind, links.link_src[link], links.link_dst[link]
     rows[3][booked], rows[4][booked], rows[5][booked], rows[6][booked] = begin, arrive, nbytes, item
     return arrive, booked + 1
 
 
-def _book(link, ready, occupy, links, network):
-    """The first gap of ``occupy`` at or after ``ready`` on the link, taken (engine._Calendar.book)."""
-    if occupy <= 0:
-        return ready
-    starts, ends, sizes = network[0], network[1], network[2]
-    base, size = links.calendar_base[link], sizes[link]
+def _book(starts, ends, base, sizes, link, ready, occupy):
+    """Take the first gap of ``occupy`` at or after ``ready`` on the link (engine._Calendar.book)."""
+    size = sizes[link]
     i = _bisect_right(ends, base, base + size, ready) - base
     begin = ready
     while i < size and starts[base + i] < begin + occupy:
@@ -502,51 +500,6 @@ def _book(link, ready, occupy, links, network):
     return begin
 
 
-def _fetch_weights(item, w, t, links, network, rows, booked):
-    """When ``item``'s weights are on its worker w: at once if w holds them
-    or keeps them from an earlier fetch, else when the fetch arrives, issued
-    ``prefetch_depth`` items earlier (``engine._Communication._fetch``)."""
-    history, history_base, history_size, resident = network[3], network[4], network[5], network[6]
-    base = history_base[w]
-    history[base + history_size[w]] = t
-    history_size[w] += 1
-    link = links.fetch_link[item]
-    if link < 0:
-        return t, booked
-    stage = links.stage[item]
-    if links.cache_weights and resident[w * links.num_stages + stage]:
-        return t, booked
-    depth, count = links.prefetch_depth, history_size[w]
-    if depth > 0:
-        issue = history[base + count - 1 - depth] if count > depth else 0.0
-    else:
-        issue = t
-    arrive, booked = _send(link, links.weights_kind, issue, links.weight_bytes[stage], item, links, network, rows,
-                           booked)
-    if links.cache_weights:
-        resident[w * links.num_stages + stage] = True
-    if arrive > t:
-        history[base + count - 1] = arrive
-    return max(t, arrive), booked
-
-
-def _return_gradient(item, finish, links, network, rows, booked):
-    """Send ``item``'s weight gradient back to its weight worker (with cached
-    weights: once, after the worker's last item of that stage)."""
-    link = links.return_link[item]
-    if link < 0:
-        return booked
-    stage = links.stage[item]
-    if links.cache_weights:
-        grads_left = network[7]
-        at = links.link_src[link] * links.num_stages + stage
-        grads_left[at] -= 1
-        if grads_left[at] != 0:
-            return booked
-    _, booked = _send(link, links.gradient_kind, finish, links.weight_bytes[stage], item, links, network, rows, booked)
-    return booked
-
-
 def _bisect_right(values, lo, hi, x):
     """First index in ``values[lo:hi]`` (sorted) whose value is above ``x``."""
     while lo < hi:
@@ -556,6 +509,37 @@ def _bisect_right(values, lo, hi, x):
         else:
             lo = mid + 1
     return lo
+
+
+def _fetch(item, w, t, link, links, history, base, count, resident, calendar_start, calendar_end, calendar_size,
+           rows, booked):
+    """When ``item``'s weights, held by another worker, are on its worker w:
+    at once if w keeps them from an earlier fetch, else when the fetch
+    arrives, issued ``prefetch_depth`` items earlier (``engine._Communication._fetch``)."""
+    stage = links.stage[item]
+    if links.cache_weights and resident[w * links.num_stages + stage]:
+        return t, booked
+    depth = links.prefetch_depth
+    issue = t
+    if depth > 0:
+        issue = history[base + count - 1 - depth] if count > depth else 0.0
+    arrive, booked = _send(link, links.weights_kind, issue, links.weight_bytes[stage], item, links, calendar_start,
+                           calendar_end, calendar_size, rows, booked)
+    if links.cache_weights:
+        resident[w * links.num_stages + stage] = True
+    if arrive > t:
+        history[base + count - 1] = arrive
+    return max(t, arrive), booked
+
+
+def _returns_now(item, links, grads_left):
+    """Whether ``item`` sends its weight gradient back now (with cached
+    weights: only the last of its worker's items of that stage does)."""
+    if not links.cache_weights:
+        return True
+    at = links.link_src[links.return_link[item]] * links.num_stages + links.stage[item]
+    grads_left[at] -= 1
+    return grads_left[at] == 0
 
 
 # ---------------------------------------------------------------------- flat heaps
@@ -678,9 +662,8 @@ def _pair_pop(at, aa, base, size):
 
 
 _HELPERS = ("_before", "_push", "_pop", "_grown", "_late_push", "_late_pop", "_pair_push", "_pair_pop", "_regions",
-            "_slack", "_memory_state", "_level", "_when_freed", "_admit", "_wake", "_claim", "_release",
-            "_network_state", "_rows", "_bisect_right", "_book", "_send", "_fetch_weights", "_return_gradient",
-            "schedule")
+            "_slack", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories", "_rows", "_bisect_right",
+            "_book", "_send", "_fetch", "_returns_now", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
 

@@ -80,6 +80,12 @@ def _train(rank: int, world: int):
         out["uneven"] = "no error"
     except Exception as error:
         out["uneven"] = f"{type(error).__name__}: {error}"
+    three = split_model(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)]), 3)
+    try:
+        Trainer(three, schedule("gpipe"), nn.functional.mse_loss, optimizer, timeout=30)
+        out["too_many"] = "no error"
+    except Exception as error:
+        out["too_many"] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -186,6 +192,11 @@ def test_a_state_dict_that_does_not_fit_names_the_stage_and_key():
     assert len(loaded) == S
     assert torch.equal(loaded(1)[0].weight, saved["1.0.weight"])
     assert loaded(1)[0].weight.data_ptr() != saved["1.0.weight"].data_ptr(), "training must not write into the dict"
+
+
+def test_a_split_into_more_stages_than_the_schedule_stops_every_rank(trained):
+    for rank, result in enumerate(trained):
+        assert "the schedule has 2 stages but the ModelStages has 3" in result["too_many"], f"rank {rank}"
 
 
 def test_more_or_fewer_stages_than_the_schedule_are_refused_where_countable():

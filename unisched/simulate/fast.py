@@ -1,10 +1,12 @@
 """The greedy of :mod:`unisched.simulate.engine`, compiled by numba.
 
-It covers every step without communication costs and without gangs: any
-mapping, priority, per-stage costs and worker speeds (they are only the
-durations), fixed per-worker orders (they are only edges), split backwards,
-and memory limits with parking.  That is what makes a million work items
-take about a second, 1F1B and zero bubble included.
+It covers every step without gangs and without a topology: any mapping,
+priority, per-stage costs and worker speeds (they are only the durations),
+fixed per-worker orders (they are only edges), split backwards, memory
+limits with parking, and transfers over links between pairs of workers
+(latency, bandwidth, weight fetches with prefetch and caching, gradient
+returns).  That is what makes a million work items take about a second,
+1F1B and zero bubble included.
 
 It is the same algorithm, step for step, as ``engine.run``; the tests check
 that both give identical timelines, item for item.  What differs is the
@@ -18,7 +20,10 @@ shape of the data, because that is what compiles to fast code:
   in one region of a shared array each, sized by how many such entries can
   be there at once (each item is in at most one of them at a time);
 - what each item claims and releases is in flat arrays (CSR by item,
-  :class:`~unisched.simulate.stashes.StashAccounts`).
+  :class:`~unisched.simulate.stashes.StashAccounts`);
+- every transfer that may happen has its link known before the run
+  (:class:`Links`), and each link's calendar (sorted busy intervals) is a
+  region with one slot per such transfer.
 
 Without numba installed the engine is used instead.  numba (and what it
 imports: about a second and 80 MiB) is loaded on the first step large
@@ -34,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from unisched.dataflow import EDGE_PRIMARY
+from unisched.dataflow import EDGE_PRIMARY, fetches_weights
 from unisched.simulate.problem import EDGE_SEQUENCE, moves
 from unisched.simulate.stashes import StashAccounts, region_starts
 from unisched.timeline import TRANSFER_KINDS
@@ -155,18 +160,15 @@ def _csr(rows: list, n: int, width: int) -> tuple[np.ndarray, tuple[np.ndarray, 
 
 def links_of(problem) -> Links:
     """``problem``'s network as :class:`Links` (off when communication is free)."""
+    if not problem.comm:
+        return no_links()
     n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
     worker, holder = problem.worker_array, problem.weight_worker_array
-    src = np.repeat(np.arange(n), np.diff(problem.succ_ptr))
-    dst = problem.succ_idx
-    if not problem.comm:
-        none = np.zeros(0, np.int64)
-        return Links(False, none, np.zeros(0), none, none, none, np.zeros(0), none, S, np.zeros(0), np.zeros(0),
-                     none, none, none, none, 0, False, 0, 0)
+    src, dst = np.repeat(np.arange(n), np.diff(problem.succ_ptr)), problem.succ_idx
     kinds, nbytes = moves(problem, np.stack([src, dst, problem.succ_kind, problem.succ_moved]))
     kinds = kinds.astype(np.int64)
     kinds[(worker[src] == worker[dst]) | (problem.succ_kind == EDGE_SEQUENCE)] = -1
-    fetches = worker != holder
+    fetches = fetches_weights(worker, holder)
     returns = np.asarray(problem.returns_gradient, dtype=bool)
     pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + worker)[fetches],
                            (worker * W + holder)[returns]])
@@ -192,6 +194,13 @@ def links_of(problem) -> Links:
     )
 
 
+def no_links() -> Links:
+    """Free communication."""
+    none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+    return Links(False, none_i, none_f, none_i, none_i, none_i, none_f, none_i, 0, none_f, none_f, none_i, none_i,
+                 none_i, none_i, 0, False, 0, 0)
+
+
 def run(problem):
     """Start and end time of every item of ``problem``, and the transfers
     booked (the engine's rows, None with free communication); or None
@@ -214,10 +223,7 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
     """Start and end times without memory limits or communication."""
     graph = Graph(worker, duration, rank, succ_ptr, succ_idx, succ_primary, np.ones(len(succ_idx), bool), num_deps,
                   source_items, source_keys, num_workers)
-    none = np.zeros(0, np.int64)
-    links = Links(False, none, np.zeros(0), none, none, none, np.zeros(0), none, 0, np.zeros(0), np.zeros(0), none,
-                  none, none, none, 0, False, 0, 0)
-    start, end, _ = schedule(graph, no_stashes(len(worker), num_workers), links)
+    start, end, _ = schedule(graph, no_stashes(len(worker), num_workers), no_links())
     return start, end
 
 

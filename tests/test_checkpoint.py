@@ -195,3 +195,47 @@ def test_latest_checkpoint_skips_unfinished_ones_and_says_what_is_missing(tmp_pa
         latest_checkpoint(tmp_path / "step-00000006")
     with pytest.raises(CheckpointError, match="no checkpoint at .*no .metadata"):
         checkpoint_state_dict(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------------- offloaded and tensor-parallel stages
+def _epl_resume(rank: int, world: int, directory: str):
+    """EPL placements whose weights of truth live in host memory (offload)
+    or in tensor-parallel shares (split experts): 2 + 2 steps against 4."""
+    from unisched import epl
+    from test_epl_train import moe, pipeline_offload
+
+    out = {}
+    for name, build in (("offload", pipeline_offload), ("split", moe)):
+        def trainer():
+            torch.manual_seed(0)
+            inputs, targets, loss_fn = build(world)
+            return epl.Trainer(loss_fn, lambda params: torch.optim.Adam(params, lr=0.05)), inputs, targets
+
+        straight, inputs, targets = trainer()
+        for _ in range(2):
+            straight.step(inputs, targets)
+        save_checkpoint(straight.scheduled, f"{directory}/{name}")
+        for _ in range(2):
+            straight.step(inputs, targets)
+        expected = straight.gather_state_dict()
+        held = {"host": sorted(straight.scheduled.host_weights), "shares": straight.scheduled.program.shares}
+        straight.close()
+        resumed, inputs, targets = trainer()
+        load_checkpoint(resumed.scheduled, f"{directory}/{name}")
+        for _ in range(2):
+            resumed.step(inputs, targets)
+        state = resumed.gather_state_dict()
+        resumed.close()
+        out[name] = {"held": held, "worst": max(float((state[k] - expected[k]).abs().max()) for k in expected)}
+    return out
+
+
+def test_offloaded_and_tensor_parallel_stages_resume_exactly(tmp_path):
+    results = _ranks(_epl_resume, 2, str(tmp_path))
+    for rank, out in enumerate(results):
+        assert out["offload"]["held"]["host"], f"rank {rank} keeps weights of truth in host memory"
+        assert any(len(set(shares.values())) > 1 for shares in out["split"]["held"]["shares"]), "a sharded stage"
+        for name in ("offload", "split"):
+            assert out[name]["worst"] < 1e-6, f"{name} on rank {rank}: {out[name]['worst']}"
+    saved = read_checkpoint(tmp_path / "split")
+    assert any(":1." in key for key in saved), "share 1 of the split stage has keys of its own"

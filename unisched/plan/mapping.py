@@ -47,6 +47,8 @@ from unisched.work import FORWARD
 
 WHOLE_MODEL_LIMIT = 160
 """Above this many (stage, batch) pairs the whole model is too slow to improve: use LNS."""
+WHOLE_SCHEME_LNS = 32
+"""The same over the whole scheme (twice the placement literals)."""
 LNS_PAIRS = 64
 """(stage, batch) pairs whose workers one LNS round frees."""
 LNS_ROUND_SECONDS = 4.0
@@ -136,7 +138,7 @@ def solve_mapping(
     if hint is not None and not fits(timed, hint.compute, hint.weight, whole):
         hint = None
     if lns is None:
-        lns = S * B > WHOLE_MODEL_LIMIT and hint is not None
+        lns = S * B > (WHOLE_SCHEME_LNS if whole else WHOLE_MODEL_LIMIT) and hint is not None
     if hint is not None and score is not None:
         hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable, TextIO
 
 import numpy as np
@@ -49,8 +49,10 @@ ORDER_SHARE = 0.3
 ORDERED_MAPPINGS = 3
 REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
-WIDE_SHARE = 0.4
-"""Share of the mapping search's time for the unrestricted whole-scheme model (a bound), when memory is limited."""
+PAIRED_SHARE = 0.5
+"""Share of the mapping search's time for the paired model, when the whole scheme is searched after it."""
+WIDE_SHARE = 0.35
+"""Share of what is left then for the unrestricted whole-scheme model (a bound), when memory is limited."""
 SCHEMES = ("auto", "whole", "paired")
 """Which class the mapping search covers: the whole scheme, one worker per (stage, micro-batch),
 or the whole scheme on small problems only (:func:`unisched.plan.mapping.whole_scheme_by_default`)."""
@@ -210,20 +212,23 @@ class _Search:
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
 
     def mapping(self, whole: bool) -> None:
-        """CP-SAT over mappings and orders, warm-started from the best candidate that fits its class.
+        """CP-SAT over mappings and orders, each run warm-started from the best candidate that fits
+        its class.
 
-        With memory limited over the whole scheme, the model whose solutions replay from their
-        orders alone (``asap_replay``) is a restriction; the unrestricted model runs first, for a
-        bound over the whole class (and any solution of it that replays)."""
-        if self.deadline - time.perf_counter() <= 0.5 or self.done():
-            return
+        Over the whole scheme, the paired model runs first (small, good schedules fast); with memory
+        limited, the model whose solutions replay from their orders alone (``asap_replay``) is a
+        restriction, so the unrestricted model runs too, for a bound over the whole class (and any
+        solution of it that replays)."""
         limited = self.problem.memory_limit is not None or self.problem.memory_budget is not None
-        runs = [(False, WIDE_SHARE), (True, 1.0)] if whole and limited else [(True, 1.0)]
-        for asap_replay, share in runs:
+        runs = [(False, False, 1.0)]
+        if whole:
+            runs = [(False, False, PAIRED_SHARE)] + ([(True, False, WIDE_SHARE)] if limited else []) \
+                + [(True, limited, 1.0)]
+        for whole_run, asap_replay, share in runs:
             left = self.deadline - time.perf_counter()
             if left <= 0.5 or self.done():
                 return
-            self._map(whole, asap_replay and limited, left * share)
+            self._map(whole_run, asap_replay, left * share)
 
     def _map(self, whole: bool, asap_replay: bool, seconds: float) -> None:
         name = proven_class(whole, asap_replay)
@@ -320,7 +325,7 @@ class _Search:
         rows = [_row(c, lower, c is best and optimal, objective)
                 for c in sorted(self.candidates, key=lambda c: (c.value(objective), c.latency))]
         dropped = [{"strategy": m.label, "reason": m.reason} for m in family.dropped] + self.dropped
-        result = Plan(
+        return Plan(
             schedule=best.schedule,
             strategy_name=best.label,
             latency=best.latency,
@@ -332,10 +337,13 @@ class _Search:
             dropped=dropped,
             elapsed=elapsed,
             replay=best.replay,
+            objective=objective,
+            objective_value=value,
+            proven_for=proven_for,
+            bound_for=bound_for,
+            bound_classes=classes,
+            interrupted=self.interrupted,
         )
-        claims = {"proven_for": proven_for, "bound_for": bound_for, "bound_classes": classes,
-                  "objective": objective, "objective_value": value, "interrupted": self.interrupted}
-        return _with_claims(result, claims)
 
 
 def bound_key(name: str) -> str:
@@ -344,18 +352,6 @@ def bound_key(name: str) -> str:
         return "cpsat_order"
     return {WHOLE_SCHEME: "cpsat_whole_scheme", proven_class(True, True): "cpsat_whole_scheme_early_claims",
             PAIRED: "cpsat_paired"}[name]
-
-
-def _with_claims(result: Plan, claims: dict) -> Plan:
-    """The plan with what its claims are proven for: fields of :class:`Plan` where it has them,
-    else attributes of the same names (so the plan file and the command can state them)."""
-    known = {f.name for f in fields(Plan)}
-    for name, value in claims.items():
-        if name in known:
-            result = replace(result, **{name: value})
-        else:
-            setattr(result, name, value)
-    return result
 
 
 MAX_PLAN_ITEMS = 20_000

@@ -19,6 +19,7 @@ from unisched.errors import ShapeError
 from unisched.execute import ProgramError, Trainer, train_one_process
 from unisched.execute.launch import run_local
 from unisched.execute.training import micro_batch_seed
+from unisched.strategy import Gang, Strategy
 
 from test_execute import assert_every_rank_matches, largest_change, run_ranks, state_of
 
@@ -105,13 +106,17 @@ def schedules() -> dict:
     made.update({name: simulate(W, S, W, policies.get(name, num_workers=W, num_stages=S, num_batches=W))
                  for name in ("ddp", "fsdp")})
     made["backward_away"] = simulate(W, S, B, backward_away)
+    made["tensor_parallel_gang"] = simulate(W, S, B, Strategy(
+        mapping=lambda w: ComputeAndWeightWorkers(w.stage, w.stage),
+        gang=lambda w: Gang((1, 2), collective=True) if w.stage == 1 else None))
     made["scattered_halves"] = simulate(W, S, B, scattered_halves, split_backward=True)
     return {name: (sim.timeline, sim.timeline.num_batches) for name, sim in made.items()}
 
 
 # (label, schedule, model, Trainer and reference options, steps)
 CASES = [
-    *[(f"clip {name}", name, "plain", {"clip_grad_norm": 0.05}, 2) for name in ("gpipe", "ddp", "fsdp")],
+    *[(f"clip {name}", name, "plain", {"clip_grad_norm": 0.05}, 2)
+      for name in ("gpipe", "ddp", "fsdp", "tensor_parallel_gang")],
     ("scheduler gpipe", "gpipe", "plain", {"scheduler": halving}, 3),
     *[(f"accumulate {name}", name, "plain", {"accumulate": 2}, 4) for name in ("one_f_one_b", "ddp", "fsdp")],
     *[(f"dropout {name}", name, "dropout", {}, 2)

@@ -1120,9 +1120,13 @@ class Trainer:
     def _global_grad_norm(self) -> float:
         """The L2 norm of every stage's gradient, the same on every rank: each
         rank adds the squares of the shares it is the first holder of (a
-        replicated stage counts once, each shard of a tensor-parallel stage
-        once), and all ranks sum them."""
-        grads = [p.grad for s in self._counts_norm for p in self._params[s] if p.grad is not None]
+        replicated stage counts once), and all ranks sum them.  Of a stage a
+        tensor-parallel gang runs, shard 0 counts every parameter and the
+        other shards only those marked as split among the shards
+        (``param.tensor_model_parallel = True``, Megatron's convention); the
+        others are copies of shard 0's."""
+        grads = [p.grad for s in self._counts_norm for p in self._params[s]
+                 if p.grad is not None and (self.program.shares[s][self.rank] == 0 or _sharded(p))]
         local = torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
         total = local.cpu().reshape(1)
         self._collective(lambda: dist.all_reduce(total, group=self._control), "the all-reduce of the gradient norm")
@@ -1589,6 +1593,12 @@ def _step_scheduler(scheduler, loss: float) -> None:
 
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(like)
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """Whether a parameter of a tensor-parallel stage is this shard's own
+    part (Megatron's ``tensor_model_parallel`` mark), not a copy."""
+    return bool(getattr(p, "tensor_model_parallel", False))
 
 
 def _buffers(stage: nn.Module) -> list[torch.Tensor]:

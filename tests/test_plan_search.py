@@ -23,9 +23,8 @@ PAPER_COSTS = encode_costs(forward=18.522, backward=18.086 + 9.337, backward_inp
 
 
 def paper_problem(p: int, m: int, memory: float, objective: str = "latency") -> PlanProblem:
-    kwargs = {"objective": objective} if objective != "latency" else {}
     return PlanProblem(Shape(p, p, m), PAPER_COSTS, memory_limit=memory, max_stages_per_worker=1,
-                       split_backward=True, **kwargs)
+                       split_backward=True, objective=objective)
 
 
 def best_named(problem: PlanProblem, objective: str) -> float:
@@ -71,7 +70,7 @@ def test_evaluate_rejects_orders_against_dependencies_or_memory():
 
 def test_search_beats_the_zero_bubble_hand_schedule_at_twice_its_memory():
     problem = paper_problem(4, 8, memory=8, objective="span")
-    result = search(problem, time_limit=1.5, objective="span")
+    result = search(problem, time_limit=1.5)
     replay = result.simulate()
     replay.timeline.check(memory_limit=8)
     assert result.search == "heuristic search" and result.objective == "span"
@@ -111,10 +110,10 @@ def test_an_interrupted_search_returns_the_best_plan_so_far(monkeypatch):
 
 def test_progress_is_a_plain_line_per_improvement():
     stream = io.StringIO()
-    search(paper_problem(4, 8, memory=8), time_limit=1.0, objective="span", progress=stream)
-    lines = stream.getvalue().splitlines()
-    assert len(lines) >= 2 and all(line.startswith("search: span ") for line in lines)
+    search(paper_problem(4, 8, memory=8, objective="span"), time_limit=1.0, progress=stream)
     assert "\r" not in stream.getvalue()
+    lines = [line for line in stream.getvalue().splitlines() if not line.startswith("search: CP-SAT order of")]
+    assert len(lines) >= 2 and all(line.startswith("search: span ") for line in lines)
     values = [float(line.split()[2].rstrip(",")) for line in lines]
     assert values == sorted(values, reverse=True) and values[-1] < values[0]
 
@@ -123,8 +122,8 @@ def test_bad_search_arguments_are_refused():
     problem = PlanProblem(Shape(2, 2, 2))
     with pytest.raises(PlanInputError, match="time_limit"):
         search(problem, time_limit=0)
-    with pytest.raises(PlanInputError, match="objective"):
-        search(problem, time_limit=1, objective="throughput")
+    with pytest.raises(PlanInputError, match="time_limit"):
+        search(problem, time_limit=float("nan"))
 
 
 # ---------------------------------------------------------------------- the command

@@ -12,7 +12,10 @@ search, all on fixed mappings taken from the named strategies:
    when the gap before its next backward or forward is long enough, or when
    memory or the end of the step asks for it.  A grid of warm-ups and gap
    thresholds (:class:`Rule`) gives as many schedules.
-3. **Improvement** (:func:`improve`). Local search on the per-worker orders
+3. **Refinement.** On problems small enough, CP-SAT reorders the best
+   construction (:func:`unisched.plan.order.solve_order`, hinted with it), as
+   the paper refines its heuristic's schedule with an ILP.
+4. **Improvement** (:func:`improve`). Local search on the per-worker orders
    of the best few: move an item (weight passes most often) a few places in
    its worker's order, keep the move when the schedule is no longer, and
    prefer the busiest worker.
@@ -49,18 +52,21 @@ from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
-from unisched.plan.order import live_stashes, memory_demands, step_tails
+from unisched.plan.order import live_stashes, memory_demands, solve_order, step_tails
 from unisched.plan.planfile import Plan
 from unisched.plan.planner import _map as map_arrays, constructed_members
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 
-OBJECTIVES = ("latency", "span")
-"""What the search minimizes: the step's latency, or the longest per-worker busy span."""
 SEARCH_FROM_ITEMS = 500
 """From this many work items on, ``unisched plan`` runs this search instead of the CP-SAT models."""
-CONSTRUCT_SHARE = 0.35
-"""Share of the time limit the constructions may take before local search starts."""
+CONSTRUCT_SHARE = 0.2
+"""Share of the time limit the constructions may take."""
+REFINE_SHARE = 0.5
+"""Share of the time limit CP-SAT may take to reorder the best construction (on problems of at
+most :data:`REFINE_ITEMS` items); local search has the rest."""
+REFINE_ITEMS = 3000
+"""The most work items whose best construction CP-SAT reorders (its order model grows with items squared)."""
 FIRST_RULES = 4
 """Rules every seed mapping is tried with before the rest of the grid goes to the most promising."""
 NO_LIMIT = np.iinfo(np.int64).max // 4
@@ -104,8 +110,8 @@ class Rule:
 def rules(split_backward: bool, several_stages: bool) -> list[Rule]:
     """The grid the constructions run over (weight-pass thresholds only with a split backward;
     stage orders and reservations only where a worker computes several stages)."""
-    warmups = [None, (2.0, -1), (1.0, 0), (2.0, 0), (1.5, 0), (1.0, 1), (1.25, 0), (1.75, 0), (2.5, 0), (3.0, 0)]
-    fills = [0.5, 0.0, 1.0, 0.25, 0.75, math.inf] if split_backward else [math.inf]
+    warmups = [(2.0, 0), None, (2.0, -1), (1.75, 0), (1.0, 0), (1.5, 0), (1.0, 1), (1.25, 0), (2.5, 0), (3.0, 0)]
+    fills = [0.75, 0.5, 0.25, 1.0, 0.0, math.inf] if split_backward else [math.inf]
     orders = [False, True] if several_stages else [False]
     return [Rule(w, f, fit, o, several_stages) for fit in (False, True) for w in warmups for f in fills
             for o in orders]
@@ -538,20 +544,17 @@ def search(
     problem: PlanProblem,
     *,
     time_limit: float = 10.0,
-    objective: str | None = None,
     members: Iterable[tuple[str, Strategy | None, str]] | None = None,
     progress: TextIO | None = None,
     seed: int = 0,
 ) -> Plan:
     """The best plan found within ``time_limit`` seconds (see the module docstring).
 
-    ``objective`` defaults to the problem's; ``members`` replaces the
+    It minimizes the problem's objective; ``members`` replaces the
     registry's strategies as seeds; ``progress`` gets a line per improvement
     (at most two a second) and one when the search ends.  Ctrl-C ends the
     search early with the best plan so far."""
-    objective = objective or getattr(problem, "objective", "latency")
-    if objective not in OBJECTIVES:
-        raise PlanInputError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    objective = problem.objective
     if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
             or not 0 < time_limit < math.inf):
         raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
@@ -568,6 +571,7 @@ def search(
     try:
         mappings = seed_mappings(problem, seeds, family, constructed=members is None)
         starts = run.constructions(mappings, begin + CONSTRUCT_SHARE * float(time_limit))
+        starts = run.refine(starts, begin + (CONSTRUCT_SHARE + REFINE_SHARE) * float(time_limit), seed)
         run.local_search(starts, begin + float(time_limit), np.random.default_rng(seed))
     except KeyboardInterrupt:
         run.interrupted = True
@@ -733,6 +737,36 @@ class _Run:
         starts.append(start)
         self.offer(start)
         return True
+
+    def refine(self, starts: list[Start], until: float, seed: int) -> list[Start]:
+        """The zero-bubble paper's last step: the best construction reordered by CP-SAT
+        (:func:`unisched.plan.order.solve_order`, hinted with it), timed again as fixed orders."""
+        left = until - time.perf_counter()
+        if not starts or self.met or left < 0.5 or len(starts[0].m.compute) > REFINE_ITEMS:
+            return starts
+        best = starts[0]
+        m = best.m
+        self.say(f"search: CP-SAT order of {m.label} ({left:.1f} s) ...")
+        solved = solve_order(self.timed, m.compute, m.weight, time_limit=left, hint_starts=best.timing.start,
+                             num_workers=2, seed=seed)
+        self.interrupted |= bool(getattr(solved, "interrupted", False))
+        if not solved.found:
+            return starts
+        schedule = Schedule.from_starts(self.problem, m.compute, m.weight, solved.starts)
+        orders = [np.asarray(schedule.orders[w], dtype=np.int64) for w in range(m.num_workers)]
+        timing = evaluate(m, orders, self.objective)
+        if timing is None or timing.score > best.timing.score:
+            return starts
+        refined = Start(m, orders, timing, f"{best.how} + cpsat order")
+        self.offer(refined)
+        if self.interrupted:
+            raise KeyboardInterrupt
+        return [refined] + starts
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.write(text + "\n")
+            self.progress.flush()
 
     def local_search(self, starts: list[Start], deadline: float, rng: np.random.Generator) -> None:
         """Improve the best few starting points, the most promising first, until the deadline or the bound."""

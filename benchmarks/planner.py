@@ -113,7 +113,7 @@ def _planned(table, setting, memory: int, seconds: float) -> str:
         result = plan(p, p, m, table.costs(setting), memory_limit=memory, max_stages_per_worker=1,
                       split_backward=True, time_limit=seconds)
     except UniSchedError as error:
-        return f"none ({str(error).splitlines()[0][:60]})"
+        return f"none ({str(error).splitlines()[0].split(' (')[0]})"
     rate = bubble_rate(result.simulate().timeline)
     return f"{rate:.4f} ({result.strategy_name}, {time.perf_counter() - begin:.0f} s)"
 

@@ -22,6 +22,7 @@ from unisched.execute.training import (
     autocast,
     check_options,
     micro_batch_seed,
+    scalar_loss,
     seed_rng,
     to_compute_dtype,
 )
@@ -95,7 +96,7 @@ def train_one_process(
                         out = stages[s](*args)
                     outputs[s] = to_compute_dtype(out, dtype) if graph.successors[s] else out
                 with autocast(device, dtype):
-                    loss = loss_fn(outputs[last], tree_unflatten(list(micro_t[b]), t_spec)).reshape(()).float()
+                    loss = scalar_loss(loss_fn(outputs[last], tree_unflatten(list(micro_t[b]), t_spec)), b)
                 scaler.scale(loss / (micro_batches * accumulate)).backward()
                 total += loss.item()
             losses.append(total / micro_batches)

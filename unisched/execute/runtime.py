@@ -67,6 +67,7 @@ from unisched.execute.training import (
     check_scheduler,
     loss_scale as _loss_scale,
     micro_batch_seed,
+    scalar_loss,
     seed_rng,
     to_compute_dtype,
 )
@@ -711,10 +712,7 @@ class Trainer:
     def _loss(self, st, b: int, out: Any) -> torch.Tensor:
         """Micro-batch ``b``'s loss of the last stage's output ``out``, a scalar, under the precision's autocast."""
         with autocast(self.device, self._dtype):
-            loss = self.loss_fn(out, st.micro_t[b])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {b}")
-        return loss.reshape(()).float()
+            return scalar_loss(self.loss_fn(out, st.micro_t[b]), b)
 
     def _leaves(self, s: int, out: Any, parts: int = 1) -> tuple[torch.Tensor, ...]:
         """The tensors of stage ``s``'s output ``out`` (one of ``parts``

@@ -54,6 +54,15 @@ def to_compute_dtype(value: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(lambda t: to_compute_dtype(t, dtype) if isinstance(t, torch.Tensor) else t, value)
 
 
+def scalar_loss(loss: Any, batch: int) -> torch.Tensor:
+    """What ``loss_fn`` returned for micro-batch ``batch``, as a 0-d tensor
+    (fp32 when autocast made it a half-precision one); anything else is refused."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {batch}")
+    loss = loss.reshape(())
+    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+
 _MASK = (1 << 64) - 1
 
 

@@ -5,6 +5,7 @@ stops and Ctrl-C."""
 from __future__ import annotations
 
 import _thread
+import argparse
 import json
 import threading
 
@@ -56,14 +57,16 @@ def test_a_bound_of_a_restricted_class_never_claims_more():
 
 # ---------------------------------------------------------------------- split backward
 def test_a_costs_file_with_both_halves_splits_the_backward(tmp_path, capsys):
-    from tests.test_plan import parse
-    from unisched.plan.command import run
+    from unisched.plan.command import add_arguments, run
 
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
     costs = Costs(forward=1, backward=2, backward_input=1, backward_weight=1)
     assert plan(2, 2, 4, costs, time_limit=5).problem.split_backward
     path = tmp_path / "costs.json"
     costs.save(path)
-    assert run(parse(["-W", "2", "-S", "2", "-B", "4", "--costs", str(path), "--time-limit", "3", "--json"])) == 0
+    args = parser.parse_args(["-W", "2", "-S", "2", "-B", "4", "--costs", str(path), "--time-limit", "3", "--json"])
+    assert run(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["split_backward"] is True
     assert any(text.startswith("0W") for text in data["plan"]["mapping"])

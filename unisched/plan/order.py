@@ -184,8 +184,7 @@ def solve_order_staged(
         return _settled(best, cold, begin)
     hint = best.starts if best is not None else hint_starts
     full = solve_order(timed, compute, weight, time_limit=left(), hint_starts=hint, **common)
-    if full.found and (best is None or full.objective <= best.objective):
-        return replace(full, bound=max(full.bound, cold.bound), wall=time.perf_counter() - begin)
+    best = min((s for s in (full, cold, first) if s.found), key=lambda s: s.objective, default=None)
     return _settled(best, full, begin, bound=max(full.bound, cold.bound))
 
 

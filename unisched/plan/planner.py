@@ -37,8 +37,8 @@ from unisched.work import ComputeAndWeightWorkers, Direction, Shape, Work
 
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
 from unisched.plan.family import FamilyResult, Member, measures, registry_members, search_family
-from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, incumbent_from, proven_class,
-                                   solve_mapping, whole_scheme_by_default)
+from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
+                                   proven_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem, split_from
@@ -66,6 +66,8 @@ class Candidate:
     replay: Simulation
     model_latency: float | None = None
     pareto: bool = False
+    searched: str = ""
+    """The class of schedules the CP-SAT mapping model that found it searched ("" for other sources)."""
 
     @property
     def latency(self) -> float:
@@ -243,11 +245,12 @@ class _Search:
             self.proofs.append((name, self.timed.ticks.time(solved.bound)))
         if solved.found:
             schedule = Schedule.from_starts(self.problem, solved.compute, solved.weight, solved.starts, name="cpsat")
-            self.add("cpsat mapping", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective))
+            self.add("cpsat mapping", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective),
+                     searched=name)
 
     # ------------------------------------------------------------------ candidates and bounds
     def add(self, label: str, source: str, schedule: Schedule, model_latency: float | None = None,
-            pareto: bool = False) -> None:
+            pareto: bool = False, searched: str = "") -> None:
         """Replay a schedule and keep it; one that cannot run under the plan's limits is dropped,
         saying why (a CP-SAT schedule that the replay cannot follow is left out silently)."""
         try:
@@ -256,7 +259,7 @@ class _Search:
             if source in ("family", "constructed"):
                 self.dropped.append({"strategy": label, "reason": str(error).splitlines()[0]})
             return
-        self.candidates.append(Candidate(label, source, schedule, replay, model_latency, pareto))
+        self.candidates.append(Candidate(label, source, schedule, replay, model_latency, pareto, searched))
 
     def best(self) -> Candidate | None:
         """The candidate with the best replayed objective; on a tie, a named strategy beats a
@@ -290,6 +293,18 @@ class _Search:
         keep = [k for k in bounds if classes[k] == ANY_SCHEDULE or bounds[k] <= value + 1e-9]
         return {k: bounds[k] for k in keep}, {k: classes[k] for k in keep}
 
+    def contains(self, name: str, candidate: Candidate) -> bool:
+        """Whether a candidate lies in a class of schedules, so that a bound for the class bounds it."""
+        schedule = candidate.schedule
+        if name == ANY_SCHEDULE or name.startswith("orders of"):
+            return True  # with a fixed strategy every candidate has its mapping
+        if name == PAIRED:
+            return fits(self.timed, schedule.compute, schedule.weight, whole=False)
+        if not fits(self.timed, schedule.compute, schedule.weight, whole=True):
+            return False
+        return name == WHOLE_SCHEME or candidate.searched == name \
+            or fits(self.timed, schedule.compute, schedule.weight, whole=False)
+
     def done(self) -> bool:
         """Whether to stop searching: Ctrl-C, the time limit, or a candidate meeting a lower bound."""
         if self.interrupted or time.perf_counter() >= self.deadline:
@@ -313,12 +328,13 @@ class _Search:
         best = self.best()
         value = best.value(objective)
         bounds, classes = self.bounds(value)
-        meeting = [k for k in bounds if bounds[k] >= value - 1e-9]
+        relevant = [k for k in bounds if self.contains(classes[k], best)]  # "work" always is
+        meeting = [k for k in relevant if bounds[k] >= value - 1e-9]
         if meeting:
             key = min(meeting, key=lambda k: class_breadth(classes[k]))
             proven_for = classes[key]
         else:
-            key = max(bounds, key=lambda k: (bounds[k], -class_breadth(classes[k])))
+            key = max(relevant, key=lambda k: (bounds[k], -class_breadth(classes[k])))
             proven_for = ""
         lower, bound_for = bounds[key], classes[key]
         optimal = bool(proven_for)

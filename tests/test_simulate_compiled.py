@@ -226,3 +226,55 @@ def test_stash_accounts_are_the_problems_lists(W, S, B, split, in_bytes, input_g
         return
     got = stash_accounts(W, limit, items, compute, stage, sizes, input_grad_frees).as_lists()
     assert got == tuple(expected)
+
+
+# ---------------------------------------------------------------------- fixed orders, vectorised
+@settings(max_examples=60, deadline=None)
+@given(
+    W=st.integers(1, 3),
+    S=st.integers(1, 3),
+    B=st.integers(1, 4),
+    split=st.booleans(),
+    written_split=st.booleans(),
+    fault=st.sampled_from([None, "unknown worker", "outside", "elsewhere", "twice", "left out"]),
+    seed=st.integers(0, 2**31),
+)
+def test_sequence_edges_are_the_problems(W, S, B, split, written_split, fault, seed):
+    """sequence_edges (numpy) gives what problem._sequence_edges (a loop
+    over Work) gives, for orders written in either backward form, and
+    refuses the same faults with the same message."""
+    from unisched.dataflow import Items
+    from unisched.simulate import problem as problem_module
+    from unisched.simulate.sequences import sequence_edges
+
+    rng = np.random.default_rng(seed)
+    items, written = Items(S, B, split), Items(S, B, written_split)
+    compute_written = rng.integers(0, W, written.count)
+    orders = {w: [written.work(int(i)) for i in rng.permutation(np.flatnonzero(compute_written == w))]
+              for w in range(W)}
+    adapted = [u for w in range(W) for u in problem_module._in_directions(orders[w], items.dirs)]
+    compute = np.empty(items.count, np.int64)
+    for w in range(W):
+        for u in problem_module._in_directions(orders[w], items.dirs):
+            compute[items.id(u.batch, u.stage, u.direction)] = w
+    victim = int(rng.integers(W))
+    if fault == "unknown worker":
+        orders[W + 1] = []
+    elif fault == "outside":
+        orders[victim].insert(0, unisched.Work(B, 0, unisched.FORWARD))
+    elif fault == "elsewhere" and W > 1:
+        orders[victim].append(orders[(victim + 1) % W][0] if orders[(victim + 1) % W] else adapted[0])
+    elif fault == "twice" and orders[victim]:
+        orders[victim].append(orders[victim][0])
+    elif fault == "left out" and orders[victim]:
+        orders[victim].pop()
+    shape = Shape(W, S, B)
+    try:
+        expected = problem_module._sequence_edges(orders, compute, shape, items)
+    except unisched.StrategyError as error:
+        with pytest.raises(unisched.StrategyError) as refused:
+            sequence_edges(orders, compute, shape, items, problem_module.EDGE_SEQUENCE)
+        assert str(refused.value) == str(error)
+        return
+    got = sequence_edges(orders, compute, shape, items, problem_module.EDGE_SEQUENCE)
+    assert np.array_equal(got, expected)

@@ -245,7 +245,8 @@ class _Search:
             self.proofs.append((name, self.timed.ticks.time(solved.bound)))
         if solved.found:
             schedule = Schedule.from_starts(self.problem, solved.compute, solved.weight, solved.starts, name="cpsat")
-            self.add("cpsat mapping", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective),
+            tag = bound_key(name).removeprefix("cpsat_").replace("_", " ")
+            self.add(f"cpsat mapping ({tag})", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective),
                      searched=name)
 
     # ------------------------------------------------------------------ candidates and bounds

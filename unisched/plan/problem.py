@@ -317,12 +317,15 @@ class PlanProblem:
 
 
 def _per_worker(name: str, value, count: int, what: str = "worker"):
-    """A number or one per worker (stage), non-negative and finite; a list whose entries are all equal is one number."""
+    """A number, or one per worker (stage), non-negative and finite; a list whose entries are all
+    equal is one number, any other a tuple."""
     if value is None:
         return None
-    numbers = [value] if np.ndim(value) == 0 else list(np.asarray(value, dtype=object).ravel()) \
-        if not isinstance(value, (str, bytes)) else None
-    if numbers is None or not all(not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.number))
+    if isinstance(value, (str, bytes)):
+        numbers = None
+    else:
+        numbers = [value] if np.ndim(value) == 0 else list(np.asarray(value, dtype=object).ravel())
+    if numbers is None or not all(isinstance(v, (int, float, np.number)) and not isinstance(v, (bool, np.bool_))
                                   for v in numbers):
         raise PlanInputError(f"{name} must be a number or a list of numbers, one per {what}, got {value!r}")
     if not all(v >= 0 and math.isfinite(v) for v in numbers):

@@ -23,7 +23,10 @@ How memory is measured.  Each system runs in freshly launched processes,
 one per rank.  Every rank first fixes glibc's mmap threshold at 16 KiB
 (``mallopt``), so a freed tensor larger than that goes back to the system at
 once instead of staying in the heap: the resident set size (RSS) then
-follows the live tensors.  After set-up and one warm-up step (the shape
+follows the live tensors (a higher threshold leaves small activations to
+the heap, whose fragmentation inflated the GPT-2's growth by 40 to 100%; a
+mapping is whole pages, so a tensor of 32 KiB, the tiny GPT-2's hidden
+states, takes 36).  After set-up and one warm-up step (the shape
 probe, lazy allocations) a rank returns the heap's free memory to the
 system (``malloc_trim``) and records its RSS (the *baseline*: the
 process, its libraries and the weights it holds between steps) and resets
@@ -48,7 +51,11 @@ the input-gradient pass to the weight-gradient pass).  It is replayed in
 the order that ran (:func:`unisched.execute.predict`).  Compared: the
 predicted growth above the weights of truth (predicted peak minus the
 rank's weights of truth) with the measured step growth, and the predicted
-peak with the rank's weights of truth plus the measured step growth.
+peak with the rank's weights of truth plus the measured step growth.  Each
+stage's backward workspace (what a backward accumulating into existing
+gradients allocates above what it starts with: a parameter's fresh gradient,
+the activations' gradients), which the Costs have no term for, is measured
+in the launching process the same way and shown beside the prediction.
 """
 
 from __future__ import annotations
@@ -179,6 +186,41 @@ def kept_bytes(stages, micro_batch) -> list[float]:
     return out
 
 
+def backward_workspace(stages, micro_batch, target, loss_fn) -> list[float]:
+    """Per stage, the most a backward that accumulates into existing
+    gradients allocates above what it starts with (measured as RSS, as the
+    ranks are): the fresh gradient of a parameter before it is added, the
+    gradients of the stage's activations.  The simulator has no Costs term
+    for it; shown beside the prediction to tell what it leaves out."""
+    fix_mmap_threshold()
+    out = []
+    x = micro_batch
+    for s, stage in enumerate(stages):
+        x = x.detach().requires_grad_(x.is_floating_point())
+        last = s == len(stages) - 1
+
+        def backward():
+            y = stage(x)
+            root = loss_fn(y, target) if last else y
+            root.backward(None if last else torch.ones_like(y))
+            return y
+
+        y = backward()
+        y = y.detach()
+        stage_graph = stage(x)
+        gc.collect()
+        LIBC.malloc_trim(0)
+        before = rss_now()
+        reset_peak()
+        root = loss_fn(stage_graph, target) if last else stage_graph
+        root.backward(None if last else torch.ones_like(stage_graph))
+        out.append(float(max(rss_peak_since_reset() - before, 0)))
+        del root, stage_graph
+        stage.zero_grad(set_to_none=True)
+        x = y
+    return out
+
+
 # ---------------------------------------------------------------------- measuring a rank
 LIBC = ctypes.CDLL("libc.so.6")
 
@@ -287,16 +329,18 @@ def measure(fn, world: int, model: Model, kind: str, config: dict) -> list[dict]
 
 
 # ---------------------------------------------------------------------- prediction
-def predicted_peaks(model: Model, kind: str, W: int, costs) -> list[float]:
+def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float], list[float]]:
     """The simulator's peak bytes per rank for the schedule that ran, under
-    ``costs`` (calibrated) with the stash sizes measured on the real stages."""
+    ``costs`` (calibrated) with the stash sizes measured on the real stages;
+    and each stage's backward workspace, which it leaves out."""
     _, S, B = shape_of(kind, W, model.micro_batches)
     stages = build_stages(model.stages(S), S)
-    x, _ = model.batch(B)
+    x, y = model.batch(B)
     stash = kept_bytes(stages, x.chunk(B)[0])
     costs = dataclasses.replace(costs, stash_bytes=stash, input_grad_frees=0.0)
     timeline = predict(make_schedule(kind, W, S, B), costs).timeline
-    return [c.peak for c in memory_curves(timeline, "total", "bytes")]
+    workspace = backward_workspace(stages, x.chunk(B)[0], y.chunk(B)[0], model.loss_fn())
+    return [c.peak for c in memory_curves(timeline, "total", "bytes")], workspace
 
 
 # ---------------------------------------------------------------------- report
@@ -310,12 +354,13 @@ def run_model(model: Model, W: int, config: dict, kinds_torch, kinds_simulated) 
         costs = ranks[0].pop("costs", None)
         for r in ranks[1:]:
             r.pop("costs", None)
-        predicted = predicted_peaks(model, kind, W, costs)
+        predicted, workspace = predicted_peaks(model, kind, W, costs)
         out["simulated"][kind] = [
             {"predicted_peak": p, "weights_of_truth": r["weights_of_truth"], "measured_growth": r["peak"] - r["baseline"],
              "predicted_growth": p - r["weights_of_truth"]}
             for p, r in zip(predicted, ranks)
         ]
+        out.setdefault("backward_workspace", workspace)
     for kind in kinds_torch:
         for r in out["torch"][kind]["unisched"]:
             r.pop("costs", None)
@@ -396,6 +441,8 @@ def show(result: dict, W: int) -> None:
                       f"lifetime peak {v['lifetime_peak'][rank]:6.3f}   step growth {v['step_growth'][rank]:6.3f}")
         print("  vs the simulator, per rank: weights of truth, predicted peak, predicted growth above the weights, "
               "measured step growth; ratios measured / predicted")
+        print("  backward workspace per stage (not in the prediction): "
+              + ", ".join(f"{w / MiB:.2f}" for w in run.get("backward_workspace", [])))
         for kind, rows in run["simulated"].items():
             v = r["measured_vs_simulated"][kind]
             for rank, row in enumerate(rows):

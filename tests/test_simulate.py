@@ -482,7 +482,10 @@ def test_memory_curves_in_bytes():
     costs = Costs(activation_bytes=[10, 20], weight_bytes=[100, 200])
     sim = simulate(2, 2, 2, gpipe, costs=costs)
     peak = sim.worker_stats()["peak_memory_bytes"]
-    assert peak == [100 + 2 * 10, 200 + 1 * 20]
+    # the weights, and their gradient from the end of the stage's first
+    # backward to the optimizer step, beside one stash: worker 0 still holds
+    # 0F1's input (10) when 0B0 ends; worker 1 starts 1F1 (20) as 1B0 ends
+    assert peak == [100 + 100 + 1 * 10, 200 + 200 + 1 * 20]
 
 
 def test_work_text_form_round_trips():

@@ -82,6 +82,7 @@ _LAZY = {
     "NonFiniteLossError": "unisched.execute",
     "train_one_process": "unisched.execute",
     "build_stages": "unisched.execute",
+    "stages_from_state_dict": "unisched.execute",
     "split_model": "unisched.execute",
     "ModelStages": "unisched.execute",
     "SplitError": "unisched.execute",

@@ -34,6 +34,7 @@ _WHERE = {
     "train_one_process": "reference",
     "Trainer": "runtime",
     "build_stages": "stages",
+    "stages_from_state_dict": "stages",
     "ModelStages": "split",
     "SplitError": "split",
     "split_model": "split",
@@ -70,5 +71,6 @@ __all__ = [
     "predict",
     "save_checkpoint",
     "split_model",
+    "stages_from_state_dict",
     "train_one_process",
 ]

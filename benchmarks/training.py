@@ -16,6 +16,10 @@
    with ``precision="fp32"`` and once with ``"bf16"`` (CPU autocast), same
    data; the loss curves side by side and the relative difference after 20
    steps (target <= 2%), with the median step times.
+3. **One rank against a plain loop.**  One process runs 4 such stages with
+   the Trainer (recorded and not) and with a plain gradient-accumulation
+   loop over the same stages (8 micro-batches, then one SGD step), in
+   alternating rounds: the issue's GPU check (<= 1.05), measured on the CPU.
 """
 
 from __future__ import annotations
@@ -158,6 +162,59 @@ def _precision() -> dict:
     return out
 
 
+# ---------------------------------------------------------------------- 3. one rank against a plain loop
+def _world_of_one(rank: int, world: int, config: dict) -> dict:
+    """One rank runs every stage (the issue's GPU check, here on the CPU): the
+    Trainer's step, recorded and not, against a plain gradient-accumulation
+    loop over the same stages (each micro-batch forward and backward through
+    all of them, then one SGD step)."""
+    S, width, layers = 4, config["width"], config["layers"]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
+    one = unisched.simulate(1, S, MICRO_BATCHES, lambda w: unisched.ComputeAndWeightWorkers(0, 0))
+    trainer = Trainer(make_stages(S, width, layers), one, nn.functional.mse_loss,
+                      lambda params: torch.optim.SGD(params, lr=0.01))
+    plain = make_stages(S, width, layers)
+    optimizer = torch.optim.SGD([p for stage in plain for p in stage.parameters()], lr=0.01)
+
+    def loop():
+        for xb, yb in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+            h = xb
+            for stage in plain:
+                h = stage(h)
+            (nn.functional.mse_loss(h, yb) / MICRO_BATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def recorded():
+        trainer.record = True
+        trainer.step(x, y)
+
+    def unrecorded():
+        trainer.record = False
+        trainer.step(x, y)
+
+    systems = {"plain loop": loop, "record=True": recorded, "record=False": unrecorded}
+    times = {name: [] for name in systems}
+    for run in systems.values():
+        run()
+    for _ in range(config["rounds"]):
+        for name, run in systems.items():
+            rnd = []
+            for _ in range(config["steps"]):
+                start = time.perf_counter()
+                run()
+                rnd.append(time.perf_counter() - start)
+            times[name].append(rnd)
+    trainer.close()
+    base = times["plain loop"]
+    return {
+        "step_ms": {name: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times.items()},
+        "ratio": {name: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, base))
+                  for name, rounds in times.items() if name != "plain loop"},
+    }
+
+
 def _bench(rank: int, world: int, config: dict) -> dict | None:
     result = {"recording": _recording(config)}
     if config["gpt2"]:
@@ -180,6 +237,7 @@ def main(argv=None) -> int:
               "gpt2": not args.no_gpt2}
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     result = check(run_local(_bench, args.ranks, config, timeout=1200, group_timeout=300))[0]
+    result["world_of_one"] = check(run_local(_world_of_one, 1, config, timeout=1200, group_timeout=300))[0]
     result["config"] = {"ranks": args.ranks, "width": args.width, "layers_per_stage": args.layers, "rows": ROWS,
                         "micro_batches": MICRO_BATCHES, "backend": "gloo", "threads_per_rank": 1,
                         "cpus": os.cpu_count(), "load_average_before_after": [load_before, os.getloadavg()[0]],
@@ -197,6 +255,11 @@ def main(argv=None) -> int:
         calls = row["recording_calls_ms"]
         print(f"  {'':12s} rank 0 in a recorded step: barrier {calls['barrier']:.2f} ms + gathering "
               f"{calls['gather']:.2f} ms = {100 * row['recording_share']:.1f}% of the step")
+    one = result["world_of_one"]
+    print(f"\none rank running 4 stages against a plain gradient-accumulation loop over them (the issue's GPU "
+          f"check, on this CPU; target <= 1.05)")
+    print("  " + "  ".join(f"{name} {ms:7.2f} ms" for name, ms in one["step_ms"].items()) + "   "
+          + "  ".join(f"{name}: {ratio:.3f}" for name, ratio in one["ratio"].items()))
     if "precision" in result:
         p = result["precision"]
         print(f"\nGPT-2 ({LAYERS} blocks, width {WIDTH}) split into {args.ranks} stages, gpipe, AdamW, {GPT_STEPS} steps")

@@ -604,7 +604,7 @@ class Trainer:
             for p, view in zip(self._params[s], _split(flat, self._params[s])):
                 p.grad = view
         self._loss_factor = self._scale.scale / (self.program.num_batches * self.accumulate)
-        if self._recording:
+        if self._recording and self.world_size > 1:
             self._collective(lambda: dist.barrier(group=self._control), "the barrier that starts a recorded step")
         st.begin = st.clock.begin()
         if self._last_loss_item < 0:
@@ -1154,9 +1154,11 @@ class Trainer:
         mine = torch.from_numpy(self._notes_layout.pack(
             st.begin, st.end, [(i, st.clock.resolve(a), st.clock.resolve(z)) for i, a, z in st.items],
             st.sends, st.receives, st.reduces))
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-        self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control),
-                         "gathering the measured step on rank 0")
+        everyone = [mine]
+        if self.world_size > 1:
+            everyone = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+            self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control),
+                             "gathering the measured step on rank 0")
         if self.rank == 0:
             self._notes = ([self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(everyone)], self._meta)
             self._timeline = None

@@ -19,7 +19,7 @@
 3. **One rank against a plain loop.**  One process runs 4 such stages with
    the Trainer (recorded and not) and with a plain gradient-accumulation
    loop over the same stages (8 micro-batches, then one SGD step), in
-   alternating rounds: the issue's GPU check (<= 1.05), measured on the CPU.
+   alternating rounds: the one-GPU target (<= 1.05), measured on the CPU.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _precision() -> dict:
 
 # ---------------------------------------------------------------------- 3. one rank against a plain loop
 def _world_of_one(rank: int, world: int, config: dict) -> dict:
-    """One rank runs every stage (the issue's GPU check, here on the CPU): the
+    """One rank runs every stage (the one-GPU target, here on the CPU): the
     Trainer's step, recorded and not, against a plain gradient-accumulation
     loop over the same stages (each micro-batch forward and backward through
     all of them, then one SGD step)."""
@@ -256,8 +256,8 @@ def main(argv=None) -> int:
         print(f"  {'':12s} rank 0 in a recorded step: barrier {calls['barrier']:.2f} ms + gathering "
               f"{calls['gather']:.2f} ms = {100 * row['recording_share']:.1f}% of the step")
     one = result["world_of_one"]
-    print(f"\none rank running 4 stages against a plain gradient-accumulation loop over them (the issue's GPU "
-          f"check, on this CPU; target <= 1.05)")
+    print("\none rank running 4 stages against a plain gradient-accumulation loop over them (the one-GPU "
+          "target, measured on this CPU; target <= 1.05)")
     print("  " + "  ".join(f"{name} {ms:7.2f} ms" for name, ms in one["step_ms"].items()) + "   "
           + "  ".join(f"{name}: {ratio:.3f}" for name, ratio in one["ratio"].items()))
     if "precision" in result:

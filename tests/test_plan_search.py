@@ -159,3 +159,22 @@ def test_the_report_names_the_class_an_optimum_is_proven_for(capsys):
     out = capsys.readouterr().out
     assert "best: zb_h1: latency 27, proven optimal among orders of the mapping of zb_h1 only" in out
     assert "dropped" not in out
+
+
+def test_the_search_tables_equal_the_planners():
+    problem = paper_problem(4, 6, memory=8)
+    fast, full = search_module._timed(problem), TimedProblem.build(problem)
+    assert fast.ticks == full.ticks
+    for name in ("duration", "comm", "fetch", "stash", "batch", "stage", "direction"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(full, name))
+
+
+def test_family_search_past_its_deadline_drops_the_rest_unsimulated():
+    import time
+
+    from unisched.plan.family import NOT_SIMULATED
+
+    problem = PlanProblem(Shape(4, 4, 8))
+    family = search_family(problem, registry_members(problem), deadline=time.perf_counter() - 1)
+    assert len(family.feasible) == 1
+    assert family.dropped and all(m.reason == NOT_SIMULATED for m in family.dropped if m.strategy is not None)

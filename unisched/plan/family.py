@@ -10,6 +10,7 @@ memory and traffic is marked.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, TextIO
 
@@ -21,6 +22,9 @@ from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
 
 from unisched.plan.problem import PlanInputError, PlanProblem
+
+
+NOT_SIMULATED = "not simulated: the time limit was spent on the members before it"
 
 
 @dataclass(eq=False)
@@ -150,18 +154,23 @@ def search_family(
     *,
     progress: TextIO | None = None,
     memory_variants: bool = False,
+    deadline: float | None = None,
 ) -> FamilyResult:
     """Simulate each member with the problem's costs and limits; drop the ones that cannot run.
 
     With ``memory_variants`` and no memory limit in the problem, each member is
     also simulated under tighter limits (powers of two below its peak), which
-    fills in the latency / memory Pareto front.
+    fills in the latency / memory Pareto front.  Past ``deadline`` (a
+    ``time.perf_counter()`` value) the members left are dropped unsimulated,
+    saying so; the first member is always simulated.
     """
     candidates = list(members if members is not None else registry_members(problem))
     result = FamilyResult()
     for index, (label, strategy, reason) in enumerate(candidates):
         if progress is not None:
             _progress(progress, index, len(candidates), label)
+        if deadline is not None and index and time.perf_counter() > deadline and not reason:
+            reason = NOT_SIMULATED
         member = Member(label, strategy, reason=reason)
         if strategy is not None and not reason:
             _evaluate(problem, member)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from heapq import heappop, heappush
 from typing import Iterable, Sequence, TextIO
@@ -48,7 +48,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.strategy import Strategy
-from unisched.work import BACKWARD_WEIGHT, FORWARD
+from unisched.work import BACKWARD_WEIGHT, FORWARD, Shape
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
@@ -60,11 +60,13 @@ from unisched.plan.schedule import Schedule
 
 SEARCH_FROM_ITEMS = 500
 """From this many work items on, ``unisched plan`` runs this search instead of the CP-SAT models."""
-CONSTRUCT_SHARE = 0.2
-"""Share of the time limit the constructions may take."""
+FAMILY_SHARE = 0.3
+"""Share of the time limit the named strategies' simulations may take (large steps simulate slowly)."""
+CONSTRUCT_SHARE = 0.25
+"""Share of the time left after them that the constructions may take."""
 REFINE_SHARE = 0.5
-"""Share of the time limit CP-SAT may take to reorder the best construction (on problems of at
-most :data:`REFINE_ITEMS` items); local search has the rest."""
+"""Share of that time CP-SAT may take to reorder the best construction (on problems of at most
+:data:`REFINE_ITEMS` items); local search has the rest."""
 REFINE_ITEMS = 3000
 """The most work items whose best construction CP-SAT reorders (its order model grows with items squared)."""
 FIRST_RULES = 4
@@ -192,9 +194,13 @@ class Timing:
 
     start: np.ndarray
     end: np.ndarray
-    score: tuple[int, int]
+    ready: np.ndarray
+    """When each item's inputs are there (and its weights): the earliest it could start."""
+    score: tuple[int, float]
     """(objective, tie-break): the tie-break (the sum of the workers' finishing
-    times or spans) lets the local search move across plateaus."""
+    times, or of their squared spans) lets the local search move across plateaus."""
+    busiest: int
+    """The worker that sets the objective."""
 
 
 def evaluate(m: Mapped, orders: Sequence[np.ndarray], objective: str = "latency") -> Timing | None:
@@ -203,27 +209,15 @@ def evaluate(m: Mapped, orders: Sequence[np.ndarray], objective: str = "latency"
     orders contradict the dependencies or exceed the memory limit."""
     kernels = _kernels()
     prev, nxt = _sequence(orders, len(m.compute))
-    start, end, ok = kernels.asap(m.duration, m.release, m.succ_ptr, m.succ_idx, m.succ_delay, m.num_preds, prev, nxt)
+    start, end, ready, ok = kernels.asap(m.duration, m.release, m.succ_ptr, m.succ_idx, m.succ_delay, m.num_preds,
+                                         prev, nxt)
     if not ok:
         return None
     if m.limited and not kernels.memory_ok(start, end, m.stash_forward, m.stash_release, m.stash_demand,
                                                   m.compute, m.capacity, m.num_workers):
         return None
-    return Timing(start, end, _score(m, start, end, objective))
-
-
-def _score(m: Mapped, start: np.ndarray, end: np.ndarray, objective: str) -> tuple[int, int]:
-    W = m.num_workers
-    if objective == "latency":
-        finish = np.zeros(W, dtype=np.int64)
-        np.maximum.at(finish, m.compute, end + m.tail)
-        return int(finish.max()), int(finish.sum())
-    first = np.full(W, np.iinfo(np.int64).max)
-    last = np.zeros(W, dtype=np.int64)
-    np.minimum.at(first, m.compute, start)
-    np.maximum.at(last, m.compute, end)
-    spans = np.where(last > 0, last - np.minimum(first, last), 0)
-    return int(spans.max()), int(spans.sum())
+    best, total, busiest = kernels.score(start, end, m.tail, m.compute, m.num_workers, objective == "span")
+    return Timing(start, end, ready, (int(best), float(total)), int(busiest))
 
 
 def _sequence(orders: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -240,10 +234,12 @@ def _sequence(orders: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndar
 # ---------------------------------------------------------------------- compiled kernels
 def _asap(duration, release, succ_ptr, succ_idx, succ_delay, num_preds, prev, nxt):
     """Earliest start of every item given its data dependencies and its
-    worker's order; ok is False when they form a cycle."""
+    worker's order, and when its data alone would let it start (``ready``);
+    ok is False when they form a cycle."""
     n = duration.shape[0]
     waiting = num_preds.copy()
     start = release.copy()
+    ready = release.copy()
     end = np.zeros(n, dtype=np.int64)
     stack = np.empty(n, dtype=np.int64)
     top = 0
@@ -265,6 +261,8 @@ def _asap(duration, release, succ_ptr, succ_idx, succ_delay, num_preds, prev, nx
             arrive = finish + succ_delay[k]
             if arrive > start[v]:
                 start[v] = arrive
+            if arrive > ready[v]:
+                ready[v] = arrive
             waiting[v] -= 1
             if waiting[v] == 0:
                 stack[top] = v
@@ -277,7 +275,33 @@ def _asap(duration, release, succ_ptr, succ_idx, succ_delay, num_preds, prev, nx
             if waiting[v] == 0:
                 stack[top] = v
                 top += 1
-    return start, end, done == n
+    return start, end, ready, done == n
+
+
+def _worker_score(start, end, tail, compute, num_workers, span):
+    """(objective, tie-break, the worker that sets the objective): the latest finish (with
+    tails, in ticks) and the sum of the workers' finishes, or the longest busy span and the
+    sum of squared spans."""
+    first = np.full(num_workers, np.iinfo(np.int64).max)
+    last = np.zeros(num_workers, dtype=np.int64)
+    for i in range(start.shape[0]):
+        w = compute[i]
+        if start[i] < first[w]:
+            first[w] = start[i]
+        finish = end[i] if span else end[i] + tail[i]
+        if finish > last[w]:
+            last[w] = finish
+    best, busiest, total = 0, 0, 0.0
+    for w in range(num_workers):
+        value = last[w]
+        if span:
+            value = last[w] - first[w] if last[w] > 0 else 0
+            total += float(value) * float(value)
+        else:
+            total += float(value)
+        if value > best:
+            best, busiest = value, w
+    return best, total, busiest
 
 
 def _memory_ok(start, end, forward, release, demand, compute, capacity, num_workers):
@@ -307,6 +331,7 @@ def _memory_ok(start, end, forward, release, demand, compute, capacity, num_work
 class _Kernels:
     asap: object
     memory_ok: object
+    score: object
 
 
 @cache
@@ -315,9 +340,9 @@ def _kernels() -> _Kernels:
     try:
         import numba
     except ImportError:  # pragma: no cover - numba is a dependency
-        return _Kernels(_asap, _memory_ok)
+        return _Kernels(_asap, _memory_ok, _worker_score)
     jit = numba.njit(cache=True, nogil=True)
-    return _Kernels(jit(_asap), jit(_memory_ok))
+    return _Kernels(jit(_asap), jit(_memory_ok), jit(_worker_score))
 
 
 # ---------------------------------------------------------------------- construction
@@ -492,30 +517,28 @@ class Start:
 def improve(start: Start, objective: str, moves: int, rng: np.random.Generator) -> bool:
     """Try ``moves`` local moves on ``start`` (changed in place); whether it got strictly better.
 
-    A move takes an item of a worker (the worker that sets the objective half
-    the time; a weight pass more often than not) and puts it a few places
-    earlier or later in that worker's order; it is kept when the schedule is
-    valid and no worse (ties are kept too, so the search drifts across plateaus)."""
+    A move works on one worker's order (the worker that sets the objective
+    half the time): either it fills an idle gap, moving there a later item
+    whose inputs were there before the gap began (a weight pass most often),
+    or it moves an item a few places earlier or later.  It is kept when the
+    schedule is valid and no worse (ties too, so the search drifts across
+    plateaus)."""
     m, orders = start.m, start.orders
     W = m.num_workers
     weights = m.problem.items.arrays()[2] == BACKWARD_WEIGHT
-    reach = max(2, 2 * W)
     better = False
     for _ in range(moves):
-        w = _busiest(m, start.timing, objective) if rng.random() < 0.5 else int(rng.integers(W))
+        w = start.timing.busiest if rng.random() < 0.5 else int(rng.integers(W))
         order = orders[w]
         if len(order) < 2:
             continue
-        if rng.random() < 0.6 and weights.any():
-            candidates = np.flatnonzero(weights[order])
-            i = int(candidates[rng.integers(len(candidates))]) if len(candidates) else int(rng.integers(len(order)))
-        else:
-            i = int(rng.integers(len(order)))
-        j = int(np.clip(i + rng.integers(-reach, reach + 1), 0, len(order) - 1))
-        if i == j:
+        move = _fill_gap(order, start.timing, weights, rng) if rng.random() < 0.5 else None
+        if move is None:
+            move = _shift(order, weights, rng, reach=max(2, 2 * W))
+        if move is None:
             continue
-        moved = np.insert(np.delete(order, i), j, order[i])
-        orders[w] = moved
+        i, j = move
+        orders[w] = np.insert(np.delete(order, i), j, order[i])
         timing = evaluate(m, orders, objective)
         if timing is not None and timing.score <= start.timing.score:
             better = better or timing.score[0] < start.timing.score[0]
@@ -527,16 +550,29 @@ def improve(start: Start, objective: str, moves: int, rng: np.random.Generator) 
     return better
 
 
-def _busiest(m: Mapped, timing: Timing, objective: str) -> int:
-    """The worker that sets the objective: the last to finish, or the longest span."""
-    W = m.num_workers
-    last = np.zeros(W, dtype=np.int64)
-    np.maximum.at(last, m.compute, timing.end + (m.tail if objective == "latency" else 0))
-    if objective == "latency":
-        return int(np.argmax(last))
-    first = np.full(W, np.iinfo(np.int64).max)
-    np.minimum.at(first, m.compute, timing.start)
-    return int(np.argmax(last - np.minimum(first, last)))
+def _fill_gap(order: np.ndarray, timing: Timing, weights: np.ndarray, rng: np.random.Generator):
+    """(from, to) positions that move into an idle gap of this order a later item that could
+    have started when the gap began, or None when the order has no such gap."""
+    begins = timing.end[order[:-1]]
+    gaps = np.flatnonzero(timing.start[order[1:]] > begins) + 1
+    if not len(gaps):
+        return None
+    g = int(gaps[rng.integers(len(gaps))])
+    later = np.arange(g + 1, len(order))
+    fits = later[timing.ready[order[later]] <= timing.end[order[g - 1]]]
+    if not len(fits):
+        return None
+    preferred = fits[weights[order[fits]]]
+    pool = preferred if len(preferred) and rng.random() < 0.7 else fits
+    return int(pool[rng.integers(len(pool))]), g
+
+
+def _shift(order: np.ndarray, weights: np.ndarray, rng: np.random.Generator, reach: int):
+    """(from, to) positions a few places apart, the item a weight pass more often than not."""
+    candidates = np.flatnonzero(weights[order]) if rng.random() < 0.6 else np.zeros(0, dtype=np.int64)
+    i = int(candidates[rng.integers(len(candidates))]) if len(candidates) else int(rng.integers(len(order)))
+    j = int(np.clip(i + rng.integers(-reach, reach + 1), 0, len(order) - 1))
+    return None if i == j else (i, j)
 
 
 # ---------------------------------------------------------------------- the search
@@ -561,7 +597,8 @@ def search(
     begin = time.perf_counter()
     run = _Run(problem, objective, progress, begin)
     try:
-        family = search_family(problem, members if members is not None else registry_members(problem))
+        family = search_family(problem, _promising_first(problem, members),
+                               deadline=begin + FAMILY_SHARE * float(time_limit))
     except KeyboardInterrupt:
         raise UniSchedError("interrupted before any schedule was found: let the search run longer") from None
     seeds = sorted(family.feasible, key=lambda member: objective_of(member.simulation, objective))
@@ -570,12 +607,21 @@ def search(
     run.offer_seed(seeds[0])
     try:
         mappings = seed_mappings(problem, seeds, family, constructed=members is None)
-        starts = run.constructions(mappings, begin + CONSTRUCT_SHARE * float(time_limit))
-        starts = run.refine(starts, begin + (CONSTRUCT_SHARE + REFINE_SHARE) * float(time_limit), seed)
-        run.local_search(starts, begin + float(time_limit), np.random.default_rng(seed))
+        now, end = time.perf_counter(), begin + float(time_limit)
+        starts = run.constructions(mappings, now + CONSTRUCT_SHARE * (end - now))
+        starts = run.refine(starts, now + (CONSTRUCT_SHARE + REFINE_SHARE) * (end - now), seed)
+        run.local_search(starts, end, np.random.default_rng(seed))
     except KeyboardInterrupt:
         run.interrupted = True
     return run.answer(seeds, family)
+
+
+def _promising_first(problem: PlanProblem, members) -> list:
+    """The seeds to simulate, hand-made orders for this backward form first (on large problems
+    the family search may not reach the end of the list within its share of the time)."""
+    members = list(members if members is not None else registry_members(problem))
+    return sorted(members, key=lambda member: member[1] is None or member[1].worker_orders is None
+                  or member[1].split_backward != problem.split_backward)
 
 
 def objective_of(sim, objective: str) -> float:
@@ -847,13 +893,20 @@ def _stash_limits(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray)
 
 
 def _timed(problem: PlanProblem) -> TimedProblem:
+    """The problem in CP-SAT's integer ticks.  An item's time depends on its stage, pass and
+    worker only, so the tables are built for one micro-batch (the same times, the same ticks)
+    and spread over all: building them per item and worker takes seconds on large steps."""
+    W, S, B = problem.shape
     try:
-        return TimedProblem.build(problem)
+        one = TimedProblem.build(replace(problem, shape=Shape(W, S, 1)))
     except (OverflowError, ValueError) as error:
         raise PlanInputError(
             f"the costs do not fit the integer ticks the search counts time in ({error}): give the times in a "
             "coarser unit (e.g. milliseconds instead of microseconds)"
         ) from None
+    batch, stage, direction = problem.items.arrays()
+    duration = one.duration[one.problem.items.id(0, stage, direction)]
+    return TimedProblem(problem, one.ticks, duration, one.comm, one.fetch, one.stash, batch, stage, direction)
 
 
 def _nothing_runs(problem: PlanProblem, family) -> str:

@@ -156,7 +156,7 @@ def compare(repeat: int, only: list[str]) -> tuple[dict, list[dict]]:
 
 def million(name: str) -> dict:
     """About one million work items of ``name``, in this process (run it in a fresh one)."""
-    fast.compiled_schedule()  # load the compiled greedy from its cache first (numba loads on first use)
+    fast.warm_up()  # load the compiled greedy from its cache first (numba loads on first use)
     began = time.perf_counter()
     (W, S, B), strategy = build(name, million=True)
     built = time.perf_counter()
@@ -179,7 +179,7 @@ def main() -> None:
         return
     only = args.only or names()
 
-    fast.compiled_schedule()  # compile (or load) the greedy before timing (numba loads on first use)
+    fast.warm_up()  # compile (or load) the greedy before timing (numba loads on first use)
     baseline, rows = compare(args.repeat, only)
     print(f"W = S = 64, B = 128 or as noted, default costs; unisched best of {args.repeat}; frontier scan on GPipe's "
           f"mapping at W = S = 64, B = 128: {baseline['seconds']:.2f} s, {baseline['items_per_s']:,.0f} items/s, "

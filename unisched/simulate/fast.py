@@ -209,7 +209,7 @@ def run(problem):
     if kernel is None:
         return None
     links = links_of(problem)
-    start, end, rows = kernel(graph_of(problem), stash_accounts(problem), links)
+    start, end, rows = kernel(*(_contiguous(table) for table in (graph_of(problem), stash_accounts(problem), links)))
     if not links.on:
         return start, end, None
     kind, src, dst, begin, arrive, nbytes, item = rows
@@ -223,8 +223,14 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
     """Start and end times without memory limits or communication."""
     graph = Graph(worker, duration, rank, succ_ptr, succ_idx, succ_primary, np.ones(len(succ_idx), bool), num_deps,
                   source_items, source_keys, num_workers)
-    start, end, _ = schedule(graph, no_stashes(len(worker), num_workers), no_links())
+    start, end, _ = schedule(*(_contiguous(table) for table in (graph, no_stashes(len(worker), num_workers), no_links())))
     return start, end
+
+
+def _contiguous(table):
+    """``table`` with every array contiguous and every number an int, so
+    that every call has the one signature numba compiled."""
+    return type(table)(*(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for v in table))
 
 
 # ---------------------------------------------------------------------- the greedy
@@ -684,6 +690,14 @@ def compiled_schedule():
     for name in _HELPERS:
         globals()[name] = jit(globals()[name])
     return globals()["schedule"]
+
+
+def warm_up() -> None:
+    """Compile :func:`schedule` now, or load it from numba's cache (a
+    benchmark's first timed call should not pay for it)."""
+    if compiled_schedule() is not None:
+        one = np.zeros(1, np.int64)
+        greedy(one, np.ones(1), one, np.array([0, 0]), one[:0], np.zeros(0, bool), one, one, one, 1)
 
 
 @cache

@@ -178,3 +178,15 @@ def test_family_search_past_its_deadline_drops_the_rest_unsimulated():
     family = search_family(problem, registry_members(problem), deadline=time.perf_counter() - 1)
     assert len(family.feasible) == 1
     assert family.dropped and all(m.reason == NOT_SIMULATED for m in family.dropped if m.strategy is not None)
+
+
+def test_a_strategy_whose_greedy_replay_deadlocks_gets_orders_that_run():
+    from unisched import policies
+
+    problem = PlanProblem(Shape(4, 4, 8), encode_costs(), memory_limit=2)
+    looped = [("looped(group_size=2)", policies.get("looped", 4, 4, 8, group_size=2), "")]
+    assert search_family(problem, looped).feasible == []  # the simulator's greedy deadlocks
+    result = search(problem, time_limit=1.0, members=looped)
+    assert result.strategy_name.startswith("looped(group_size=2) + ")
+    result.simulate().timeline.check(memory_limit=2)
+    assert result.latency < 51  # gpipe's best order at this memory

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cache
 from heapq import heappop, heappush
 from typing import Iterable, Sequence, TextIO
@@ -53,7 +53,7 @@ from unisched.work import BACKWARD_WEIGHT, FORWARD, Shape
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
 from unisched.plan.order import live_stashes, memory_demands, solve_order, step_tails
-from unisched.plan.planfile import Plan
+from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.planner import _map as map_arrays, constructed_members
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
@@ -601,10 +601,9 @@ def search(
                                deadline=begin + FAMILY_SHARE * float(time_limit))
     except KeyboardInterrupt:
         raise UniSchedError("interrupted before any schedule was found: let the search run longer") from None
-    seeds = sorted(family.feasible, key=lambda member: objective_of(member.simulation, objective))
-    if not seeds:
-        raise UniSchedError(_nothing_runs(problem, family))
-    run.offer_seed(seeds[0])
+    seeds = sorted(family.feasible, key=lambda member: objective_value(member.simulation, objective))
+    if seeds:
+        run.offer_seed(seeds[0])
     try:
         mappings = seed_mappings(problem, seeds, family, constructed=members is None)
         now, end = time.perf_counter(), begin + float(time_limit)
@@ -613,6 +612,8 @@ def search(
         run.local_search(starts, end, np.random.default_rng(seed))
     except KeyboardInterrupt:
         run.interrupted = True
+    if not seeds and run.best_start is None:
+        raise UniSchedError(_nothing_runs(problem, family))
     return run.answer(seeds, family)
 
 
@@ -624,25 +625,8 @@ def _promising_first(problem: PlanProblem, members) -> list:
                   or member[1].split_backward != problem.split_backward)
 
 
-def objective_of(sim, objective: str) -> float:
-    """A simulated step's latency, or its longest per-worker busy span."""
-    if objective == "latency":
-        return float(sim.latency)
-    return float(spans(sim.timeline).max(initial=0.0))
-
-
-def spans(timeline) -> np.ndarray:
-    """Per worker: from its first item's start to its last item's end (0 for an idle worker)."""
-    W = timeline.num_workers
-    first = np.full(W, np.inf)
-    last = np.full(W, -np.inf)
-    np.minimum.at(first, timeline.worker, timeline.start)
-    np.maximum.at(last, timeline.worker, timeline.end)
-    return np.where(np.isfinite(first), last - first, 0.0)
-
-
 @dataclass(frozen=True)
-class Mapping:
+class SeedMapping:
     """A mapping to construct orders for, with the orders it came with (None: none that run)."""
 
     label: str
@@ -651,16 +635,16 @@ class Mapping:
     orders: list[np.ndarray] | None = None
 
 
-def seed_mappings(problem: PlanProblem, feasible: list[Member], family, constructed: bool = True) -> list[Mapping]:
+def seed_mappings(problem: PlanProblem, feasible: list[Member], family, constructed: bool = True) -> list[SeedMapping]:
     """Distinct mappings to start from: the named strategies that ran (best first, with their
     simulated orders), the planner's constructed mappings (with ``constructed``), and the
     named strategies whose greedy replay deadlocked under the memory limit (a memory-aware
     order may run them)."""
-    found: list[Mapping] = []
+    found: list[SeedMapping] = []
     for member in feasible:
         schedule = _schedule_of(problem, member)
         orders = [np.asarray(schedule.orders[w], dtype=np.int64) for w in range(problem.shape.num_workers)]
-        found.append(Mapping(member.label, schedule.compute, schedule.weight, orders))
+        found.append(SeedMapping(member.label, schedule.compute, schedule.weight, orders))
     others = [(label, strategy) for label, strategy, _ in constructed_members(problem)] if constructed else []
     others += [(m.label, m.strategy) for m in family.dropped
                if m.strategy is not None and m.reason.startswith("deadlock")]
@@ -668,21 +652,24 @@ def seed_mappings(problem: PlanProblem, feasible: list[Member], family, construc
         if other_backward(strategy, problem.split_backward):
             continue
         compute, weight = map_arrays(problem, strategy)
-        found.append(Mapping(label, compute, weight))
+        found.append(SeedMapping(label, compute, weight))
     distinct, seen = [], set()
     for mapping in found:
         key = mapping.compute.tobytes() + mapping.weight.tobytes()
-        if key not in seen and _within_limits(problem, mapping.compute):
+        if key not in seen and _within_limits(problem, mapping.compute, mapping.weight):
             seen.add(key)
             distinct.append(mapping)
     return distinct
 
 
-def _within_limits(problem: PlanProblem, compute: np.ndarray) -> bool:
-    """Whether a mapping can run at all: stages per worker and one micro-batch's stashes per worker."""
+def _within_limits(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray) -> bool:
+    """Whether a mapping can run at all: the stages a worker holds (computed or owned), and
+    one micro-batch's stashes on a worker against the least worker's limit."""
     K = problem.max_stages_per_worker
     held = np.zeros((problem.shape.num_workers, problem.shape.num_stages), dtype=bool)
-    held[compute, problem.items.arrays()[1]] = True
+    stage = problem.items.arrays()[1]
+    held[compute, stage] = True
+    held[weight, stage] = True
     if K is not None and held.sum(axis=1).max() > K:
         return False
     if problem.memory_limit is None:
@@ -722,7 +709,7 @@ class _Run:
         return self.best_value <= self.bound * (1 + 1e-9)
 
     def offer_seed(self, member: Member) -> None:
-        self.best_value = objective_of(member.simulation, self.objective)
+        self.best_value = objective_value(member.simulation, self.objective)
         self.best_label, self.best_seed = member.label, member
         self._announce()
 
@@ -746,7 +733,7 @@ class _Run:
         self.progress.flush()
         self.said, self.unsaid = now, False
 
-    def constructions(self, seeds: list[Mapping], until: float) -> list[Start]:
+    def constructions(self, seeds: list[SeedMapping], until: float) -> list[Start]:
         """The seeds' own orders, then the list scheduler's: first a few rules on every seed
         mapping, then the rest of the grid on the most promising mappings, until ``until``."""
         problem = self.problem
@@ -827,9 +814,9 @@ class _Run:
     def answer(self, seeds: list[Member], family) -> Plan:
         """The best found, replayed by the simulator, as a Plan (the best seed if the replay disagrees)."""
         stop = " (interrupted)" if self.interrupted else " (bound met)" if self.met else " (time limit)"
-        label, source, schedule, sim = self._replayed_best(seeds[0])
+        label, source, schedule, sim = self._replayed_best(seeds[0] if seeds else None)
         self.best_label = label
-        self.best_value = objective_of(sim, self.objective)
+        self.best_value = objective_value(sim, self.objective)
         self._announce(final=stop)
         rows = [dict(strategy=label, source=source, **measures(sim))]
         rows += [dict(strategy=m.label, source="family", **measures(m.simulation)) for m in seeds if m.label != label]
@@ -854,14 +841,15 @@ class _Run:
             objective_value=value,
             proven_for=ANY_SCHEDULE if proven else "",
             bound_for=ANY_SCHEDULE,
+            bound_classes={name: ANY_SCHEDULE for name in self.bounds},
             interrupted=self.interrupted,
             search="heuristic search",
         )
 
-    def _replayed_best(self, seed: Member):
+    def _replayed_best(self, seed: Member | None):
         """(label, source, schedule, replay) of the best: the searched orders as the simulator
         replays them, unless that replay fails or is worse than the best seed's."""
-        fallback = (seed.label, "family", _schedule_of(self.problem, seed), seed.simulation)
+        fallback = None if seed is None else (seed.label, "family", _schedule_of(self.problem, seed), seed.simulation)
         start = self.best_start
         if start is None:
             return fallback
@@ -869,9 +857,12 @@ class _Run:
                             {w: order.tolist() for w, order in enumerate(start.orders)}, name="search")
         try:
             sim = schedule.simulate()
-        except UniSchedError:
+        except UniSchedError as error:
+            if fallback is None:
+                raise UniSchedError(f"the search's best schedule does not replay: {error}") from None
             return fallback
-        if objective_of(sim, self.objective) > objective_of(seed.simulation, self.objective) + 1e-9:
+        if fallback is not None and objective_value(sim, self.objective) > objective_value(seed.simulation,
+                                                                                           self.objective) + 1e-9:
             return fallback
         return f"{start.m.label} + {start.how}", "search", schedule, sim
 

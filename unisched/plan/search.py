@@ -818,13 +818,10 @@ class _Run:
         self.best_label = label
         self.best_value = objective_value(sim, self.objective)
         self._announce(final=stop)
-        rows = [dict(strategy=label, source=source, **measures(sim))]
-        rows += [dict(strategy=m.label, source="family", **measures(m.simulation)) for m in seeds if m.label != label]
         value = self.best_value
         proven = value <= self.bound * (1 + 1e-9)
-        for row in rows:
-            row.update(gap=(row["latency"] - self.bound) / self.bound if self.bound > 0 else 0.0,
-                       optimal=proven and row is rows[0], pareto=False, model_latency=None)
+        rows = [self._row(label, source, sim, proven)]
+        rows += [self._row(m.label, "family", m.simulation, False) for m in seeds if m.label != label]
         rows.sort(key=lambda row: row["latency"])
         return Plan(
             schedule=schedule,
@@ -845,6 +842,13 @@ class _Run:
             interrupted=self.interrupted,
             search="heuristic search",
         )
+
+    def _row(self, label: str, source: str, sim, optimal: bool) -> dict:
+        """A row of the plan's candidates table; its gap is of the objective."""
+        value = objective_value(sim, self.objective)
+        gap = (value - self.bound) / self.bound if self.bound > 0 else 0.0
+        return dict(strategy=label, source=source, **measures(sim), gap=gap, optimal=optimal, pareto=False,
+                    model_latency=None)
 
     def _replayed_best(self, seed: Member | None):
         """(label, source, schedule, replay) of the best: the searched orders as the simulator

@@ -86,16 +86,19 @@ class Rule:
     asks).  ``fit``: a forward runs only if it ends before the next backward
     is known to arrive.  ``later_stages_first``: among a worker's stages,
     later ones first (for V and interleaved placements).  ``reserve``: a
-    micro-batch's first forward reserves memory for all its stashes on every
-    worker that will keep one, so that no later forward of it waits for
-    memory (where a worker keeps stashes of several stages, claiming stash by
-    stash can fill every worker with micro-batches none of which can go on)."""
+    forward claims memory for the stashes of this many stages of its
+    micro-batch, its own and the next ones, on the workers that will keep
+    them (0: all, from the micro-batch's first forward), so that those
+    forwards do not wait for memory: where a worker keeps stashes of several
+    stages, claiming stash by stash (1) can fill every worker with
+    micro-batches none of which can go on, and reserving everything at once
+    lets few micro-batches in."""
 
     warmup: tuple[float, int] | None = None
     fill: float = 1.0
     fit: bool = False
     later_stages_first: bool = False
-    reserve: bool = False
+    reserve: int = 1
 
     def caps(self, num_workers: int) -> np.ndarray:
         if self.warmup is None:
@@ -106,7 +109,9 @@ class Rule:
     def label(self) -> str:
         warm = "memory" if self.warmup is None else f"{self.warmup[0]:g}(W-w){self.warmup[1]:+d}"
         return f"warm-up {warm}, fill {self.fill:g}" + (", fit" if self.fit else "") + (
-            ", later stages first" if self.later_stages_first else "")
+            ", later stages first" if self.later_stages_first else "") + (
+            "" if self.reserve == 1 else ", memory reserved " + (f"{self.reserve} stages ahead" if self.reserve
+                                                                 else "for the whole micro-batch"))
 
 
 def rules(split_backward: bool, several_stages: bool) -> list[Rule]:
@@ -115,7 +120,8 @@ def rules(split_backward: bool, several_stages: bool) -> list[Rule]:
     warmups = [(2.0, 0), None, (2.0, -1), (1.75, 0), (1.0, 0), (1.5, 0), (1.0, 1), (1.25, 0), (2.5, 0), (3.0, 0)]
     fills = [0.75, 0.5, 0.25, 1.0, 0.0, math.inf] if split_backward else [math.inf]
     orders = [False, True] if several_stages else [False]
-    return [Rule(w, f, fit, o, several_stages) for fit in (False, True) for w in warmups for f in fills
+    reserves = [0, 2, 4, 1] if several_stages else [1]
+    return [Rule(w, f, fit, o, r) for fit in (False, True) for w in warmups for f in fills for r in reserves
             for o in orders]
 
 
@@ -383,16 +389,13 @@ class _Builder:
         n = len(m.compute)
         self.claims: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.frees: list[tuple[int, int] | None] = [None] * n
-        batch, stage, _ = m.problem.items.arrays()
-        entry = {}  # micro-batch -> its first forward (of a source stage)
-        sources = set(m.problem.stage_graph.sources)
-        for f in m.stash_forward.tolist():
-            if int(stage[f]) in sources:
-                entry.setdefault(int(batch[f]), f)
-        for f, r, d in zip(m.stash_forward.tolist(), m.stash_release.tolist(), m.stash_demand.tolist()):
+        items = m.problem.items
+        batch, stage, _ = items.arrays()
+        ahead = self.rule.reserve or m.problem.shape.num_stages
+        claimer = items.id(batch[m.stash_forward], np.maximum(0, stage[m.stash_forward] - ahead + 1), FORWARD)
+        for c, r, d in zip(claimer.tolist(), m.stash_release.tolist(), m.stash_demand.tolist()):
             holder = self.worker[r]
-            claimer = entry.get(int(batch[f]), f) if self.rule.reserve else f
-            self.claims[claimer].append((holder, d))
+            self.claims[c].append((holder, d))
             self.frees[r] = (holder, d)
         self.capacity = m.capacity.tolist()
         self.limited = m.limited

@@ -237,9 +237,10 @@ def test_stash_accounts_are_the_problems_lists(W, S, B, split, in_bytes, input_g
     split=st.booleans(),
     written_split=st.booleans(),
     fault=st.sampled_from([None, "unknown worker", "outside", "elsewhere", "twice", "left out"]),
+    second_fault=st.sampled_from([None, "outside", "elsewhere", "twice"]),
     seed=st.integers(0, 2**31),
 )
-def test_sequence_edges_are_the_problems(W, S, B, split, written_split, fault, seed):
+def test_sequence_edges_are_the_problems(W, S, B, split, written_split, fault, second_fault, seed):
     """sequence_edges (numpy) gives what problem._sequence_edges (a loop
     over Work) gives, for orders written in either backward form, and
     refuses the same faults with the same message."""
@@ -257,17 +258,18 @@ def test_sequence_edges_are_the_problems(W, S, B, split, written_split, fault, s
     for w in range(W):
         for u in problem_module._in_directions(orders[w], items.dirs):
             compute[items.id(u.batch, u.stage, u.direction)] = w
-    victim = int(rng.integers(W))
-    if fault == "unknown worker":
-        orders[W + 1] = []
-    elif fault == "outside":
-        orders[victim].insert(0, unisched.Work(B, 0, unisched.FORWARD))
-    elif fault == "elsewhere" and W > 1:
-        orders[victim].append(orders[(victim + 1) % W][0] if orders[(victim + 1) % W] else adapted[0])
-    elif fault == "twice" and orders[victim]:
-        orders[victim].append(orders[victim][0])
-    elif fault == "left out" and orders[victim]:
-        orders[victim].pop()
+    for fault in (fault, second_fault):  # one or two faults, on the same worker or two
+        victim = int(rng.integers(W))
+        if fault == "unknown worker":
+            orders[W + 1] = []
+        elif fault == "outside":
+            orders[victim].insert(int(rng.integers(len(orders[victim]) + 1)), unisched.Work(B, 0, unisched.FORWARD))
+        elif fault == "elsewhere" and W > 1:
+            orders[victim].append(orders[(victim + 1) % W][0] if orders[(victim + 1) % W] else adapted[0])
+        elif fault == "twice" and orders[victim]:
+            orders[victim].append(orders[victim][0])
+        elif fault == "left out" and orders[victim]:
+            orders[victim].pop()
     shape = Shape(W, S, B)
     try:
         expected = problem_module._sequence_edges(orders, compute, shape, items)

@@ -32,22 +32,25 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
     unknown = sorted(set(orders) - set(range(W)))
     if unknown:
         raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
+    columns = [_in_directions(_as_columns(w, order), items.split_backward) for w, order in orders.items()]
+    lengths = np.array([len(c[0]) for c in columns], dtype=np.int64)
+    owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
+    batch, stage, direction = (np.concatenate([c[i] for c in columns]) if columns else np.zeros(0, np.int64)
+                               for i in range(3))
+    ids = _checked_ids(owner, batch, stage, direction, compute, shape, items)
     seen = np.zeros(len(compute), dtype=bool)
-    src, dst = [], []
-    for w, order in orders.items():
-        batch, stage, direction = _in_directions(_as_columns(w, order), items.split_backward)
-        ids = _checked_ids(w, batch, stage, direction, compute, shape, items, seen)
-        seen[ids] = True
-        src.append(ids[:-1])
-        dst.append(ids[1:])
+    seen[ids] = True
     if not seen.all():
         item = int(np.flatnonzero(~seen)[0])
         raise StrategyError(
             f"the fixed orders leave out {int((~seen).sum())} work item(s), e.g. {items.work(item)!r} on worker "
             f"{compute[item]}; every item must appear in its worker's order"
         )
-    src = np.concatenate(src) if src else np.zeros(0, dtype=np.int64)
-    dst = np.concatenate(dst) if dst else np.zeros(0, dtype=np.int64)
+    follows = np.ones(len(ids), dtype=bool)  # an item follows the one before it, unless it opens its worker's order
+    opens = np.cumsum(lengths) - lengths
+    follows[opens[opens < len(ids)]] = False
+    dst = ids[follows]
+    src = ids[np.flatnonzero(follows) - 1]
     return np.stack([src, dst, np.full(len(src), kind), np.full(len(src), -1)]).astype(np.int64)
 
 
@@ -79,32 +82,39 @@ def _in_directions(columns, split: bool):
     return batch[keep], stage[keep], direction[keep]
 
 
-def _checked_ids(w: int, batch, stage, direction, compute, shape: Shape, items: Items, seen) -> np.ndarray:
-    """The item ids of worker w's order, after checking that each is an item
-    of the step, sent to w by the mapping, and named only once."""
+def _checked_ids(owner, batch, stage, direction, compute, shape: Shape, items: Items) -> np.ndarray:
+    """The item ids of the orders (``owner``: whose order each row is in),
+    after checking that each is an item of the step, sent to its worker by
+    the mapping, and named only once.  The fault reported is the first of
+    the first worker's order that has one (and in it, an item outside the
+    step before one on the wrong worker before one named twice)."""
     W, S, B = shape
 
     def work(i: int) -> Work:
         return Work(int(batch[i]), int(stage[i]), Direction(int(direction[i])))
 
-    known = np.isin(direction, [int(d) for d in Direction])
-    if not known.all():
-        i = int(np.argmin(known))
-        raise StrategyError(f"worker {w}'s order has direction {int(direction[i])}, which is no Direction "
+    unknown = ~np.isin(direction, [int(d) for d in Direction])
+    if unknown.any():
+        i = int(np.argmax(unknown))
+        raise StrategyError(f"worker {owner[i]}'s order has direction {int(direction[i])}, which is no Direction "
                             f"({', '.join(d.name for d in Direction)})")
     outside = ~np.isin(direction, items.dirs) | (batch < 0) | (batch >= B) | (stage < 0) | (stage >= S)
-    if outside.any():
-        raise StrategyError(f"worker {w}'s order has {work(int(np.argmax(outside)))!r}, which is not a work item "
-                            f"of this shape")
-    ids = items.id(batch, stage, direction)
-    elsewhere = compute[ids] != w
-    if elsewhere.any():
-        i = int(np.argmax(elsewhere))
-        raise StrategyError(f"worker {w}'s order has {work(i)!r}, but the mapping sends it to worker {compute[ids[i]]}")
-    repeated = seen[ids] | _repeats(ids)
-    if repeated.any():
-        raise StrategyError(f"{work(int(np.argmax(repeated)))!r} appears twice in the fixed orders")
-    return ids
+    ids = np.where(outside, 0, items.id(np.where(outside, 0, batch), np.where(outside, 0, stage),
+                                        np.where(outside, items.dirs[0], direction)))
+    elsewhere = ~outside & (compute[ids] != owner)
+    repeated = ~outside & _repeats(np.where(outside, -1 - np.arange(len(ids)), ids))
+    faulty = outside | elsewhere | repeated
+    if not faulty.any():
+        return ids
+    mine = owner == owner[int(np.argmax(faulty))]
+    if (outside & mine).any():
+        i = int(np.argmax(outside & mine))
+        raise StrategyError(f"worker {owner[i]}'s order has {work(i)!r}, which is not a work item of this shape")
+    if (elsewhere & mine).any():
+        i = int(np.argmax(elsewhere & mine))
+        raise StrategyError(
+            f"worker {owner[i]}'s order has {work(i)!r}, but the mapping sends it to worker {compute[ids[i]]}")
+    raise StrategyError(f"{work(int(np.argmax(repeated & mine)))!r} appears twice in the fixed orders")
 
 
 def _repeats(ids: np.ndarray) -> np.ndarray:

@@ -84,6 +84,17 @@ def test_features_that_do_not_divide_are_an_error():
         split_module(nn.Sequential(nn.Linear(4, 8)), group, [Sharding("0", COLUMN)])
 
 
+def test_split_parameters_carry_megatrons_mark_and_copies_do_not():
+    """The Trainer's global gradient norm counts a marked parameter on every
+    shard and an unmarked one on shard 0 only (a copy of the others')."""
+    plan = split_plan(Block())
+    split = split_module(Block(), Group(None, (0, 1), 1), plan)
+    marked = {name for name, p in split.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+    assert marked == set(shard_dims(plan))
+    alone = split_module(Block(), Group.single(), plan)
+    assert not any(getattr(p, "tensor_model_parallel", False) for p in alone.parameters())
+
+
 # ---------------------------------------------------------------------- numbers on two processes
 def check_column_row_pair(group: Group) -> float:
     torch.manual_seed(1)

@@ -159,7 +159,11 @@ def _cut(tensor: torch.Tensor, group: Group, dim: int, what: str) -> nn.Paramete
             f"{what} has {tensor.shape[dim]} {'output' if dim == 0 else 'input'} features, which cannot be split "
             f"over {group.size} devices; use a multiple of {group.size} or a different split(device_count)"
         )
-    return nn.Parameter(tensor.detach().chunk(group.size, dim=dim)[group.index].clone())
+    shard = nn.Parameter(tensor.detach().chunk(group.size, dim=dim)[group.index].clone())
+    # Megatron's mark of a parameter split over the group (not a copy), which
+    # the Trainer's global gradient norm counts on every shard
+    shard.tensor_model_parallel = group.size > 1
+    return shard
 
 
 class ColumnParallelLinear(nn.Module):

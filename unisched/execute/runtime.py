@@ -7,7 +7,8 @@ each ``step`` walks the rank's instruction list:
 
 - receives are posted early with non-blocking ``irecv`` and awaited just
   before the item that reads them, so transfers overlap compute; sends are
-  posted with ``isend`` right after the item that produces them;
+  posted with ``isend`` right after the item that produces them, and their
+  buffers let go as soon as they complete (polled after each item);
 - what travels between stages is a tensor or a tuple, list or dict of
   tensors (a pytree); its structure, shapes and dtypes, and which of its
   tensors carry a gradient back, are agreed once by a shape probe, and each
@@ -17,7 +18,8 @@ each ``step`` walks the rank's instruction list:
   backward's rank, which recomputes the forward from it before going back;
 - a rank that computes a stage it holds no weights of fetches them at the
   start of the step and returns the stage's accumulated gradient after its
-  last backward of that stage;
+  last backward of that stage, then frees both; a weight worker takes in a
+  returned gradient as soon as it arrives;
 - replicas all-reduce each stage's gradient in one process group per
   replica set (created once), posted as soon as the stage's gradient is
   final on the rank; the per-micro-batch losses are all-reduced likewise,
@@ -229,6 +231,7 @@ class Trainer:
              if a.is_compute and a.stage == self._loss_stage and a.op == self._back.letter),
             default=-1,
         )
+        self._last_use = self._last_uses()
         self._forward_only = [i for i, a in enumerate(self._actions)
                               if a.op == "F" or ((a.is_send or a.is_recv) and a.op[0] in "Fw")]
         self._counts_norm = {s for s in self._owned if self.program.reduce_group(self.rank, s)[0] == self.rank}
@@ -613,6 +616,7 @@ class Trainer:
             st.current = action
             if action.is_compute:
                 self._compute(st, action, index)
+                self._reap(st)
                 if index == self._last_loss_item:
                     self._post_losses(st)
             elif action.is_recv:
@@ -621,6 +625,8 @@ class Trainer:
                 self._post_send(st, action)
             elif action.op == "R":
                 self._post_reduce(st, action)
+            if index in self._last_use:
+                self._release_fetched(self._last_use[index])
         st.current = None
         return self._finish(st)
 
@@ -634,10 +640,13 @@ class Trainer:
                 action = st.current = self._actions[index]
                 if action.is_compute:
                     self._compute(st, action, index)
+                    self._reap(st)
                 elif action.is_recv:
                     self._post_recv(st, action)
                 else:
                     self._post_send(st, action)
+                if index in self._last_use:
+                    self._release_fetched(self._last_use[index])
             st.current = None
             self._await_transfers(st)
             self._post_losses(st)
@@ -912,16 +921,43 @@ class Trainer:
         st.pending[msg.index] = (work, buffer, action, wire)
 
     def _post_send(self, st, action: Action) -> None:
+        """Post a send; its buffer (a flat copy of weights or of a returned
+        gradient, or a packed value) is let go once the send has completed."""
+        self._reap(st)
         msg = self.program.messages[action.message]
         if msg.letter == "w":
             tensor = _flatten([p.detach() for p in self._params[msg.stage]], self.device)
         elif msg.letter == "r":
             tensor = _flatten([_grad(p) for p in self._params[msg.stage]], self.device)
+            for p in self._params[msg.stage]:
+                p.grad = None  # returned: the copy in flight is all that is left of it
         else:
             tensor = self._wire(msg.value).pack(st.take(msg.value), self.device)
         if self._recording:
             st.sends[msg.index] = time.perf_counter()
         st.outgoing.append((dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), tensor, action, msg.dst))
+
+    def _reap(self, st) -> None:
+        """Let go of the sends that have completed, and take in the returned
+        gradients that have arrived, so that their buffers live no longer
+        than the transfer (polled after each item and before each send)."""
+        if st.outgoing:
+            finished = [entry[0].is_completed() for entry in st.outgoing]
+            if any(finished):
+                self._await_sends([entry for entry, done in zip(st.outgoing, finished) if done])
+                st.outgoing = [entry for entry, done in zip(st.outgoing, finished) if not done]
+        arrived = [i for i, (work, _, action, _) in st.pending.items() if action.op == "r<" and work.is_completed()]
+        for index in arrived:
+            self._accept(self.program.messages[index].stage, self._wait(st, index))
+
+    def _await_sends(self, sends: list) -> None:
+        for work, _, action, peer in sends:
+            try:
+                work.wait()
+            except Exception as error:
+                raise CommunicationError(
+                    f"rank {self.rank}'s send {action} to rank {peer} failed ({_first_line(error)})", peer=peer
+                ) from error
 
     def _receive(self, st, index: int) -> tuple[torch.Tensor, ...]:
         """The tensors of the value that message ``index`` carries, once it has arrived."""
@@ -987,9 +1023,23 @@ class Trainer:
         """Free the device copies of weights this rank does not hold on the
         device between steps: offloaded ones, and fetched ones."""
         for s in set(self.host_weights) | self._fetched:
-            for p in self._params[s]:
-                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-                p.grad = None
+            self._release_fetched(s)
+
+    def _release_fetched(self, s: int) -> None:
+        """Free the device copy of stage ``s``'s weights and its gradient: a
+        fetched stage's after its last use in the step (its last item, or the
+        return of its gradient), an offloaded one's after the step."""
+        for p in self._params[s]:
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            p.grad = None
+
+    def _last_uses(self) -> dict[int, int]:
+        """Per action index, the fetched stage whose last use in the step it is."""
+        last = {}
+        for index, action in enumerate(self._actions):
+            if action.stage in self._fetched and (action.is_compute or action.op == "r>"):
+                last[action.stage] = index
+        return {index: s for s, index in last.items()}
 
     def _stand_in_weights(self) -> None:
         """Zeros in place of fetched weights, for a shape probe before the fetch."""
@@ -1050,13 +1100,7 @@ class Trainer:
             msg = self.program.messages[index]
             if msg.letter == "r":
                 st.returned.append((msg.stage, flat))
-        for work, _, action, peer in st.outgoing:
-            try:
-                work.wait()
-            except Exception as error:
-                raise CommunicationError(
-                    f"rank {self.rank}'s send {action} to rank {peer} failed ({_first_line(error)})", peer=peer
-                ) from error
+        self._await_sends(st.outgoing)
         st.outgoing.clear()
 
     def _await_reductions(self, st) -> None:

@@ -190,3 +190,22 @@ def test_a_strategy_whose_greedy_replay_deadlocks_gets_orders_that_run():
     assert result.strategy_name.startswith("looped(group_size=2) + ")
     result.simulate().timeline.check(memory_limit=2)
     assert result.latency < 51  # gpipe's best order at this memory
+
+
+def test_plan_takes_a_memory_budget_that_rules_out_replicated_weights(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"forward": 1, "backward": 2, "weight_bytes": 10, "activation_bytes": 1,
+                                 "bandwidth": 100, "latency": 0.1}))
+    base = ["plan", "-W", "2", "-S", "2", "-B", "4", "--costs", str(costs), "--time-limit", "3", "--json"]
+    assert main(base) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert main(base + ["--memory-budget", "30", "--optimizer-bytes", "5"]) == 0
+    budgeted = json.loads(capsys.readouterr().out)
+    held = {}
+    for item, workers in budgeted["plan"]["mapping"].items():
+        for worker in workers:
+            held.setdefault(worker, set()).add(item[0])
+    assert all(len(stages) == 1 for stages in held.values())  # two stages' weights and state exceed 30 bytes
+    assert budgeted["plan"]["memory_budget"] == 30 and budgeted["latency"] > free["latency"]
+    assert main(["plan", "-W", "2", "-S", "2", "-B", "4", "--optimizer-bytes", "5"]) == 2
+    assert "give a --memory-budget too" in capsys.readouterr().err

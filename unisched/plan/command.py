@@ -33,7 +33,7 @@ from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
 from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
-from unisched.plan.planner import plan
+from unisched.plan.planner import SCHEMES, plan
 from unisched.plan.problem import PlanInputError, PlanProblem, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS, search
 
@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activations a worker may hold (bytes when the costs file gives activation_bytes): "
                         "one number, or one per worker separated by commas (the planner plans under the least)")
     limits.add_argument("--max-stages-per-worker", type=int, help="how many stages' weights a worker may hold")
+    limits.add_argument("--memory-budget", metavar="BYTES",
+                        help="bytes a worker may hold in all: its weights (owned and fetched), their optimizer "
+                        "state and its stashes (needs a costs file with sizes); one number, or one per worker "
+                        "separated by commas")
+    limits.add_argument("--optimizer-bytes", metavar="BYTES",
+                        help="optimizer state per stage, held by the stage's weight worker (with --memory-budget); "
+                        "one number, or one per stage separated by commas")
     search = parser.add_argument_group("search")
     search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work: "
                         "NAME or NAME(key=value, ...), e.g. looped(group_size=2), " + USER_STRATEGY_HELP)
@@ -79,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--objective", choices=OBJECTIVES, default="latency",
                         help="what to minimize: the step's latency (default), or the longest busy span of one "
                         "worker (first item to last; the zero-bubble paper's measure when steps follow each other)")
+    search.add_argument("--scheme", choices=SCHEMES, default="auto",
+                        help="the class the CP-SAT mapping search covers: whole (a backward may run on another "
+                        "worker than its forward), paired (one worker per stage and micro-batch), auto (default): "
+                        "whole on small problems")
     search.add_argument("--search", choices=SEARCHES, default="auto",
                         help="cpsat: the CP-SAT models; heuristic: list scheduling and local search on the named "
                         f"strategies' mappings (unisched.plan.search); auto (default): heuristic from "
@@ -107,11 +118,15 @@ def run(args: argparse.Namespace) -> int:
     outputs = _outputs(args.out)
     costs, split = _costs(args)
     split = split_from(costs, split)
+    budget = _numbers("--memory-budget", args.memory_budget, W, "workers")
+    optimizer = _numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages")
+    if optimizer is not None and budget is None:
+        raise PlanInputError("--optimizer-bytes counts against --memory-budget: give a --memory-budget too")
     strategy, members = _named_strategy(args, (W, S, B), split)
     progress = default_progress(args.json)
     if _heuristic(args.search, (W, S, B), split):
         problem = PlanProblem(Shape(W, S, B), costs, memory_limit, args.max_stages_per_worker, split,
-                              objective=args.objective)
+                              memory_budget=budget, optimizer_bytes=optimizer or 0.0, objective=args.objective)
         progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
                        f"{problem.num_items:,} work items, {time_limit:g} s\n")
         if strategy is not None and members is None:
@@ -127,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
             split_backward=split,
             members=members,
             progress=progress,
+            memory_budget=budget,
+            optimizer_bytes=optimizer or 0.0,
             objective=args.objective,
+            scheme=args.scheme,
         )
     written = write_outputs(result, outputs)
     if args.json:
@@ -219,16 +237,21 @@ def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
 
 def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | tuple[float, ...] | None:
     """One number for every worker, or one per worker separated by commas."""
+    return _numbers("--memory-limit", text, num_workers, "workers")
+
+
+def _numbers(flag: str, text: str | None, count: int, what: str) -> float | tuple[float, ...] | None:
+    """A flag's one non-negative number, or ``count`` of them separated by commas (one per worker or stage)."""
     if text is None:
         return None
     try:
         values = [float(v) for v in str(text).split(",")]
     except ValueError:
-        raise PlanInputError(f"--memory-limit takes a number or comma-separated numbers, got {text!r}") from None
+        raise PlanInputError(f"{flag} takes a number or comma-separated numbers, got {text!r}") from None
     if not all(v >= 0 and math.isfinite(v) for v in values):
-        raise PlanInputError(f"--memory-limit must be non-negative numbers, got {text!r}")
-    if len(values) > 1 and len(values) != num_workers:
-        raise PlanInputError(f"--memory-limit gives {len(values)} limits but there are {num_workers} workers")
+        raise PlanInputError(f"{flag} must be non-negative numbers, got {text!r}")
+    if len(values) > 1 and len(values) != count:
+        raise PlanInputError(f"{flag} gives {len(values)} numbers but there are {count} {what}: give one, or {count}")
     return values[0] if len(set(values)) == 1 else tuple(values)
 
 
@@ -331,7 +354,8 @@ def _diagram(result: Plan, width: int, color: bool | str | None) -> str:
 
 def _is_demo(args: argparse.Namespace) -> bool:
     given = (args.workers, args.stages, args.batches, args.forward, args.backward, args.backward_input,
-             args.backward_weight, args.costs, args.memory_limit, args.max_stages_per_worker, args.strategy)
+             args.backward_weight, args.costs, args.memory_limit, args.max_stages_per_worker, args.strategy,
+             args.memory_budget, args.optimizer_bytes)
     return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
 
 

@@ -4,21 +4,24 @@ The idea is the zero-bubble paper's automatic scheduling, followed by local
 search, all on fixed mappings taken from the named strategies:
 
 1. **Seeds.** Every named strategy the family search could run gives a
-   mapping (who computes each item) and its simulated per-worker orders.
+   mapping (who computes each item) and its simulated per-worker orders;
+   the planner's constructed mappings and the named strategies whose greedy
+   replay deadlocks under the memory limit give mappings without orders.
 2. **Construction** (:func:`construct`). For each seed mapping, a list
    scheduler walks time forward: a free worker runs a ready backward (the
    input-gradient pass) first; else a forward, while it has fewer forwards in
    flight than its warm-up allows and its memory has room; else a weight pass
    when the gap before its next backward or forward is long enough, or when
-   memory or the end of the step asks for it.  A grid of warm-ups and gap
-   thresholds (:class:`Rule`) gives as many schedules.
+   memory or the end of the step asks for it.  A grid of warm-ups, gap
+   thresholds and memory reservations (:class:`Rule`) gives as many schedules.
 3. **Refinement.** On problems small enough, CP-SAT reorders the best
    construction (:func:`unisched.plan.order.solve_order`, hinted with it), as
    the paper refines its heuristic's schedule with an ILP.
 4. **Improvement** (:func:`improve`). Local search on the per-worker orders
-   of the best few: move an item (weight passes most often) a few places in
-   its worker's order, keep the move when the schedule is no longer, and
-   prefer the busiest worker.
+   of the best few: fill an idle gap with a later item that could have run
+   there, or move an item (weight passes most often) a few places in its
+   worker's order; keep the move when the schedule is no longer, and prefer
+   the worker that sets the objective.
 
 Every candidate is timed as the simulator times fixed per-worker orders: each
 item starts when its worker's previous item has ended and its inputs have
@@ -745,7 +748,10 @@ class _Run:
         for seed in seeds:
             if self.met or time.perf_counter() > until:
                 break
-            m = Mapped.build(self.timed, seed.compute, seed.weight, seed.label)
+            try:
+                m = Mapped.build(self.timed, seed.compute, seed.weight, seed.label)
+            except PlanInputError:  # its weights alone exceed a worker's memory budget
+                continue
             if seed.orders is not None:
                 timing = evaluate(m, seed.orders, self.objective)
                 if timing is not None:

@@ -102,7 +102,8 @@ class Links(NamedTuple):
     link_dst: np.ndarray
     calendar_base: np.ndarray
     grads_per_stage: np.ndarray
-    """Per (worker, stage): how many of its items return a gradient of that stage."""
+    """Per (worker, stage): how many of its items return a gradient of that
+    stage (``Problem.gradient_returns``, counted on arrays)."""
     prefetch_depth: int
     cache_weights: bool
     weights_kind: int
@@ -179,19 +180,28 @@ def links_of(problem) -> Links:
     edge_link[kinds >= 0] = link[:edges]
     fetch_link[fetches] = link[edges:edges + fetched]
     return_link[returns] = link[edges + fetched:]
-    found = [problem.costs.link(int(a), int(b)) for a, b in zip(pairs // W, pairs % W)]
-    grads = np.zeros(W * S, np.int64)
-    for (w, s), count in problem.gradient_returns.items():
-        grads[w * S + s] = count
+    latency, bandwidth = _link_table(problem.costs, pairs // W, pairs % W)
+    grads = np.bincount((worker * S + problem.stage)[returns], minlength=W * S)
     return Links(
         on=True, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float), edge_link=edge_link,
         fetch_link=fetch_link, return_link=return_link, weight_bytes=np.asarray(problem.weight_bytes, dtype=float),
-        stage=problem.stage, num_stages=S, latency=np.array([f.latency for f in found], dtype=float),
-        bandwidth=np.array([f.bandwidth for f in found], dtype=float), link_src=pairs // W, link_dst=pairs % W,
+        stage=problem.stage, num_stages=S, latency=latency, bandwidth=bandwidth, link_src=pairs // W, link_dst=pairs % W,
         calendar_base=region_starts(per_link), grads_per_stage=grads, prefetch_depth=int(problem.prefetch_depth),
         cache_weights=bool(problem.cache_weights), weights_kind=TRANSFER_KINDS.index("weights"),
         gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
     )
+
+
+def _link_table(costs, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Latency and bandwidth of the links (src, dst), as ``Costs.link`` gives
+    them: the costs' own, where ``Costs.links`` names no other."""
+    latency, bandwidth = np.full(len(src), float(costs.latency)), np.full(len(src), float(costs.bandwidth))
+    for (a, b) in costs.links:
+        named = np.flatnonzero((src == a) & (dst == b))
+        if len(named):
+            link = costs.link(a, b)
+            latency[named], bandwidth[named] = link.latency, link.bandwidth
+    return latency, bandwidth
 
 
 def no_links() -> Links:

@@ -1,16 +1,20 @@
-"""Memory in bytes, as a rank of the executor holds it: weights of truth
-and their gradients until the optimizer step, fetched weights while needed,
-stashes until their backward, a fetched stage's gradient until it is sent
-back, and a returned gradient's buffer while it travels."""
+"""Memory in bytes, as a rank of the executor holds it: weights of truth,
+their optimizer state and their gradients until the optimizer step, fetched
+weights while needed, stashes until their backward, a backward's workspace
+while it runs, a fetched stage's gradient until it is sent back, and a
+returned gradient's buffer while it travels."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from unisched import Costs, policies, simulate
 from unisched.memory import MEMORY_KINDS, memory_curves
-from unisched.work import BACKWARD, ComputeAndWeightWorkers
+from unisched.errors import ShapeError
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers
 
 
 def run(name: str, W: int, S: int, B: int, costs: Costs):
@@ -77,4 +81,42 @@ def test_units_count_buffers_and_bytes_need_sizes():
     assert [c.peak for c in memory_curves(t, "weight_gradients", "units")] == [1, 1]
     assert peaks(t) == [0, 0], "without sizes nothing is counted in bytes"
     with pytest.raises(ValueError, match="kind must be 'total' or one of"):
-        memory_curves(t, "optimizer")
+        memory_curves(t, "parameters")
+
+
+def test_a_backward_holds_its_workspace_while_it_runs_and_weight_workers_their_optimizer_state():
+    costs = Costs(activation_bytes=[10, 20], weight_bytes=[100, 200], backward_workspace_bytes=[7, 9],
+                  optimizer_bytes=[50, 60])
+    t = run("gpipe", 2, 2, 2, costs)
+    workspace = memory_curves(t, "workspace")
+    for i in range(len(t)):
+        middle = (t.start[i] + t.end[i]) / 2
+        expected = 0 if t.direction[i] == FORWARD else [7, 9][t.stage[i]]
+        assert workspace[t.worker[i]].at(middle) == expected
+    optimizer = memory_curves(t, "optimizer")
+    assert [c.at(0.0) for c in optimizer] == [50, 60] and [c.at(t.latency) for c in optimizer] == [50, 60]
+    # rank 0 peaks in B(0, 1): weights, optimizer state, micro-batch 1's stash, the gradient since B(0, 0)
+    # and the workspace; rank 1 in B(1, 1) likewise
+    assert peaks(t) == [100 + 50 + 10 + 100 + 7, 200 + 60 + 20 + 200 + 9]
+    assert t.worker_stats()["peak_memory_bytes"] == [267, 489]
+
+
+def test_a_split_backward_holds_the_workspace_in_each_half_and_a_measured_step_counts_none():
+    t = run("zb_h1", 2, 2, 4, Costs(activation_bytes=1, weight_bytes=10, backward_workspace_bytes=[3, 5]))
+    workspace = memory_curves(t, "workspace")
+    halves = np.flatnonzero(np.isin(t.direction, [BACKWARD_INPUT, BACKWARD_WEIGHT]))
+    assert len(halves) == 2 * 2 * 4
+    for i in halves:
+        assert workspace[t.worker[i]].at((t.start[i] + t.end[i]) / 2) == [3, 5][t.stage[i]]
+    measured = dataclasses.replace(t, costs=None)
+    assert peaks(measured, "workspace") == [0, 0] and peaks(measured, "optimizer") == [0, 0]
+    assert [c.peak for c in memory_curves(t, "workspace", "units")] == [0, 0]
+
+
+def test_workspace_and_optimizer_costs_are_checked_and_saved():
+    with pytest.raises(ShapeError, match="Costs.backward_workspace_bytes must be a finite non-negative"):
+        Costs(backward_workspace_bytes=-1)
+    with pytest.raises(ShapeError, match="Costs.optimizer_bytes has 2 entries but the model has 3 stages"):
+        Costs(optimizer_bytes=[1, 2]).check(2, 3)
+    costs = Costs(backward_workspace_bytes=[1, 2], optimizer_bytes=4.0)
+    assert Costs.from_dict(costs.to_dict()) == costs

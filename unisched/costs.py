@@ -17,6 +17,11 @@ the item is chosen.  With ``cache_weights`` a worker keeps a fetched stage for
 the rest of the step (forward and backward share one fetch) and returns its
 accumulated gradient once, after its last backward of that stage; without, it
 fetches for every item and returns every backward's gradient.
+
+Memory beyond weights and stashes: ``backward_workspace_bytes`` is held on a
+worker for as long as each of its backward passes of the stage runs, and
+``optimizer_bytes`` by each weight worker of the stage for the whole step
+(:mod:`unisched.memory`).
 """
 
 from __future__ import annotations
@@ -65,6 +70,13 @@ class Costs:
     cache_weights: bool = True
     input_grad_frees: float = 0.5
     """Share of a stash freed by the input-gradient pass of a split backward."""
+    backward_workspace_bytes: PerStage = 0.0
+    """Bytes a backward pass (or either half of a split one) of the stage
+    holds only while it runs: a parameter's fresh gradient before it is
+    added to the accumulated one, the gradients of the stage's activations."""
+    optimizer_bytes: PerStage = 0.0
+    """Bytes of the stage's optimizer state (Adam's two moments: twice
+    ``weight_bytes``; plain SGD: none), held by each of its weight workers."""
 
     def __post_init__(self):
         for name in PER_STAGE_FIELDS:
@@ -235,7 +247,7 @@ LARGEST_STEP = 1e290
 the largest float, so that a step's latency and its measures stay finite."""
 
 PER_STAGE_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
-                    "weight_bytes")
+                    "weight_bytes", "backward_workspace_bytes", "optimizer_bytes")
 _DEFAULTED = ("backward_input", "backward_weight", "stash_bytes")
 """Per-stage fields whose None means a default derived from another field."""
 

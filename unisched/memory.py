@@ -19,14 +19,22 @@ enforces memory limits incrementally with the same rules):
   from the end of its first gradient pass of the stage (or the arrival of
   the first gradient returned to it, if earlier) to the optimizer step;
   and the buffer a returned gradient arrives in, while it travels.
+- workspace: what a backward pass (either half of a split one) holds only
+  while it runs (``Costs.backward_workspace_bytes``: a parameter's fresh
+  gradient before it joins the accumulated one, the activations'
+  gradients), on its worker from its start to its end.
+- optimizer: a stage's optimizer state (``Costs.optimizer_bytes``), on each
+  of its weight workers for the whole step, like the weights.
 
 In bytes, these are what a rank of the executor really holds, given Costs
-with the stage's ``weight_bytes`` (parameters) and ``stash_bytes`` (what a
+with the stage's ``weight_bytes`` (parameters), ``stash_bytes`` (what a
 forward keeps for its backward: its input, and the tensors autograd saves
-when the graph is kept).  Optimizer state is not counted (Costs have no
-field for it: the optimizer's own tensors, e.g. Adam's two moments, add to
-the weights of truth); neither are the messages in flight between stages,
-nor the output a forward hands on.
+when the graph is kept), ``backward_workspace_bytes`` and
+``optimizer_bytes``; the last two are read from the Costs a timeline was
+simulated with (a measured timeline has none: they count 0).  Not counted:
+the messages in flight between stages, the output a forward hands on.  In
+units (one per stash, stage or buffer) workspace and optimizer state count
+nothing.
 
 Intervals are half-open, so an item that frees memory at time t and one that
 takes memory at t never overlap.
@@ -40,7 +48,7 @@ from unisched import dataflow
 from unisched.timeline import MemoryCurve, Timeline
 from unisched.work import FORWARD
 
-MEMORY_KINDS = ("activations", "weights", "fetched", "gradients", "weight_gradients")
+MEMORY_KINDS = ("activations", "weights", "fetched", "gradients", "weight_gradients", "workspace", "optimizer")
 
 
 def memory_curves(timeline: Timeline, kind: str = "total", unit: str = "bytes") -> list[MemoryCurve]:
@@ -101,17 +109,46 @@ def _activation_holds(t: Timeline, in_bytes: bool):
 
 
 def _weight_holds(t: Timeline, in_bytes: bool):
-    pairs = np.unique(np.stack([t.weight_worker, t.stage]), axis=1) if len(t) else np.zeros((2, 0), int)
-    workers, stages = pairs
+    workers, stages = _weights_held(t)
     amounts = t.weight_bytes[stages] if in_bytes else np.ones(len(stages))
+    return workers, *_whole_step(t, len(workers)), amounts
+
+
+def _optimizer_holds(t: Timeline, in_bytes: bool):
+    """A stage's optimizer state, beside its weights of truth on each weight worker."""
+    workers, stages = _weights_held(t)
+    return workers, *_whole_step(t, len(workers)), _per_stage(t, "optimizer_bytes", in_bytes)[stages]
+
+
+def _weights_held(t: Timeline) -> np.ndarray:
+    """(weight worker, stage) pairs, as two rows."""
+    return np.unique(np.stack([t.weight_worker, t.stage]), axis=1) if len(t) else np.zeros((2, 0), int)
+
+
+def _whole_step(t: Timeline, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and ends of ``n`` holds that last from the step's start to its optimizer step."""
     begin = min(float(t.start.min(initial=0.0)), 0.0)
-    return workers, np.full(len(workers), begin), np.full(len(workers), _optimizer_step(t)), amounts
+    return np.full(n, begin), np.full(n, _optimizer_step(t))
 
 
 def _optimizer_step(t: Timeline) -> float:
     """When weights of truth and their gradients are let go: just after the
     step's last event, so that the optimizer step finds them together."""
     return float(np.nextafter(t.latency, np.inf))
+
+
+def _workspace_holds(t: Timeline, in_bytes: bool):
+    """Each backward pass's transient working memory, while it runs."""
+    rows = np.flatnonzero(t.direction != FORWARD)
+    return t.worker[rows], t.start[rows], t.end[rows], _per_stage(t, "backward_workspace_bytes", in_bytes)[t.stage[rows]]
+
+
+def _per_stage(t: Timeline, name: str, in_bytes: bool) -> np.ndarray:
+    """A per-stage size from the Costs the timeline was simulated with (zeros
+    without them, or in units)."""
+    if not in_bytes or t.costs is None:
+        return np.zeros(t.num_stages)
+    return t.costs.per_stage(name, t.num_stages)
 
 
 def _fetched_holds(t: Timeline, in_bytes: bool):
@@ -210,5 +247,7 @@ _HOLDS = {
     "fetched": _fetched_holds,
     "gradients": _gradient_holds,
     "weight_gradients": _weight_gradient_holds,
+    "workspace": _workspace_holds,
+    "optimizer": _optimizer_holds,
 }
 Timeline.register_view("memory", memory_curves)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 import pytest
 
 from unisched import Costs, policies, simulate
@@ -120,3 +121,33 @@ def test_workspace_and_optimizer_costs_are_checked_and_saved():
         Costs(optimizer_bytes=[1, 2]).check(2, 3)
     costs = Costs(backward_workspace_bytes=[1, 2], optimizer_bytes=4.0)
     assert Costs.from_dict(costs.to_dict()) == costs
+
+
+def _memory_sizes(rank: int, world: int):
+    from torch import nn
+
+    from unisched.execute import Trainer
+
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 4), nn.ReLU(), nn.Linear(4, 2))]
+    schedule = simulate(2, 2, 2, policies.get("fsdp", num_workers=2, num_stages=2, num_batches=2))
+    trainer = Trainer(stages, schedule, nn.functional.mse_loss, lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                      record=False, timeout=60)
+    before = trainer.memory_sizes()
+    trainer.step(torch.randn(4, 8), torch.randn(4, 2))
+    after = trainer.memory_sizes()
+    trainer.close()
+    return before, after
+
+
+def test_the_trainer_gives_each_stages_largest_parameter_and_optimizer_state():
+    from unisched.execute.launch import run_local
+
+    results = run_local(_memory_sizes, 2, timeout=120)
+    for r in results:
+        assert r.error is None, r.error
+        before, after = r.value
+        # stage 0: Linear(8, 16), a 16 x 8 weight of 512 bytes and 16 biases; stage 1: 4 x 16 (256 bytes) + 4
+        # and 2 x 4 + 2; Adam keeps two moments per parameter and a 4-byte step count
+        assert before == {"backward_workspace_bytes": [512.0, 256.0], "optimizer_bytes": [0.0, 0.0]}
+        assert after["optimizer_bytes"] == [2 * (512 + 64) + 2 * 4, 2 * (256 + 16 + 32 + 8) + 4 * 4]

@@ -39,6 +39,7 @@ Backends are chosen automatically: NCCL when CUDA is present, gloo on CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -381,7 +382,8 @@ class Trainer:
 
     def calibrate(self, inputs: Any, targets: Any, steps: int = 3, **options):
         """Run ``steps`` profiling steps (they train) and fit Costs to all but
-        the first (a warm-up), so ``steps`` must be at least 2; same Costs on every rank."""
+        the first (a warm-up), so ``steps`` must be at least 2; same Costs on
+        every rank, with the sizes of :meth:`memory_sizes`."""
         from unisched.execute.measure import calibrate_costs
 
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
@@ -398,7 +400,30 @@ class Trainer:
             self.record = record
         box = [calibrate_costs(timelines[1:], **options) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self._control)
-        return box[0]
+        return dataclasses.replace(box[0], **self.memory_sizes())
+
+    def memory_sizes(self) -> dict[str, list[float]]:
+        """Per stage, from the real stages (every rank calls it; the same on
+        every rank): ``optimizer_bytes``, the optimizer state its weight
+        workers hold (after a step: Adam's moments exist from the first), and
+        ``backward_workspace_bytes``, its largest parameter: the fresh
+        gradient a backward makes before adding it to the accumulated one
+        (autograd accumulates one parameter at a time), the part of a
+        backward's working memory that grows with the weights; the
+        activations' gradients are left out."""
+        S = self.program.num_stages
+        sizes = torch.zeros(2, S, dtype=torch.float64)
+        for s in self._mine:
+            sizes[0, s] = max((p.numel() * p.element_size() for p in self._templates[s]), default=0)
+        state = self.optimizer.state if self.optimizer is not None else {}
+        for s in self._owned:
+            for p in self.host_weights.get(s, self._params[s]):
+                sizes[1, s] += sum(t.numel() * t.element_size() for t in state.get(p, {}).values()
+                                   if isinstance(t, torch.Tensor))
+        if self.world_size > 1:
+            self._collective(lambda: dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self._control),
+                             "agreeing on the stages' memory sizes")
+        return {"backward_workspace_bytes": sizes[0].tolist(), "optimizer_bytes": sizes[1].tolist()}
 
     def close(self) -> None:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""

@@ -22,9 +22,19 @@ from unisched.work import Shape, as_stage_graph
 pytestmark = pytest.mark.skipif(fast.compiled_schedule() is None, reason="numba is not installed")
 
 
-def random_mapping(rng, W, S, B, split):
+def random_mapping(rng, W, S, B, split, gangs=False):
+    """Random compute and weight workers per item; with ``gangs``, some
+    stages run on groups of one size per stage, the same group for each
+    (compute worker, stage)."""
     table = {w: (int(rng.integers(W)), int(rng.integers(W))) for w in unisched.all_work(S, B, split_backward=split)}
-    return unisched.as_strategy(lambda work: ComputeAndWeightWorkers(*table[work]))
+    strategy = unisched.as_strategy(lambda work: ComputeAndWeightWorkers(*table[work]))
+    if not gangs:
+        return strategy
+    sizes = rng.integers(1, W + 1, S)
+    group = {(c, s): tuple(sorted({c, *rng.choice([o for o in range(W) if o != c], sizes[s] - 1, replace=False).tolist()}))
+             for c in range(W) for s in range(S)}
+    groups = {w: group[(c, w.stage)] for w, (c, _) in table.items()}
+    return strategy.with_(gang=lambda work: groups[work])
 
 
 class RandomPriority:
@@ -79,12 +89,15 @@ def diamond_or_chain(S, diamond):
     limit=st.one_of(st.none(), st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0]), st.just("per worker")),
     costs=st.sampled_from(["unit", "per stage", "speeds", "bytes", "links", "weights"]),
     input_grad_frees=st.sampled_from([0.5, 0.25, 1.0]),
+    gangs=st.booleans(),
     seed=st.integers(0, 2**31),
 )
-def test_random_strategies_same_timeline(W, S, B, split, diamond, priority, limit, costs, input_grad_frees, seed):
+def test_random_strategies_same_timeline(W, S, B, split, diamond, priority, limit, costs, input_grad_frees, gangs,
+                                         seed):
+    """Gangs only with free communication: with costs they run on the engine alone."""
     rng = np.random.default_rng(seed)
     shape = Shape(W, S, B)
-    strategy = random_mapping(rng, W, S, B, split)
+    strategy = random_mapping(rng, W, S, B, split, gangs=gangs and costs not in ("links", "weights"))
     order = RandomPriority(rng) if priority == "random" else BUILTIN_PRIORITIES[priority](S, B)
     cost_of = {
         "unit": Costs(input_grad_frees=input_grad_frees),

@@ -1,11 +1,11 @@
 """The greedy of :mod:`unisched.simulate.engine`, compiled by numba.
 
-It covers every step without gangs and without a topology: any mapping,
-priority, per-stage costs and worker speeds (they are only the durations),
-fixed per-worker orders (they are only edges), split backwards, memory
-limits with parking, and transfers over links between pairs of workers
-(latency, bandwidth, weight fetches with prefetch and caching, gradient
-returns).  That is what makes a million work items take about a second,
+It covers every step without a topology: any mapping, priority, per-stage
+costs and worker speeds (they are only the durations), fixed per-worker
+orders (they are only edges), split backwards, memory limits with parking,
+gangs (tensor parallelism) when communication is free, and transfers over
+links between pairs of workers (latency, bandwidth, weight fetches with
+prefetch and caching, gradient returns) when there are no gangs.  That is what makes a million work items take about a second,
 1F1B and zero bubble included.
 
 It is the same algorithm, step for step, as ``engine.run``; the tests check
@@ -53,8 +53,9 @@ _EPS = 1e-9
 
 def covers(problem) -> bool:
     """Whether the compiled greedy runs this problem (else the engine does):
-    no gangs and no topology (links between pairs of workers are fine)."""
-    return getattr(problem.costs, "topology", None) is None and not problem.gang_members
+    no topology, and gangs only with free communication (what a gang hands
+    out and collects is the engine's alone)."""
+    return getattr(problem.costs, "topology", None) is None and not (problem.gang_members and problem.comm)
 
 
 class Graph(NamedTuple):
@@ -73,6 +74,11 @@ class Graph(NamedTuple):
     source_items: np.ndarray
     source_keys: np.ndarray
     num_workers: int
+    gang: np.ndarray
+    """Per item: its gang (-1: run by one worker); the members of gang g are
+    ``gang_member[gang_ptr[g]:gang_ptr[g + 1]]``."""
+    gang_ptr: np.ndarray
+    gang_member: np.ndarray
 
 
 class Links(NamedTuple):
@@ -111,9 +117,13 @@ class Links(NamedTuple):
 
 
 def graph_of(problem) -> Graph:
+    members = problem.gang_members
+    gang_ptr = np.zeros(len(members) + 1, np.int64)
+    np.cumsum([len(m) for m in members], out=gang_ptr[1:])
     return Graph(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
                  problem.succ_kind == EDGE_PRIMARY, problem.succ_kind != EDGE_SEQUENCE, problem.num_deps,
-                 problem.sources[0], problem.rank[problem.sources[1]], problem.num_workers)
+                 problem.sources[0], problem.rank[problem.sources[1]], problem.num_workers, problem.gang, gang_ptr,
+                 np.array([m for group in members for m in group], dtype=np.int64))
 
 
 def stash_accounts(problem) -> StashAccounts:
@@ -232,7 +242,8 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
            num_workers):
     """Start and end times without memory limits or communication."""
     graph = Graph(worker, duration, rank, succ_ptr, succ_idx, succ_primary, np.ones(len(succ_idx), bool), num_deps,
-                  source_items, source_keys, num_workers)
+                  source_items, source_keys, num_workers, np.full(len(worker), -1), np.zeros(1, np.int64),
+                  np.zeros(0, np.int64))
     start, end, _ = schedule(*(_contiguous(table) for table in (graph, no_stashes(len(worker), num_workers), no_links())))
     return start, end
 
@@ -249,6 +260,7 @@ def schedule(graph, stashes, links):
     -1), and the transfers booked as columns (kind, src, dst, start, end,
     bytes, item).  ``engine.run`` step for step."""
     worker, duration, rank, num_workers = graph.worker, graph.duration, graph.rank, graph.num_workers
+    gang, gang_ptr, gang_member = graph.gang, graph.gang_ptr, graph.gang_member
     succ_ptr, succ_idx, succ_primary, succ_sends = graph.succ_ptr, graph.succ_idx, graph.succ_primary, graph.succ_sends
     n = worker.shape[0]
     remaining = graph.num_deps.copy()
@@ -260,7 +272,7 @@ def schedule(graph, stashes, links):
     free = np.zeros(num_workers)
 
     # the main heap, with room for what one step may push
-    slack = _slack(succ_ptr, stashes.claim_ptr, stashes.release_ptr, stashes.pair_ptr)
+    slack = _slack(succ_ptr, stashes.claim_ptr, stashes.release_ptr, stashes.pair_ptr, gang_ptr)
     capacity = 2 * n + num_workers + slack
     heap_t = np.empty(capacity)
     heap_k = np.empty(capacity, dtype=np.int64)
@@ -318,7 +330,12 @@ def schedule(graph, stashes, links):
                 size = _push(heap_t, heap_k, heap_e, size, t, late_k[base], -1 - w)
         else:
             w = worker[item]
-            if t < free[w]:  # the worker got busier: wait among its late items
+            if gang[item] >= 0:  # a gang starts when all its workers are free
+                gang_free = _latest_free(free, gang_member, gang_ptr[gang[item]], gang_ptr[gang[item] + 1])
+                if t < gang_free:
+                    size = _push(heap_t, heap_k, heap_e, size, gang_free, key, item)
+                    continue
+            elif t < free[w]:  # the worker got busier: wait among its late items
                 base = late_base[w]
                 late_size[w] = _late_push(late_k, late_e, base, late_size[w], key, item)
                 if late_e[base] == item:
@@ -345,9 +362,16 @@ def schedule(graph, stashes, links):
         finish = begin + duration[item]
         start[item] = begin
         end[item] = finish
-        free[w] = finish
-        if late_size[w] > 0:
-            size = _push(heap_t, heap_k, heap_e, size, finish, late_k[late_base[w]], -1 - w)
+        if gang[item] < 0:
+            free[w] = finish
+            if late_size[w] > 0:
+                size = _push(heap_t, heap_k, heap_e, size, finish, late_k[late_base[w]], -1 - w)
+        else:
+            for j in range(gang_ptr[gang[item]], gang_ptr[gang[item] + 1]):
+                m = gang_member[j]
+                free[m] = finish
+                if late_size[m] > 0:
+                    size = _push(heap_t, heap_k, heap_e, size, finish, late_k[late_base[m]], -1 - m)
         if memory:  # book the item's claims and releases; retry the forwards parked where they land
             for c in range(claim_ptr[item], claim_ptr[item + 1]):
                 live[claim_worker[c]] += claim_amount[c]
@@ -384,7 +408,7 @@ def schedule(graph, stashes, links):
             if remaining[nxt] == 0:
                 nxt_worker = worker[nxt]
                 nxt_key = trigger_rank[nxt]
-                if ready[nxt] < free[nxt_worker]:
+                if ready[nxt] < free[nxt_worker] and gang[nxt] < 0:
                     base = late_base[nxt_worker]
                     late_size[nxt_worker] = _late_push(late_k, late_e, base, late_size[nxt_worker], nxt_key, nxt)
                     if late_e[base] == nxt:
@@ -396,10 +420,10 @@ def schedule(graph, stashes, links):
                         nbytes[:booked], row_item[:booked])
 
 
-def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr):
+def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr, gang_ptr):
     """The most entries one step pushes onto the main heap: a late worker
-    (twice), a retry, the successors, and a parked forward per compute
-    worker for each claim and release."""
+    (twice, or once per member of a gang), a retry, the successors, and a
+    parked forward per compute worker for each claim and release."""
     most_pairs = 0
     for w in range(pair_ptr.shape[0] - 1):
         most_pairs = max(most_pairs, pair_ptr[w + 1] - pair_ptr[w])
@@ -407,7 +431,18 @@ def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr):
     for i in range(succ_ptr.shape[0] - 1):
         most_out = max(most_out, succ_ptr[i + 1] - succ_ptr[i])
         most_memory = max(most_memory, claim_ptr[i + 1] - claim_ptr[i] + release_ptr[i + 1] - release_ptr[i])
-    return 4 + most_out + most_memory * most_pairs
+    most_members = 1
+    for g in range(gang_ptr.shape[0] - 1):
+        most_members = max(most_members, gang_ptr[g + 1] - gang_ptr[g])
+    return 4 + most_members + most_out + most_memory * most_pairs
+
+
+def _latest_free(free, members, first, last):
+    """When the last of ``members[first:last]`` is free."""
+    latest = free[members[first]]
+    for j in range(first + 1, last):
+        latest = max(latest, free[members[j]])
+    return latest
 
 
 def _regions(owner, count):
@@ -684,8 +719,8 @@ def _pair_pop(at, aa, base, size):
 
 
 _HELPERS = ("_before", "_push", "_pop", "_grown", "_late_push", "_late_pop", "_pair_push", "_pair_pop", "_regions",
-            "_slack", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories", "_rows", "_bisect_right",
-            "_book", "_send", "_fetch", "_returns_now", "schedule")
+            "_slack", "_latest_free", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories", "_rows",
+            "_bisect_right", "_book", "_send", "_fetch", "_returns_now", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
 

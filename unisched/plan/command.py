@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         for i, value in enumerate((args.workers, args.stages, args.batches))
     )
     Shape(W, S, B).check()
-    memory_limit = DEFAULT_MEMORY_LIMIT if demo else _memory_limit(args.memory_limit, W, quiet=args.json)
+    memory_limit = DEFAULT_MEMORY_LIMIT if demo else _numbers("--memory-limit", args.memory_limit, W, "workers")
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
@@ -233,11 +233,6 @@ def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
             raise PlanInputError("--param needs --strategy: it sets a parameter of the strategy whose mapping is kept")
         return None
     return strategy_spec(text, given)
-
-
-def _memory_limit(text: str | None, num_workers: int, quiet: bool = False) -> float | tuple[float, ...] | None:
-    """One number for every worker, or one per worker separated by commas."""
-    return _numbers("--memory-limit", text, num_workers, "workers")
 
 
 def _numbers(flag: str, text: str | None, count: int, what: str) -> float | tuple[float, ...] | None:

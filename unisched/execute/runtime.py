@@ -16,8 +16,8 @@ each ``step`` walks the rank's instruction list:
 - a forward whose backward runs on the same rank keeps its autograd graph;
   otherwise it runs without one and its input travels (the *stash*) to the
   backward's rank, which recomputes the forward from it before going back;
-- a rank that computes a stage it holds no weights of fetches them at the
-  start of the step and returns the stage's accumulated gradient after its
+- a rank that computes a stage it holds no weights of fetches them
+  ``lookahead`` items before its first item of the stage and returns the stage's accumulated gradient after its
   last backward of that stage, then frees both; a weight worker takes in a
   returned gradient as soon as it arrives;
 - replicas all-reduce each stage's gradient in one process group per
@@ -233,6 +233,7 @@ class Trainer:
             default=-1,
         )
         self._last_use = self._last_uses()
+        self._post_at = self._fetch_points(lookahead)
         self._forward_only = [i for i, a in enumerate(self._actions)
                               if a.op == "F" or ((a.is_send or a.is_recv) and a.op[0] in "Fw")]
         self._counts_norm = {s for s in self._owned if self.program.reduce_group(self.rank, s)[0] == self.rank}
@@ -639,13 +640,14 @@ class Trainer:
             self._post_losses(st)
         for index, action in enumerate(self._actions):
             st.current = action
+            self._post_due(st, index)
             if action.is_compute:
                 self._compute(st, action, index)
                 self._reap(st)
                 if index == self._last_loss_item:
                     self._post_losses(st)
             elif action.is_recv:
-                self._post_recv(st, action)
+                self._post_or_defer(st, action, index)
             elif action.is_send:
                 self._post_send(st, action)
             elif action.op == "R":
@@ -663,16 +665,18 @@ class Trainer:
             st.begin = time.perf_counter()
             for index in self._forward_only:
                 action = st.current = self._actions[index]
+                self._post_due(st, index)
                 if action.is_compute:
                     self._compute(st, action, index)
                     self._reap(st)
                 elif action.is_recv:
-                    self._post_recv(st, action)
+                    self._post_or_defer(st, action, index)
                 else:
                     self._post_send(st, action)
                 if index in self._last_use:
                     self._release_fetched(self._last_use[index])
             st.current = None
+            self._post_due(st, math.inf)
             self._await_transfers(st)
             self._post_losses(st)
             self._collective(st.loss_work.wait, "the all-reduce of the losses")
@@ -945,6 +949,45 @@ class Trainer:
         work = dist.irecv(buffer, src=msg.src, group=self._p2p, tag=msg.seq)
         st.pending[msg.index] = (work, buffer, action, wire)
 
+    def _post_or_defer(self, st, action: Action, index: int) -> None:
+        """Post a receive now, or keep a weight fetch for when it is due."""
+        if self._post_at.get(index, index) > index:
+            st.deferred.append(index)
+        else:
+            self._post_recv(st, action)
+
+    def _post_due(self, st, index: float) -> None:
+        """Post the deferred receives due at action ``index`` (in the order they were deferred)."""
+        while st.deferred and self._post_at[st.deferred[0]] <= index:
+            self._post_recv(st, self._actions[st.deferred.pop(0)])
+
+    def _fetch_points(self, lookahead: int) -> dict[int, int]:
+        """Per receive to post later than the program lists it, the action
+        index to post it at: a weight fetch ``lookahead`` items before the
+        first item of its stage (the simulator's prefetch, so its buffer is
+        not held from the step's start), or earlier where a later receive
+        from the same rank is posted earlier (receives are posted in the
+        order their sender sends, which NCCL needs)."""
+        computes = [i for i, a in enumerate(self._actions) if a.is_compute]
+        due = {}
+        for i, action in enumerate(self._actions):
+            if action.op == "w<":
+                first = next((k for k, c in enumerate(computes) if self._actions[c].stage == action.stage), None)
+                if first is not None:
+                    due[i] = max(i, computes[max(first - lookahead, 0)])
+        by_source: dict[int, list[int]] = {}
+        for i, action in enumerate(self._actions):
+            if action.is_recv:
+                by_source.setdefault(self.program.messages[action.message].src, []).append(i)
+        post_at = {}
+        for indices in by_source.values():
+            later = math.inf
+            for i in reversed(indices):
+                later = min(due.get(i, i), later)
+                if later > i:
+                    post_at[i] = later
+        return post_at
+
     def _post_send(self, st, action: Action) -> None:
         """Post a send; its buffer (a flat copy of weights or of a returned
         gradient, or a packed value) is let go once the send has completed."""
@@ -1085,6 +1128,7 @@ class Trainer:
         """Await everything, stop on a non-finite loss, take in returned
         gradients, update (or hold the gradients for a later update),
         average buffers, and note the step."""
+        self._post_due(st, math.inf)
         self._await_transfers(st)
         self._await_reductions(st)
         self._collective(st.loss_work.wait, "the all-reduce of the losses")
@@ -1292,6 +1336,7 @@ class _StepState:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.weight_graphs: dict[tuple[int, int], tuple] = {}
         self.pending: dict[int, tuple] = {}
+        self.deferred: list[int] = []
         self.outgoing: list = []
         self.returned: list = []
         self.reductions: list = []

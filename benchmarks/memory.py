@@ -20,42 +20,52 @@ Against the simulator: unisched ``gpipe``, ``one_f_one_b``, ``zb_h1`` and
 and holds one stage's weights).
 
 How memory is measured.  Each system runs in freshly launched processes,
-one per rank.  Every rank first fixes glibc's mmap threshold at 16 KiB
-(``mallopt``), so a freed tensor larger than that goes back to the system at
-once instead of staying in the heap: the resident set size (RSS) then
-follows the live tensors (a higher threshold leaves small activations to
-the heap, whose fragmentation inflated the GPT-2's growth by 40 to 100%; a
-mapping is whole pages, so a tensor of 32 KiB, the tiny GPT-2's hidden
-states, takes 36).  After set-up and one warm-up step (the shape
-probe, lazy allocations) a rank returns the heap's free memory to the
-system (``malloc_trim``) and records its RSS (the *baseline*: the
-process, its libraries and the weights it holds between steps) and resets
-the kernel's peak-RSS counter (``/proc/self/clear_refs``); after the timed
-steps its ``VmHWM`` is the peak, and the *step growth* is peak minus
-baseline: what training holds above the weights (gradients, stashes,
-fetched weights, buffers).  RSS rather than torch's CPU allocator or
-tracemalloc: tracemalloc sees only Python's allocator, not tensors, and the
-profiler's CPU memory events are per operator, not a running total; RSS is
-what the machine has to hold.  The process-lifetime peak
-(``ru_maxrss``, set-up included) and the RSS at start are reported as before.
+one per rank; after set-up and one warm-up step (the shape probe, lazy
+allocations) each rank measures two ways.
+
+Against torch, the resident set size (RSS), what the machine has to hold.
+Every rank first fixes glibc's mmap threshold at 16 KiB (``mallopt``), so a
+freed tensor larger than that goes back to the system at once instead of
+staying in the heap (a higher threshold leaves small activations to the
+heap, whose fragmentation inflated the GPT-2's growth by 40 to 100%).  The
+rank returns the heap's free memory (``malloc_trim``), records its RSS (the
+*baseline*) and resets the kernel's peak-RSS counter
+(``/proc/self/clear_refs``); after the timed steps its ``VmHWM`` is the
+peak.  The process-lifetime peak (``ru_maxrss``) and the RSS at start are
+reported too.
+
+Against the simulator, the growth of torch's CPU allocator: the same number
+of steps again under ``torch.profiler`` with ``profile_memory``, whose
+memory events carry the running total of the bytes torch allocated since
+profiling began less those freed; its largest value is what the steps hold
+above what the rank holds between steps (its weights of truth and their
+optimizer state).  Not RSS here: the simulator counts tensors' bytes, and
+RSS counts pages (a mapped 32 KiB tensor, the tiny GPT-2's hidden states,
+takes 36 KiB: about 12 points of the GPT-2's ratios) and whatever else the
+process holds (gloo's buffers, Python objects).  The ratio the RSS growth
+would give is printed beside.
 
 The simulator's prediction (:func:`unisched.memory_curves`, total bytes)
 uses Costs from the real model: the times calibrated from three recorded
 steps (``Trainer.calibrate``), each stage's ``weight_bytes`` and
 ``activation_bytes`` from the Trainer (parameters; the agreed layouts of its
-inputs), and ``stash_bytes`` measured here: what a forward keeps for its
-backward when the runtime keeps its autograd graph (the stage's inputs, its
-output and the tensors autograd saves, parameters left out, each storage
-once), with ``input_grad_frees=0`` (the runtime keeps the whole graph from
-the input-gradient pass to the weight-gradient pass).  It is replayed in
-the order that ran (:func:`unisched.execute.predict`).  Compared: the
-predicted growth above the weights of truth (predicted peak minus the
-rank's weights of truth) with the measured step growth, and the predicted
-peak with the rank's weights of truth plus the measured step growth.  Each
-stage's backward workspace (what a backward accumulating into existing
-gradients allocates above what it starts with: a parameter's fresh gradient,
-the activations' gradients), which the Costs have no term for, is measured
-in the launching process the same way and shown beside the prediction.
+inputs), ``optimizer_bytes`` from the Trainer (``Trainer.memory_sizes``: the
+optimizer's state per stage; none for plain SGD), and two sizes measured
+here on one micro-batch, once per stage: ``stash_bytes``, what a forward
+keeps for its backward when the runtime keeps its autograd graph (the
+stage's inputs, its output and the tensors autograd saves, parameters left
+out, each storage once), with ``input_grad_frees=0`` (the runtime keeps
+the whole graph from the input-gradient pass to the weight-gradient pass);
+and ``backward_workspace_bytes``, the most a backward accumulating into
+existing gradients allocates above what it starts with (the allocator's
+growth, as the ranks are measured).  Measured rather than the Trainer's
+estimate (its largest parameter, printed beside): that is the whole
+workspace of the Linear stages (a parameter's fresh gradient before it is
+added), but the GPT-2's is mostly the activations' gradients (the MLP's
+hidden layer, the attention scores), which no parameter shows.  It is
+replayed in the order that ran (:func:`unisched.execute.predict`).
+Compared: the rank's weights of truth and optimizer state plus the
+measured growth, with the predicted peak.
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,6 +86,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import unisched
 from unisched import policies
@@ -89,6 +101,7 @@ import gpt2 as gpt2_example  # noqa: E402
 LR = 1e-3
 MiB = 1024 * 1024
 MMAP_THRESHOLD = 16 * 1024
+CPU_DEVICE_TYPE = 0  # the profiler's device type of CPU memory events
 TORCH_KINDS = {"gpipe": "ScheduleGPipe", "one_f_one_b": "Schedule1F1B"}
 SIMULATED_KINDS = ("gpipe", "one_f_one_b", "zb_h1", "fsdp")
 
@@ -188,36 +201,27 @@ def kept_bytes(stages, micro_batch) -> list[float]:
 
 def backward_workspace(stages, micro_batch, target, loss_fn) -> list[float]:
     """Per stage, the most a backward that accumulates into existing
-    gradients allocates above what it starts with (measured as RSS, as the
-    ranks are): the fresh gradient of a parameter before it is added, the
-    gradients of the stage's activations.  The simulator has no Costs term
-    for it; shown beside the prediction to tell what it leaves out."""
-    fix_mmap_threshold()
+    gradients allocates above what it starts with (torch's allocations, as
+    the ranks are measured): the fresh gradient of a parameter before it is
+    added, the gradients of the stage's activations.  One micro-batch, once
+    per stage: like the stash, a property of the stage."""
     out = []
     x = micro_batch
     for s, stage in enumerate(stages):
         x = x.detach().requires_grad_(x.is_floating_point())
         last = s == len(stages) - 1
 
-        def backward():
-            y = stage(x)
+        def backward(y):
             root = loss_fn(y, target) if last else y
             root.backward(None if last else torch.ones_like(y))
-            return y
 
-        y = backward()
-        y = y.detach()
-        stage_graph = stage(x)
-        gc.collect()
-        LIBC.malloc_trim(0)
-        before = rss_now()
-        reset_peak()
-        root = loss_fn(stage_graph, target) if last else stage_graph
-        root.backward(None if last else torch.ones_like(stage_graph))
-        out.append(float(max(rss_peak_since_reset() - before, 0)))
-        del root, stage_graph
+        y = stage(x)
+        backward(y)  # the gradients now exist, as after a rank's first backward of the stage
+        y = stage(x)
+        out.append(float(allocated_peak(lambda: backward(y))))
+        del y
         stage.zero_grad(set_to_none=True)
-        x = y
+        x = stage(x).detach()
     return out
 
 
@@ -254,6 +258,25 @@ def lifetime_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def allocated_peak(run) -> int:
+    """The most torch's CPU allocator holds, above what it held before, while ``run()`` runs.
+
+    The profiler's memory events carry the running total of the bytes
+    allocated since profiling began, less those freed (tensors made before
+    are left out, so their release cannot lower it); its largest value is
+    the peak growth, in the bytes asked for, without page rounding."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e["args"].get("Device Type") == CPU_DEVICE_TYPE]
+    return max(totals, default=0)
+
+
 def baseline() -> int:
     dist.barrier()
     gc.collect()
@@ -278,9 +301,19 @@ def _unisched(rank: int, world: int, model: Model, kind: str, config: dict) -> d
     dist.barrier()
     result = {"start": start, "baseline": base, "peak": rss_peak_since_reset(), "lifetime_peak": lifetime_peak(),
               "stages_built": built}
+
+    def steps():
+        for _ in range(config["steps"]):
+            trainer.step(x, y)
+
+    dist.barrier()
+    gc.collect()
+    result["allocated_growth"] = allocated_peak(steps)
+    dist.barrier()
     costs = trainer.calibrate(x, y, steps=3)
     owned = [s for s in range(S) if rank in trainer.program.replicas[s]]
     result["weights_of_truth"] = float(sum(trainer.weight_bytes[s] for s in owned))
+    result["optimizer_state"] = float(sum(costs.per_stage("optimizer_bytes", S)[owned]))
     if rank == 0:
         result["costs"] = costs
     trainer.close()
@@ -329,18 +362,20 @@ def measure(fn, world: int, model: Model, kind: str, config: dict) -> list[dict]
 
 
 # ---------------------------------------------------------------------- prediction
-def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float], list[float]]:
+def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float], list[float], list[float]]:
     """The simulator's peak bytes per rank for the schedule that ran, under
-    ``costs`` (calibrated) with the stash sizes measured on the real stages;
-    and each stage's backward workspace, which it leaves out."""
+    ``costs`` (calibrated, with the Trainer's optimizer state) with the stash
+    sizes and backward workspaces measured on the real stages; the
+    workspaces, and the Trainer's own (each stage's largest parameter)."""
     _, S, B = shape_of(kind, W, model.micro_batches)
     stages = build_stages(model.stages(S), S)
     x, y = model.batch(B)
     stash = kept_bytes(stages, x.chunk(B)[0])
-    costs = dataclasses.replace(costs, stash_bytes=stash, input_grad_frees=0.0)
-    timeline = predict(make_schedule(kind, W, S, B), costs).timeline
     workspace = backward_workspace(stages, x.chunk(B)[0], y.chunk(B)[0], model.loss_fn())
-    return [c.peak for c in memory_curves(timeline, "total", "bytes")], workspace
+    derived = list(costs.per_stage("backward_workspace_bytes", S))
+    costs = dataclasses.replace(costs, stash_bytes=stash, input_grad_frees=0.0, backward_workspace_bytes=workspace)
+    timeline = predict(make_schedule(kind, W, S, B), costs).timeline
+    return [c.peak for c in memory_curves(timeline, "total", "bytes")], workspace, derived
 
 
 # ---------------------------------------------------------------------- report
@@ -354,13 +389,15 @@ def run_model(model: Model, W: int, config: dict, kinds_torch, kinds_simulated) 
         costs = ranks[0].pop("costs", None)
         for r in ranks[1:]:
             r.pop("costs", None)
-        predicted, workspace = predicted_peaks(model, kind, W, costs)
+        predicted, workspace, derived = predicted_peaks(model, kind, W, costs)
         out["simulated"][kind] = [
-            {"predicted_peak": p, "weights_of_truth": r["weights_of_truth"], "measured_growth": r["peak"] - r["baseline"],
-             "predicted_growth": p - r["weights_of_truth"]}
+            {"predicted_peak": p, "held": r["weights_of_truth"] + r["optimizer_state"],
+             "measured_growth": r["allocated_growth"], "rss_growth": r["peak"] - r["baseline"],
+             "predicted_growth": p - r["weights_of_truth"] - r["optimizer_state"]}
             for p, r in zip(predicted, ranks)
         ]
         out.setdefault("backward_workspace", workspace)
+        out.setdefault("largest_parameter", derived)
     for kind in kinds_torch:
         for r in out["torch"][kind]["unisched"]:
             r.pop("costs", None)
@@ -380,7 +417,8 @@ def ratios(run: dict) -> dict:
     simulated = {
         kind: {
             "growth": [r["measured_growth"] / max(r["predicted_growth"], 1) for r in rows],
-            "peak": [(r["weights_of_truth"] + r["measured_growth"]) / max(r["predicted_peak"], 1) for r in rows],
+            "peak": [(r["held"] + r["measured_growth"]) / max(r["predicted_peak"], 1) for r in rows],
+            "rss_peak": [(r["held"] + r["rss_growth"]) / max(r["predicted_peak"], 1) for r in rows],
         }
         for kind, rows in run["simulated"].items()
     }
@@ -439,17 +477,20 @@ def show(result: dict, W: int) -> None:
             for rank in range(W):
                 print(f"    {kind + ' / ' + torch_name:<28} rank {rank}  step peak {v['step_peak'][rank]:6.3f}   "
                       f"lifetime peak {v['lifetime_peak'][rank]:6.3f}   step growth {v['step_growth'][rank]:6.3f}")
-        print("  vs the simulator, per rank: weights of truth, predicted peak, predicted growth above the weights, "
-              "measured step growth; ratios measured / predicted")
-        print("  backward workspace per stage (not in the prediction): "
-              + ", ".join(f"{w / MiB:.2f}" for w in run.get("backward_workspace", [])))
+        print("  vs the simulator, per rank: held between steps (weights of truth, optimizer state), predicted "
+              "peak, predicted and measured (allocator) growth above what is held; ratios measured / predicted "
+              "(peak: allocator; RSS: the same with the RSS growth)")
+        print("  backward workspace per stage, measured (in the prediction): "
+              + ", ".join(f"{w / MiB:.3f}" for w in run.get("backward_workspace", []))
+              + "; the Trainer's largest parameter: "
+              + ", ".join(f"{w / MiB:.3f}" for w in run.get("largest_parameter", [])))
         for kind, rows in run["simulated"].items():
             v = r["measured_vs_simulated"][kind]
             for rank, row in enumerate(rows):
-                print(f"    {kind:<12} rank {rank}  weights {row['weights_of_truth'] / MiB:7.2f}  predicted "
+                print(f"    {kind:<12} rank {rank}  held {row['held'] / MiB:7.2f}  predicted "
                       f"{row['predicted_peak'] / MiB:7.2f}  growth: predicted {row['predicted_growth'] / MiB:7.2f} "
-                      f"measured {row['measured_growth'] / MiB:7.2f}   ratio growth {v['growth'][rank]:6.3f}  "
-                      f"peak {v['peak'][rank]:6.3f}")
+                      f"measured {row['measured_growth'] / MiB:7.2f} (RSS {row['rss_growth'] / MiB:7.2f})   "
+                      f"ratio growth {v['growth'][rank]:6.3f}  peak {v['peak'][rank]:6.3f}  RSS {v['rss_peak'][rank]:6.3f}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def random_mapping(rng, W, S, B, split, gangs=False):
     if not gangs:
         return strategy
     sizes = rng.integers(1, W + 1, S)
-    group = {(c, s): tuple(sorted({c, *rng.choice([o for o in range(W) if o != c], sizes[s] - 1, replace=False).tolist()}))
+    others = {c: [o for o in range(W) if o != c] for c in range(W)}
+    group = {(c, s): tuple(sorted({c, *rng.choice(others[c], sizes[s] - 1, replace=False).tolist()}))
              for c in range(W) for s in range(S)}
     groups = {w: group[(c, w.stage)] for w, (c, _) in table.items()}
     return strategy.with_(gang=lambda work: groups[work])

@@ -5,8 +5,9 @@ costs and worker speeds (they are only the durations), fixed per-worker
 orders (they are only edges), split backwards, memory limits with parking,
 gangs (tensor parallelism) when communication is free, and transfers over
 links between pairs of workers (latency, bandwidth, weight fetches with
-prefetch and caching, gradient returns) when there are no gangs.  That is what makes a million work items take about a second,
-1F1B and zero bubble included.
+prefetch and caching, gradient returns) when there are no gangs.  That is
+what makes a million work items take about a second, 1F1B and zero bubble
+included.
 
 It is the same algorithm, step for step, as ``engine.run``; the tests check
 that both give identical timelines, item for item.  What differs is the
@@ -195,7 +196,8 @@ def links_of(problem) -> Links:
     return Links(
         on=True, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float), edge_link=edge_link,
         fetch_link=fetch_link, return_link=return_link, weight_bytes=np.asarray(problem.weight_bytes, dtype=float),
-        stage=problem.stage, num_stages=S, latency=latency, bandwidth=bandwidth, link_src=pairs // W, link_dst=pairs % W,
+        stage=problem.stage, num_stages=S, latency=latency, bandwidth=bandwidth, link_src=pairs // W,
+        link_dst=pairs % W,
         calendar_base=region_starts(per_link), grads_per_stage=grads, prefetch_depth=int(problem.prefetch_depth),
         cache_weights=bool(problem.cache_weights), weights_kind=TRANSFER_KINDS.index("weights"),
         gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
@@ -244,7 +246,8 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
     graph = Graph(worker, duration, rank, succ_ptr, succ_idx, succ_primary, np.ones(len(succ_idx), bool), num_deps,
                   source_items, source_keys, num_workers, np.full(len(worker), -1), np.zeros(1, np.int64),
                   np.zeros(0, np.int64))
-    start, end, _ = schedule(*(_contiguous(table) for table in (graph, no_stashes(len(worker), num_workers), no_links())))
+    tables = (graph, no_stashes(len(worker), num_workers), no_links())
+    start, end, _ = schedule(*(_contiguous(table) for table in tables))
     return start, end
 
 
@@ -288,7 +291,8 @@ def schedule(graph, stashes, links):
     # memory: live stashes and booked releases (a heap of (time, amount)) per
     # worker, forwards parked per (storage, compute worker) pair (a heap of (key, item))
     memory = stashes.limit.shape[0] > 0
-    limit, claim_ptr, claim_worker, claim_amount = stashes.limit, stashes.claim_ptr, stashes.claim_worker, stashes.claim_amount
+    limit, claim_ptr = stashes.limit, stashes.claim_ptr
+    claim_worker, claim_amount = stashes.claim_worker, stashes.claim_amount
     claim_pair, pair_ptr, pair_base = stashes.claim_pair, stashes.pair_ptr, stashes.pair_base
     release_ptr, release_worker, release_amount = stashes.release_ptr, stashes.release_worker, stashes.release_amount
     release_base = stashes.release_base

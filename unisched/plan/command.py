@@ -33,7 +33,7 @@ from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
 from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
-from unisched.plan.planner import SCHEMES, plan
+from unisched.plan.planner import SCHEMES, check_plan_size, plan
 from unisched.plan.problem import PlanInputError, PlanProblem, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS, search
 
@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError("--optimizer-bytes counts against --memory-budget: give a --memory-budget too")
     strategy, members = _named_strategy(args, (W, S, B), split)
     progress = default_progress(args.json)
-    if _heuristic(args.search, (W, S, B), split):
+    heuristic = _heuristic(args.search, (W, S, B), split)
+    check_plan_size(Shape(W, S, B), split, heuristic)
+    if heuristic:
         problem = PlanProblem(Shape(W, S, B), costs, memory_limit, args.max_stages_per_worker, split,
                               memory_budget=budget, optimizer_bytes=optimizer or 0.0, objective=args.objective)
         progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "

@@ -31,9 +31,10 @@ import numpy as np
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
 from unisched.simulate.priorities import BackwardFirst
+from unisched.simulate.problem import map_workers
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
-from unisched.work import ComputeAndWeightWorkers, Direction, Shape, Work
+from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
 from unisched.plan.family import FamilyResult, Member, measures, registry_members, search_family
@@ -377,20 +378,27 @@ variables per item and worker, and its family search simulates dozens of
 strategies.  Larger steps are for :func:`unisched.simulate` and ``unisched compare``."""
 MAX_PLAN_CELLS = 4_000_000
 """The most entries of the planner's per-item-and-worker and per-link-and-stage tables."""
+MAX_SEARCH_ITEMS = 200_000
+"""The most work items the heuristic search (:mod:`unisched.plan.search`) takes."""
+MAX_SEARCH_CELLS = 40_000_000
+"""The most entries of the heuristic search's per-item-and-worker tables."""
 MAX_TICKS = 2**53
 """The longest step, in the integer ticks CP-SAT works in."""
 
 
-def check_plan_size(shape: Shape, split_backward: bool = False) -> None:
-    """Refuse, before building anything, a step too large to plan."""
+def check_plan_size(shape: Shape, split_backward: bool = False, heuristic: bool = False) -> None:
+    """Refuse, before building anything, a step too large to plan (with the
+    CP-SAT planner, or with the heuristic search when ``heuristic``)."""
     W, S, B = shape
     items = S * B * (3 if split_backward else 2)
     cells = max(items * W, W * W * S)
-    if items > MAX_PLAN_ITEMS or cells > MAX_PLAN_CELLS:
-        what = (f"{items:,} work items (at most {MAX_PLAN_ITEMS:,}, unisched.plan.planner.MAX_PLAN_ITEMS)"
-                if items > MAX_PLAN_ITEMS else
-                f"{cells:,} table entries of items or links by workers (at most {MAX_PLAN_CELLS:,}, "
-                "unisched.plan.planner.MAX_PLAN_CELLS)")
+    most_items, most_cells = (MAX_SEARCH_ITEMS, MAX_SEARCH_CELLS) if heuristic else (MAX_PLAN_ITEMS, MAX_PLAN_CELLS)
+    names = ("MAX_SEARCH_ITEMS", "MAX_SEARCH_CELLS") if heuristic else ("MAX_PLAN_ITEMS", "MAX_PLAN_CELLS")
+    if items > most_items or cells > most_cells:
+        what = (f"{items:,} work items (at most {most_items:,}, unisched.plan.planner.{names[0]})"
+                if items > most_items else
+                f"{cells:,} table entries of items or links by workers (at most {most_cells:,}, "
+                f"unisched.plan.planner.{names[1]})")
         raise PlanInputError(
             f"W={W}, S={S}, B={B} is too large to plan: {what}. Plan fewer micro-batches (a schedule found for "
             "a few times W micro-batches shows the pattern), or compare strategies on this shape with "
@@ -454,7 +462,7 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
             compute, weight = t.worker[rows], t.weight_worker[rows]
             hint = np.array([timed.ticks(x) for x in t.start[rows]], dtype=np.int64)
         elif fixed or member.reason.startswith("deadlock"):
-            compute, weight = _map(problem, strategy)
+            compute, weight = mapping_of(problem, strategy)
             hint = None
         else:
             continue
@@ -516,13 +524,11 @@ def _rows_of(problem: PlanProblem, t) -> np.ndarray:
     return rows
 
 
-def _map(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
+def mapping_of(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
+    """Every item's compute and weight worker under ``strategy``, in the
+    problem's item order (the simulator's mapping, checked as it checks it)."""
     batch, stage, direction = problem.items.arrays()
-    if strategy.map_arrays is not None:
-        compute, weight = strategy.map_arrays(batch, stage, direction)
-        return np.asarray(compute, dtype=np.int64), np.asarray(weight, dtype=np.int64)
-    pairs = [strategy(Work(int(b), int(s), Direction(int(d)))) for b, s, d in zip(batch, stage, direction)]
-    return np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int64)
+    return map_workers(strategy, problem.shape, batch, stage, direction)
 
 
 def _scorer(problem: PlanProblem):

@@ -57,7 +57,7 @@ from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
 from unisched.plan.order import live_stashes, memory_demands, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
-from unisched.plan.planner import _map as map_arrays, constructed_members
+from unisched.plan.planner import check_plan_size, constructed_members, mapping_of
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 
@@ -600,6 +600,7 @@ def search(
     if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
             or not 0 < time_limit < math.inf):
         raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    check_plan_size(problem.shape, problem.split_backward, heuristic=True)
     begin = time.perf_counter()
     run = _Run(problem, objective, progress, begin)
     try:
@@ -657,7 +658,7 @@ def seed_mappings(problem: PlanProblem, feasible: list[Member], family, construc
     for label, strategy in others:
         if other_backward(strategy, problem.split_backward):
             continue
-        compute, weight = map_arrays(problem, strategy)
+        compute, weight = mapping_of(problem, strategy)
         found.append(SeedMapping(label, compute, weight))
     distinct, seen = [], set()
     for mapping in found:

@@ -197,7 +197,7 @@ def build(
     n = items.count
     batch, stage, direction = items.arrays()
 
-    compute, weight = _map(strategy, shape, batch, stage, direction)
+    compute, weight = map_workers(strategy, shape, batch, stage, direction)
     gang, gang_members, gang_collective = _gangs(strategy, shape, batch, stage, direction, compute)
     speeds = costs.speeds(W)
     duration = costs.item_time(stage, direction, compute, S, W)
@@ -280,7 +280,7 @@ def build(
 
 
 # ---------------------------------------------------------------------- mapping
-def _map(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.ndarray, np.ndarray]:
+def map_workers(strategy: Strategy, shape: Shape, batch, stage, direction) -> tuple[np.ndarray, np.ndarray]:
     """Every item's compute and weight worker, checked.
 
     The strategy's ``map_arrays`` if it has one, else its mapping called once

@@ -118,6 +118,7 @@ class Links(NamedTuple):
 
 
 def graph_of(problem) -> Graph:
+    """``problem``'s items and dependencies as a :class:`Graph`."""
     members = problem.gang_members
     gang_ptr = np.zeros(len(members) + 1, np.int64)
     np.cumsum([len(m) for m in members], out=gang_ptr[1:])
@@ -156,6 +157,7 @@ def stash_accounts(problem) -> StashAccounts:
 
 
 def no_stashes(n: int, W: int) -> StashAccounts:
+    """No memory limit: no claims, no releases."""
     none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
     return StashAccounts(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
                          none_i, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W, np.int64))
@@ -252,8 +254,8 @@ def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, s
 
 
 def _contiguous(table):
-    """``table`` with every array contiguous and every number an int, so
-    that every call has the one signature numba compiled."""
+    """``table`` with every array contiguous, so that every call has the
+    one signature numba compiled."""
     return type(table)(*(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for v in table))
 
 

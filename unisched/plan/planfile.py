@@ -44,6 +44,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
+from unisched.metrics import stage_spans
 from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work
@@ -330,13 +331,7 @@ def objective_value(sim: Simulation, objective: str) -> float:
     """A replay's latency, or its longest worker busy span (first item's start to last item's end)."""
     if objective == "latency":
         return float(sim.latency)
-    t = sim.timeline
-    first = np.full(t.num_workers, np.inf)
-    last = np.full(t.num_workers, -np.inf)
-    np.minimum.at(first, t.worker, t.start)
-    np.maximum.at(last, t.worker, t.end)
-    used = np.isfinite(first)
-    return float((last[used] - first[used]).max(initial=0.0))
+    return float(stage_spans(sim.timeline).max(initial=0.0))
 
 
 def _problem_fields(data: Mapping) -> dict:

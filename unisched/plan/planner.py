@@ -437,7 +437,7 @@ def _say(progress: TextIO | None, text: str) -> None:
 def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
     """A family member's simulated run as fixed workers and orders."""
     t = member.simulation.timeline
-    rows = _rows_of(problem, t)
+    rows = rows_of(problem, t)
     if member.memory_limit is not None:
         problem = replace(problem, memory_limit=member.memory_limit)
     return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
@@ -458,7 +458,7 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
             continue
         if member.simulation is not None:
             t = member.simulation.timeline
-            rows = _rows_of(problem, t)
+            rows = rows_of(problem, t)
             compute, weight = t.worker[rows], t.weight_worker[rows]
             hint = np.array([timed.ticks(x) for x in t.start[rows]], dtype=np.int64)
         elif fixed or member.reason.startswith("deadlock"):
@@ -517,7 +517,7 @@ def constructed_members(problem: PlanProblem) -> list[tuple[str, Strategy, str]]
     return members
 
 
-def _rows_of(problem: PlanProblem, t) -> np.ndarray:
+def rows_of(problem: PlanProblem, t) -> np.ndarray:
     """Timeline row of each of the problem's item ids."""
     rows = np.empty(problem.num_items, dtype=np.int64)
     rows[problem.items.id(t.batch, t.stage, t.direction)] = np.arange(len(t))
@@ -547,7 +547,7 @@ def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: boo
     """The shortest candidate that fits the mapping model's class, as its warm start."""
     for candidate in sorted(candidates, key=lambda c: c.latency):
         t = candidate.replay.timeline
-        starts = np.array([timed.ticks(x) for x in t.start[_rows_of(timed.problem, t)]], dtype=np.int64)
+        starts = np.array([timed.ticks(x) for x in t.start[rows_of(timed.problem, t)]], dtype=np.int64)
         incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, whole)
         if incumbent is not None:
             return incumbent

@@ -57,7 +57,7 @@ from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
 from unisched.plan.order import live_stashes, memory_demands, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
-from unisched.plan.planner import check_plan_size, constructed_members, mapping_of
+from unisched.plan.planner import check_plan_size, constructed_members, mapping_of, rows_of
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 
@@ -168,7 +168,7 @@ class Mapped:
         problem = timed.problem
         stashes = np.zeros((3, 0), dtype=np.int64)
         capacity = np.full(problem.shape.num_workers, NO_LIMIT, dtype=np.int64)
-        limits = _stash_limits(problem, compute, weight)
+        limits = problem.stash_limits(compute, weight)
         if limits is not None:
             _, _, unit = memory_demands(timed)
             limits = np.broadcast_to(np.asarray(limits, dtype=float), capacity.shape)
@@ -884,17 +884,8 @@ class _Run:
 def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
     """A family member's simulated run as fixed workers and per-worker orders."""
     t = member.simulation.timeline
-    rows = np.empty(problem.num_items, dtype=np.int64)
-    rows[problem.items.id(t.batch, t.stage, t.direction)] = np.arange(len(t))
+    rows = rows_of(problem, t)
     return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
-
-
-def _stash_limits(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray):
-    """Each worker's stash limit under this mapping (None: no limit): what the problem says
-    its weights leave of a memory budget, or its memory limit."""
-    if hasattr(problem, "stash_limits"):
-        return problem.stash_limits(compute, weight)
-    return problem.memory_limit
 
 
 def _timed(problem: PlanProblem) -> TimedProblem:

@@ -137,7 +137,7 @@ def test_compare_takes_parameters_in_its_list(capsys):
         (["simulate", "--strategy", "looped(group_size=2)", "--param", "group_size=4"], "give it once"),
         (["plan", "--param", "group_size=2"], "--param needs --strategy"),
         (["plan", "--strategy", "looped(group_size=2)", "--param", "group_size=4"], "give it once"),
-        (["plan", "--strategy", "gpipe", "--memory-limit", "1,2"], "2 limits but there are 4 workers"),
+        (["plan", "--strategy", "gpipe", "--memory-limit", "1,2"], "gives 2 numbers but there are 4 workers"),
         (["plan", "--strategy", "gpipe", "--memory-limit", "4,x"], "comma-separated numbers"),
     ],
 )

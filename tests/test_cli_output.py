@@ -324,8 +324,20 @@ def test_readme_trainer_snippet_runs_on_every_rank(rank, tmp_path, monkeypatch):
         def gather_state_dict(self):
             return {}
 
-    shim = SimpleNamespace(simulate=unisched.simulate, policies=unisched.policies, Trainer=Trainer)
+    checkpoints = []
+
+    def save_checkpoint(trainer, path, extra=None):
+        assert isinstance(trainer, Trainer)
+        checkpoints.append(("save", path))
+
+    def load_checkpoint(trainer, path):
+        assert isinstance(trainer, Trainer)
+        checkpoints.append(("load", path))
+
+    shim = SimpleNamespace(simulate=unisched.simulate, policies=unisched.policies, Trainer=Trainer,
+                           save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
     exec(trainer_snippet(), {"unisched": shim, "stages": None, "loss_fn": None, "torch": None, "inputs": None,
                              "targets": None})
     assert schedule_seen and schedule_seen[0].latency == 33
+    assert [what for what, _ in checkpoints] == ["save", "load"], "every rank saves and loads (it is collective)"
     assert (tmp_path / "step.html").exists() == (rank == 0)

@@ -130,30 +130,9 @@ def graph_of(problem) -> Graph:
 
 def stash_accounts(problem) -> StashAccounts:
     """``problem``'s memory model as flat arrays (empty without a limit)."""
-    n, W = problem.num_items, problem.num_workers
-    if problem.claims is None:
-        return no_stashes(n, W)
-    claim_ptr, (claim_worker, claim_amount) = _csr(problem.claims, n, 2)
-    release_ptr, (release_worker, release_amount, release_owner) = _csr(problem.releases_of, n, 3)
-    claim_worker, release_worker = claim_worker.astype(np.int64), release_worker.astype(np.int64)
-    claimant = np.repeat(problem.worker_array, np.diff(claim_ptr))
-    pairs, claim_pair, per_pair = np.unique(claim_worker * W + claimant, return_inverse=True, return_counts=True)
-    pair_ptr = np.zeros(W + 1, np.int64)
-    np.cumsum(np.bincount(pairs // W, minlength=W), out=pair_ptr[1:])
-    return StashAccounts(
-        limit=np.asarray(problem.limit, dtype=float),
-        claim_ptr=claim_ptr,
-        claim_worker=claim_worker,
-        claim_amount=claim_amount,
-        claim_pair=claim_pair.astype(np.int64).reshape(-1),
-        pair_ptr=pair_ptr,
-        pair_base=region_starts(per_pair),
-        release_ptr=release_ptr,
-        release_worker=release_worker,
-        release_amount=release_amount,
-        release_owner=release_owner.astype(np.int64),
-        release_base=region_starts(np.bincount(release_worker, minlength=W)),
-    )
+    if problem.stashes is not None:
+        return problem.stashes
+    return no_stashes(problem.num_items, problem.num_workers)
 
 
 def no_stashes(n: int, W: int) -> StashAccounts:
@@ -161,15 +140,6 @@ def no_stashes(n: int, W: int) -> StashAccounts:
     none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
     return StashAccounts(none_f, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W + 1, np.int64),
                          none_i, np.zeros(n + 1, np.int64), none_i, none_f, none_i, np.zeros(W, np.int64))
-
-
-def _csr(rows: list, n: int, width: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """Per-item tuples of ``width``-tuples (or None) as a pointer array and columns."""
-    counts = np.fromiter((len(r) if r else 0 for r in rows), dtype=np.int64, count=n)
-    ptr = np.zeros(n + 1, np.int64)
-    np.cumsum(counts, out=ptr[1:])
-    flat = np.array([entry for r in rows if r for entry in r], dtype=float).reshape(-1, width)
-    return ptr, tuple(flat.T.copy())
 
 
 def links_of(problem) -> Links:

@@ -17,20 +17,13 @@ import numpy as np
 from unisched import dataflow, network
 from unisched.costs import Costs
 from unisched.dataflow import EDGE_STASH, Items
-from unisched.errors import ShapeError, StrategyError
+from unisched.errors import StrategyError
 from unisched.simulate.priorities import ranks
+from unisched.simulate.sequences import sequence_edges
+from unisched.simulate.stashes import StashAccounts, stash_accounts
 from unisched.strategy import Gang, Strategy
 from unisched.timeline import TRANSFER_KINDS
-from unisched.work import (
-    BACKWARD,
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    Direction,
-    Shape,
-    StageGraph,
-    Work,
-)
+from unisched.work import FORWARD, Direction, Shape, StageGraph, Work
 
 EDGE_SEQUENCE = 2
 """A fixed per-worker order: the previous item on the same worker (moves nothing)."""
@@ -61,9 +54,8 @@ class Problem:
     num_deps: np.ndarray
     sources: np.ndarray
     """(2, K): the items ready at time 0, and the virtual items that trigger them."""
-    limit: list | None
-    claims: list | None
-    releases_of: list | None
+    stashes: StashAccounts | None
+    """What each item claims and releases against which limit (None: no limit)."""
     costs: Costs
     comm: bool
     activation_bytes: np.ndarray
@@ -85,6 +77,24 @@ class Problem:
     """Per item: the part of its duration that is its gang's tensor-parallel
     collective (0 for an item run by one worker); on a topology the engine
     books it on the gang's links."""
+
+    @cached_property
+    def _stash_lists(self) -> tuple:
+        return self.stashes.as_lists() if self.stashes is not None else (None, None, None)
+
+    @property
+    def limit(self) -> list | None:
+        return self._stash_lists[0]
+
+    @property
+    def claims(self) -> list | None:
+        """Per item: (worker, amount) of what it claims, or None (the Python engine's form)."""
+        return self._stash_lists[1]
+
+    @property
+    def releases_of(self) -> list | None:
+        """Per item: (worker, amount, owner) of what it releases, or None."""
+        return self._stash_lists[2]
 
     @property
     def num_items(self) -> int:
@@ -223,7 +233,8 @@ def build(
 
     edges = dataflow.edges(items, stage_graph)
     if strategy.worker_orders is not None:
-        edges = np.concatenate([edges, _sequence_edges(strategy.worker_orders, compute, shape, items)], axis=1)
+        fixed = sequence_edges(strategy.worker_orders, compute, shape, items, EDGE_SEQUENCE)
+        edges = np.concatenate([edges, fixed], axis=1)
     followed = edges if costs.has_communication else edges[:, edges[2] != EDGE_STASH]
     followed = followed[:, np.argsort(followed[0], kind="stable")]
     succ_ptr = np.zeros(n + 1, dtype=np.int64)
@@ -234,8 +245,8 @@ def build(
 
     weight_bytes = costs.per_stage("weight_bytes", S)
     stash_bytes = costs.per_stage("stash_bytes", S)
-    limit, claims, releases_of = _memory(
-        shape, memory_limit, items, compute, stage,
+    stashes = stash_accounts(
+        W, memory_limit, items, compute, stage,
         stash_bytes if (costs.has_sizes if limit_in_bytes is None else limit_in_bytes) else None,
         costs.input_grad_frees,
     )
@@ -262,9 +273,7 @@ def build(
         succ_moved=followed[3],
         num_deps=num_deps,
         sources=sources,
-        limit=limit,
-        claims=claims,
-        releases_of=releases_of,
+        stashes=stashes,
         costs=costs,
         comm=costs.has_communication,
         activation_bytes=act_bytes,
@@ -437,113 +446,3 @@ def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: in
             f"it must return integers in 0..{num_workers - 1}"
         )
     return int(value)
-
-
-# ---------------------------------------------------------------------- fixed orders
-def _sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items) -> np.ndarray:
-    """Edges that make each worker follow its given order, after checking it."""
-    W, S, B = shape
-    dirs = items.dirs
-    seen = np.zeros(len(compute), dtype=bool)
-    src, dst = [], []
-    unknown = sorted(set(orders) - set(range(W)))
-    if unknown:
-        raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
-    for w, order in orders.items():
-        works = list(_in_directions(order, dirs))
-        batch, stage, direction = np.array([(u.batch, u.stage, int(u.direction)) for u in works], dtype=np.int64).reshape(-1, 3).T
-        outside = ~np.isin(direction, dirs) | (batch < 0) | (batch >= B) | (stage < 0) | (stage >= S)
-        if outside.any():
-            work = works[int(np.argmax(outside))]
-            raise StrategyError(f"worker {w}'s order has {work!r}, which is not a work item of this shape")
-        ids = items.id(batch, stage, direction)
-        elsewhere = compute[ids] != w
-        if elsewhere.any():
-            i = int(np.argmax(elsewhere))
-            raise StrategyError(
-                f"worker {w}'s order has {works[i]!r}, but the mapping sends it to worker {compute[ids[i]]}"
-            )
-        repeated = seen[ids] | _repeats(ids)
-        if repeated.any():
-            raise StrategyError(f"{works[int(np.argmax(repeated))]!r} appears twice in the fixed orders")
-        seen[ids] = True
-        src.append(ids[:-1])
-        dst.append(ids[1:])
-    if not seen.all():
-        item = int(np.flatnonzero(~seen)[0])
-        work = items.work(item)
-        raise StrategyError(
-            f"the fixed orders leave out {int((~seen).sum())} work item(s), e.g. {work!r} on worker "
-            f"{compute[item]}; every item must appear in its worker's order"
-        )
-    src = np.concatenate(src) if src else np.zeros(0, dtype=np.int64)
-    dst = np.concatenate(dst) if dst else np.zeros(0, dtype=np.int64)
-    return np.stack([src, dst, np.full(len(src), EDGE_SEQUENCE), np.full(len(src), -1)]).astype(np.int64)
-
-
-def _repeats(ids: np.ndarray) -> np.ndarray:
-    """Per position: whether the same id came earlier in ``ids``."""
-    first = np.zeros(len(ids), dtype=bool)
-    first[np.unique(ids, return_index=True)[1]] = True
-    return ~first
-
-
-def _in_directions(order, dirs):
-    """An order written for the other backward form, adapted: with a split
-    backward each B becomes I then W in its place; without, I becomes B and
-    W is dropped."""
-    split = BACKWARD_INPUT in dirs
-    for work in order:
-        work = Work(*work)
-        d = Direction(work.direction)
-        if split and d is BACKWARD:
-            yield Work(work.batch, work.stage, BACKWARD_INPUT)
-            yield Work(work.batch, work.stage, BACKWARD_WEIGHT)
-        elif not split and d is BACKWARD_INPUT:
-            yield Work(work.batch, work.stage, BACKWARD)
-        elif not split and d is BACKWARD_WEIGHT:
-            continue
-        else:
-            yield work
-
-
-# ---------------------------------------------------------------------- memory
-def _memory(shape: Shape, memory_limit, items: Items, compute, stage, sizes, input_grad_frees):
-    """Per-worker limits, and per item what it claims and releases (or Nones)."""
-    if memory_limit is None:
-        return None, None, None
-    W, S, B = shape
-    limits = np.broadcast_to(np.asarray(memory_limit, dtype=float), (W,)) if np.ndim(memory_limit) == 0 else None
-    if limits is None:
-        limits = np.asarray(memory_limit, dtype=float)
-        if limits.shape != (W,):
-            raise ShapeError(f"memory_limit has {limits.size} entries but there are {W} workers")
-    if np.any(limits < 0) or np.any(np.isnan(limits)):
-        raise ShapeError(f"memory_limit must be >= 0, got {memory_limit!r}")
-    dirs = items.dirs
-    D = len(dirs)
-    n = len(compute)
-    amount = np.ones(S) if sizes is None else np.asarray(sizes, dtype=float)
-    claims: list = [None] * n
-    releases_of: list = [None] * n
-    shares = dataflow.stash_shares(items.split_backward, input_grad_frees)
-    for f in range(0, n, D):  # the D passes of one (batch, stage) have consecutive ids (dataflow.Items)
-        s = int(stage[f])
-        mine = []
-        for offset, d in enumerate(dirs[1:], start=1):
-            releaser = f + offset
-            holder = int(compute[releaser])
-            share = float(amount[s] * shares[d])
-            mine.append((holder, share, releaser))
-            releases_of[releaser] = ((holder, share, f),)
-        per_holder: dict[int, float] = {}
-        for holder, share, _ in mine:
-            per_holder[holder] = per_holder.get(holder, 0.0) + share
-        claims[f] = tuple(per_holder.items())
-        for holder, need in per_holder.items():
-            if need > limits[holder] + 1e-9:
-                raise ShapeError(
-                    f"memory_limit {limits[holder]:g} of worker {holder} cannot hold even one stash of stage {s} "
-                    f"({need:g} {'bytes' if sizes is not None else 'activation units'}); raise it to at least {need:g}"
-                )
-    return limits.tolist(), claims, releases_of

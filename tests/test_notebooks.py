@@ -18,3 +18,12 @@ def test_notebook_runs(name, figures):
     assert any("text/html" in o.get("data", {}) for o in outputs), "the diagrams render as HTML"
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= figures, "the matplotlib figures render inline, not as their text repr"
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebooks_are_committed_run_so_they_read_with_their_figures(path):
+    """A reader on a code host sees the outputs: every code cell was run, in order, without error."""
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1))
+    assert not [o for cell in code for o in cell.get("outputs", []) if o.output_type == "error"]

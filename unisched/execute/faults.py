@@ -9,13 +9,19 @@ Three mechanisms together:
   (its process exits and gloo reports the closed connection, or the timeout
   fires) report that cause rather than a bare connection error;
 - a watchdog thread per trainer interrupts a step that runs past the step
-  timeout in Python code (a stage that loops forever), after writing that on
-  the board.
+  timeout, after writing that on the board.  It sends SIGUSR1 to the main
+  thread (:class:`MainThreadInterrupt`), which breaks a blocking C call such
+  as ``time.sleep`` or a socket wait (the handler then raises in the step);
+  where signals cannot be used (a trainer built off the main thread, or a
+  platform without ``pthread_kill``) it falls back to
+  ``_thread.interrupt_main``, which lands only when Python code runs next,
+  so a stage blocked in C then stops only when that call returns.
 """
 
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 from typing import Callable
@@ -79,6 +85,47 @@ class FaultBoard:
             time.sleep(0.05)
 
 
+class MainThreadInterrupt:
+    """Raises ``KeyboardInterrupt`` in the main thread on :meth:`fire`, even
+    inside a blocking C call: SIGUSR1 sent to the main thread, with a
+    handler installed while this object is open (the previous handler back
+    on :meth:`close`); ``_thread.interrupt_main`` where that is impossible.
+
+    The handler raises only while ``wanted()`` is true, so a signal that
+    arrives after the step it was meant for has ended does nothing."""
+
+    SIGNAL = getattr(signal, "SIGUSR1", None)
+
+    def __init__(self, wanted: Callable[[], bool]):
+        self._wanted = wanted
+        self._main = threading.main_thread().ident
+        self._previous = None
+        self.uses_signal = False
+        if (self.SIGNAL is not None and hasattr(signal, "pthread_kill")
+                and threading.current_thread() is threading.main_thread()):
+            self._previous = signal.signal(self.SIGNAL, self._handle)
+            self.uses_signal = True
+
+    def _handle(self, signum, frame) -> None:
+        if self._wanted():
+            raise KeyboardInterrupt("step timeout")
+        if callable(self._previous):  # another open trainer's, or the program's own
+            self._previous(signum, frame)
+
+    def fire(self) -> None:
+        """Interrupt the main thread now."""
+        if self.uses_signal:
+            signal.pthread_kill(self._main, self.SIGNAL)
+        else:
+            _thread.interrupt_main()
+
+    def close(self) -> None:
+        """Put the previous handler back (only if this one is still installed)."""
+        if self.uses_signal and signal.getsignal(self.SIGNAL) == self._handle:
+            signal.signal(self.SIGNAL, self._previous if self._previous is not None else signal.SIG_DFL)
+        self.uses_signal = False
+
+
 class Watchdog:
     """Interrupts the main thread when an armed step outlives its deadline
     and ``on_expire()`` says this rank is the one at fault.
@@ -90,6 +137,8 @@ class Watchdog:
     caller that disarms as the last statement inside the ``try`` that
     catches ``KeyboardInterrupt`` therefore gets any interrupt inside it.
     ``on_expire`` runs under that lock and must not call the watchdog.
+    The interrupt itself (:class:`MainThreadInterrupt`) raises only while
+    the step it was fired for is still armed.
     """
 
     def __init__(self, timeout: float, on_expire: Callable[[], bool]):
@@ -104,6 +153,8 @@ class Watchdog:
         self._armed: int | None = None
         self._stopped = False
         self.fired = False
+        self._fired_for: int | None = None
+        self._interrupt = MainThreadInterrupt(self._interrupt_due)
         self._thread = threading.Thread(target=self._loop, name="unisched-watchdog", daemon=True)
         self._thread.start()
 
@@ -130,6 +181,11 @@ class Watchdog:
             self._armed = None
             self._stopped = True
             self._lock.notify()
+        self._interrupt.close()
+
+    def _interrupt_due(self) -> bool:
+        """Whether a step is armed that this watchdog fired for."""
+        return self._fired_for is not None and self._fired_for == self._armed
 
     def _loop(self) -> None:
         while True:
@@ -145,4 +201,5 @@ class Watchdog:
                 self._deadline = None
                 if self._armed is not None and self._on_expire():
                     self.fired = True
-                    _thread.interrupt_main()
+                    self._fired_for = self._armed
+                    self._interrupt.fire()

@@ -1,0 +1,72 @@
+"""Faults on gloo ranks: a rank blocked in a C call is still stopped by its
+step timeout, and the ranks agree on metadata without unpickling peer bytes."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from unisched import policies, simulate
+from unisched.execute import ExecutionError, Trainer
+from unisched.execute.launch import run_local
+
+WIDTH = 8
+
+
+def make_stages(num_stages: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(num_stages)]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(12, WIDTH, generator=g), torch.randn(12, WIDTH, generator=g)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def gpipe_timeline(W: int, B: int):
+    return simulate(W, W, B, policies.get("gpipe", num_workers=W, num_stages=W, num_batches=B)).timeline
+
+
+# ---------------------------------------------------------------------- a rank blocked in C
+class Sleeper(nn.Module):
+    """A stage that, on one rank and in the second step, sleeps in C for good."""
+
+    def __init__(self, inner: nn.Module, rank: int, bad_rank: int):
+        super().__init__()
+        self.inner, self.rank, self.bad_rank, self.calls = inner, rank, bad_rank, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.rank == self.bad_rank and self.calls > 6:
+            time.sleep(1e6)
+        return self.inner(x)
+
+
+def _blocked_run(rank: int, world: int, schedule):
+    stages = make_stages(3)
+    stages[1] = Sleeper(stages[1], rank, 1)
+    trainer = Trainer(stages, schedule, nn.functional.mse_loss, optimizer, timeout=3)
+    x, y = batch()
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            trainer.step(x, y)
+        return {"error": None}
+    except ExecutionError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    finally:
+        trainer.close()
+
+
+def test_a_rank_blocked_in_a_c_call_is_stopped_by_its_step_timeout():
+    results = run_local(_blocked_run, 3, gpipe_timeline(3, 6), timeout=40)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+        assert "rank 1 ran past the step timeout of 3 s" in r.value["error"], r.value
+        assert r.value["seconds"] < 3 + 10, r.value

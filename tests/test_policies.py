@@ -180,9 +180,11 @@ def test_zb_h1_is_torchs_zero_bubble_order_with_one_stage_per_rank():
 
 
 def test_zbv_is_torchs_zbv_order():
+    """The alias builds its orders with zbv_order; test_torch_interop checks them against what torch runs."""
     for p, m in [(4, 8), (2, 4), (3, 9), (4, 3), (5, 12)]:
-        assert policies.get("zbv", p, 2 * p, m).worker_orders == \
-            policies.get("ScheduleZBVZeroBubble", p, 2 * p, m).worker_orders
+        orders = policies.get("zbv", p, 2 * p, m).worker_orders
+        assert orders == policies.get("ScheduleZBVZeroBubble", p, 2 * p, m).worker_orders
+        assert sum(map(len, orders.values())) == 3 * 2 * p * m, "every F, I and W of every stage, once"
 
 
 @pytest.mark.parametrize("frees", [0.25, 0.5, 0.6])

@@ -38,7 +38,7 @@ from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
-from unisched.policies.zero_bubble import _v_mapping, _v_shape, dualpipe_v_order
+from unisched.policies.zero_bubble import _v_mapping, _v_shape, dualpipe_v_order, zbv_order
 from unisched.simulate import simulate
 from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
@@ -131,7 +131,7 @@ def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int
     designed for at least 2W - 1 micro-batches (the passes of the ones that do
     not exist are left out, as torch does)."""
     shape = _v_shape("ScheduleZBVZeroBubble", num_workers, num_stages, num_batches)
-    orders = {r: _zbv_rank_ops(num_workers, num_batches, r) for r in range(num_workers)}
+    orders = {r: zbv_order(num_workers, r, num_batches) for r in range(num_workers)}
     return _torch_strategy(ZBV_ZERO_BUBBLE, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
 
 
@@ -200,59 +200,6 @@ def _interleaved_rank_ops(p: int, v: int, m: int, per_round: int, rank: int, zer
                 weight_pass()
     while zero_bubble and weights_done < len(backward_steps):
         weight_pass()
-    return order
-
-
-def _zbv_rank_ops(p: int, m: int, rank: int) -> list[Work]:
-    """``ScheduleZBVZeroBubble._calculate_single_rank_operations``, idle steps left out."""
-    n = max(2 * p - 1, m)
-    chunk0, chunk1 = rank, 2 * p - 1 - rank
-    counts = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
-    order: list[Work] = []
-
-    def add(stage: int, direction: Direction, batch: int) -> None:
-        if batch < m:
-            order.append(Work(batch, stage, direction))
-
-    def forward(chunk: int) -> None:
-        key = f"f{chunk}"
-        add((chunk0, chunk1)[chunk], FORWARD, counts[key])
-        counts[key] += 1
-
-    def backward(chunk: int, weight: bool) -> None:
-        key = f"b{chunk}"
-        stage = (chunk0, chunk1)[chunk]
-        add(stage, BACKWARD_INPUT, counts[key])
-        if weight:
-            add(stage, BACKWARD_WEIGHT, counts[key])
-        counts[key] += 1
-
-    for _ in range(2 * (p - rank) - 1):
-        forward(0)
-    for _ in range(rank):
-        forward(1)
-        forward(0)
-    for _ in range(p - rank):
-        forward(1)
-        backward(1, weight=True)
-    while counts["f1"] < counts["f0"] or counts["f0"] < n:
-        if counts["f0"] < n:
-            forward(0)
-        backward(0, weight=True)
-        forward(1)
-        backward(1, weight=True)
-    w0, w1 = counts["b0"], counts["b1"]
-    for _ in range(rank):
-        backward(0, weight=False)
-        backward(1, weight=False)
-    for _ in range(p - rank):
-        backward(0, weight=False)
-        add(chunk0, BACKWARD_WEIGHT, w0)
-        w0 += 1
-    for batch in range(w1, counts["b1"]):
-        add(chunk1, BACKWARD_WEIGHT, batch)
-    for batch in range(w0, counts["b0"]):
-        add(chunk0, BACKWARD_WEIGHT, batch)
     return order
 
 

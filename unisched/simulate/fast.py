@@ -301,7 +301,7 @@ def schedule(graph, stashes, links):
             if late_size[w] == 0 or t != free[w] or late_k[base] != key:
                 continue  # stale: the worker or its queue changed since
             item = late_e[base]
-            late_size[w] = _late_pop(late_k, late_e, base, late_size[w])
+            late_size[w] = _heap_pop(late_k, late_e, base, late_size[w])
             if late_size[w] > 0:
                 size = _push(heap_t, heap_k, heap_e, size, t, late_k[base], -1 - w)
         else:
@@ -313,7 +313,7 @@ def schedule(graph, stashes, links):
                     continue
             elif t < free[w]:  # the worker got busier: wait among its late items
                 base = late_base[w]
-                late_size[w] = _late_push(late_k, late_e, base, late_size[w], key, item)
+                late_size[w] = _heap_push(late_k, late_e, base, late_size[w], key, item)
                 if late_e[base] == item:
                     size = _push(heap_t, heap_k, heap_e, size, free[w], key, -1 - w)
                 continue
@@ -357,7 +357,7 @@ def schedule(graph, stashes, links):
                     size = _push(heap_t, heap_k, heap_e, size, max(begin, ready[other]), trigger_rank[other], other)
             for r in range(release_ptr[item], release_ptr[item + 1]):
                 holder = release_worker[r]
-                release_size[holder] = _pair_push(release_t, release_a, release_base[holder], release_size[holder],
+                release_size[holder] = _heap_push(release_t, release_a, release_base[holder], release_size[holder],
                                                   finish, release_amount[r])
                 count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
                 for j in range(count):
@@ -386,7 +386,7 @@ def schedule(graph, stashes, links):
                 nxt_key = trigger_rank[nxt]
                 if ready[nxt] < free[nxt_worker] and gang[nxt] < 0:
                     base = late_base[nxt_worker]
-                    late_size[nxt_worker] = _late_push(late_k, late_e, base, late_size[nxt_worker], nxt_key, nxt)
+                    late_size[nxt_worker] = _heap_push(late_k, late_e, base, late_size[nxt_worker], nxt_key, nxt)
                     if late_e[base] == nxt:
                         size = _push(heap_t, heap_k, heap_e, size, free[nxt_worker], nxt_key, -1 - nxt_worker)
                 else:
@@ -437,7 +437,7 @@ def _level(w, t, live, base, release_size, release_t, release_a):
     """Worker w's live stashes at ``t``, after the releases booked up to then."""
     while release_size[w] > 0 and release_t[base] <= t + _EPS:
         live[w] -= release_a[base]
-        release_size[w] = _pair_pop(release_t, release_a, base, release_size[w])
+        release_size[w] = _heap_pop(release_t, release_a, base, release_size[w])
     return live[w]
 
 
@@ -453,7 +453,7 @@ def _admit(item, t, key, limit, claim_ptr, claim_worker, claim_amount, claim_pai
         when = _when_freed(need, release_base[w], release_size[w], release_t, release_a, scratch_t, scratch_a)
         if when == math.inf:
             pair = claim_pair[c]
-            park_size[pair] = _late_push(park_k, park_e, pair_base[pair], park_size[pair], key, item)
+            park_size[pair] = _heap_push(park_k, park_e, pair_base[pair], park_size[pair], key, item)
             return math.inf
         retry = max(retry, when)
     return retry
@@ -468,7 +468,7 @@ def _when_freed(need, base, count, release_t, release_a, scratch_t, scratch_a):
     freed = 0.0
     while count > 0:
         time, released = scratch_t[0], scratch_a[0]
-        count = _pair_pop(scratch_t, scratch_a, base - base, count)
+        count = _heap_pop(scratch_t, scratch_a, base - base, count)
         freed += released
         if freed >= need - _EPS:
             return time
@@ -483,7 +483,7 @@ def _wake(w, pair_ptr, pair_base, park_size, park_k, park_e, woken):
             base = pair_base[pair]
             woken[count] = park_e[base]
             count += 1
-            park_size[pair] = _late_pop(park_k, park_e, base, park_size[pair])
+            park_size[pair] = _heap_pop(park_k, park_e, base, park_size[pair])
     return count
 
 
@@ -624,8 +624,10 @@ def _grown(ht, hk, he, size):
     return t, k, e
 
 
-def _late_push(lk, le, base, size, k, e):
-    """Push onto a heap of (int, int) pairs in the region starting at ``base``."""
+def _heap_push(lk, le, base, size, k, e):
+    """Push (k, e) onto a heap of pairs, smallest first, kept in two arrays from
+    ``base`` on (integer pairs for late and parked items, times for releases:
+    numba compiles one version for each; equal pairs may sit in either order)."""
     i = size
     while i > 0:
         parent = (i - 1) >> 1
@@ -638,7 +640,7 @@ def _late_push(lk, le, base, size, k, e):
     return size + 1
 
 
-def _late_pop(lk, le, base, size):
+def _heap_pop(lk, le, base, size):
     size -= 1
     k, e = lk[base + size], le[base + size]
     i = 0
@@ -659,42 +661,7 @@ def _late_pop(lk, le, base, size):
     return size
 
 
-def _pair_push(at, aa, base, size, t, a):
-    """Push onto a heap of (float, float) pairs in the region starting at ``base``."""
-    i = size
-    while i > 0:
-        parent = (i - 1) >> 1
-        pt, pa = at[base + parent], aa[base + parent]
-        if t > pt or (t == pt and a >= pa):
-            break
-        at[base + i], aa[base + i] = pt, pa
-        i = parent
-    at[base + i], aa[base + i] = t, a
-    return size + 1
-
-
-def _pair_pop(at, aa, base, size):
-    size -= 1
-    t, a = at[base + size], aa[base + size]
-    i = 0
-    while True:
-        child = 2 * i + 1
-        if child >= size:
-            break
-        c = base + child
-        if child + 1 < size and (at[c + 1] < at[c] or (at[c + 1] == at[c] and aa[c + 1] < aa[c])):
-            child += 1
-            c += 1
-        if at[c] > t or (at[c] == t and aa[c] >= a):
-            break
-        at[base + i], aa[base + i] = at[c], aa[c]
-        i = child
-    if size > 0:
-        at[base + i], aa[base + i] = t, a
-    return size
-
-
-_HELPERS = ("_before", "_push", "_pop", "_grown", "_late_push", "_late_pop", "_pair_push", "_pair_pop", "_regions",
+_HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_regions",
             "_slack", "_latest_free", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories", "_rows",
             "_bisect_right", "_book", "_send", "_fetch", "_returns_now", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""

@@ -70,3 +70,53 @@ def test_a_rank_blocked_in_a_c_call_is_stopped_by_its_step_timeout():
         assert r.error is None, f"rank {r.rank}: {r.error}"
         assert "rank 1 ran past the step timeout of 3 s" in r.value["error"], r.value
         assert r.value["seconds"] < 3 + 10, r.value
+
+
+# ---------------------------------------------------------------------- no unpickling of peer bytes
+class ToDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return {"h": self.linear(x), "ids": torch.arange(x.shape[0])}
+
+
+class FromDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)
+
+    def forward(self, value):
+        return self.norm(self.linear(value["h"])) + value["ids"][:, None]
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a rank unpickled bytes")
+
+
+def _without_pickle(rank: int, world: int, schedule):
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    pickle.loads = c10d._tensor_to_object = _refuse
+    torch.manual_seed(0)
+    trainer = Trainer([ToDict(), FromDict()], schedule, nn.functional.mse_loss, optimizer, timeout=20)
+    x, y = batch()
+    losses = [trainer.step(x, y) for _ in range(2)]
+    costs = trainer.calibrate(x, y, steps=2)
+    state = {name: tensor.sum().item() for name, tensor in trainer.gather_state_dict().items()}
+    trainer.close()
+    return {"losses": losses, "forward": list(costs.forward), "state": state,
+            "timeline": rank != 0 or trainer.last_timeline is not None}
+
+
+def test_ranks_agree_on_set_up_shapes_and_costs_without_unpickling():
+    results = run_local(_without_pickle, 2, gpipe_timeline(2, 4), timeout=60)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    first, second = (r.value for r in results)
+    assert first["losses"] == second["losses"] and first["forward"] == second["forward"]
+    assert first["state"] == second["state"] and "1.norm.running_mean" in first["state"]
+    assert len(first["forward"]) == 2 and min(first["forward"]) > 0 and first["timeline"]

@@ -53,6 +53,14 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from unisched.errors import ShapeError, UniSchedError
+from unisched.execute.agreement import (
+    all_gather_json,
+    broadcast_json,
+    dtype_name,
+    dtype_of,
+    spec_dumps,
+    spec_loads,
+)
 from unisched.execute.faults import (
     CommunicationError,
     ExecutionError,
@@ -399,9 +407,12 @@ class Trainer:
                 timelines.append(self.last_timeline)
         finally:
             self.record = record
-        box = [calibrate_costs(timelines[1:], **options) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self._control)
-        return dataclasses.replace(box[0], **self.memory_sizes())
+        from unisched.costs import Costs
+
+        fitted = calibrate_costs(timelines[1:], **options).to_dict() if self.rank == 0 else None
+        if self.world_size > 1:
+            fitted = broadcast_json(fitted, src=0, group=self._control)
+        return dataclasses.replace(Costs.from_dict(fitted), **self.memory_sizes())
 
     def memory_sizes(self) -> dict[str, list[float]]:
         """Per stage, from the real stages (every rank calls it; the same on
@@ -486,18 +497,17 @@ class Trainer:
         if error is None:
             built = {s: ([tuple(p.shape) for p in self.stages[s].parameters()], self._state_specs[s],
                          self.weight_bytes[s], self._buffer_specs[s]) for s in self._mine}
-        verdicts: list = [None] * self.world_size
         message = None
         if error is not None:
             message = str(error) if isinstance(error, UniSchedError) else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(verdicts, (message, built), group=self._control)
+        verdicts = all_gather_json([message, _built_json(built)], self._control, self.world_size)
         if error is not None:
             raise error
         for rank, (message, _) in enumerate(verdicts):
             if message is not None:
                 raise ProgramError(f"rank {rank} cannot run this schedule: {message}")
         for rank, (_, theirs) in enumerate(verdicts):
-            for s, (shapes, specs, nbytes, buffers) in sorted(theirs.items()):
+            for s, (shapes, specs, nbytes, buffers) in sorted(_built_from_json(theirs).items()):
                 if s in built and shapes != built[s][0]:
                     raise ProgramError(
                         f"rank {rank}'s stage {s} has parameters of shapes {shapes[:4]} but rank {self.rank}'s "
@@ -529,8 +539,7 @@ class Trainer:
         """Per-rank clock offsets: zero on one host (perf_counter is shared), barrier-aligned across hosts."""
         dist.barrier(group=self._control)
         now = time.perf_counter()
-        seen: list = [None] * self.world_size
-        dist.all_gather_object(seen, (socket.gethostname(), now), group=self._control)
+        seen = all_gather_json([socket.gethostname(), now], self._control, self.world_size)
         if len({host for host, _ in seen}) == 1:
             return [0.0] * self.world_size
         return [t for _, t in seen]
@@ -589,14 +598,13 @@ class Trainer:
                                                            xs or [sample_leaves]))
                     if mine is not None:
                         outputs[s] = mine
-                heard: list = [told]
+                heard = [_facts_json(told)]
                 if self.world_size > 1:
-                    heard = [None] * self.world_size
-                    dist.all_gather_object(heard, told, group=self._control)
+                    heard = all_gather_json(heard[0], self._control, self.world_size)
                 failed = next((h for h in heard if isinstance(h, str)), None)
                 if failed is not None:
                     raise ShapeError(failed)
-                layouts[s] = Layout.make(*heard[self._first_forward[s]])
+                layouts[s] = Layout.make(*_facts_from_json(heard[self._first_forward[s]]))
         return [layouts[s] for s in range(len(self.stages))]
 
     @contextlib.contextmanager
@@ -1451,7 +1459,7 @@ class Layout(_ShapeAndDtype):
     def make(cls, skeleton: Any, paths, shapes, dtypes, grads) -> "Layout":
         """From the facts :func:`_describe` finds, which travel in the probe:
         the structure as a *skeleton*, the value with a 0 in place of each
-        tensor (a TreeSpec itself does not unpickle cleanly)."""
+        tensor."""
         spec = tree_flatten(skeleton)[1]
         shapes = tuple(torch.Size(shape) for shape in shapes)
         layout = cls(tree_unflatten(list(shapes), spec), tree_unflatten(list(dtypes), spec))
@@ -1536,7 +1544,7 @@ def _detached(leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 def _describe(value: Any, what: str, grads: bool) -> tuple[list[torch.Tensor], tuple]:
     """The tensors of ``value`` and the facts a :class:`Layout` is made of
     (structure, paths, shapes, dtypes, the tensors that need a gradient when
-    ``grads``), all plain picklable values; a value that is not a tensor
+    ``grads``), all plain values; a value that is not a tensor
     pytree is refused, naming the field."""
     found, spec = tree_flatten_with_path(value)
     for path, leaf in found:
@@ -1548,6 +1556,41 @@ def _describe(value: Any, what: str, grads: bool) -> tuple[list[torch.Tensor], t
     needs = tuple(i for i, leaf in enumerate(leaves) if grads and leaf.requires_grad)
     return leaves, (tree_unflatten([0] * len(leaves), spec), [keystr(path) for path, _ in found],
                     [tuple(t.shape) for t in leaves], [t.dtype for t in leaves], needs)
+
+
+def _facts_json(facts: tuple | str | None) -> dict | str | None:
+    """:func:`_describe`'s facts (or a probe's error, or None) as JSON for the probe's gather."""
+    if facts is None or isinstance(facts, str):
+        return facts
+    skeleton, paths, shapes, dtypes, needs = facts
+    return {"spec": spec_dumps(tree_flatten(skeleton)[1]), "paths": list(paths),
+            "shapes": [list(shape) for shape in shapes], "dtypes": [dtype_name(d) for d in dtypes],
+            "grads": list(needs)}
+
+
+def _facts_from_json(data: dict) -> tuple:
+    """The facts :func:`_facts_json` wrote, as :meth:`Layout.make` takes them."""
+    spec = spec_loads(data["spec"])
+    skeleton = tree_unflatten([0] * spec.num_leaves, spec)
+    return (skeleton, [str(p) for p in data["paths"]], [tuple(int(n) for n in shape) for shape in data["shapes"]],
+            [dtype_of(d) for d in data["dtypes"]], tuple(int(i) for i in data["grads"]))
+
+
+def _built_json(built: dict) -> dict:
+    """What a rank built, per stage (parameter shapes, state dict specs,
+    weight bytes, buffer specs), as JSON for the set-up agreement."""
+    return {str(s): [[list(shape) for shape in shapes],
+                     {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in specs.items()},
+                     nbytes, [[list(shape), dtype_name(dtype)] for shape, dtype in buffers]]
+            for s, (shapes, specs, nbytes, buffers) in built.items()}
+
+
+def _built_from_json(data: dict) -> dict:
+    """The stages :func:`_built_json` wrote, keyed by stage index again."""
+    return {int(s): ([tuple(shape) for shape in shapes],
+                     {name: (torch.Size(shape), dtype_of(dtype)) for name, (shape, dtype) in specs.items()},
+                     float(nbytes), [(tuple(shape), dtype_of(dtype)) for shape, dtype in buffers])
+            for s, (shapes, specs, nbytes, buffers) in data.items()}
 
 
 def _departure(what: str, value: Any, layout: Layout) -> str:

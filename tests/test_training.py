@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from unisched import ComputeAndWeightWorkers, Direction, Work, policies, simulate
+from unisched import ComputeAndWeightWorkers, policies, simulate
 from unisched.errors import ShapeError
 from unisched.execute import ProgramError, Trainer, train_one_process
 from unisched.execute.launch import run_local
@@ -22,6 +22,7 @@ from unisched.execute.training import micro_batch_seed
 from unisched.strategy import Gang, Strategy
 
 from test_execute import assert_every_rank_matches, largest_change, run_ranks, state_of
+from test_execute_pytrees import backward_away, scattered_halves  # a backward, and split halves, away from their forward
 
 W = S = 3
 B = 4
@@ -81,24 +82,6 @@ def loss_fn(output, target):
 
 
 # ---------------------------------------------------------------------- schedules
-def backward_away(w: Work) -> ComputeAndWeightWorkers:
-    """GPipe, but the backward of stages 1 and 2 on even micro-batches runs on
-    the next worker, which recomputes the forward from the stash."""
-    if w.direction == Direction.BACKWARD and w.stage > 0 and w.batch % 2 == 0:
-        return ComputeAndWeightWorkers((w.stage + 1) % W, w.stage)
-    return ComputeAndWeightWorkers(w.stage, w.stage)
-
-
-def scattered_halves(w: Work) -> ComputeAndWeightWorkers:
-    """A split backward whose input and weight passes run away from their forward."""
-    worker = w.stage
-    if w.direction == Direction.BACKWARD_INPUT and w.batch % 2 == 0:
-        worker = (w.stage + 1) % W
-    if w.direction == Direction.BACKWARD_WEIGHT and w.batch % 3 == 0:
-        worker = (w.stage + 2) % W
-    return ComputeAndWeightWorkers(worker, w.stage)
-
-
 def schedules() -> dict:
     """Name -> (Timeline, micro-batches)."""
     made = {name: simulate(W, S, B, policies.get(name, num_workers=W, num_stages=S, num_batches=B))

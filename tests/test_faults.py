@@ -3,6 +3,9 @@ step timeout, and the ranks agree on metadata without unpickling peer bytes."""
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing as mp
+import os
 import time
 
 import torch
@@ -10,7 +13,7 @@ from torch import nn
 
 from unisched import policies, simulate
 from unisched.execute import ExecutionError, Trainer
-from unisched.execute.launch import run_local
+from unisched.execute.launch import free_port, run_local
 
 WIDTH = 8
 
@@ -120,3 +123,64 @@ def test_ranks_agree_on_set_up_shapes_and_costs_without_unpickling():
     assert first["losses"] == second["losses"] and first["forward"] == second["forward"]
     assert first["state"] == second["state"] and "1.norm.running_mean" in first["state"]
     assert len(first["forward"]) == 2 and min(first["forward"]) > 0 and first["timeline"]
+
+
+# ---------------------------------------------------------------------- the rank that hosts the store dies
+class Dier(nn.Module):
+    """A stage whose process exits at once in the second step on one rank."""
+
+    def __init__(self, inner: nn.Module, rank: int, bad_rank: int):
+        super().__init__()
+        self.inner, self.rank, self.bad_rank, self.calls = inner, rank, bad_rank, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.rank == self.bad_rank and self.calls > 6:
+            os._exit(7)
+        return self.inner(x)
+
+
+def _store_on_rank_zero(rank: int, world: int, port: int, schedule, results):
+    """One rank of a process group started as outside torchrun: rank 0 serves the store."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=20))
+        stages = make_stages(3)
+        stages[0] = Dier(stages[0], rank, 0)
+        trainer = Trainer(stages, schedule, nn.functional.mse_loss, optimizer, timeout=10)
+        x, y = batch()
+        try:
+            for _ in range(3):
+                trainer.step(x, y)
+            results.put((rank, "finished"))
+        except ExecutionError as error:
+            results.put((rank, str(error)))
+    except BaseException as error:
+        results.put((rank, f"unexpected {type(error).__name__}: {error}"))
+    finally:
+        results.close()
+        results.join_thread()
+    os._exit(0)
+
+
+def test_when_the_rank_that_hosts_the_store_dies_every_rank_names_it():
+    context = mp.get_context("forkserver")
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_store_on_rank_zero, args=(r, 3, port, gpipe_timeline(3, 6), results),
+                             daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        heard = dict(results.get(timeout=40) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    assert procs[0].exitcode == 7
+    for rank in (1, 2):
+        assert "because rank 0, which hosts the rendezvous store, is gone" in heard[rank], heard

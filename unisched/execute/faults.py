@@ -7,7 +7,10 @@ Three mechanisms together:
 - a rank that fails writes the cause on a *fault board* (a key in the
   process group's store) before it raises, so the ranks that then lose it
   (its process exits and gloo reports the closed connection, or the timeout
-  fires) report that cause rather than a bare connection error;
+  fires) report that cause rather than a bare connection error; when the
+  store itself cannot be reached, the process that served it is gone, and
+  that is the cause named (rank 0 where it served the store, as when the
+  process group starts from MASTER_ADDR outside torchrun);
 - a watchdog thread per trainer interrupts a step that runs past the step
   timeout, after writing that on the board.  It sends SIGUSR1 to the main
   thread (:class:`MainThreadInterrupt`), which breaks a blocking C call such
@@ -50,9 +53,11 @@ class FaultBoard:
 
     KEY = "fault"
 
-    def __init__(self, store, prefix: str):
+    def __init__(self, store, prefix: str, host: int | None = None):
         self._store = store
         self._prefix = prefix
+        self.host = host
+        self.lost = False
 
     @property
     def _key(self) -> str:
@@ -79,10 +84,27 @@ class FaultBoard:
                     value = self._store.get(self._key)
                     return value.decode() if isinstance(value, bytes) else str(value)
             except Exception:
+                self.lost = True
                 return None
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+
+    def gone(self) -> str:
+        """The cause when the store cannot be reached: the process that served it is gone."""
+        if self.host is not None:
+            return f"rank {self.host}, which hosts the rendezvous store, is gone (the store cannot be reached)"
+        return "the process that hosts the rendezvous store is gone (the store cannot be reached)"
+
+
+def hosts_store(store) -> bool:
+    """Whether this process serves ``store`` (a TCPStore, or a PrefixStore
+    over one).  torch tells this only in the store's description, which
+    names its server (``server=<nullptr>`` on a client); False when unknown."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return "server=TCPServer" in repr(store)
 
 
 class MainThreadInterrupt:

@@ -67,6 +67,7 @@ from unisched.execute.faults import (
     FaultBoard,
     NonFiniteLossError,
     Watchdog,
+    hosts_store,
 )
 from unisched.execute.measure import Clock, NotesLayout, assemble
 from unisched.execute.stages import is_factory, materialize
@@ -217,8 +218,9 @@ class Trainer:
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
         self._buffer_groups = self._make_buffer_groups(delta)
-        self._board = FaultBoard(_default_store(), f"unisched/{self._control.group_name}")
-        self._offsets = self._clock_offsets()
+        store = _default_store()
+        self._offsets, host = self._clock_offsets(store)
+        self._board = FaultBoard(store, f"unisched/{self._control.group_name}", host)
 
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
@@ -535,14 +537,17 @@ class Trainer:
                                     for b in range(program.num_batches)) for s in keepers}
         return {s: (members, groups[members]) for s, members in keepers.items() if self.rank in members}
 
-    def _clock_offsets(self) -> list[float]:
-        """Per-rank clock offsets: zero on one host (perf_counter is shared), barrier-aligned across hosts."""
+    def _clock_offsets(self, store) -> tuple[list[float], int | None]:
+        """Per-rank clock offsets (zero on one host, where perf_counter is
+        shared; barrier-aligned across hosts), and the rank whose process
+        serves ``store`` (None when none does, as under torchrun)."""
         dist.barrier(group=self._control)
         now = time.perf_counter()
-        seen = all_gather_json([socket.gethostname(), now], self._control, self.world_size)
-        if len({host for host, _ in seen}) == 1:
-            return [0.0] * self.world_size
-        return [t for _, t in seen]
+        seen = all_gather_json([socket.gethostname(), now, hosts_store(store)], self._control, self.world_size)
+        host = next((rank for rank, (_, _, serves) in enumerate(seen) if serves), None)
+        if len({name for name, _, _ in seen}) == 1:
+            return [0.0] * self.world_size, host
+        return [t for _, t, _ in seen], host
 
     def _layouts_for(self, spec: TreeSpec, leaves: tuple[torch.Tensor, ...]) -> "_Agreed":
         """The layouts agreed for micro-batches like ``leaves``: remembered
@@ -1304,6 +1309,8 @@ class Trainer:
             mine = f"rank {self.rank} ran past the step timeout of {self.timeout:g} s{where} in step {self._step_no}"
         elif isinstance(error, CommunicationError):
             cause = self._board.read(wait=2.0)
+            if cause is None and self._board.lost:
+                cause = self._board.gone()
             if cause is not None:
                 self._failed = cause
                 return ExecutionError(f"rank {self.rank} stopped{where} in step {self._step_no} because {cause}")

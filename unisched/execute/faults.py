@@ -123,13 +123,15 @@ class MainThreadInterrupt:
         self._main = threading.main_thread().ident
         self._previous = None
         self.uses_signal = False
+        self.pending = False
         if (self.SIGNAL is not None and hasattr(signal, "pthread_kill")
                 and threading.current_thread() is threading.main_thread()):
             self._previous = signal.signal(self.SIGNAL, self._handle)
             self.uses_signal = True
 
     def _handle(self, signum, frame) -> None:
-        if self._wanted():
+        if self._wanted() and self.pending:
+            self.pending = False
             raise KeyboardInterrupt("step timeout")
         if callable(self._previous):  # another open trainer's, or the program's own
             self._previous(signum, frame)
@@ -137,9 +139,16 @@ class MainThreadInterrupt:
     def fire(self) -> None:
         """Interrupt the main thread now."""
         if self.uses_signal:
+            self.pending = True
             signal.pthread_kill(self._main, self.SIGNAL)
         else:
             _thread.interrupt_main()
+
+    def take_pending(self) -> bool:
+        """Whether a signal was sent whose handler has not raised yet (it then never will):
+        the caller raises in its place.  Called by the main thread."""
+        pending, self.pending = self.pending, False
+        return pending
 
     def close(self) -> None:
         """Put the previous handler back (only if this one is still installed)."""
@@ -191,11 +200,20 @@ class Watchdog:
             return self._steps
 
     def disarm(self, step: int | None = None) -> None:
-        """End step ``step`` (any armed step when None); a stale id does nothing."""
+        """End step ``step`` (any armed step when None); a stale id does nothing.
+
+        If the watchdog fired for the step and its signal has not landed yet
+        (the main thread was waiting here for the lock when it came), the
+        interrupt is raised here, so it still lands before ``disarm`` returns."""
         with self._mutex:
+            landed_here = False
             if step is None or step == self._armed:
+                landed_here = self._fired_for is not None and self._fired_for == self._armed \
+                    and self._interrupt.take_pending()
                 self._deadline = None
                 self._armed = None
+        if landed_here:
+            raise KeyboardInterrupt("step timeout")
 
     def stop(self) -> None:
         with self._lock:

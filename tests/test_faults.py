@@ -4,6 +4,7 @@ step timeout, and the ranks agree on metadata without unpickling peer bytes."""
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -37,23 +38,23 @@ def gpipe_timeline(W: int, B: int):
 
 
 # ---------------------------------------------------------------------- a rank blocked in C
-class Sleeper(nn.Module):
-    """A stage that, on one rank and in the second step, sleeps in C for good."""
+class FailsInStepTwo(nn.Module):
+    """A stage that, on one rank and in the second step, does ``fault()`` (sleeps in C for good, exits)."""
 
-    def __init__(self, inner: nn.Module, rank: int, bad_rank: int):
+    def __init__(self, inner: nn.Module, rank: int, bad_rank: int, fault):
         super().__init__()
-        self.inner, self.rank, self.bad_rank, self.calls = inner, rank, bad_rank, 0
+        self.inner, self.rank, self.bad_rank, self.fault, self.calls = inner, rank, bad_rank, fault, 0
 
     def forward(self, x):
         self.calls += 1
         if self.rank == self.bad_rank and self.calls > 6:
-            time.sleep(1e6)
+            self.fault()
         return self.inner(x)
 
 
 def _blocked_run(rank: int, world: int, schedule):
     stages = make_stages(3)
-    stages[1] = Sleeper(stages[1], rank, 1)
+    stages[1] = FailsInStepTwo(stages[1], rank, 1, functools.partial(time.sleep, 1e6))
     trainer = Trainer(stages, schedule, nn.functional.mse_loss, optimizer, timeout=3)
     x, y = batch()
     start = time.monotonic()
@@ -126,20 +127,6 @@ def test_ranks_agree_on_set_up_shapes_and_costs_without_unpickling():
 
 
 # ---------------------------------------------------------------------- the rank that hosts the store dies
-class Dier(nn.Module):
-    """A stage whose process exits at once in the second step on one rank."""
-
-    def __init__(self, inner: nn.Module, rank: int, bad_rank: int):
-        super().__init__()
-        self.inner, self.rank, self.bad_rank, self.calls = inner, rank, bad_rank, 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.rank == self.bad_rank and self.calls > 6:
-            os._exit(7)
-        return self.inner(x)
-
-
 def _store_on_rank_zero(rank: int, world: int, port: int, schedule, results):
     """One rank of a process group started as outside torchrun: rank 0 serves the store."""
     import torch.distributed as dist
@@ -149,7 +136,7 @@ def _store_on_rank_zero(rank: int, world: int, port: int, schedule, results):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=20))
         stages = make_stages(3)
-        stages[0] = Dier(stages[0], rank, 0)
+        stages[0] = FailsInStepTwo(stages[0], rank, 0, functools.partial(os._exit, 7))
         trainer = Trainer(stages, schedule, nn.functional.mse_loss, optimizer, timeout=10)
         x, y = batch()
         try:

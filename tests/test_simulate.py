@@ -496,37 +496,6 @@ def test_work_text_form_round_trips():
     assert math.isclose(simulate(1, 1, 1, gpipe).latency, UNIT)
 
 
-# ---------------------------------------------------------------------- one algorithm, two runners
-@settings(max_examples=30, deadline=None)
-@given(
-    W=st.integers(1, 4),
-    S=st.integers(1, 4),
-    B=st.integers(1, 5),
-    split=st.booleans(),
-    durations=st.sampled_from([(1, 2), (1, 1), (0.5, 1.25)]),
-    seed=st.integers(0, 2**31),
-)
-def test_compiled_greedy_matches_the_engine(W, S, B, split, durations, seed):
-    from unisched.simulate import engine, fast
-    from unisched.dataflow import EDGE_PRIMARY
-    from unisched.simulate.problem import build
-    from unisched.simulate.priorities import OldestBatchFirst
-    from unisched.work import Shape, StageGraph
-
-    strategy = unisched.as_strategy(random_mapping(seed, W, S, B, split))
-    costs = Costs(forward=durations[0], backward=durations[1])
-    p = build(Shape(W, S, B), strategy, OldestBatchFirst(S, B), costs, None, split, StageGraph(S))
-    reference_start, reference_end, _ = engine.run(p)
-    args = (
-        p.worker_array, p.duration, p.rank, p.succ_ptr, p.succ_idx, p.succ_kind == EDGE_PRIMARY,
-        p.num_deps, p.sources[0], p.rank[p.sources[1]], W,
-    )
-    runners = [fast.greedy] + ([fast.compiled_greedy()] if fast.compiled_greedy() is not None else [])
-    for runner in runners:
-        start, end = runner(*args)
-        assert np.array_equal(start, reference_start) and np.array_equal(end, reference_end)
-
-
 # ---------------------------------------------------------------------- tensor parallelism
 def test_gang_items_keep_their_whole_group_busy():
     """Stage 1 split over workers 1 and 2: its items start when both are free."""

@@ -212,17 +212,6 @@ def run(problem):
                                 item.tolist()))
 
 
-def greedy(worker, duration, rank, succ_ptr, succ_idx, succ_primary, num_deps, source_items, source_keys,
-           num_workers):
-    """Start and end times without memory limits or communication."""
-    graph = Graph(worker, duration, rank, succ_ptr, succ_idx, succ_primary, np.ones(len(succ_idx), bool), num_deps,
-                  source_items, source_keys, num_workers, np.full(len(worker), -1), np.zeros(1, np.int64),
-                  np.zeros(0, np.int64))
-    tables = (graph, no_stashes(len(worker), num_workers), no_links())
-    start, end, _ = schedule(*(_contiguous(table) for table in tables))
-    return start, end
-
-
 def _contiguous(table):
     """``table`` with every array contiguous, so that every call has the
     one signature numba compiled."""
@@ -682,13 +671,11 @@ def compiled_schedule():
 
 def warm_up() -> None:
     """Compile :func:`schedule` now, or load it from numba's cache (a
-    benchmark's first timed call should not pay for it)."""
-    if compiled_schedule() is not None:
-        one = np.zeros(1, np.int64)
-        greedy(one, np.ones(1), one, np.array([0, 0]), one[:0], np.zeros(0, bool), one, one, one, 1)
-
-
-@cache
-def compiled_greedy():
-    """:func:`greedy` on the compiled :func:`schedule`, or None without numba."""
-    return greedy if compiled_schedule() is not None else None
+    benchmark's first timed call should not pay for it): one item, no
+    limit, free communication."""
+    if compiled_schedule() is None:
+        return
+    one, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
+    graph = Graph(one, np.ones(1), one, np.zeros(2, np.int64), none, np.zeros(0, bool), np.zeros(0, bool), one, one,
+                  one, 1, np.full(1, -1), np.zeros(1, np.int64), none)
+    schedule(*(_contiguous(table) for table in (graph, no_stashes(1, 1), no_links())))

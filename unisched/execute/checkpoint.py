@@ -39,12 +39,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from unisched.execute.checkpoint_files import CheckpointError, is_checkpoint, latest_checkpoint, step_checkpoint
+from unisched.execute.agreement import all_gather_json
+from unisched.execute.checkpoint_files import (
+    CheckpointError,
+    is_checkpoint,
+    latest_checkpoint,
+    partial_checkpoint,
+    step_checkpoint,
+)
 
 __all__ = ["CheckpointError", "checkpoint_state_dict", "latest_checkpoint", "load_checkpoint", "read_checkpoint",
            "save_checkpoint", "saved_extra", "step_checkpoint"]
@@ -80,15 +86,14 @@ def save_checkpoint(trainer, path: str | Path, extra: dict | None = None) -> Pat
     (every rank calls it, between steps) to the directory ``path``; ``extra``
     (the same on every rank) comes back from :func:`load_checkpoint`."""
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    group = _control(trainer)
+    partial = partial_checkpoint(path)
     problem = None
     if trainer.rank == 0:
         problem = _attempt(lambda: _fresh_directory(partial), f"cannot write {partial}")
     _agree(trainer, problem)
     state = _state_to_save(trainer, extra)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=_control(trainer))
     except Exception as error:
         raise CheckpointError(f"saving checkpoint {path} failed: {_first_line(error)}") from error
     problem = None
@@ -115,13 +120,11 @@ def _state_to_save(trainer, extra: dict | None) -> dict[str, Any]:
                     state[optimizer_key(s, share, name, field + PACKED)] = pack(value)
         objects["optimizer_class"] = type(optimizer).__name__
         objects["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    scheduler = getattr(trainer, "scheduler", None)
-    if scheduler is not None:
-        objects["scheduler"] = scheduler.state_dict()
-    if callable(getattr(trainer, "training_state", None)):
-        # the scheduler's state is kept above, by the ranks that have one:
-        # a rank without an optimizer has none, and DCP keeps one rank's copy
-        objects["training_state"] = {k: v for k, v in trainer.training_state().items() if k != "scheduler"}
+    if trainer.scheduler is not None:
+        objects["scheduler"] = trainer.scheduler.state_dict()
+    # the scheduler's state is kept above, by the ranks that have one: a rank
+    # without an optimizer has none, and DCP keeps one rank's copy
+    objects["training_state"] = {k: v for k, v in trainer.training_state().items() if k != "scheduler"}
     if extra is not None:
         objects["extra"] = dict(extra)
     state.update({f"trainer.{name}": pack(value) for name, value in objects.items()})
@@ -170,7 +173,7 @@ def stage_state(trainer, s: int) -> dict[str, torch.Tensor]:
     tensors, or the host copies of the parameters where they are offloaded."""
     stage: nn.Module = trainer.stages[s]
     state = stage.state_dict(keep_vars=True)
-    host = getattr(trainer, "host_weights", {}).get(s)
+    host = trainer.host_weights.get(s)
     if host is None:
         return {name: t.detach() for name, t in state.items()}
     copies = {id(p): h for p, h in zip(_trainable(stage), host)}
@@ -180,11 +183,10 @@ def stage_state(trainer, s: int) -> dict[str, torch.Tensor]:
 def truth_parameters(trainer) -> dict[tuple[int, int, str], torch.Tensor]:
     """``(stage, share, name) -> parameter`` for every weight of truth this
     rank's optimizer steps (offloaded ones: their host copies)."""
-    host_weights = getattr(trainer, "host_weights", {})
     out = {}
     for s, share in held_stages(trainer):
         named = [(name, p) for name, p in trainer.stages[s].named_parameters() if p.requires_grad]
-        truth = host_weights.get(s, [p for _, p in named])
+        truth = trainer.host_weights.get(s, [p for _, p in named])
         out.update({(s, share, name): t for (name, _), t in zip(named, truth)})
     return out
 
@@ -224,7 +226,7 @@ def read_metadata(path: str | Path) -> Metadata:
     """The checkpoint's DCP metadata: every key, with its shape and dtype."""
     path = Path(path)
     if not is_checkpoint(path):
-        partial = path.with_name(path.name + ".partial")
+        partial = partial_checkpoint(path)
         hint = f" ({partial} is an unfinished one)" if partial.exists() else ""
         raise CheckpointError(f"no checkpoint at {path}: it has no .metadata{hint}; give a directory "
                               f"save_checkpoint wrote (or the directory of step-N checkpoints to --resume)")
@@ -328,12 +330,9 @@ def _restore_optimizer(trainer, loaded: dict[str, Any], objects: dict[str, Any])
                                  for g, theirs in zip(saved["param_groups"], groups)]
         saved["state"] = state
         optimizer.load_state_dict(saved)
-    scheduler, saved_scheduler = getattr(trainer, "scheduler", None), objects.get("trainer.scheduler")
     training = objects.get("trainer.training_state")
-    if training is not None and callable(getattr(trainer, "load_training_state", None)):
-        trainer.load_training_state({**training, "scheduler": saved_scheduler})
-    elif scheduler is not None and saved_scheduler is not None:
-        scheduler.load_state_dict(saved_scheduler)
+    if training is not None:
+        trainer.load_training_state({**training, "scheduler": objects.get("trainer.scheduler")})
 
 
 # ---------------------------------------------------------------------- one process
@@ -381,24 +380,14 @@ def _field(name: str, value: torch.Tensor) -> tuple[str, Any]:
 # ---------------------------------------------------------------------- every rank agrees
 def _control(trainer):
     """The Trainer's gloo group (CPU collectives, on any backend)."""
-    return getattr(trainer, "_control", None)
+    return trainer._control
 
 
 def _agree(trainer, problem: str | None) -> None:
-    """Every rank learns every rank's problem (text, travelling as bytes in
-    tensors); all raise the first one together, or none does."""
-    texts = [problem or ""]
+    """Every rank learns every rank's problem; all raise the first one together, or none does."""
+    texts = [problem]
     if trainer.world_size > 1:
-        group = _control(trainer)
-        data = torch.tensor(list((problem or "").encode()), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(trainer.world_size)]
-        dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
-        longest = max(int(n) for n in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
-        dist.all_gather(gathered, padded, group=group)
-        texts = [bytes(g[: int(n)].tolist()).decode() for g, n in zip(gathered, sizes)]
+        texts = all_gather_json(problem, _control(trainer), trainer.world_size)
     for rank, text in enumerate(texts):
         if text:
             raise CheckpointError(f"rank {rank}: {text}" if trainer.world_size > 1 else text)

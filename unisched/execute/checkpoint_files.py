@@ -22,6 +22,12 @@ def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
+def partial_checkpoint(path: str | Path) -> Path:
+    """Where the ranks write the checkpoint bound for ``path`` until it is finished."""
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
 def step_checkpoint(directory: str | Path, step: int) -> Path:
     """Where the checkpoint after ``step`` steps goes in ``directory``."""
     return Path(directory) / f"step-{step:08d}"

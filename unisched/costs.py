@@ -83,7 +83,7 @@ class Costs:
             value = getattr(self, name)
             if value is None and name in _DEFAULTED:
                 continue
-            _check_per_stage(name, value)
+            check_per_stage(name, value)
         if self.worker_speed is not None:
             speeds = None if _is(self.worker_speed, "number") else _numbers(self.worker_speed)
             if speeds is None or not all(math.isfinite(v) and v > 0 for v in speeds):
@@ -273,7 +273,8 @@ def _numbers(value) -> list[float] | None:
         return [math.inf]
 
 
-def _check_per_stage(name: str, value) -> None:
+def check_per_stage(name: str, value) -> None:
+    """Refuse a per-stage cost field that is not a finite number >= 0 or a flat list of them."""
     numbers = _numbers(value)
     if numbers is None or not all(math.isfinite(v) and v >= 0 for v in numbers):
         raise ShapeError(

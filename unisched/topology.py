@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from unisched.costs import Costs, Link, PerStage, _check_per_stage
+from unisched.costs import Costs, Link, PerStage, check_per_stage
 from unisched.errors import ShapeError
 
 PRESETS = Path(__file__).resolve().parent / "topologies"
@@ -278,7 +278,7 @@ class ClusterCosts(Costs):
     def __post_init__(self):
         super().__post_init__()
         if self.tensor_parallel_bytes is not None:
-            _check_per_stage("tensor_parallel_bytes", self.tensor_parallel_bytes)
+            check_per_stage("tensor_parallel_bytes", self.tensor_parallel_bytes)
         if self.topology is None:
             raise ShapeError("ClusterCosts needs a topology (a preset name, a JSON file or a Topology)")
         object.__setattr__(self, "topology", Topology.load(self.topology))

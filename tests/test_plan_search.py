@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -161,12 +162,23 @@ def test_the_report_names_the_class_an_optimum_is_proven_for(capsys):
     assert "dropped" not in out
 
 
-def test_the_search_tables_equal_the_planners():
-    problem = paper_problem(4, 6, memory=8)
-    fast, full = search_module._timed(problem), TimedProblem.build(problem)
-    assert fast.ticks == full.ticks
-    for name in ("duration", "comm", "fetch", "stash", "batch", "stage", "direction"):
-        np.testing.assert_array_equal(getattr(fast, name), getattr(full, name))
+def test_timed_durations_are_every_items_time_on_every_worker_in_ticks():
+    costs = encode_costs(forward=[1.5, 2.0, 1.0], backward=[3.0, 4.5, 2.5], backward_input=[2.0, 3.0, 1.5],
+                         backward_weight=[1.0, 1.5, 1.0])
+    costs = dataclasses.replace(costs, worker_speed=[1.0, 2.0])
+    problem = PlanProblem(Shape(2, 3, 4), costs, split_backward=True)
+    timed = TimedProblem.build(problem)
+    batch, stage, direction = problem.items.arrays()
+    for item in range(problem.num_items):
+        for worker in range(2):
+            seconds = float(costs.item_time(stage[item], direction[item], worker, 3, 2))
+            assert timed.duration[item, worker] == round(seconds * timed.ticks.scale), (item, worker)
+    assert timed.duration.shape == (problem.num_items, 2) and len(np.unique(timed.duration)) >= 6
+
+
+def test_times_that_do_not_fit_integer_ticks_are_refused_naming_the_fix():
+    with pytest.raises(PlanInputError, match="coarser unit"):
+        TimedProblem.build(PlanProblem(Shape(2, 2, 2), encode_costs(forward=1e300, backward=1e-300)))
 
 
 def test_family_search_past_its_deadline_drops_the_rest_unsimulated():

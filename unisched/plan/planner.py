@@ -407,14 +407,8 @@ def check_plan_size(shape: Shape, split_backward: bool = False, heuristic: bool 
 
 
 def _timed(problem: PlanProblem) -> TimedProblem:
-    """The problem in CP-SAT's integer ticks, refused when its times do not fit them."""
-    try:
-        timed = TimedProblem.build(problem)
-    except (OverflowError, ValueError) as error:
-        raise PlanInputError(
-            f"the costs do not fit the integer ticks CP-SAT counts time in ({error}): give the times in a "
-            "coarser unit (e.g. milliseconds instead of microseconds)"
-        ) from None
+    """The problem in CP-SAT's integer ticks, refused when the step is too long for CP-SAT's integers."""
+    timed = TimedProblem.build(problem)
     n = problem.num_items
     horizon = (timed.duration.max(axis=1).astype(float).sum()
                + 2.0 * n * float(max(timed.comm.max(initial=0), timed.stash.max(initial=0)))

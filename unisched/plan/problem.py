@@ -411,17 +411,32 @@ class TimedProblem:
 
     @classmethod
     def build(cls, problem: PlanProblem) -> "TimedProblem":
+        """The tables in ticks, refused (naming the fix) when the times do not fit integers.
+
+        An item's time depends on its stage, pass and worker only, so durations are
+        converted for the first micro-batch's items and spread over all (converting per
+        item and worker takes seconds on large steps)."""
         W, S, B = problem.shape
         costs = problem.costs
         batch, stage, direction = problem.items.arrays()
-        seconds = costs.item_time(stage[:, None], direction[:, None], np.arange(W)[None, :], S, W)
+        first = np.flatnonzero(batch == 0)
+        seconds = costs.item_time(stage[first, None], direction[first, None], np.arange(W)[None, :], S, W)
         comm = transfer_matrix(costs, W, costs.per_stage("activation_bytes", S))
         fetch = transfer_matrix(costs, W, costs.per_stage("weight_bytes", S))
         stash = transfer_matrix(costs, W, dataflow.input_bytes(costs.per_stage("activation_bytes", S), problem.stage_graph))
-        ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel(), stash.ravel()]))
-        to_ticks = np.vectorize(ticks, otypes=[np.int64])
-        return cls(problem, ticks, to_ticks(seconds), to_ticks(comm), to_ticks(fetch), to_ticks(stash),
-                   batch, stage, direction)
+        try:
+            ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel(), stash.ravel()]))
+            to_ticks = np.vectorize(ticks, otypes=[np.int64])
+            row = np.empty(problem.num_items, dtype=np.int64)
+            row[first] = np.arange(len(first))
+            duration = to_ticks(seconds)[row[problem.items.id(0, stage, direction)]]
+            return cls(problem, ticks, duration, to_ticks(comm), to_ticks(fetch), to_ticks(stash),
+                       batch, stage, direction)
+        except (OverflowError, ValueError) as error:
+            raise PlanInputError(
+                f"the costs do not fit the integer ticks the planner counts time in ({error}): give the times in a "
+                "coarser unit (e.g. milliseconds instead of microseconds)"
+            ) from None
 
     @property
     def shape(self) -> Shape:

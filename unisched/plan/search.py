@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from heapq import heappop, heappush
 from typing import Iterable, Sequence, TextIO
@@ -51,7 +51,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.strategy import Strategy
-from unisched.work import BACKWARD_WEIGHT, FORWARD, Shape
+from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
@@ -706,7 +706,7 @@ class _Run:
     unsaid: bool = False
 
     def __post_init__(self):
-        self.timed = _timed(self.problem)
+        self.timed = TimedProblem.build(self.problem)
         bounds = shape_bounds(self.problem)
         self.bounds = {"work": bounds["work"]} if self.objective == "span" else bounds
         self.bound = max(self.bounds.values())
@@ -886,23 +886,6 @@ def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
     t = member.simulation.timeline
     rows = rows_of(problem, t)
     return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
-
-
-def _timed(problem: PlanProblem) -> TimedProblem:
-    """The problem in CP-SAT's integer ticks.  An item's time depends on its stage, pass and
-    worker only, so the tables are built for one micro-batch (the same times, the same ticks)
-    and spread over all: building them per item and worker takes seconds on large steps."""
-    W, S, B = problem.shape
-    try:
-        one = TimedProblem.build(replace(problem, shape=Shape(W, S, 1)))
-    except (OverflowError, ValueError) as error:
-        raise PlanInputError(
-            f"the costs do not fit the integer ticks the search counts time in ({error}): give the times in a "
-            "coarser unit (e.g. milliseconds instead of microseconds)"
-        ) from None
-    batch, stage, direction = problem.items.arrays()
-    duration = one.duration[one.problem.items.id(0, stage, direction)]
-    return TimedProblem(problem, one.ticks, duration, one.comm, one.fetch, one.stash, batch, stage, direction)
 
 
 def _nothing_runs(problem: PlanProblem, family) -> str:

@@ -72,7 +72,7 @@ class Route(NamedTuple):
     ("port_in", device), ("nic_out", node, nic), ("nic_in", node, nic)), the
     bandwidth it gets and the latency of one step."""
 
-    links: tuple[int, ...]
+    links: tuple[tuple, ...]
     bandwidth: float
     latency: float
 
@@ -216,6 +216,13 @@ class Topology:
 
     def _nic_link(self, device: int, receive: bool) -> tuple:
         return ("nic_in" if receive else "nic_out", self.node_of(device), self.nic_of(device))
+
+    def link_among(self, link: tuple, num_devices: int) -> bool:
+        """Whether ``link`` (of a :class:`Route`) serves devices 0..num_devices-1:
+        a port of one of them, or a NIC of one of their nodes."""
+        if link[0].startswith("port"):
+            return link[1] < num_devices
+        return link[1] * self.devices_per_node < num_devices
 
     def route(self, src: int, dst: int) -> Route:
         """The links a transfer from device src to device dst uses (src != dst)."""

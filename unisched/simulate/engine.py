@@ -381,17 +381,13 @@ class _Cluster:
         links = self.groups.get(key)
         if links is None:
             links = self.groups[key] = tuple(
-                link for link in self.topology.group_route(members).links if self._simulated(link))
+                link for link in self.topology.group_route(members).links
+                if self.topology.link_among(link, self.num_workers))
         return self._book(links, ready, duration)
 
     def everywhere(self, members) -> list[int]:
         """``members`` and the same workers of every other replica."""
         return [m + r * self.num_workers for r in range(self.replicas) for m in members]
-
-    def _simulated(self, link: tuple) -> bool:
-        if link[0].startswith("port"):
-            return link[1] < self.num_workers
-        return link[1] * self.topology.devices_per_node < self.num_workers
 
     def _book(self, links, ready: float, occupy: float) -> float:
         """Book ``occupy`` on every one of ``links`` in the first gap at or
@@ -420,27 +416,27 @@ class _Calendar:
         self.ends: list[float] = []
 
     def book(self, ready: float, occupy: float) -> float:
+        """Take the first gap of ``occupy`` at or after ``ready``; return its start."""
         if occupy <= 0:
             return ready
-        starts, ends = self.starts, self.ends
-        i = bisect_right(ends, ready)
-        begin = ready
-        while i < len(starts) and starts[i] < begin + occupy:
-            begin = max(begin, ends[i])
-            i += 1
-        starts.insert(i, begin)
-        ends.insert(i, begin + occupy)
+        begin, i = self._first_gap(ready, occupy)
+        self.starts.insert(i, begin)
+        self.ends.insert(i, begin + occupy)
         return begin
 
     def gap(self, ready: float, occupy: float) -> float:
         """The start of the first gap of ``occupy`` at or after ``ready`` (as :meth:`book`)."""
+        return self._first_gap(ready, occupy)[0]
+
+    def _first_gap(self, ready: float, occupy: float) -> tuple[float, int]:
+        """The first gap's start, and where an interval starting there goes in the lists."""
         starts, ends = self.starts, self.ends
         i = bisect_right(ends, ready)
         begin = ready
         while i < len(starts) and starts[i] < begin + occupy:
             begin = max(begin, ends[i])
             i += 1
-        return begin
+        return begin, i
 
     def take(self, begin: float, occupy: float) -> None:
         """Mark [begin, begin + occupy) busy (a gap :meth:`gap` found)."""

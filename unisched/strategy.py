@@ -33,6 +33,14 @@ class Gang(NamedTuple):
     workers: Sequence[int]
     collective: bool = True
 
+    @classmethod
+    def of(cls, group: "Sequence[int] | Gang | None") -> "Gang | None":
+        """What ``Strategy.gang`` returned, as a Gang: a plain list of workers
+        is a tensor-parallel gang; None stays None."""
+        if group is None or isinstance(group, Gang):
+            return group
+        return cls(group, True)
+
 
 @dataclass(frozen=True, eq=False)
 class Strategy:

@@ -243,11 +243,10 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
 
     def gang(work: Work):
         d, inner = local(work)
-        group = strategy.gang(inner)
+        group = Gang.of(strategy.gang(inner))
         if group is None:
             return None
-        workers, collective = (group.workers, group.collective) if isinstance(group, Gang) else (group, True)
-        return Gang(tuple(int(m) + d * W for m in workers), collective)
+        return Gang(tuple(int(m) + d * W for m in group.workers), group.collective)
 
     limit = strategy.memory_limit
     if limit is not None and np.ndim(limit):

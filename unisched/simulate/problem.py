@@ -397,19 +397,16 @@ def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
     W = shape.num_workers
     for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
         work = Work(b, s, Direction(d))
-        group = strategy.gang(work)
-        collective = True
-        if isinstance(group, Gang):
-            group, collective = group.workers, group.collective
-        if group is None or len(group) <= 1:
+        found = Gang.of(strategy.gang(work))
+        if found is None or len(found.workers) <= 1:
             continue
-        group = tuple(sorted({_worker_id(m, work, "gang", strategy, W) for m in group}))
+        group = tuple(sorted({_worker_id(m, work, "gang", strategy, W) for m in found.workers}))
         if any(not 0 <= m < W for m in group) or compute[i] not in group:
             raise StrategyError(
                 f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
                 f"compute worker {compute[i]} and only workers 0..{W - 1}"
             )
-        gang[i] = members.setdefault((group, bool(collective)), len(members))
+        gang[i] = members.setdefault((group, bool(found.collective)), len(members))
     return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
 
 

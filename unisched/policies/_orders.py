@@ -1,11 +1,13 @@
 """Building fixed per-worker orders for hand-made schedules.
 
-The pipelines of one stage per worker (1F1B, ZB-H1, ZB-H2) share one
+The pipelines that run a warm-up, a steady phase and a drain (1F1B, ZB-H1,
+ZB-H2, the interleaved pipelines of Megatron-LM and torch) share one
 structure, which :func:`warmup_steady_order` builds: a warm-up of forwards,
 then a steady phase that follows each backward (or each input-gradient
 pass I) with the next forward, and, with a split backward, runs each weight
-pass W a fixed number of micro-batches after its I.  The schedules differ
-only in those two counts, so their orders hold under any costs.
+pass W a fixed number of backwards after its I.  The schedules differ only
+in those counts (and an interleaved worker's stages), so their orders hold
+under any costs.
 
 :func:`unit_time_orders` designs an order another way: it runs a design
 rule of one's own slot by slot on a grid where every pass takes one slot,
@@ -38,33 +40,50 @@ from unisched.work import (
 )
 
 
-def warmup_steady_order(stage: int, num_batches: int, warmup: int, weight_lag: int | None = None) -> list[Work]:
-    """Stage ``stage``'s sequence: ``warmup`` forwards, then for each
-    micro-batch k its backward followed by the next forward, then nothing
-    but backwards once the forwards are done.
+def warmup_steady_order(stages: int | Sequence[int], num_batches: int, warmup: int, weight_lag: int | None = None,
+                        per_round: int | None = None) -> list[Work]:
+    """A worker's sequence: ``warmup`` forwards, then for each backward k
+    (the k-th of the worker) the backward followed by the next forward, then
+    nothing but backwards once the forwards are done.
 
-    With ``weight_lag`` L the backward is split: micro-batch k's I pass is
-    followed by the W pass of micro-batch k - L (when k >= L), and the W
-    passes still owed run last, oldest first.  1F1B is ``warmup = S - s``
-    without a split; ZB-H1 adds ``weight_lag = s``; ZB-H2 takes
-    ``warmup = 2(S - s) - 1`` and ``weight_lag = 2s``.
+    ``stages`` are the worker's stages in the order a micro-batch meets them
+    (one stage, or an interleaved worker's r, r + W, ...).  Forwards go in
+    rounds of ``per_round`` micro-batches per stage (stage 0 of the worker for
+    micro-batches 0..R-1, then its next stage for the same, ...), backwards
+    the same way from the last stage down; ``num_batches`` must be a multiple
+    of ``per_round`` (default: all micro-batches in one round).
+
+    With ``weight_lag`` L the backward is split: the k-th I pass is followed
+    by the W pass of the (k - L)-th (when k >= L), and the W passes still owed
+    run last, oldest first.  1F1B is ``warmup = S - s`` on one stage; ZB-H1
+    adds ``weight_lag = s``; ZB-H2 takes ``warmup = 2(S - s) - 1`` and
+    ``weight_lag = 2s``; the interleaved pipelines add their v - 1 rounds.
     """
-    forwards = min(warmup, num_batches)
-    order = [Work(b, stage, FORWARD) for b in range(forwards)]
+    stages = [stages] if isinstance(stages, int) else list(stages)
+    v, per_round = len(stages), per_round or num_batches
+    total = num_batches * v
+
+    def item(k: int, direction: Direction) -> Work:
+        chunk = (k // per_round) % v
+        stage = stages[chunk if direction is FORWARD else v - 1 - chunk]
+        return Work((k // (per_round * v)) * per_round + k % per_round, stage, direction)
+
+    forwards = min(warmup, total)
+    order = [item(k, FORWARD) for k in range(forwards)]
     weights = 0
-    for k in range(num_batches):
+    for k in range(total):
         if weight_lag is None:
-            order.append(Work(k, stage, BACKWARD))
+            order.append(item(k, BACKWARD))
         else:
-            order.append(Work(k, stage, BACKWARD_INPUT))
+            order.append(item(k, BACKWARD_INPUT))
             if k >= weight_lag:
-                order.append(Work(weights, stage, BACKWARD_WEIGHT))
+                order.append(item(weights, BACKWARD_WEIGHT))
                 weights += 1
-        if forwards < num_batches:
-            order.append(Work(forwards, stage, FORWARD))
+        if forwards < total:
+            order.append(item(forwards, FORWARD))
             forwards += 1
     if weight_lag is not None:
-        order += [Work(b, stage, BACKWARD_WEIGHT) for b in range(weights, num_batches)]
+        order += [item(k, BACKWARD_WEIGHT) for k in range(weights, total)]
     return order
 
 

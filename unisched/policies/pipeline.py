@@ -21,7 +21,7 @@ from unisched.policies._orders import warmup_steady_order
 from unisched.policies._registry import Entry, Param, require
 from unisched.simulate.priorities import priority_by_name
 from unisched.strategy import Strategy
-from unisched.work import BACKWARD, FORWARD, ComputeAndWeightWorkers, Shape, Work
+from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 GPIPE_PRIORITIES = ("oldest_batch_first", "oldest_stage_first")
 
@@ -96,26 +96,14 @@ def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int
     (v - 1) * W warm-up forwards (W - r - 1 when v = 1: plain 1F1B), then
     alternates one forward and one backward, then drains its backwards.
     """
-    p, v, m = num_workers, virtual, num_batches
-    total = m * v
+    p, v = num_workers, virtual
+    return {rank: warmup_steady_order(range(rank, p * v, p), num_batches, 1 + _megatron_warmup(p, v, rank), per_round=p)
+            for rank in range(p)}
 
-    def item(rank: int, k: int, direction) -> Work:
-        chunk = (k // p) % v
-        if direction is BACKWARD:
-            chunk = v - 1 - chunk
-        batch = (k // (p * v)) * p + k % p
-        return Work(batch, chunk * p + rank, direction)
 
-    orders = {}
-    for rank in range(p):
-        warmup = min(p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p, total)
-        order = [item(rank, k, FORWARD) for k in range(warmup)]
-        for k in range(total - warmup):
-            order.append(item(rank, warmup + k, FORWARD))
-            order.append(item(rank, k, BACKWARD))
-        order.extend(item(rank, k, BACKWARD) for k in range(total - warmup, total))
-        orders[rank] = order
-    return orders
+def _megatron_warmup(p: int, v: int, rank: int) -> int:
+    """Forwards rank ``rank`` runs before its first forward-backward pair."""
+    return p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p
 
 
 def stage_modulo_workers(num_workers: int):

@@ -28,7 +28,6 @@ import csv
 import io
 import os
 import re
-from collections import defaultdict
 from itertools import islice
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -36,6 +35,7 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.errors import UniSchedError
+from unisched.policies._orders import warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.policies.zero_bubble import _v_mapping, _v_shape, dualpipe_v_order, zbv_order
@@ -77,17 +77,7 @@ def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strate
     shape = _one_stage_per_rank("Schedule1F1B", num_workers, num_stages, num_batches)
     require(num_batches >= num_stages, "Schedule1F1B",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
-    orders = {}
-    for rank in range(num_workers):
-        warmup = min(num_batches, num_stages - rank)
-        order = [Work(b, rank, FORWARD) for b in range(warmup)]
-        forward = warmup
-        for backward in range(num_batches):
-            order.append(Work(backward, rank, BACKWARD))
-            if forward < num_batches:
-                order.append(Work(forward, rank, FORWARD))
-                forward += 1
-        orders[rank] = order
+    orders = {rank: warmup_steady_order(rank, num_batches, warmup=num_stages - rank) for rank in range(num_workers)}
     return _torch_strategy(ONE_F_ONE_B, shape, orders, stage_modulo_workers(num_workers))
 
 
@@ -96,7 +86,7 @@ def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: in
     on rank s mod W), forwards in rounds of micro-batches per stage, warm-up
     (v - 1) * round + 2 (W - 1 - r) forwards on rank r."""
     shape, v, per_round = _interleaved_shape("ScheduleInterleaved1F1B", num_workers, num_stages, num_batches)
-    orders = {r: _interleaved_rank_ops(num_workers, v, num_batches, per_round, r, zero_bubble=False)
+    orders = {r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=False)
               for r in range(num_workers)}
     return _torch_strategy(INTERLEAVED_1F1B, shape, orders, stage_modulo_workers(num_workers))
 
@@ -121,7 +111,7 @@ def schedule_interleaved_zero_bubble(num_workers: int, num_stages: int, num_batc
     with one warm-up forward fewer per hop, I passes for backwards, and each W
     pass run r forward-backward pairs after its I on rank r."""
     shape, v, per_round = _interleaved_shape("ScheduleInterleavedZeroBubble", num_workers, num_stages, num_batches)
-    orders = {r: _interleaved_rank_ops(num_workers, v, num_batches, per_round, r, zero_bubble=True)
+    orders = {r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=True)
               for r in range(num_workers)}
     return _torch_strategy(INTERLEAVED_ZERO_BUBBLE, shape, orders, stage_modulo_workers(num_workers), split_backward=True)
 
@@ -159,48 +149,13 @@ def split_full_backwards(order: Iterable[Work]) -> list[Work]:
 
 
 # ---------------------------------------------------------------------- torch's rules, rank by rank
-def _interleaved_rank_ops(p: int, v: int, m: int, per_round: int, rank: int, zero_bubble: bool) -> list[Work]:
-    """``_get_1f1b_rank_ops`` of torch's interleaved schedules, idle steps left out."""
-    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), m * v)
-    steady = m * v - warmup
-    backward_kind = BACKWARD_INPUT if zero_bubble else BACKWARD
-
-    def forward_stage(step: int) -> int:
-        return ((step // per_round) % v) * p + rank
-
-    def backward_stage(step: int) -> int:
-        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
-
-    forwards: dict[int, int] = defaultdict(int)
-    backwards: dict[int, int] = defaultdict(int)
-    weights: dict[int, int] = defaultdict(int)
-    backward_steps: list[int] = []
-    weights_done = 0
-    order: list[Work] = []
-
-    def take(counter: dict[int, int], stage: int) -> int:
-        counter[stage] += 1
-        return counter[stage] - 1
-
-    def weight_pass() -> None:
-        nonlocal weights_done
-        stage = backward_stage(backward_steps[weights_done])
-        weights_done += 1
-        order.append(Work(take(weights, stage), stage, BACKWARD_WEIGHT))
-
-    for step in range(warmup + steady + warmup):
-        if step < warmup + steady:
-            stage = forward_stage(step)
-            order.append(Work(take(forwards, stage), stage, FORWARD))
-        if step >= warmup:
-            stage = backward_stage(step)
-            order.append(Work(take(backwards, stage), stage, backward_kind))
-            backward_steps.append(step)
-            if zero_bubble and step - warmup >= rank:
-                weight_pass()
-    while zero_bubble and weights_done < len(backward_steps):
-        weight_pass()
-    return order
+def _interleaved_order(p: int, v: int, m: int, per_round: int, rank: int, zero_bubble: bool) -> list[Work]:
+    """``_get_1f1b_rank_ops`` of torch's interleaved schedules, idle steps left
+    out: (v - 1) rounds plus 2 (W - 1 - r) forwards (W - 1 - r for ZB1P) before
+    the forward-backward pairs, and ZB1P's W passes r backwards late."""
+    pairs_from = (v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank)
+    return warmup_steady_order(range(rank, p * v, p), m, 1 + pairs_from, weight_lag=rank if zero_bubble else None,
+                               per_round=per_round)
 
 
 # ---------------------------------------------------------------------- shapes, placements, the strategy
@@ -224,53 +179,33 @@ def _torch_strategy(entry: Entry, shape: Shape, orders: Orders, placement: tuple
                     split_backward: bool = False) -> Strategy:
     """torch's ``orders`` on a placement of the policies (``stage_modulo_workers``
     or the V of ``zero_bubble``): its mapping and vectorised form."""
-    problem = check_orders(shape, orders, split_backward)
-    require(problem is None, entry.name, f"torch's order for W={shape.num_workers}, S={shape.num_stages}, "
-                                         f"B={shape.num_batches} cannot run (torch refuses it too): {problem}")
     mapping, map_arrays = placement
     return Strategy(mapping, name=entry.name, description=entry.description, split_backward=split_backward,
                     worker_orders=orders, shape=shape, map_arrays=map_arrays)
 
 
-def check_orders(shape: Shape, orders: Mapping[int, Sequence[Work]], split_backward: bool) -> str | None:
-    """Why per-rank ``orders`` cannot run as a step (None when they can):
-    a work item missing or listed twice, or ranks that all wait on each other.
-    Dependencies are :func:`unisched.dataflow.dependencies` on the chain."""
-    W, S, B = shape
-    expected = set(dataflow.all_work(S, B, split_backward=split_backward))
-    seen: dict[Work, int] = {}
-    for rank, order in orders.items():
-        for work in order:
-            if work not in expected:
-                return f"rank {rank} runs {work}, which is not a pass of this step"
-            if work in seen:
-                return f"{work} is listed twice (ranks {seen[work]} and {rank})"
-            seen[work] = rank
-    missing = sorted(expected - set(seen), key=lambda w: (w.stage, w.batch, w.direction))
-    if missing:
-        return f"{len(missing)} pass(es) run nowhere, e.g. {', '.join(map(str, missing[:4]))}"
+def _blocked(orders: Mapping[int, Sequence[Work]], num_stages: int, split_backward: bool) -> str | None:
+    """Where per-rank ``orders`` (every pass of a step, once) wait on each
+    other for good: each stuck rank's next pass and what it waits for (None
+    when they run through).  Dependencies are :func:`unisched.dataflow.dependencies`."""
     done: set[Work] = set()
     position = {rank: 0 for rank in orders}
-    while True:
+
+    def needs(rank: int) -> list[Work]:
+        work = orders[rank][position[rank]]
+        return [d for d in dataflow.dependencies(work, num_stages, split_backward=split_backward) if d not in done]
+
+    progress = True
+    while progress:
         progress = False
         for rank, order in orders.items():
-            while position[rank] < len(order):
-                work = order[position[rank]]
-                if not all(d in done for d in dataflow.dependencies(work, S, split_backward=split_backward)):
-                    break
-                done.add(work)
+            while position[rank] < len(order) and not needs(rank):
+                done.add(order[position[rank]])
                 position[rank] += 1
                 progress = True
-        if len(done) == len(expected):
-            return None
-        if not progress:
-            waits = []
-            for rank, order in orders.items():
-                if position[rank] < len(order):
-                    work = order[position[rank]]
-                    needs = [d for d in dataflow.dependencies(work, S, split_backward=split_backward) if d not in done]
-                    waits.append(f"rank {rank} step {position[rank]} ({work}) waits for {', '.join(map(str, needs))}")
-            return "; ".join(waits)
+    stuck = [rank for rank, order in orders.items() if position[rank] < len(order)]
+    return "; ".join(f"rank {rank} step {position[rank]} ({orders[rank][position[rank]]}) waits for "
+                     f"{', '.join(map(str, needs(rank)))}" for rank in stuck) or None
 
 
 # ---------------------------------------------------------------------- registry entries
@@ -360,7 +295,7 @@ def from_torch_csv(source: str | os.PathLike | io.TextIOBase, *, num_stages: int
         raise TorchCSVError(
             f"{label}: lists {len(items)} of the {S * B * len(dirs)} passes of {S} stage(s) and {B} micro-batch(es); "
             f"missing e.g. {', '.join(map(str, islice(absent, 4)))}")
-    problem = check_orders(shape, orders, split)
+    problem = _blocked(orders, S, split)
     if problem:
         raise TorchCSVError(f"{label}: this schedule cannot run: {problem}")
     _, stage, _ = dataflow.Items(S, B, split).arrays()

@@ -176,6 +176,22 @@ def test_multi_stage_schedules_run_torch_order(name, cls, locals_):
     assert built > 10
 
 
+@pytest.mark.parametrize("name, cls, v", [
+    ("one_f_one_b", torch_schedules.Schedule1F1B, 1),
+    ("zb_h1", torch_schedules.ScheduleInterleavedZeroBubble, 1),
+    ("interleaved", torch_schedules.ScheduleInterleaved1F1B, 2),
+    ("interleaved", torch_schedules.ScheduleInterleaved1F1B, 3),
+], ids=["1F1B", "ZB-H1 is ZB1P on one stage per rank", "interleaved v=2", "interleaved v=3"])
+def test_the_library_schedules_run_torchs_order_where_torch_has_them(name, cls, v):
+    """1F1B, ZB-H1 and Megatron's interleaved order (B a multiple of W) are
+    what torch runs, though each strategy builds its own."""
+    for W in range(1, 5):
+        for B in range(W, 3 * W + 1, W):
+            expected = single_stage_orders(cls, W, B) if v == 1 and name == "one_f_one_b" else \
+                runtime_orders(cls, W, v, B)
+            assert ours(name, W, W * v, B) == expected, (name, W, v, B)
+
+
 def test_aliases_resolve_by_torch_class_name_and_stay_out_of_the_listing():
     assert policies.aliases() == ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
                                   "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]

@@ -38,7 +38,7 @@ from unisched.errors import UniSchedError
 from unisched.policies._orders import warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
-from unisched.policies.zero_bubble import _v_mapping, _v_shape, dualpipe_v_order, zbv_order
+from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_order, zbv_order
 from unisched.simulate import simulate
 from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
@@ -64,7 +64,7 @@ class TorchCSVError(UniSchedError, ValueError):
 # ====================================================================== torch's schedules
 def schedule_gpipe(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """torch's ``ScheduleGPipe``: every forward (micro-batch 0 first), then every backward (0 first)."""
-    shape = _one_stage_per_rank("ScheduleGPipe", num_workers, num_stages, num_batches)
+    shape = _pipeline_shape("ScheduleGPipe", num_workers, num_stages, num_batches)
     orders = {r: [Work(b, r, FORWARD) for b in range(num_batches)] + [Work(b, r, BACKWARD) for b in range(num_batches)]
               for r in range(num_workers)}
     return _torch_strategy(GPIPE, shape, orders, stage_modulo_workers(num_workers))
@@ -74,7 +74,7 @@ def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strate
     """torch's ``Schedule1F1B`` as its ``_step_microbatches`` runs it: S - s
     forwards on stage s's rank, then one backward one forward, then the
     remaining backwards."""
-    shape = _one_stage_per_rank("Schedule1F1B", num_workers, num_stages, num_batches)
+    shape = _pipeline_shape("Schedule1F1B", num_workers, num_stages, num_batches)
     require(num_batches >= num_stages, "Schedule1F1B",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
     orders = {rank: warmup_steady_order(rank, num_batches, warmup=num_stages - rank) for rank in range(num_workers)}
@@ -159,12 +159,6 @@ def _interleaved_order(p: int, v: int, m: int, per_round: int, rank: int, zero_b
 
 
 # ---------------------------------------------------------------------- shapes, placements, the strategy
-def _one_stage_per_rank(name: str, W: int, S: int, B: int) -> Shape:
-    shape = Shape(W, S, B).check()
-    require(W == S, name, f"runs one stage per rank (W = S), got W={W}, S={S}; set the number of workers to {S}")
-    return shape
-
-
 def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, int]:
     shape = Shape(W, S, B).check()
     require(S % W == 0, name,

@@ -36,7 +36,7 @@ from torch import nn
 
 import unisched
 from unisched import policies
-from unisched.execute import Trainer
+from unisched.execute import Trainer, example
 from unisched.execute.launch import check, run_local
 
 ROWS = 64
@@ -118,25 +118,11 @@ def _time_recording_calls(trainer: Trainer) -> dict[str, list[float]]:
 
 # ---------------------------------------------------------------------- 2. bf16 against fp32
 def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
+    return example.gpt2(example.gpt2_config(LAYERS, VOCAB, POSITIONS, WIDTH, HEADS))
 
 
 def gpt2_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counting sequences with a stride: token ids and the next token of each."""
-    g = torch.Generator().manual_seed(100 + step)
-    start = torch.randint(0, VOCAB, (GPT_ROWS, 1), generator=g)
-    stride = torch.randint(1, 4, (GPT_ROWS, 1), generator=g)
-    tokens = (start + stride * torch.arange(POSITIONS + 1)) % VOCAB
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return example.counting_tokens(100 + step, GPT_ROWS, VOCAB, POSITIONS)
 
 
 def _precision() -> dict:
@@ -148,7 +134,7 @@ def _precision() -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             stages = unisched.split_model(gpt2(), W, tied="untie")
-        trainer = Trainer(stages, schedule("gpipe", W, 4), next_token_loss,
+        trainer = Trainer(stages, schedule("gpipe", W, 4), example.next_token_loss,
                           lambda params: torch.optim.AdamW(params, lr=1e-2), precision=precision, record=False)
         losses, seconds = [], []
         for step in range(GPT_STEPS):

@@ -47,20 +47,19 @@ from unisched.execute.arguments import (
     positive_float,
     positive_int,
 )
-from unisched.execute.example import reference_micro_batches, summary_line, train_steps, trainer_options
+from unisched.execute import example
+from unisched.execute.example import (
+    next_token_loss,
+    reference_micro_batches,
+    summary_line,
+    train_steps,
+    trainer_options,
+)
 
 
 def gpt2(args: argparse.Namespace, layers: int) -> nn.Module:
     """The same tiny GPT-2 on every call (seed 0)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=args.vocab, n_positions=args.positions, n_embd=args.width, n_layer=layers, n_head=args.heads,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        attn_implementation=args.attention,
-    )
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
+    return example.gpt2(example.gpt2_config(layers, args.vocab, args.positions, args.width, args.heads, args.attention))
 
 
 def flops_per_token(args: argparse.Namespace, layers: int) -> float:
@@ -75,15 +74,7 @@ def flops_per_token(args: argparse.Namespace, layers: int) -> float:
 
 def data(args: argparse.Namespace, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (rows, positions) and the next token of each: counting with a stride, two batches in turn."""
-    g = torch.Generator().manual_seed(1000 + step % 2)
-    start = torch.randint(0, args.vocab, (rows, 1), generator=g)
-    stride = torch.randint(1, 4, (rows, 1), generator=g)
-    tokens = (start + stride * torch.arange(args.positions + 1)) % args.vocab
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return example.counting_tokens(1000 + step % 2, rows, args.vocab, args.positions)
 
 
 def split(args: argparse.Namespace, S: int, layers: int):

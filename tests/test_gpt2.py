@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import unisched  # noqa: E402
 from unisched import policies, simulate  # noqa: E402
 from unisched.execute import SplitError, Trainer, split_model, train_one_process  # noqa: E402
+from unisched.execute.example import counting_tokens, gpt2_config, next_token_loss  # noqa: E402
 from unisched.execute.launch import run_local  # noqa: E402
 
 from test_execute import seed_cuckoo  # noqa: E402
@@ -28,26 +29,13 @@ W = 4
 
 def gpt2(layers: int = LAYERS, attention: str = "eager", tie: bool = True, head: bool = True) -> nn.Module:
     """A GPT-2 with tiny sizes and no dropout, the same on every call (seed 0)."""
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=POSITIONS, n_embd=WIDTH, n_layer=layers, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        tie_word_embeddings=tie, attn_implementation=attention,
-    )
+    config = gpt2_config(layers, VOCAB, POSITIONS, WIDTH, HEADS, attention, tie_word_embeddings=tie)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config) if head else transformers.GPT2Model(config)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (rows, positions) and the next token of each: counting sequences with a stride."""
-    g = torch.Generator().manual_seed(100 + step)
-    start = torch.randint(0, VOCAB, (ROWS, 1), generator=g)
-    stride = torch.randint(1, 4, (ROWS, 1), generator=g)
-    tokens = (start + stride * torch.arange(POSITIONS + 1)) % VOCAB
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return counting_tokens(100 + step, ROWS, VOCAB, POSITIONS)
 
 
 def optimizer(params):

@@ -87,17 +87,45 @@ def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
         stages = transformer_stages(num_stages, width=max(4, width // 4 * 4) if width != 64 else 32)
 
         def data(step: int, rows: int):
-            g = torch.Generator().manual_seed(1000 + step % 2)
-            start = torch.randint(0, 16, (rows, 1), generator=g)
-            stride = torch.randint(1, 4, (rows, 1), generator=g)
-            tokens = (start + stride * torch.arange(13)) % 16
-            return tokens[:, :-1], tokens[:, 1:]
+            return counting_tokens(1000 + step % 2, rows, vocab=16, positions=12)
 
-        def loss(logits, targets):
-            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-        return stages, loss, data
+        return stages, next_token_loss, data
     raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+
+
+def counting_tokens(seed: int, rows: int, vocab: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (rows, positions) and the next token of each: sequences
+    counting from a random start with a stride of 1 to 3, modulo ``vocab``."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    tokens = (start + stride * torch.arange(positions + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (rows, positions, vocab) against the next tokens (rows, positions)."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt2_config(layers: int, vocab: int, positions: int, width: int, heads: int, attention: str = "sdpa",
+                **options):
+    """A Hugging Face GPT2Config of these sizes with dropout off, so that a
+    backward recomputed on another rank sees the same forward (``options``:
+    more GPT2Config fields, e.g. ``tie_word_embeddings``)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                      attn_implementation=attention, **options)
+
+
+def gpt2(config) -> nn.Module:
+    """A GPT2LMHeadModel of ``config`` with random weights, the same on every call (seed 0)."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
 
 
 TOKENS_PER_ROW = {"mlp": None, "transformer": 12}

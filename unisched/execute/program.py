@@ -72,7 +72,7 @@ from unisched.dataflow import (
 from unisched.errors import DeadlockError, UniSchedError
 from unisched.strategy import Gang
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction, StageGraph, Work, as_stage_graph
+from unisched.work import BACKWARD, BACKWARD_WEIGHT, FORWARD, Direction, StageGraph, Work, as_stage_graph
 
 
 class ProgramError(UniSchedError, ValueError):

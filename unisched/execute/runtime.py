@@ -170,7 +170,7 @@ class Trainer:
         accumulate: int = 1,
         loss_scale: dict | None = None,
     ):
-        self.timeline_in, self.label, graph = schedule_timeline(schedule)
+        timeline, self.label, graph = schedule_timeline(schedule)
         error = caught(lambda: check_options(
             stages, loss_fn, optimizer, timeout=timeout, lookahead=lookahead, record=record, seed=seed,
             precision=precision, clip_grad_norm=clip_grad_norm, scheduler=scheduler, accumulate=accumulate,
@@ -194,7 +194,7 @@ class Trainer:
         try:
             if error is None:
                 program = compile_program(
-                    self.timeline_in, num_stages=None if is_factory(stages) else len(stages),
+                    timeline, num_stages=None if is_factory(stages) else len(stages),
                     world_size=self.world_size, lookahead=lookahead, stage_graph=graph,
                 )
                 self._mine = sorted({a.stage for a in program.actions[self.rank] if a.is_compute}
@@ -224,7 +224,6 @@ class Trainer:
 
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
-        self._fetch = {m.stage: m for m in program.messages if m.dst == self.rank and m.letter == "w"}
         self._reads = {i: program.reads(a.work, self.rank) for i, a in enumerate(self._actions) if a.is_compute}
         self._awaits = {
             i: [self._inbound[k].index for k in reads.keys if k in self._inbound] for i, reads in self._reads.items()
@@ -471,7 +470,7 @@ class Trainer:
         self._templates = [[torch.empty_like(p, device="meta") for p in ps] for ps in self._params]
         self._state_specs = [None if stage is None else {name: (t.shape, t.dtype) for name, t in stage.state_dict().items()}
                              for stage in self.stages]
-        self._fetched = {m.stage for m in program.messages if m.dst == self.rank and m.letter == "w"}
+        self._fetch = {m.stage: m for m in program.messages if m.dst == self.rank and m.letter == "w"}
         pin = self.device.type == "cuda"
         self.host_weights: dict[int, list[nn.Parameter]] = {
             s: [nn.Parameter(_host_copy(p, pin)) for p in self._params[s]]
@@ -1103,7 +1102,7 @@ class Trainer:
     def _release_weights(self) -> None:
         """Free the device copies of weights this rank does not hold on the
         device between steps: offloaded ones, and fetched ones."""
-        for s in set(self.host_weights) | self._fetched:
+        for s in set(self.host_weights) | set(self._fetch):
             self._release_fetched(s)
 
     def _release_fetched(self, s: int) -> None:
@@ -1118,13 +1117,13 @@ class Trainer:
         """Per action index, the fetched stage whose last use in the step it is."""
         last = {}
         for index, action in enumerate(self._actions):
-            if action.stage in self._fetched and (action.is_compute or action.op == "r>"):
+            if action.stage in self._fetch and (action.is_compute or action.op == "r>"):
                 last[action.stage] = index
         return {index: s for s, index in last.items()}
 
     def _stand_in_weights(self) -> None:
         """Zeros in place of fetched weights, for a shape probe before the fetch."""
-        for s in self._fetched:
+        for s in self._fetch:
             for p, template in zip(self._params[s], self._templates[s]):
                 p.data = torch.zeros(template.shape, dtype=template.dtype, device=self.device)
 

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from unisched.errors import ShapeError
+from unisched.execute.stages import is_factory
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Precision name -> the compute dtype autocast runs in (None: no autocast)."""
@@ -175,7 +176,7 @@ def check_scheduler(made: Any) -> None:
 
 
 def _check_stages(stages) -> None:
-    if callable(stages) and not isinstance(stages, nn.Module):
+    if is_factory(stages):
         return
     if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__") or not hasattr(stages, "__getitem__"):
         raise ShapeError(f"stages must be a list of torch.nn.Module (one per stage) or a factory "

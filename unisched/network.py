@@ -156,31 +156,25 @@ def _group(costs: Costs, members: Sequence[int]) -> tuple[int, float, float]:
 
 
 # ---------------------------------------------------------------------- vectorised forms
-def link_arrays(costs: Costs, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
-    """(latency, bandwidth) of every link, as two (W, W) arrays indexed [src, dst]."""
+def pair_links(costs: Costs, src, dst) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, bandwidth) of the links of arrays of (src, dst) pairs, as
+    ``Costs.link`` (or the topology's :meth:`~unisched.topology.Topology.route`) gives them."""
+    src, dst = np.asarray(src), np.asarray(dst)
     topology = getattr(costs, "topology", None)
     if topology is not None:
-        return _topology_arrays(topology, num_workers)
-    latency = np.full((num_workers, num_workers), float(costs.latency))
-    bandwidth = np.full((num_workers, num_workers), float(costs.bandwidth))
-    for (src, dst), link in costs.links.items():
-        if 0 <= src < num_workers and 0 <= dst < num_workers:
-            latency[src, dst] = link.latency
-            bandwidth[src, dst] = link.bandwidth
+        return topology.route_arrays(src, dst)
+    latency = np.full(src.shape, float(costs.latency))
+    bandwidth = np.full(src.shape, float(costs.bandwidth))
+    for (a, b), link in costs.links.items():
+        named = (src == a) & (dst == b)
+        latency[named], bandwidth[named] = link.latency, link.bandwidth
     return latency, bandwidth
 
 
-def _topology_arrays(topology, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`link_arrays` on a topology: each pair's route, vectorised."""
-    device = np.arange(num_workers)
-    node = device // topology.devices_per_node
-    same_node = node[:, None] == node[None, :]
-    switch = node // topology.nodes_per_switch if topology.nodes_per_switch else np.zeros_like(node)
-    crossing = switch[:, None] != switch[None, :]
-    inter = topology.nic.bandwidth / np.where(crossing, topology.oversubscription, 1.0)
-    bandwidth = np.where(same_node, topology.intra_node.bandwidth, inter)
-    latency = np.where(same_node, topology.intra_node.latency, topology.inter_node_latency)
-    return latency.astype(float), bandwidth.astype(float)
+def link_arrays(costs: Costs, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, bandwidth) of every link, as two (W, W) arrays indexed [src, dst]."""
+    src, dst = np.indices((num_workers, num_workers))
+    return pair_links(costs, src, dst)
 
 
 def transfer_matrix(costs: Costs, num_workers: int, nbytes) -> np.ndarray:
@@ -204,6 +198,7 @@ __all__ = [
     "tree_allreduce_time",
     "link_arrays",
     "link_times",
+    "pair_links",
     "ring_allreduce_time",
     "tensor_parallel_time",
     "transfer_matrix",

@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 from unisched.costs import Costs, Link, PerStage, check_per_stage
 from unisched.errors import ShapeError
 
@@ -226,11 +228,22 @@ class Topology:
 
     def route(self, src: int, dst: int) -> Route:
         """The links a transfer from device src to device dst uses (src != dst)."""
+        latency, bandwidth = (float(v) for v in self.route_arrays(src, dst))
         if self.node_of(src) == self.node_of(dst):
-            return Route((("port_out", src), ("port_in", dst)), self.intra_node.bandwidth, self.intra_node.latency)
-        crossing = self.switch_of(self.node_of(src)) != self.switch_of(self.node_of(dst))
-        bandwidth = self.nic.bandwidth / (self.oversubscription if crossing else 1.0)
-        return Route((self._nic_link(src, False), self._nic_link(dst, True)), bandwidth, self.inter_node_latency)
+            return Route((("port_out", src), ("port_in", dst)), bandwidth, latency)
+        return Route((self._nic_link(src, False), self._nic_link(dst, True)), bandwidth, latency)
+
+    def route_arrays(self, src, dst) -> tuple[np.ndarray, np.ndarray]:
+        """(latency, bandwidth) of routes between arrays of devices: inside a
+        node the fabric's, between nodes the NIC's, thinned by the
+        oversubscription across leaf switches."""
+        src_node, dst_node = np.asarray(src) // self.devices_per_node, np.asarray(dst) // self.devices_per_node
+        same_node = src_node == dst_node
+        crossing = self.switch_of(src_node) != self.switch_of(dst_node)
+        inter = self.nic.bandwidth / np.where(crossing, self.oversubscription, 1.0)
+        bandwidth = np.where(same_node, self.intra_node.bandwidth, inter)
+        latency = np.where(same_node, self.intra_node.latency, self.inter_node_latency)
+        return latency.astype(float), bandwidth.astype(float)
 
     def group_route(self, members: Sequence[int]) -> Route:
         """The links a collective among ``members`` uses, the bus bandwidth it

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from unisched import network
 from unisched.dataflow import EDGE_PRIMARY, fetches_weights
 from unisched.simulate.problem import EDGE_SEQUENCE, moves
 from unisched.simulate.stashes import StashAccounts, region_starts
@@ -163,7 +164,7 @@ def links_of(problem) -> Links:
     edge_link[kinds >= 0] = link[:edges]
     fetch_link[fetches] = link[edges:edges + fetched]
     return_link[returns] = link[edges + fetched:]
-    latency, bandwidth = _link_table(problem.costs, pairs // W, pairs % W)
+    latency, bandwidth = network.pair_links(problem.costs, pairs // W, pairs % W)
     grads = np.bincount((worker * S + problem.stage)[returns], minlength=W * S)
     return Links(
         on=True, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float), edge_link=edge_link,
@@ -174,18 +175,6 @@ def links_of(problem) -> Links:
         cache_weights=bool(problem.cache_weights), weights_kind=TRANSFER_KINDS.index("weights"),
         gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
     )
-
-
-def _link_table(costs, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Latency and bandwidth of the links (src, dst), as ``Costs.link`` gives
-    them: the costs' own, where ``Costs.links`` names no other."""
-    latency, bandwidth = np.full(len(src), float(costs.latency)), np.full(len(src), float(costs.bandwidth))
-    for (a, b) in costs.links:
-        named = np.flatnonzero((src == a) & (dst == b))
-        if len(named):
-            link = costs.link(a, b)
-            latency[named], bandwidth[named] = link.latency, link.bandwidth
-    return latency, bandwidth
 
 
 def no_links() -> Links:

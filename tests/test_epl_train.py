@@ -266,7 +266,6 @@ def run_scenario(build, world) -> dict:
         "split_groups": {int(k): [list(g) for g in v] for k, v in trainer.strategy.params["split_groups"].items()},
         "sharded": None if trainer.stages[-1] is None else  # a rank builds only the TaskGraphs it uses
         {name: list(p.shape) for name, p in trainer.stages[-1].named_parameters()},
-        "runtime": trainer.runtime,
         "optimized": _optimized_elements(trainer.optimizer),
         "host": _host_report(trainer, fetched_copies),
         "device": str(trainer.device),
@@ -432,7 +431,6 @@ def test_every_scenario_runs_the_simulated_order(two, four):
             assert {w: o for w, o in measured.items() if o} == {w: o for w, o in simulated.items() if o}, name
             for rank, by_name in enumerate(results):
                 result = by_name[name]
-                assert result["runtime"] == "schedule"
                 assert result["executed"] == result["simulated_per_worker"][rank], f"{name}: rank {rank}"
                 ran += 1
     assert ran == 2 * len(SCENARIOS[2]) + 4 * len(SCENARIOS[4])
@@ -569,7 +567,6 @@ def test_nccl_trains_on_cuda_with_offload():
     for rank, result in enumerate(r.value for r in outcome):
         assert result["backend"] == "nccl"
         assert result["device"] == f"cuda:{rank}"
-        assert result["runtime"] == "schedule"
         assert result["keys"] == result["expected_keys"]
         assert result["max_diff"] < 1e-4, f"rank {rank}: weights differ by {result['max_diff']}"
         assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-4)

@@ -147,6 +147,23 @@ def test_plan_search_flag_and_report_say_which_search_ran(capsys):
     assert "search: cpsat, minimizing latency" in capsys.readouterr().out
 
 
+def test_plan_and_the_command_pick_the_search_by_one_rule():
+    from unisched.plan import plan
+    from unisched.plan.planner import uses_heuristic
+    from unisched.plan.search import SEARCH_FROM_ITEMS
+
+    assert SEARCH_FROM_ITEMS == 500  # the shapes below sit on either side of it
+    assert uses_heuristic("auto", Shape(2, 2, 125), False) and not uses_heuristic("auto", Shape(2, 2, 124), False)
+    assert uses_heuristic("auto", Shape(2, 2, 84), True) and not uses_heuristic("auto", Shape(2, 2, 83), True)
+    assert uses_heuristic("heuristic", Shape(2, 2, 2), False) and not uses_heuristic("cpsat", Shape(2, 2, 125), False)
+    stream = io.StringIO()
+    assert plan(2, 2, 125, time_limit=1, progress=stream).search == "heuristic search"
+    assert "search: heuristic" in stream.getvalue()
+    assert plan(2, 2, 4, time_limit=1, search="heuristic", strategy="gpipe").strategy_name.startswith("gpipe")
+    with pytest.raises(PlanInputError, match="search must be one of auto, cpsat, heuristic"):
+        plan(2, 2, 4, time_limit=1, search="greedy")
+
+
 def test_a_strategy_whose_order_needs_a_split_backward_is_refused_before_planning(capsys):
     assert main(["plan", "--strategy", "zb_h1", "--time-limit", "1"]) == 2
     err = capsys.readouterr().err

@@ -33,15 +33,13 @@ from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
 from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
-from unisched.plan.planner import SCHEMES, check_plan_size, plan
-from unisched.plan.problem import PlanInputError, PlanProblem, encode_costs, split_from
-from unisched.plan.search import SEARCH_FROM_ITEMS, search
+from unisched.plan.planner import SCHEMES, SEARCHES, plan
+from unisched.plan.problem import PlanInputError, encode_costs, split_from
+from unisched.plan.search import SEARCH_FROM_ITEMS
 
 DEFAULT_SHAPE = (4, 4, 8)
 DEFAULT_MEMORY_LIMIT = 2.0
 DEFAULT_TIME_LIMIT = 10.0
-SEARCHES = ("auto", "cpsat", "heuristic")
-"""Which search ``unisched plan`` runs (``--search``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,32 +121,21 @@ def run(args: argparse.Namespace) -> int:
     if optimizer is not None and budget is None:
         raise PlanInputError("--optimizer-bytes counts against --memory-budget: give a --memory-budget too")
     strategy, members = _named_strategy(args, (W, S, B), split)
-    progress = default_progress(args.json)
-    heuristic = _heuristic(args.search, (W, S, B), split)
-    check_plan_size(Shape(W, S, B), split, heuristic)
-    if heuristic:
-        problem = PlanProblem(Shape(W, S, B), costs, memory_limit, args.max_stages_per_worker, split,
-                              memory_budget=budget, optimizer_bytes=optimizer or 0.0, objective=args.objective)
-        progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
-                       f"{problem.num_items:,} work items, {time_limit:g} s\n")
-        if strategy is not None and members is None:
-            members = _registry_member(problem, strategy)
-        result = search(problem, time_limit=time_limit, members=members, progress=progress)
-    else:
-        result = plan(
-            W, S, B, costs,
-            memory_limit=memory_limit,
-            max_stages_per_worker=args.max_stages_per_worker,
-            strategy=strategy,
-            time_limit=time_limit,
-            split_backward=split,
-            members=members,
-            progress=progress,
-            memory_budget=budget,
-            optimizer_bytes=optimizer or 0.0,
-            objective=args.objective,
-            scheme=args.scheme,
-        )
+    result = plan(
+        W, S, B, costs,
+        memory_limit=memory_limit,
+        max_stages_per_worker=args.max_stages_per_worker,
+        strategy=strategy,
+        time_limit=time_limit,
+        split_backward=split,
+        members=members,
+        progress=default_progress(args.json),
+        memory_budget=budget,
+        optimizer_bytes=optimizer or 0.0,
+        objective=args.objective,
+        scheme=args.scheme,
+        search=args.search,
+    )
     written = write_outputs(result, outputs)
     if args.json:
         print(json.dumps(jsonable(summary(result)), indent=1))
@@ -159,14 +146,6 @@ def run(args: argparse.Namespace) -> int:
     for path, what in written:
         print(f"wrote {path}: {what}")
     return 0
-
-
-def _heuristic(choice: str, shape, split: bool) -> bool:
-    """Whether ``--search`` asks for the heuristic search (``auto``: from :data:`SEARCH_FROM_ITEMS` items on)."""
-    if choice != "auto":
-        return choice == "heuristic"
-    W, S, B = shape
-    return S * B * (3 if split else 2) >= SEARCH_FROM_ITEMS
 
 
 def _named_strategy(args: argparse.Namespace, shape, split: bool):
@@ -187,12 +166,6 @@ def _named_strategy(args: argparse.Namespace, shape, split: bool):
                  if built.split_backward else "no --backward-input/--backward-weight")
         raise PlanInputError(f"--strategy {label}: {reason}; give {flags}, or choose another strategy")
     return label, None
-
-
-def _registry_member(problem: PlanProblem, label: str):
-    from unisched.plan.family import registry_members
-
-    return list(registry_members(problem, only=label))
 
 
 PLAN_DRAWINGS = (".png", ".svg", ".pdf", ".html", ".txt")

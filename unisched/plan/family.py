@@ -19,7 +19,9 @@ import numpy as np
 from unisched.errors import UniSchedError
 from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
+from unisched.simulate.priorities import BackwardFirst
 from unisched.strategy import Strategy
+from unisched.work import ComputeAndWeightWorkers, Work
 
 from unisched.plan.problem import PlanInputError, PlanProblem
 
@@ -97,6 +99,32 @@ def registry_members(problem: PlanProblem, only: str | None = None) -> Iterable[
             yield label, policies.get(name, W, S, B, **params), ""
         except UniSchedError as error:
             yield label, None, str(error)
+
+
+def constructed_members(problem: PlanProblem) -> list[tuple[str, Strategy, str]]:
+    """Mappings built here rather than taken from the registry, as further starting points:
+    stages dealt round-robin (always feasible), and, with as many workers as stages, micro-batches
+    alternating between the pipeline and its reverse (every worker then keeps long-lived stashes of
+    early stages for half the micro-batches and short-lived ones of late stages for the others)."""
+    W, S, B = problem.shape
+    priority = BackwardFirst(S, B)
+
+    def member(label: str, compute_of) -> tuple[str, Strategy, str]:
+        def map_arrays(batch, stage, direction):
+            return compute_of(np.asarray(batch), np.asarray(stage)), np.asarray(stage) % W
+
+        def mapping(work: Work) -> ComputeAndWeightWorkers:
+            compute, weight = map_arrays(np.array([work.batch]), np.array([work.stage]), None)
+            return ComputeAndWeightWorkers(int(compute[0]), int(weight[0]))
+
+        return label, Strategy(mapping, name=label, priority=priority, map_arrays=map_arrays,
+                               shape=problem.shape), ""
+
+    members = [member("stages round-robin", lambda batch, stage: stage % W)]
+    K = problem.max_stages_per_worker
+    if W == S and W > 1 and B > 1 and (K is None or K >= 2):
+        members.append(member("bidirectional", lambda batch, stage: np.where(batch % 2 == 0, stage, S - 1 - stage)))
+    return members
 
 
 def label_of(name: str, params: dict) -> str:

@@ -28,22 +28,24 @@ from typing import Iterable, TextIO
 
 import numpy as np
 
+from unisched.dataflow import Items
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
-from unisched.simulate.priorities import BackwardFirst
-from unisched.simulate.problem import map_workers
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
-from unisched.work import ComputeAndWeightWorkers, Shape, Work
+from unisched.work import Shape
 
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
-from unisched.plan.family import FamilyResult, Member, measures, registry_members, search_family
+from unisched.plan.family import (FamilyResult, Member, constructed_members, measures, registry_members,
+                                  search_family)
 from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
                                    proven_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
-from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem, split_from
+from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, mapping_of, rows_of,
+                                   split_from)
 from unisched.plan.schedule import Schedule
+from unisched.plan.search import SEARCH_FROM_ITEMS, search as heuristic_search
 
 ORDER_SHARE = 0.3
 """Share of the time limit given to CP-SAT orders of the best family mappings."""
@@ -54,6 +56,8 @@ PAIRED_SHARE = 0.5
 """Share of the mapping search's time for the paired model, when the whole scheme is searched after it."""
 WIDE_SHARE = 0.35
 """Share of what is left then for the unrestricted whole-scheme model (a bound), when memory is limited."""
+SEARCHES = ("auto", "cpsat", "heuristic")
+"""Which search :func:`plan` runs: :func:`uses_heuristic` says which ``auto`` picks."""
 SCHEMES = ("auto", "whole", "paired")
 """Which class the mapping search covers: the whole scheme, one worker per (stage, micro-batch),
 or the whole scheme on small problems only (:func:`unisched.plan.mapping.whole_scheme_by_default`)."""
@@ -98,6 +102,7 @@ def plan(
     optimizer_bytes: float | list[float] = 0.0,
     objective: str = "latency",
     scheme: str = "auto",
+    search: str = "auto",
 ) -> Plan:
     """Plan one training step of ``num_batches`` micro-batches over ``num_stages``
     stages on ``num_workers`` workers within ``time_limit`` seconds.
@@ -109,41 +114,62 @@ def plan(
     ``memory_limit`` caps stashes, ``memory_budget`` a worker's bytes of
     weights, ``optimizer_bytes`` and stashes (one number, or one per worker).
     ``objective``: "latency" or "span" (the longest worker busy span);
-    ``scheme``: one of :data:`SCHEMES`.  Raises a ``UniSchedError`` saying
-    what is needed when the limits make every schedule impossible.
+    ``scheme``: one of :data:`SCHEMES`.  ``search``: one of :data:`SEARCHES`,
+    the CP-SAT models (the phases above) or the heuristic search of
+    :mod:`unisched.plan.search` (which ignores ``scheme`` and ``search_workers``);
+    see :func:`uses_heuristic`.  Raises a ``UniSchedError`` saying what is
+    needed when the limits make every schedule impossible.
     """
     if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
             or not 0 < time_limit < math.inf):
         raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     if scheme not in SCHEMES:
         raise PlanInputError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if search not in SEARCHES:
+        raise PlanInputError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
     begin = time.perf_counter()
     shape = Shape(num_workers, num_stages, num_batches).check()
     if costs is not None and not isinstance(costs, Costs):
         raise PlanInputError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
     costs = (costs or Costs()).check(num_workers, num_stages)
     split = split_from(costs, split_backward)
-    check_plan_size(shape, split)
+    heuristic = uses_heuristic(search, shape, split)
+    check_plan_size(shape, split, heuristic)
     problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split, memory_budget,
                           optimizer_bytes, objective)
+    if members is None and strategy is not None:
+        members = registry_members(problem, only=strategy)
+    if heuristic:
+        if progress is not None:
+            progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
+                           f"{problem.num_items:,} work items, {time_limit:g} s\n")
+        return heuristic_search(problem, time_limit=time_limit, members=members, progress=progress, seed=seed)
     whole = whole_scheme_by_default(shape) if scheme == "auto" else scheme == "whole"
-    search = _Search(problem, _timed(problem), begin + float(time_limit) * (1 - REPLAY_MARGIN), progress,
-                     search_workers, seed, strategy is not None)
+    run = _Search(problem, _timed(problem), begin + float(time_limit) * (1 - REPLAY_MARGIN), progress,
+                  search_workers, seed, strategy is not None)
     family = FamilyResult()
     try:
-        family = search.family(members if members is not None else registry_members(problem, only=strategy))
-        targets = search.targets(family)
-        search.orders(targets)
+        family = run.family(members if members is not None else registry_members(problem))
+        run.orders(run.targets(family))
         if strategy is None:
-            search.mapping(whole)
+            run.mapping(whole)
     except KeyboardInterrupt:
-        search.interrupted = True
+        run.interrupted = True
     _say(progress, "")
-    if not search.candidates:
-        if search.interrupted:
+    if not run.candidates:
+        if run.interrupted:
             raise UniSchedError("interrupted before any schedule was found: let the search run longer")
-        raise UniSchedError(_nothing_found(problem, family, search.order_results, strategy, time_limit))
-    return search.answer(family, time.perf_counter() - begin)
+        raise UniSchedError(_nothing_found(problem, family, run.order_results, strategy, time_limit))
+    return run.answer(family, time.perf_counter() - begin)
+
+
+def uses_heuristic(search: str, shape: Shape, split_backward: bool) -> bool:
+    """Whether :func:`plan` runs the heuristic search: when asked, or with ``search="auto"`` from
+    :data:`unisched.plan.search.SEARCH_FROM_ITEMS` work items on, where the CP-SAT models do not finish."""
+    if search != "auto":
+        return search == "heuristic"
+    W, S, B = shape
+    return Items(S, B, split_backward).count >= SEARCH_FROM_ITEMS
 
 
 @dataclass(eq=False)
@@ -372,38 +398,8 @@ def bound_key(name: str) -> str:
             PAIRED: "cpsat_paired"}[name]
 
 
-MAX_PLAN_ITEMS = 20_000
-"""The most work items :func:`plan` takes: its CP-SAT models have a few
-variables per item and worker, and its family search simulates dozens of
-strategies.  Larger steps are for :func:`unisched.simulate` and ``unisched compare``."""
-MAX_PLAN_CELLS = 4_000_000
-"""The most entries of the planner's per-item-and-worker and per-link-and-stage tables."""
-MAX_SEARCH_ITEMS = 200_000
-"""The most work items the heuristic search (:mod:`unisched.plan.search`) takes."""
-MAX_SEARCH_CELLS = 40_000_000
-"""The most entries of the heuristic search's per-item-and-worker tables."""
 MAX_TICKS = 2**53
 """The longest step, in the integer ticks CP-SAT works in."""
-
-
-def check_plan_size(shape: Shape, split_backward: bool = False, heuristic: bool = False) -> None:
-    """Refuse, before building anything, a step too large to plan (with the
-    CP-SAT planner, or with the heuristic search when ``heuristic``)."""
-    W, S, B = shape
-    items = S * B * (3 if split_backward else 2)
-    cells = max(items * W, W * W * S)
-    most_items, most_cells = (MAX_SEARCH_ITEMS, MAX_SEARCH_CELLS) if heuristic else (MAX_PLAN_ITEMS, MAX_PLAN_CELLS)
-    names = ("MAX_SEARCH_ITEMS", "MAX_SEARCH_CELLS") if heuristic else ("MAX_PLAN_ITEMS", "MAX_PLAN_CELLS")
-    if items > most_items or cells > most_cells:
-        what = (f"{items:,} work items (at most {most_items:,}, unisched.plan.planner.{names[0]})"
-                if items > most_items else
-                f"{cells:,} table entries of items or links by workers (at most {most_cells:,}, "
-                f"unisched.plan.planner.{names[1]})")
-        raise PlanInputError(
-            f"W={W}, S={S}, B={B} is too large to plan: {what}. Plan fewer micro-batches (a schedule found for "
-            "a few times W micro-batches shows the pattern), or compare strategies on this shape with "
-            "`unisched compare`"
-        )
 
 
 def _timed(problem: PlanProblem) -> TimedProblem:
@@ -483,46 +479,6 @@ def _distinct(targets):
             seen.add(key)
             kept.append(target)
     return kept
-
-
-def constructed_members(problem: PlanProblem) -> list[tuple[str, Strategy, str]]:
-    """Mappings built here rather than taken from the registry, as further starting points:
-    stages dealt round-robin (always feasible), and, with as many workers as stages, micro-batches
-    alternating between the pipeline and its reverse (every worker then keeps long-lived stashes of
-    early stages for half the micro-batches and short-lived ones of late stages for the others)."""
-    W, S, B = problem.shape
-    priority = BackwardFirst(S, B)
-
-    def member(label: str, compute_of) -> tuple[str, Strategy, str]:
-        def map_arrays(batch, stage, direction):
-            return compute_of(np.asarray(batch), np.asarray(stage)), np.asarray(stage) % W
-
-        def mapping(work: Work) -> ComputeAndWeightWorkers:
-            compute, weight = map_arrays(np.array([work.batch]), np.array([work.stage]), None)
-            return ComputeAndWeightWorkers(int(compute[0]), int(weight[0]))
-
-        return label, Strategy(mapping, name=label, priority=priority, map_arrays=map_arrays,
-                               shape=problem.shape), ""
-
-    members = [member("stages round-robin", lambda batch, stage: stage % W)]
-    K = problem.max_stages_per_worker
-    if W == S and W > 1 and B > 1 and (K is None or K >= 2):
-        members.append(member("bidirectional", lambda batch, stage: np.where(batch % 2 == 0, stage, S - 1 - stage)))
-    return members
-
-
-def rows_of(problem: PlanProblem, t) -> np.ndarray:
-    """Timeline row of each of the problem's item ids."""
-    rows = np.empty(problem.num_items, dtype=np.int64)
-    rows[problem.items.id(t.batch, t.stage, t.direction)] = np.arange(len(t))
-    return rows
-
-
-def mapping_of(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
-    """Every item's compute and weight worker under ``strategy``, in the
-    problem's item order (the simulator's mapping, checked as it checks it)."""
-    batch, stage, direction = problem.items.arrays()
-    return map_workers(strategy, problem.shape, batch, stage, direction)
 
 
 def _scorer(problem: PlanProblem):

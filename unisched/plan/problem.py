@@ -42,6 +42,8 @@ from unisched import dataflow
 from unisched.costs import Costs, Link
 from unisched.errors import ShapeError
 from unisched.network import transfer_matrix, transfer_time
+from unisched.simulate.problem import map_workers
+from unisched.strategy import Strategy
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import Direction, Shape, StageGraph, chain
 
@@ -106,6 +108,37 @@ def split_from(costs: Costs, split_backward: bool | None) -> bool:
             "--backward-input and --backward-weight (or those fields of the costs file), or do not split"
         )
     return bool(split_backward) or given
+
+
+MAX_PLAN_ITEMS = 20_000
+"""The most work items :func:`plan` takes: its CP-SAT models have a few
+variables per item and worker, and its family search simulates dozens of
+strategies.  Larger steps are for :func:`unisched.simulate` and ``unisched compare``."""
+MAX_PLAN_CELLS = 4_000_000
+"""The most entries of the planner's per-item-and-worker and per-link-and-stage tables."""
+MAX_SEARCH_ITEMS = 200_000
+"""The most work items the heuristic search (:mod:`unisched.plan.search`) takes."""
+MAX_SEARCH_CELLS = 40_000_000
+"""The most entries of the heuristic search's per-item-and-worker tables."""
+def check_plan_size(shape: Shape, split_backward: bool = False, heuristic: bool = False) -> None:
+    """Refuse, before building anything, a step too large to plan (with the
+    CP-SAT planner, or with the heuristic search when ``heuristic``)."""
+    W, S, B = shape
+    items = dataflow.Items(S, B, split_backward).count
+    cells = max(items * W, W * W * S)
+    most_items, most_cells = (MAX_SEARCH_ITEMS, MAX_SEARCH_CELLS) if heuristic else (MAX_PLAN_ITEMS, MAX_PLAN_CELLS)
+    names = ("MAX_SEARCH_ITEMS", "MAX_SEARCH_CELLS") if heuristic else ("MAX_PLAN_ITEMS", "MAX_PLAN_CELLS")
+    if items > most_items or cells > most_cells:
+        what = (f"{items:,} work items (at most {most_items:,}, unisched.plan.problem.{names[0]}"
+                + (f"; the CP-SAT models take {MAX_PLAN_ITEMS:,}, MAX_PLAN_ITEMS" if heuristic else "") + ")"
+                if items > most_items else
+                f"{cells:,} table entries of items or links by workers (at most {most_cells:,}, "
+                f"unisched.plan.problem.{names[1]})")
+        raise PlanInputError(
+            f"W={W}, S={S}, B={B} is too large to plan: {what}. Plan fewer micro-batches (a schedule found for "
+            "a few times W micro-batches shows the pattern), or compare strategies on this shape with "
+            "`unisched compare`"
+        )
 
 
 @dataclass(frozen=True)
@@ -314,6 +347,20 @@ class PlanProblem:
         limits = self.limits() if limits is None else np.broadcast_to(np.asarray(limits, dtype=float), most.shape)
         worst = int(np.argmax(most - limits)) if np.any(np.isfinite(limits)) else int(np.argmax(most))
         return float(most[worst]), worst
+
+
+def rows_of(problem: PlanProblem, t) -> np.ndarray:
+    """Timeline row of each of the problem's item ids."""
+    rows = np.empty(problem.num_items, dtype=np.int64)
+    rows[problem.items.id(t.batch, t.stage, t.direction)] = np.arange(len(t))
+    return rows
+
+
+def mapping_of(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
+    """Every item's compute and weight worker under ``strategy``, in the
+    problem's item order (the simulator's mapping, checked as it checks it)."""
+    batch, stage, direction = problem.items.arrays()
+    return map_workers(strategy, problem.shape, batch, stage, direction)
 
 
 def _per_worker(name: str, value, count: int, what: str = "worker"):

@@ -54,11 +54,10 @@ from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
-from unisched.plan.family import Member, measures, other_backward, registry_members, search_family
+from unisched.plan.family import Member, constructed_members, measures, other_backward, registry_members, search_family
 from unisched.plan.order import live_stashes, memory_demands, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
-from unisched.plan.planner import check_plan_size, constructed_members, mapping_of, rows_of
-from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
+from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem, check_plan_size, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
 
 SEARCH_FROM_ITEMS = 500

@@ -23,10 +23,17 @@ search, all on fixed mappings taken from the named strategies:
    worker's order; keep the move when the schedule is no longer, and prefer
    the worker that sets the objective.
 
-Every candidate is timed as the simulator times fixed per-worker orders: each
-item starts when its worker's previous item has ended and its inputs have
-arrived (:func:`evaluate`, compiled with numba), and it is rejected if a
-worker's stashes exceed the memory limit.  The best is replayed by
+Every candidate is timed as the CP-SAT models time fixed per-worker orders:
+each item starts when its worker's previous item has ended and its inputs
+have arrived, after the fixed transfer delays of :class:`TimedProblem`
+(:func:`evaluate`, compiled with numba), and it is rejected if a worker's
+stashes exceed the memory limit.  Where links carry latency only, this is
+the simulator's replay item for item; the simulator's compiled engine
+(:mod:`unisched.simulate.fast`) is not called instead because it books link
+contention and parks forwards that do not fit in memory (another schedule
+than the one being judged), and because each move would rebuild its problem
+(on 6,144 items its run alone takes about 15 times one evaluation, and
+building the problem as long again).  The best is replayed by
 :func:`unisched.simulate` and reported as that replay, beside the named
 strategies' own replays, so the plan is never worse than the best of them.
 
@@ -212,8 +219,8 @@ class Timing:
 
 
 def evaluate(m: Mapped, orders: Sequence[np.ndarray], objective: str = "latency") -> Timing | None:
-    """The schedule the simulator makes of these fixed per-worker orders (every
-    item as early as its worker's order and its inputs allow), or None when the
+    """These fixed per-worker orders timed with every item as early as its worker's order and its
+    inputs allow (the simulator's replay where links carry latency only), or None when the
     orders contradict the dependencies or exceed the memory limit."""
     kernels = _kernels()
     prev, nxt = _sequence(orders, len(m.compute))

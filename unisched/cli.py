@@ -32,13 +32,20 @@ from typing import Callable, Sequence
 import numpy as np
 
 from unisched.errors import ShapeError, UniSchedError
+from unisched.flags import (
+    STRATEGY_HELP,
+    add_cost_arguments,
+    add_memory_limit_argument,
+    add_shape_arguments,
+    cost_values,
+    numbers,
+    splits_backward,
+)
 from unisched.render.text import add_color_arguments
 from unisched.work import FORWARD, directions
 
 DEMO_SHAPE = (4, 4, 8)
 DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
-
-USER_STRATEGY = "or your own MODULE:FUNCTION or path/to/file.py:FUNCTION (a Work -> workers function or a factory)"
 
 _EXTERNAL_VERBS = {
     # verb -> (module with add_arguments(parser) and run(args) -> int, one-line help)
@@ -131,8 +138,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "Without --strategy, compare a few strategies on a small shape (the demo).",
     )
     simulate.add_argument(
-        "--strategy", help="NAME or NAME(key=value, ...), e.g. looped(group_size=2) (see `unisched strategies`), "
-        f"{USER_STRATEGY}",
+        "--strategy", help=STRATEGY_HELP,
     )
     simulate.add_argument(
         "--plan", metavar="FILE", help="simulate and draw a plan file (`unisched plan --out plan.json`) instead of a "
@@ -162,8 +168,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--strategies",
-        help="comma-separated NAME or NAME(key=value, ...), e.g. gpipe,looped(group_size=2), "
-        f"{USER_STRATEGY} (default: every registered strategy setting that fits the shape)",
+        help=f"comma-separated, each {STRATEGY_HELP} (default: every registered strategy setting that fits the "
+        "shape)",
     )
     _add_problem_arguments(compare)
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -191,27 +197,15 @@ def _unavailable(verb: str, error: ImportError) -> Callable:
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
-    shape = parser.add_argument_group("shape")
-    shape.add_argument("--workers", "-W", type=int, help=f"workers (default {DEMO_SHAPE[0]})")
-    shape.add_argument(
-        "--stages", "-S", type=int, help=f"pipeline stages (default: the workers when -W is given, else {DEMO_SHAPE[1]})"
-    )
-    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {DEMO_SHAPE[2]})")
+    shape = add_shape_arguments(parser, workers=f"default {DEMO_SHAPE[0]}",
+                                stages=f"default: the workers when -W is given, else {DEMO_SHAPE[1]}",
+                                batches=f"default {DEMO_SHAPE[2]}")
     shape.add_argument(
         "--param", action="append", default=[], metavar="K=V",
         help="strategy parameter, repeatable (e.g. group_size=2); the same as NAME(K=V)",
     )
-    costs = parser.add_argument_group("costs (default: forward 1, backward 2, free communication)")
-    costs.add_argument("--forward", type=float, help="forward time per stage")
-    costs.add_argument("--backward", type=float, help="backward time per stage")
-    costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
-    costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
-    costs.add_argument("--costs", help="JSON costs file (fields of unisched.Costs)")
-    parser.add_argument(
-        "--memory-limit",
-        help="activations a worker may hold (stashes; bytes when the costs give sizes): "
-        "one number, or one per worker separated by commas",
-    )
+    add_cost_arguments(parser)
+    add_memory_limit_argument(parser)
 
 
 # ---------------------------------------------------------------------- verbs
@@ -251,7 +245,7 @@ def cmd_simulate(args) -> int:
     else:
         from unisched.plan.family import parse_params, strategy_spec
 
-        check_size(_shape(args), _split(args))
+        check_size(_shape(args), splits_backward(args))
         sim = _simulate(args, *strategy_spec(args.strategy, parse_params(args.param)))
     if args.out:
         options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
@@ -297,7 +291,7 @@ def cmd_compare(args) -> int:
     from unisched.plan.family import parse_params, strategy_spec
 
     shape = _shape(args)
-    check_size(shape, _split(args))
+    check_size(shape, splits_backward(args))
     params = parse_params(args.param)
     if args.strategies:
         candidates = [strategy_spec(text, params) for text in split_strategies(args.strategies)]
@@ -413,7 +407,7 @@ def _demo(args) -> int:
     from unisched import policies
 
     shape = _shape(args)
-    check_size(shape, _split(args))
+    check_size(shape, splits_backward(args))
     if not args.json:
         print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
               f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
@@ -460,11 +454,6 @@ def check_size(shape, split_backward: bool) -> None:
     simulator_check(shape, split_backward)
 
 
-def _split(args) -> bool:
-    """Whether the flags split the backward (they give one of its halves)."""
-    return getattr(args, "backward_input", None) is not None or getattr(args, "backward_weight", None) is not None
-
-
 def _costs(args):
     from unisched import Costs
 
@@ -472,13 +461,7 @@ def _costs(args):
         costs = Costs.load(args.costs)
     else:
         costs = Costs()
-    changes = {}
-    for flag in ("forward", "backward", "backward_input", "backward_weight"):
-        value = getattr(args, flag, None)
-        if value is not None:
-            if value < 0 or not math.isfinite(value):
-                raise UniSchedError(f"--{flag.replace('_', '-')} must be a non-negative number, got {value}")
-            changes[flag] = value
+    changes = cost_values(args)
     if getattr(args, "topology", None):
         from dataclasses import fields
 
@@ -493,16 +476,6 @@ def _costs(args):
     return replace(costs, **changes)
 
 
-def _memory_limit(text: str | None):
-    if text is None:
-        return None
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise UniSchedError(f"--memory-limit takes a number or comma-separated numbers, got {text!r}") from None
-    return values[0] if len(values) == 1 else values
-
-
 def _simulate(args, name: str, params: dict):
     from unisched import policies, simulate
     from unisched.plan.command import is_user_strategy, user_strategy
@@ -514,11 +487,11 @@ def _simulate(args, name: str, params: dict):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
-    split = True if _split(args) else None
+    split = True if splits_backward(args) else None
     priority = priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None
     return simulate(
         W, S, B, strategy, priority,
-        costs=_costs(args), memory_limit=_memory_limit(args.memory_limit), split_backward=split,
+        costs=_costs(args), memory_limit=numbers("--memory-limit", args.memory_limit, W, "workers"), split_backward=split,
     )
 
 

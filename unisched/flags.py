@@ -1,0 +1,88 @@
+"""The command-line flags that several verbs share, declared and read in one
+place: the shape (``-W -S -B``), the costs (``--forward --backward
+--backward-input --backward-weight --costs``), a per-worker number list
+such as ``--memory-limit``, and what ``--strategy`` accepts.
+
+``unisched simulate`` and ``compare`` (:mod:`unisched.cli`) and ``unisched
+plan`` (:mod:`unisched.plan.command`) declare these with the functions here,
+so a flag reads and fails the same way under every verb.  Nothing here
+imports torch or numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from unisched.errors import UniSchedError
+
+STRATEGY_HELP = (
+    "NAME or NAME(key=value, ...), e.g. looped(group_size=2) (see `unisched strategies`), or your own "
+    "MODULE:FUNCTION or path/to/file.py:FUNCTION (a Work -> workers function or a factory)"
+)
+"""What ``--strategy`` accepts, for its help."""
+
+COST_FLAGS = ("forward", "backward", "backward_input", "backward_weight")
+"""The per-stage time flags (``--forward`` ...), by their ``args`` names."""
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, workers: str, stages: str, batches: str):
+    """``--workers/-W``, ``--stages/-S``, ``--batches/-B`` in a "shape" group
+    (the texts say what each defaults to); returns the group."""
+    shape = parser.add_argument_group("shape")
+    shape.add_argument("--workers", "-W", type=int, help=f"workers ({workers})")
+    shape.add_argument("--stages", "-S", type=int, help=f"pipeline stages ({stages})")
+    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches ({batches})")
+    return shape
+
+
+def add_cost_arguments(parser: argparse.ArgumentParser):
+    """The per-stage times and ``--costs FILE`` in a "costs" group; returns the
+    group (for a verb's own cost flags)."""
+    costs = parser.add_argument_group("costs (default: forward 1, backward 2, free communication)")
+    costs.add_argument("--forward", type=float, help="forward time of a stage")
+    costs.add_argument("--backward", type=float, help="backward time of a stage")
+    costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
+    costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
+    costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from calibration")
+    return costs
+
+
+def add_memory_limit_argument(parser, note: str = "") -> None:
+    """``--memory-limit``: one number, or one per worker (``note`` adds what the verb does with several)."""
+    parser.add_argument(
+        "--memory-limit",
+        help="activations a worker may hold (stashes; bytes when the costs give activation_bytes): "
+        f"one number, or one per worker separated by commas{note}",
+    )
+
+
+def cost_values(args: argparse.Namespace, flags=COST_FLAGS, error: type[UniSchedError] = UniSchedError) -> dict:
+    """The cost flags given, by name, each checked to be a finite number >= 0."""
+    given = {flag: getattr(args, flag, None) for flag in flags}
+    for flag, value in given.items():
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value:g}")
+    return {flag: value for flag, value in given.items() if value is not None}
+
+
+def splits_backward(args: argparse.Namespace) -> bool:
+    """Whether the flags split the backward (they give one of its halves)."""
+    return getattr(args, "backward_input", None) is not None or getattr(args, "backward_weight", None) is not None
+
+
+def numbers(flag: str, text: str | None, count: int, what: str,
+            error: type[UniSchedError] = UniSchedError) -> float | tuple[float, ...] | None:
+    """A flag's one number >= 0, or ``count`` of them separated by commas (one
+    per worker or stage); several equal ones read as one."""
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise error(f"{flag} takes a number or comma-separated numbers, got {text!r}") from None
+    if not all(v >= 0 and math.isfinite(v) for v in values):
+        raise error(f"{flag} must be non-negative numbers, got {text!r}")
+    if len(values) > 1 and len(values) != count:
+        raise error(f"{flag} gives {len(values)} numbers but there are {count} {what}: give one, or {count}")
+    return values[0] if len(set(values)) == 1 else tuple(values)

@@ -30,9 +30,9 @@ model FLOPs utilisation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
-import sys
 from typing import Sequence
 
 import torch
@@ -42,15 +42,15 @@ from unisched.execute.arguments import (
     add_long_run_arguments,
     add_numerics_arguments,
     add_schedule_arguments,
-    check_training_arguments,
     make_schedule,
     positive_float,
     positive_int,
 )
 from unisched.execute import example
 from unisched.execute.example import (
+    difference_from_one_process,
     next_token_loss,
-    reference_micro_batches,
+    run_ranks,
     summary_line,
     train_steps,
     trainer_options,
@@ -131,74 +131,46 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
+    return run_ranks(parser(), argv, train)
+
+
+def train(args: argparse.Namespace, cleanup) -> int:
+    """Split a fresh GPT-2, train it under the schedule, report on rank 0."""
     import torch.distributed as dist
 
     import unisched
-    from unisched.execute.runtime import ensure_process_group
 
-    try:
-        check_training_arguments(args)
-    except unisched.UniSchedError as error:
-        p.error(str(error))
-    trainer = None
-    try:
-        if not dist.is_initialized():
-            ensure_process_group(args.timeout)
-        schedule, S, B = make_schedule(args, dist.get_world_size())
-        layers = args.layers or 2 * S
-        stages = split(args, S, layers)
-        described, weights = repr(stages), stages.weights
-        optimizer = make_optimizer(args)
-        trainer = unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout,
-                                   **trainer_options(args))
-        del stages  # the Trainer holds this rank's stages; the others' weights are freed
-        run = train_steps(trainer, functools.partial(data, args), args, B * args.rows_per_batch,
-                          tokens_per_row=args.positions, flops_per_token=flops_per_token(args, layers),
-                          peak_tflops=args.peak_tflops, quiet=args.json)
-        report = {
-            "strategy": getattr(schedule.strategy, "name", args.strategy) if not args.plan else f"plan {args.plan}",
-            "shape": [trainer.world_size, S, B],
-            "split": described,
-            "layers": layers,
-            **run.summary(),
-        }
-        if args.check:
-            state = trainer.gather_state_dict()
-            if trainer.rank == 0:
-                report["max_difference_vs_one_process"] = check(args, state, S, B, layers, weights, optimizer,
-                                                                run.last_step)
-        if trainer.rank == 0 and args.timeline:
-            trainer.last_timeline.save(args.timeline)
-            report["timeline"] = args.timeline
+    schedule, S, B = make_schedule(args, dist.get_world_size())
+    layers = args.layers or 2 * S
+    stages = split(args, S, layers)
+    described, weights = repr(stages), stages.weights
+    optimizer = make_optimizer(args)
+    trainer = cleanup.enter_context(contextlib.closing(
+        unisched.Trainer(stages, schedule, next_token_loss, optimizer, timeout=args.timeout, **trainer_options(args))))
+    del stages  # the Trainer holds this rank's stages; the others' weights are freed
+    batches = functools.partial(data, args)
+    run = train_steps(trainer, batches, args, B * args.rows_per_batch, tokens_per_row=args.positions,
+                      flops_per_token=flops_per_token(args, layers), peak_tflops=args.peak_tflops, quiet=args.json)
+    report = {
+        "strategy": getattr(schedule.strategy, "name", args.strategy) if not args.plan else f"plan {args.plan}",
+        "shape": [trainer.world_size, S, B],
+        "split": described,
+        "layers": layers,
+        **run.summary(),
+    }
+    if args.check:
+        state = trainer.gather_state_dict()
         if trainer.rank == 0:
-            show(args, report)
-        dist.barrier()
-        return 0
-    except unisched.UniSchedError as error:
-        print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        if trainer is not None:
-            trainer.close()
-            del trainer
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def check(args, state: dict, S: int, B: int, layers: int, weights: list[float], optimizer, steps: int) -> float:
-    """Largest |difference| between the trained weights and one process
-    training the same split (the same block weights) on the whole batch for
-    ``steps`` steps from the start."""
-    import unisched
-    from unisched.execute import train_one_process
-
-    stages = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
-    batches = (data(args, step, B * args.rows_per_batch) for step in range(steps))
-    _, reference = train_one_process(stages, next_token_loss, optimizer, batches,
-                                     micro_batches=reference_micro_batches(args, B), **trainer_options(args))
-    return max(float((state[k] - reference[k]).abs().max()) for k in reference)
+            # the same split (the same block weights) of a fresh model
+            fresh = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
+            report["max_difference_vs_one_process"] = difference_from_one_process(
+                args, state, fresh, next_token_loss, optimizer, batches, B, run.last_step)
+    if trainer.rank == 0 and args.timeline:
+        trainer.last_timeline.save(args.timeline)
+        report["timeline"] = args.timeline
+    if trainer.rank == 0:
+        show(args, report)
+    return 0
 
 
 def show(args, report: dict) -> None:

@@ -19,6 +19,7 @@ the latest exactly (the data of step k is the same in every run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -195,50 +196,62 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
+    return run_ranks(parser(), argv, _run)
+
+
+def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,
+              train: Callable[[argparse.Namespace, contextlib.ExitStack], int]) -> int:
+    """The frame of every example: refuse bad options (argparse's error,
+    exit 2), join the process group, run ``train(args, cleanup)`` (it
+    enters its Trainer into ``cleanup``, which closes it), print a
+    UniSchedError as one line naming the rank (exit 2), and leave the
+    process group.  Returns ``train``'s exit status."""
     args = p.parse_args(argv)
     import torch.distributed as dist
 
     import unisched
+    from unisched.execute.runtime import ensure_process_group
 
     try:
         check_training_arguments(args)
     except unisched.UniSchedError as error:
         p.error(str(error))
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+        try:
+            if not dist.is_initialized():
+                ensure_process_group(args.timeout)
+            status = train(args, cleanup)
+            dist.barrier()
+            return status
+        except unisched.UniSchedError as error:
+            print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
+            return 2
+
+
+def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
+    """Train the model ``--model`` names, report on rank 0; 1 if ``--check`` failed."""
+    import torch.distributed as dist
+
     from unisched.execute import Trainer
 
-    trainer = None
-    try:
-        if not dist.is_initialized():
-            from unisched.execute.runtime import ensure_process_group
-
-            ensure_process_group(args.timeout)
-        workers = dist.get_world_size()
-        schedule, S, B = make_schedule(args, workers)
-        stages, loss_fn, data = build(args.model, S, args.model_width)
-        trainer = Trainer(stages, schedule, loss_fn, make_optimizer(args), timeout=args.timeout,
-                          **trainer_options(args))
-        report = _train(args, trainer, schedule, data, B)
-        if args.check:
-            state = trainer.gather_state_dict()
-            if trainer.rank == 0:
-                difference = _check(args, state, S, B, data, report["steps"])
-                report["max_difference_vs_one_process"] = difference
-                report["check"] = {"max_difference": difference, "tolerance": args.tolerance,
-                                   "passed": difference <= args.tolerance}
+    schedule, S, B = make_schedule(args, dist.get_world_size())
+    stages, loss_fn, data = build(args.model, S, args.model_width)
+    trainer = cleanup.enter_context(contextlib.closing(
+        Trainer(stages, schedule, loss_fn, make_optimizer(args), timeout=args.timeout, **trainer_options(args))))
+    report = _train(args, trainer, schedule, data, B)
+    if args.check:
+        state = trainer.gather_state_dict()
         if trainer.rank == 0:
-            _print(args, report, schedule)
-        dist.barrier()
-        return 0 if report.get("check", {}).get("passed", True) else 1
-    except unisched.UniSchedError as error:
-        print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        if trainer is not None:
-            trainer.close()
-            del trainer
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            fresh, _, _ = build(args.model, S, args.model_width)
+            difference = difference_from_one_process(args, state, fresh, loss_fn, make_optimizer(args), data, B,
+                                                     report["steps"])
+            report["max_difference_vs_one_process"] = difference
+            report["check"] = {"max_difference": difference, "tolerance": args.tolerance,
+                               "passed": difference <= args.tolerance}
+    if trainer.rank == 0:
+        _print(args, report, schedule)
+    return 0 if report.get("check", {}).get("passed", True) else 1
 
 
 def _train(args, trainer, schedule, data, B: int) -> dict:
@@ -391,14 +404,15 @@ def median_ms(seconds: Sequence[float]) -> float:
     return 1e3 * kept[len(kept) // 2]
 
 
-def _check(args, state: dict, S: int, B: int, data, steps: int) -> float:
-    """Largest |difference| between the trained weights and one process doing
-    the same on the whole batch for ``steps`` steps from the start."""
+def difference_from_one_process(args: argparse.Namespace, state: dict, stages, loss_fn, optimizer, data,
+                                B: int, steps: int) -> float:
+    """Largest |difference| between the trained weights ``state`` and one
+    process training ``stages`` (fresh, built as the run's were) on the whole
+    batch of each of ``steps`` steps from the start, with the run's options."""
     from unisched.execute import train_one_process
 
-    stages, loss_fn, _ = build(args.model, S, args.model_width)
     batches = (data(step, B * args.rows_per_batch) for step in range(steps))
-    _, reference = train_one_process(stages, loss_fn, make_optimizer(args), batches,
+    _, reference = train_one_process(stages, loss_fn, optimizer, batches,
                                      micro_batches=reference_micro_batches(args, B), **trainer_options(args))
     return max(float((state[k] - reference[k]).abs().max()) for k in reference)
 

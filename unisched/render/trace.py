@@ -66,11 +66,6 @@ def unit_seconds(time_unit: str | float = "s") -> float:
     return float(time_unit)
 
 
-def time_scale(timeline: Timeline, time_unit: str | float = "s") -> float:
-    """Microseconds per time unit of the timeline."""
-    return unit_seconds(time_unit) * 1e6
-
-
 def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
     """The trace as a JSON-ready dict ``{"traceEvents": [...], ...}``.
 
@@ -79,7 +74,7 @@ def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
     e.g. ``"ms"`` for costs in milliseconds.  Events are in microseconds."""
     seconds = unit_seconds(time_unit)
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
-    scale = time_scale(timeline, seconds)
+    scale = seconds * 1e6  # microseconds per time unit
     origin = time_origin(timeline)
     W = timeline.num_workers
     events: list[dict] = []

@@ -139,6 +139,8 @@ def test_compare_takes_parameters_in_its_list(capsys):
         (["plan", "--strategy", "looped(group_size=2)", "--param", "group_size=4"], "give it once"),
         (["plan", "--strategy", "gpipe", "--memory-limit", "1,2"], "gives 2 numbers but there are 4 workers"),
         (["plan", "--strategy", "gpipe", "--memory-limit", "4,x"], "comma-separated numbers"),
+        (["simulate", "--strategy", "gpipe", "--memory-limit", "1,2"], "--memory-limit gives 2 numbers"),
+        (["compare", "--memory-limit", "nan"], "--memory-limit must be non-negative numbers"),
     ],
 )
 def test_grammar_mistakes_are_errors(capsys, argv, words):

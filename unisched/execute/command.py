@@ -106,27 +106,21 @@ def torchrun_command(args: argparse.Namespace, workers: int) -> list[str]:
     return command
 
 
-VALUED = ("--stages", "--batches", "--timeline", "--model", "--rows-per-batch", "--model-width", "--optimizer", "--lr",
-          "--timeout", "--tolerance", "--precision", "--clip-grad-norm", "--lr-schedule", "--warmup-steps", "--steps",
-          "--log-every", "--checkpoint", "--checkpoint-every", "--resume")
-SWITCHES = ("--check", "--json")
-"""The example's options that ``unisched run`` passes on as given."""
-
-
 def training_arguments(args: argparse.Namespace) -> list[str]:
-    """The example's own options, as given."""
-    out = ["--plan", args.plan] if args.plan else ["--strategy", args.strategy]
-    for param in args.param:
-        out += ["--param", param]
-    for flag in VALUED:
-        value = getattr(args, _attribute(flag))
-        if value is not None:
+    """The example's own options, as given: every option of
+    :func:`add_training_arguments`, so that none stays behind."""
+    example = argparse.ArgumentParser(add_help=False)
+    add_training_arguments(example)
+    out: list[str] = []
+    for action in example._actions:
+        flag, value = action.option_strings[0], getattr(args, action.dest)
+        if action.nargs == 0:
+            out += [flag] if value else []
+        elif isinstance(value, list):
+            out += [part for item in value for part in (flag, str(item))]
+        elif value is not None:
             out += [flag, str(value)]
-    return out + [flag for flag in SWITCHES if getattr(args, _attribute(flag))]
-
-
-def _attribute(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+    return out
 
 
 def _workers(args: argparse.Namespace) -> int:

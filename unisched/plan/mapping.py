@@ -272,7 +272,7 @@ def _solve(
     if hint is not None:
         hint = canonical(timed, hint) if free_batches is None else hint
     duration = timed.duration  # (items, workers)
-    fetch = timed.fetch.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
+    fetch = timed.fetch.max(axis=(0, 1))
     uniform = bool(np.all(duration == duration[:, :1]))
     horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
                   + 2 * fetch.max(initial=0) + 1)
@@ -368,11 +368,9 @@ def _solve(
 def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
     """Every dependency: its destination starts after its source ends, plus the time its data
     takes (:meth:`TimedProblem.delays`' rule, at the worst link) when the two run apart."""
-    problem = timed.problem
-    W = problem.shape.num_workers
     edges = timed.data_edges()
-    comm = timed.comm.max(axis=(0, 1)) if W > 1 else np.zeros(problem.shape.num_stages, dtype=np.int64)
-    stash = timed.stash.max(axis=(0, 1)) if W > 1 else np.zeros(problem.shape.num_stages, dtype=np.int64)
+    comm = timed.comm.max(axis=(0, 1))
+    stash = timed.stash.max(axis=(0, 1))
     is_stash = edges.moves == TRANSFER_KINDS.index("stash")
     for u, v, s, moves, stashed in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist(),
                                        edges.moves.tolist(), is_stash.tolist()):
@@ -523,7 +521,7 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
         return None
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]
-    fetch = timed.fetch.max(axis=(0, 1)) if W > 1 else np.zeros(S, dtype=np.int64)
+    fetch = timed.fetch.max(axis=(0, 1))
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails = np.where(returning, fetch[timed.stage], 0)
     makespan = int(np.max(ends + tails))

@@ -90,7 +90,7 @@ def solve_order(
     n = len(compute)
     duration = timed.duration[np.arange(n), compute]
     tails = step_tails(timed, compute, weight)
-    release = _releases(timed, compute, weight)
+    release = releases(timed, compute, weight)
     edges = timed.data_edges()
     delay = timed.delays(edges, compute)
     horizon = int(duration.sum() + delay.sum() + release.max(initial=0) + tails.max(initial=0) + 1)
@@ -237,7 +237,7 @@ def run_solver(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None
     return outcome[0], interrupted
 
 
-def _releases(timed: TimedProblem, compute, weight) -> np.ndarray:
+def releases(timed: TimedProblem, compute, weight) -> np.ndarray:
     """Ticks before which an item cannot start: its borrowed weights' arrival."""
     stage = timed.stage
     borrowed = dataflow.fetches_weights(compute, weight)

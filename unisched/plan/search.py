@@ -55,14 +55,14 @@ from typing import Iterable, Sequence, TextIO
 
 import numpy as np
 
-from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.family import Member, constructed_members, measures, other_backward, registry_members, search_family
-from unisched.plan.order import live_stashes, memory_demands, solve_order, step_tails
+from unisched.plan.order import capacity as stash_capacity
+from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem, check_plan_size, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
@@ -168,9 +168,6 @@ class Mapped:
         order = np.argsort(edges.src, kind="stable")
         succ_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(edges.src, minlength=n), out=succ_ptr[1:])
-        borrowed = dataflow.fetches_weights(compute, weight)
-        release = np.zeros(n, dtype=np.int64)
-        release[borrowed] = timed.fetch[weight[borrowed], compute[borrowed], timed.stage[borrowed]]
         problem = timed.problem
         stashes = np.zeros((3, 0), dtype=np.int64)
         capacity = np.full(problem.shape.num_workers, NO_LIMIT, dtype=np.int64)
@@ -178,13 +175,14 @@ class Mapped:
         if limits is not None:
             _, _, unit = memory_demands(timed)
             limits = np.broadcast_to(np.asarray(limits, dtype=float), capacity.shape)
-            capacity = np.where(np.isfinite(limits), np.floor(limits * unit.scale + 1e-6), NO_LIMIT).astype(np.int64)
+            capacity = np.array([stash_capacity(unit, limit) if np.isfinite(limit) else NO_LIMIT for limit in limits],
+                                dtype=np.int64)
             rows = live_stashes(timed)
             stashes = np.array([(f, r, d) for _, _, f, r, d in rows], dtype=np.int64).reshape(-1, 3).T
         return cls(
             timed=timed, label=label, compute=compute, weight=weight,
             duration=timed.duration[np.arange(n), compute].astype(np.int64),
-            release=release, tail=step_tails(timed, compute, weight).astype(np.int64),
+            release=releases(timed, compute, weight), tail=step_tails(timed, compute, weight).astype(np.int64),
             succ_ptr=succ_ptr, succ_idx=edges.dst[order].astype(np.int64), succ_delay=delay[order],
             num_preds=np.bincount(edges.dst, minlength=n).astype(np.int64),
             stash_forward=stashes[0], stash_release=stashes[1], stash_demand=stashes[2], capacity=capacity,

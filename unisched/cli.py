@@ -246,7 +246,7 @@ def cmd_simulate(args) -> int:
         from unisched.plan.family import parse_params, strategy_spec
 
         check_size(_shape(args), splits_backward(args))
-        sim = _simulate(args, *strategy_spec(args.strategy, parse_params(args.param)))
+        sim = _simulate(args, *strategy_spec(args.strategy, parse_params(args.param)), _step_options(args))
     if args.out:
         options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
         sim.save(args.out, **options)
@@ -313,7 +313,7 @@ def cmd_compare(args) -> int:
         )
     else:
         candidates = list(policies.variants(*shape))
-    rows, skipped, bound = _compare(args, candidates)
+    rows, bound, skipped = _compare(args, candidates)
     if args.json:
         print(_dumps({"shape": list(shape), "bound": bound, "results": rows, "skipped": skipped}))
         return 0
@@ -356,24 +356,31 @@ COMPARE_COLUMNS = (
 )
 
 
-def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]], float]:
-    """Rows best first, the strategies skipped, and the one bound every row's
-    gap is measured against: the shape's lower bound (work per worker and a
-    micro-batch's critical path), the least over the backward forms compared,
-    which no row's schedule can beat.  Each row's own bound (which adds its
-    busiest worker) stays in ``lower_bound`` / ``own_gap``."""
+def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]]:
+    """Each (name, params) of ``candidates`` simulated: :func:`_ranked` rows,
+    the strategies skipped (and why), and the bound."""
     from unisched.plan.family import label_of
 
-    rows, skipped, shape_bounds = [], [], []
+    simulations, skipped = [], []
+    options = _step_options(args)
     for name, params in candidates:
         label = label_of(name, params)
         try:
-            sim = _simulate(args, name, params)
+            simulations.append((label, _simulate(args, name, params, options)))
         except UniSchedError as error:
             skipped.append((label, str(error).splitlines()[0]))
-            continue
+    return *_ranked(simulations), skipped
+
+
+def _ranked(simulations) -> tuple[list[dict], float]:
+    """Rows of (label, simulation) pairs, best first, and the one bound every
+    row's gap is measured against: the shape's lower bound (work per worker
+    and a micro-batch's critical path), the least over the backward forms
+    compared, which no row's schedule can beat.  Each row's own bound (which
+    adds its busiest worker) stays in ``lower_bound`` / ``own_gap``."""
+    rows = []
+    for label, sim in simulations:
         stats = sim.worker_stats()
-        shape_bounds.append(sim.lower_bounds["shape"])
         rows.append(
             {
                 "strategy": label,
@@ -390,11 +397,11 @@ def _compare(args, candidates) -> tuple[list[dict], list[tuple[str, str]], float
                 "own_gap": sim.gap,
             }
         )
-    bound = min(shape_bounds, default=0.0)
+    bound = min((sim.lower_bounds["shape"] for _, sim in simulations), default=0.0)
     for row in rows:
         row["gap"] = (row["latency"] - bound) / bound if bound > 0 else 0.0
     rows.sort(key=lambda r: (r["latency"], r["peak_activations"], r["transfers"]))
-    return rows, skipped, bound
+    return rows, bound
 
 
 def _bound_note(bound: float) -> str:
@@ -411,23 +418,24 @@ def _demo(args) -> int:
     if not args.json:
         print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
               f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
-    candidates, skipped = [], []
+    simulations, skipped = [], []
+    options = _step_options(args)
     for name in DEMO_STRATEGIES:
         if name not in policies.names():
             continue
         try:
-            sim = _simulate(args, name, {})
+            sim = _simulate(args, name, {}, options)
         except UniSchedError as error:
             skipped.append((name, str(error).splitlines()[0]))
             if not args.json:
                 print(f"{name}: {skipped[-1][1]}\n")
             continue
-        candidates.append((name, {}))
+        simulations.append((name, sim))
         if not args.json:
             print(f"── {name}: {sim.strategy.description}")
             print(sim.to_text(width=args.width, color=args.color))
             print()
-    rows, _, bound = _compare(args, candidates)
+    rows, bound = _ranked(simulations)
     if args.json:
         print(_dumps({"shape": list(shape), "bound": bound, "results": rows, "skipped": skipped}))
         return 0
@@ -476,23 +484,32 @@ def _costs(args):
     return replace(costs, **changes)
 
 
-def _simulate(args, name: str, params: dict):
+def _step_options(args) -> dict:
+    """What every strategy of a command is simulated with (the costs, the
+    memory limit, the backward's form, a priority), read once from the flags."""
+    from unisched.simulate.priorities import priority_by_name
+
+    W, S, B = _shape(args)
+    return {
+        "priority_order": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
+        "costs": _costs(args),
+        "memory_limit": numbers("--memory-limit", args.memory_limit, W, "workers"),
+        "split_backward": True if splits_backward(args) else None,
+    }
+
+
+def _simulate(args, name: str, params: dict, options: dict):
+    """Strategy ``name`` with ``params`` on the flags' shape, simulated with ``options`` (:func:`_step_options`)."""
     from unisched import policies, simulate
     from unisched.plan.command import is_user_strategy, user_strategy
     from unisched.plan.family import label_of
-    from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
     if is_user_strategy(name):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
-    split = True if splits_backward(args) else None
-    priority = priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None
-    return simulate(
-        W, S, B, strategy, priority,
-        costs=_costs(args), memory_limit=numbers("--memory-limit", args.memory_limit, W, "workers"), split_backward=split,
-    )
+    return simulate(W, S, B, strategy, **options)
 
 
 def _cluster_json(sim) -> dict:

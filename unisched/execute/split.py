@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from unisched.errors import UniSchedError
 
@@ -628,28 +629,20 @@ def _time_call(module: nn.Module, args: tuple, kwargs: dict, repeats: int) -> fl
 
 
 def _detach(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detach(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
 
 
 def _leaf(value, leaves: list):
     """Fresh leaves for the floating tensors in ``value`` that need their
     gradient (collected in ``leaves``), so a backward reaches the block's input."""
-    if isinstance(value, torch.Tensor):
-        leaf = value.detach().requires_grad_(value.is_floating_point())
+
+    def fresh(tensor: torch.Tensor) -> torch.Tensor:
+        leaf = tensor.detach().requires_grad_(tensor.is_floating_point())
         if leaf.requires_grad:
             leaves.append(leaf)
         return leaf
-    if isinstance(value, (tuple, list)):
-        return type(value)(_leaf(v, leaves) for v in value)
-    if isinstance(value, dict):
-        return {k: _leaf(v, leaves) for k, v in value.items()}
-    return value
+
+    return tree_map_only(torch.Tensor, fresh, value)
 
 
 def _place(root: nn.Module, dotted: str, module: nn.Module) -> None:

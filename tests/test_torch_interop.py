@@ -16,7 +16,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
 import unisched
-from unisched import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Costs, Work, policies, simulate
+from unisched import FORWARD, Costs, Work, policies, simulate
 from unisched.policies import StrategyShapeError, TorchCSVError, from_torch_csv, to_torch_csv
 
 COMPUTE = {"F", "B", "I", "W"}

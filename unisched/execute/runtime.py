@@ -224,17 +224,11 @@ class Trainer:
 
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
-        self._reads = {i: program.reads(a.work, self.rank) for i, a in enumerate(self._actions) if a.is_compute}
-        self._awaits = {
-            i: [self._inbound[k].index for k in reads.keys if k in self._inbound] for i, reads in self._reads.items()
-        }
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
+        self._items = {i: self._item(i, a) for i, a in enumerate(self._actions) if a.is_compute}
         self._runs = {a.stage for a in self._actions if a.is_compute}
         self._first_forward = [program.compute_worker[Work(0, s, FORWARD)] for s in range(program.num_stages)]
-        self._gangs = {i: program.gangs[a.work] for i, a in enumerate(self._actions)
-                       if a.is_compute and a.work in program.gangs}
-        self._leads = {i for i, gang in self._gangs.items() if gang.workers[0] == self.rank}
         self._loss_stage = program.loss_stage
         self._last_loss_item = max(
             (i for i, a in enumerate(self._actions)
@@ -650,11 +644,16 @@ class Trainer:
         st.begin = st.clock.begin()
         if self._last_loss_item < 0:
             self._post_losses(st)
-        for index, action in enumerate(self._actions):
-            st.current = action
+        self._walk(st, range(len(self._actions)))
+        return self._finish(st)
+
+    def _walk(self, st: "_StepState", indices) -> None:
+        """Carry out the actions at ``indices`` of this rank's program, in order."""
+        for index in indices:
+            action = st.current = self._actions[index]
             self._post_due(st, index)
             if action.is_compute:
-                self._compute(st, action, index)
+                self._compute(st, action, self._items[index])
                 self._reap(st)
                 if index == self._last_loss_item:
                     self._post_losses(st)
@@ -667,7 +666,6 @@ class Trainer:
             if index in self._last_use:
                 self._release_fetched(self._last_use[index])
         st.current = None
-        return self._finish(st)
 
     def _run_forwards(self, st: "_StepState") -> float:
         """Walk the forward part of this rank's program (forwards, their
@@ -675,19 +673,7 @@ class Trainer:
         the last stage's forward; the mean loss, on every rank."""
         with torch.no_grad(), self._in_eval_mode():
             st.begin = time.perf_counter()
-            for index in self._forward_only:
-                action = st.current = self._actions[index]
-                self._post_due(st, index)
-                if action.is_compute:
-                    self._compute(st, action, index)
-                    self._reap(st)
-                elif action.is_recv:
-                    self._post_or_defer(st, action, index)
-                else:
-                    self._post_send(st, action)
-                if index in self._last_use:
-                    self._release_fetched(self._last_use[index])
-            st.current = None
+            self._walk(st, self._forward_only)
             self._post_due(st, math.inf)
             self._await_transfers(st)
             self._post_losses(st)
@@ -709,26 +695,40 @@ class Trainer:
         except Exception as error:
             raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({_first_line(error)})") from error
 
-    def _compute(self, st: "_StepState", action: Action, index: int) -> None:
+    def _item(self, index: int, action: Action) -> "_Item":
+        """What running the compute ``action`` needs, found once (see :class:`_Item`)."""
+        program, work = self.program, action.work
+        reads = program.reads(work, self.rank)
+        gang = program.gangs.get(work)
+        after = {"F": self._back, "I": BACKWARD_WEIGHT}.get(action.op)
+        return _Item(
+            index=index,
+            reads=reads,
+            awaits=tuple(self._inbound[k].index for k in reads.keys if k in self._inbound),
+            gang=gang,
+            noted=gang is None or gang.workers[0] == self.rank,
+            keeps=after is not None and program.compute_worker[Work(work.batch, work.stage, after)] == self.rank,
+        )
+
+    def _compute(self, st: "_StepState", action: Action, item: "_Item") -> None:
         """Wait for the item's inputs, then run it (only the run is timed)."""
-        s, b, reads = action.stage, action.batch, self._reads[index]
+        s, b, reads = action.stage, action.batch, item.reads
         if s in self._fetch:
             self._load_weights(st, s)
-        for message in self._awaits[index]:
+        for message in item.awaits:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._receive(st, message)
         start = st.clock.mark() if self._recording else None
-        gang = self._gangs.get(index)
-        if gang is not None:
-            self._gang_pass(st, s, b, reads, gang, forward=action.op == "F")
+        if item.gang is not None:
+            self._gang_pass(st, s, b, reads, item.gang, forward=action.op == "F")
         elif action.op == "F":
-            self._forward(st, s, b, reads)
+            self._forward(st, s, b, reads, keep_graph=item.keeps and not st.evaluating)
         elif action.op == "W":
             self._weight_pass(st, s, b, reads)
         else:
-            self._backward(st, s, b, reads, input_only=action.op == "I")
-        if self._recording and (index not in self._gangs or index in self._leads):
-            st.items.append((index, start, st.clock.mark()))
+            self._backward(st, s, b, reads, input_only=action.op == "I", keep_graph=item.keeps)
+        if self._recording and item.noted:
+            st.items.append((item.index, start, st.clock.mark()))
 
     def _call(self, s: int, args: list, batch: int | None = None) -> Any:
         """Stage ``s`` on ``args`` under the precision's autocast, the floating
@@ -743,9 +743,10 @@ class Trainer:
             return to_compute_dtype(out, self._dtype)
         return out
 
-    def _forward(self, st, s: int, b: int, reads: Reads) -> None:
+    def _forward(self, st, s: int, b: int, reads: Reads, keep_graph: bool) -> None:
+        """Stage ``s`` on micro-batch ``b``, its graph kept when the backward runs here next."""
         xs = self._inputs(st, s, b, reads.inputs)
-        if not st.evaluating and self.program.compute_worker[Work(b, s, self._back)] == self.rank:
+        if keep_graph:
             if self._graph.predecessors[s]:
                 xs = self._needing_grad(s, xs)
             out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
@@ -865,7 +866,9 @@ class Trainer:
         self._collective(lambda: dist.gather(x, pieces, dst=first, group=group), "collecting a gang's rows")
         return torch.cat(pieces) if self.rank == first else x
 
-    def _backward(self, st, s: int, b: int, reads: Reads, input_only: bool) -> None:
+    def _backward(self, st, s: int, b: int, reads: Reads, input_only: bool, keep_graph: bool) -> None:
+        """The backward of stage ``s`` on micro-batch ``b`` (its input pass
+        only when ``input_only``, the graph kept when the weight pass runs here)."""
         xs, out, leaves = st.graphs.pop((s, b), (None, None, None))
         if leaves is None:
             xs, out, leaves = self._recompute(st, s, b, reads.inputs, needs_input_grad=True)
@@ -877,11 +880,10 @@ class Trainer:
             for p, wanted in upstream:
                 st.put(gradient(p, b, s), tuple(_or_zeros(x.grad, x) for x in wanted))
             return
-        keep = self.program.compute_worker[Work(b, s, BACKWARD_WEIGHT)] == self.rank
-        found = iter(_gradients(roots, grads, [x for _, xs_p in upstream for x in xs_p], retain_graph=keep))
+        found = iter(_gradients(roots, grads, [x for _, xs_p in upstream for x in xs_p], retain_graph=keep_graph))
         for p, xs_p in upstream:
             st.put(gradient(p, b, s), tuple(_or_zeros(next(found), x) for x in xs_p))
-        if keep:
+        if keep_graph:
             st.weight_graphs[(s, b)] = (roots, grads)
         elif grads is not None:
             st.put(gradient(s, b), grads)
@@ -1334,6 +1336,22 @@ class Trainer:
         where = f" at {st.current}" if st.current is not None else ""
         self._board.post(f"rank {self.rank} ran past the step timeout of {self.timeout:g} s{where} in step {self._step_no}")
         return True
+
+
+class _Item(NamedTuple):
+    """A compute action of this rank's program, with what running it needs:
+    its ``index`` in the program, what it ``reads``, the messages it
+    ``awaits``, the ``gang`` that runs it (None: this rank alone), whether
+    this rank notes it in a recorded step (``noted``: the gang's first
+    member does), and whether it ``keeps`` its autograd graph (a forward
+    whose backward, or an input pass whose weight pass, runs here next)."""
+
+    index: int
+    reads: Reads
+    awaits: tuple[int, ...]
+    gang: Any
+    noted: bool
+    keeps: bool
 
 
 class _StepState:

@@ -250,8 +250,9 @@ def test_a_gpt2_on_the_meta_device_splits_and_loads_from_the_models_state_dict()
     transformers = pytest.importorskip("transformers")
     from unisched.execute.stages import build_stages, stages_from_state_dict
 
-    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=4, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    from unisched.execute.example import gpt2_config
+
+    config = gpt2_config(layers=4, vocab=32, positions=8, width=16, heads=2)
     torch.manual_seed(0)
     real = transformers.GPT2LMHeadModel(config)
     with torch.device("meta"):

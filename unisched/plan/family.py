@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, TextIO
 
 import numpy as np
@@ -23,7 +23,8 @@ from unisched.simulate.priorities import BackwardFirst
 from unisched.strategy import Strategy
 from unisched.work import ComputeAndWeightWorkers, Work
 
-from unisched.plan.problem import PlanInputError, PlanProblem
+from unisched.plan.problem import PlanInputError, PlanProblem, rows_of
+from unisched.plan.schedule import Schedule
 
 
 NOT_SIMULATED = "not simulated: the time limit was spent on the members before it"
@@ -51,6 +52,14 @@ class Member:
 
     def measures(self) -> dict:
         return measures(self.simulation)
+
+    def schedule(self, problem: PlanProblem) -> Schedule:
+        """Its simulated run as fixed workers and per-worker orders (under its own memory limit, if any)."""
+        t = self.simulation.timeline
+        rows = rows_of(problem, t)
+        if self.memory_limit is not None:
+            problem = replace(problem, memory_limit=self.memory_limit)
+        return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=self.label)
 
 
 @dataclass(eq=False)

@@ -42,8 +42,8 @@ from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_li
                                    proven_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
-from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, mapping_of, rows_of,
-                                   split_from)
+from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
+                                   mapping_of, rows_of, split_from)
 from unisched.plan.schedule import Schedule
 from unisched.plan.search import SEARCH_FROM_ITEMS, search as heuristic_search
 
@@ -120,9 +120,7 @@ def plan(
     see :func:`uses_heuristic`.  Raises a ``UniSchedError`` saying what is
     needed when the limits make every schedule impossible.
     """
-    if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
-            or not 0 < time_limit < math.inf):
-        raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    check_time_limit(time_limit)
     if scheme not in SCHEMES:
         raise PlanInputError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if search not in SEARCHES:
@@ -202,11 +200,11 @@ class _Search:
         family = search_family(searched, members, progress=self.progress,
                                memory_variants=not self.fixed and problem.memory_limit is None)
         for member in family.feasible:
-            self.add(member.label, "family", _schedule_of(problem, member), pareto=member.pareto)
+            self.add(member.label, "family", member.schedule(problem), pareto=member.pareto)
         if not self.fixed:
             self.built = search_family(searched, constructed_members(problem))
             for member in self.built.feasible:
-                self.add(member.label, "constructed", _schedule_of(problem, member))
+                self.add(member.label, "constructed", member.schedule(problem))
         return family
 
     def targets(self, family: FamilyResult):
@@ -422,15 +420,6 @@ def _say(progress: TextIO | None, text: str) -> None:
     if progress is not None:
         progress.write(f"\r{text:<90}\r")
         progress.flush()
-
-
-def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
-    """A family member's simulated run as fixed workers and orders."""
-    t = member.simulation.timeline
-    rows = rows_of(problem, t)
-    if member.memory_limit is not None:
-        problem = replace(problem, memory_limit=member.memory_limit)
-    return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
 
 
 def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[Member], fixed: bool,

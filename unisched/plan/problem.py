@@ -120,6 +120,13 @@ MAX_SEARCH_ITEMS = 200_000
 """The most work items the heuristic search (:mod:`unisched.plan.search`) takes."""
 MAX_SEARCH_CELLS = 40_000_000
 """The most entries of the heuristic search's per-item-and-worker tables."""
+def check_time_limit(time_limit) -> None:
+    """Refuse a time limit that is not a positive, finite number of seconds."""
+    if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
+            or not 0 < time_limit < math.inf):
+        raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+
+
 def check_plan_size(shape: Shape, split_backward: bool = False, heuristic: bool = False) -> None:
     """Refuse, before building anything, a step too large to plan (with the
     CP-SAT planner, or with the heuristic search when ``heuristic``)."""

@@ -64,7 +64,8 @@ from unisched.plan.family import Member, constructed_members, measures, other_ba
 from unisched.plan.order import capacity as stash_capacity
 from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
-from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem, check_plan_size, mapping_of, rows_of
+from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
+                                   mapping_of)
 from unisched.plan.schedule import Schedule
 
 SEARCH_FROM_ITEMS = 500
@@ -601,9 +602,7 @@ def search(
     (at most two a second) and one when the search ends.  Ctrl-C ends the
     search early with the best plan so far."""
     objective = problem.objective
-    if (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float, np.number))
-            or not 0 < time_limit < math.inf):
-        raise PlanInputError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    check_time_limit(time_limit)
     check_plan_size(problem.shape, problem.split_backward, heuristic=True)
     begin = time.perf_counter()
     run = _Run(problem, objective, progress, begin)
@@ -653,7 +652,7 @@ def seed_mappings(problem: PlanProblem, feasible: list[Member], family, construc
     order may run them)."""
     found: list[SeedMapping] = []
     for member in feasible:
-        schedule = _schedule_of(problem, member)
+        schedule = member.schedule(problem)
         orders = [np.asarray(schedule.orders[w], dtype=np.int64) for w in range(problem.shape.num_workers)]
         found.append(SeedMapping(member.label, schedule.compute, schedule.weight, orders))
     others = [(label, strategy) for label, strategy, _ in constructed_members(problem)] if constructed else []
@@ -867,7 +866,7 @@ class _Run:
     def _replayed_best(self, seed: Member | None):
         """(label, source, schedule, replay) of the best: the searched orders as the simulator
         replays them, unless that replay fails or is worse than the best seed's."""
-        fallback = None if seed is None else (seed.label, "family", _schedule_of(self.problem, seed), seed.simulation)
+        fallback = None if seed is None else (seed.label, "family", seed.schedule(self.problem), seed.simulation)
         start = self.best_start
         if start is None:
             return fallback
@@ -883,13 +882,6 @@ class _Run:
                                                                                            self.objective) + 1e-9:
             return fallback
         return f"{start.m.label} + {start.how}", "search", schedule, sim
-
-
-def _schedule_of(problem: PlanProblem, member: Member) -> Schedule:
-    """A family member's simulated run as fixed workers and per-worker orders."""
-    t = member.simulation.timeline
-    rows = rows_of(problem, t)
-    return Schedule.from_starts(problem, t.worker[rows], t.weight_worker[rows], t.start[rows], name=member.label)
 
 
 def _nothing_runs(problem: PlanProblem, family) -> str:

@@ -96,7 +96,7 @@ def backwards_elsewhere(num_workers, num_stages, num_batches):
 """
 
 
-def test_your_own_strategy_runs_by_module_and_function(capsys, monkeypatch, tmp_path):
+def test_your_own_strategy_runs_by_module_and_function(capsys, tmp_path):
     path = tmp_path / "mine.py"
     path.write_text(textwrap.dedent(STRATEGY))
     target = f"{path}:backwards_elsewhere"

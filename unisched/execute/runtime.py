@@ -353,7 +353,6 @@ class Trainer:
             self._watchdog.disarm(ticket)
             raise self._failure(error, state) from error
         finally:
-            self._watchdog.disarm(ticket)
             self._state = None
         return loss
 

@@ -454,3 +454,14 @@ def test_bad_options_are_refused_alike_on_every_rank():
         assert r.value["groups_left"] == 0 and r.value["seconds"] < 30
     assert {k: v for k, v in results[0].value.items() if k != "seconds"} == \
         {k: v for k, v in results[1].value.items() if k != "seconds"}
+
+
+def test_the_one_process_reference_refuses_the_options_it_shares_by_name():
+    stages, batches = make_stages(), [batch(0)]
+    for options, expected in (({"accumulate": 0}, "accumulate must be a whole number >= 1"),
+                              ({"precision": "fp8"}, "precision must be one of"),
+                              ({"loss_scale": {"init_scale": 8.0}}, "loss_scale applies to precision='fp16' only")):
+        with pytest.raises(ShapeError, match=expected):
+            train_one_process(stages, loss_fn, momentum_sgd, batches, **options)
+    with pytest.raises(ShapeError, match="optimizer must be callable"):
+        train_one_process(stages, loss_fn, None, batches)

@@ -20,7 +20,7 @@ from unisched.execute.training import (
     LOSS_SCALE_DEFAULTS,
     PRECISIONS,
     autocast,
-    check_options,
+    check_training_options,
     micro_batch_seed,
     scalar_loss,
     seed_rng,
@@ -67,9 +67,8 @@ def train_one_process(
     (``loss_scale`` its options), which skips a step whose gradients are not
     finite; the scheduler steps only when the optimizer did.
     """
-    check_options(stages, loss_fn, optimizer, timeout=1.0, lookahead=0, record=False, seed=seed, precision=precision,
-                  clip_grad_norm=clip_grad_norm, scheduler=scheduler, accumulate=accumulate,
-                  loss_scale_options=loss_scale)
+    check_training_options(stages, loss_fn, optimizer, seed=seed, precision=precision, clip_grad_norm=clip_grad_norm,
+                           scheduler=scheduler, accumulate=accumulate, loss_scale_options=loss_scale)
     # No container module is built here: EPL's scopes would capture it as part of the model.
     params = list({id(p): p for stage in stages for p in stage.parameters()}.values())
     graph = as_stage_graph(len(stages), stage_graph)

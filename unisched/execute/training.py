@@ -14,7 +14,8 @@ and the one-process reference so that both compute the same thing.
   nothing else (not the schedule, not the rank), so a forward recomputed on
   another rank draws the same masks, and one process can draw them too.
 - **Options** (:func:`check_options`): what the Trainer refuses before it
-  talks to any other rank, with the field named.
+  talks to any other rank, with the field named; the one-process reference
+  refuses the options it shares the same way (:func:`check_training_options`).
 """
 
 from __future__ import annotations
@@ -134,16 +135,12 @@ def loss_scale(precision: str, options: dict | None) -> LossScale:
 
 
 # ---------------------------------------------------------------------- options
-def check_options(stages, loss_fn, optimizer, *, timeout, lookahead, record, seed, precision, clip_grad_norm,
-                  scheduler, accumulate, loss_scale_options) -> None:
+def check_options(stages, loss_fn, optimizer, *, timeout, lookahead, record, **training) -> None:
     """Refuse a Trainer option that cannot work, naming it and what to pass
-    instead.  Pure: every rank given the same options raises the same error."""
-    _check_stages(stages)
-    for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
-        if not callable(value):
-            raise ShapeError(f"{name} must be callable, got {_shown(value)}"
-                             + ("; pass a factory: lambda params: torch.optim.SGD(params, lr=0.1)"
-                                if name == "optimizer" else "; pass loss_fn(output, target) -> scalar tensor"))
+    instead: the ``training`` options of :func:`check_training_options`,
+    then how the Trainer runs.  Pure: every rank given the same options
+    raises the same error."""
+    check_training_options(stages, loss_fn, optimizer, **training)
     if not _positive(timeout):
         raise ShapeError(f"timeout must be a positive, finite number of seconds, got {_shown(timeout)}")
     if not _whole(lookahead) or lookahead < 0:
@@ -152,6 +149,18 @@ def check_options(stages, loss_fn, optimizer, *, timeout, lookahead, record, see
     if not isinstance(record, bool) and (not _whole(record) or record < 1):
         raise ShapeError(f"record must be True, False or a whole number N >= 1 (record every N-th step), "
                          f"got {_shown(record)}")
+
+
+def check_training_options(stages, loss_fn, optimizer, *, seed, precision, clip_grad_norm, scheduler, accumulate,
+                           loss_scale_options) -> None:
+    """Refuse an option of what is trained and how (the ones the Trainer and
+    the one-process reference share), naming it and what to pass instead."""
+    _check_stages(stages)
+    for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if not callable(value):
+            raise ShapeError(f"{name} must be callable, got {_shown(value)}"
+                             + ("; pass a factory: lambda params: torch.optim.SGD(params, lr=0.1)"
+                                if name == "optimizer" else "; pass loss_fn(output, target) -> scalar tensor"))
     if not _whole(seed):
         raise ShapeError(f"seed must be a whole number, got {_shown(seed)}")
     if not isinstance(precision, str) or precision not in PRECISIONS:

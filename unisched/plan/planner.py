@@ -17,6 +17,9 @@ once the best meets a lower bound, and on Ctrl-C, answering with the best so
 far.  Every claim names the class of schedules it is proven for
 (``Plan.proven_for``, ``Plan.bound_for``): a bound or optimum of a restricted
 model is never stated as one over every schedule.
+
+On steps too large for the CP-SAT models (:func:`uses_heuristic`), :func:`plan`
+runs the heuristic search of :mod:`unisched.plan.search` instead.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from unisched.plan.search import SEARCH_FROM_ITEMS, search as heuristic_search
 ORDER_SHARE = 0.3
 """Share of the time limit given to CP-SAT orders of the best family mappings."""
 ORDERED_MAPPINGS = 3
+"""How many of the best family mappings CP-SAT reorders."""
 REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
 PAIRED_SHARE = 0.5

@@ -82,7 +82,7 @@ REFINE_ITEMS = 3000
 FIRST_RULES = 4
 """Rules every seed mapping is tried with before the rest of the grid goes to the most promising."""
 NO_LIMIT = np.iinfo(np.int64).max // 4
-"""A worker's stash capacity when it has no limit."""
+"""No limit: a worker's stash capacity, or its warm-up, when nothing bounds it."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Rule:
 
     def caps(self, num_workers: int) -> np.ndarray:
         if self.warmup is None:
-            return np.full(num_workers, np.iinfo(np.int64).max // 4)
+            return np.full(num_workers, NO_LIMIT)
         scale, extra = self.warmup
         return np.maximum(1, np.ceil(scale * (num_workers - np.arange(num_workers))).astype(np.int64) + extra)
 

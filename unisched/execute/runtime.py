@@ -435,7 +435,7 @@ class Trainer:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""
         self._watchdog.stop()
         self._failed = self._failed or "it was closed"
-        buffer_groups = {id(group): group for _, group in self._buffer_groups.values()}
+        buffer_groups = {id(group): group for group, _ in self._buffer_groups.values()}
         groups = [g for g in (*self._replica_groups.values(), *self._gang_groups.values(), *buffer_groups.values(),
                               self._p2p, self._control) if g is not None]
         self._replica_groups, self._gang_groups, self._buffer_groups, self._p2p, self._control = {}, {}, {}, None, None
@@ -510,11 +510,12 @@ class Trainer:
                 if self._state_specs[s] is None:
                     self._state_specs[s], self.weight_bytes[s], self._buffer_specs[s] = specs, nbytes, buffers
 
-    def _make_buffer_groups(self, delta) -> dict[int, Any]:
+    def _make_buffer_groups(self, delta) -> dict[int, tuple[Any, bool]]:
         """Per stage with buffers that several ranks keep (replicas, or ranks
         that run its forwards), the process group that averages them at the
-        end of each step; a stage a tensor-parallel gang runs keeps each
-        shard's buffers apart.  Every rank makes every group, in one order."""
+        end of each step, and whether this rank runs any of its forwards; a
+        stage a tensor-parallel gang runs keeps each shard's buffers apart.
+        Every rank makes every group, in one order."""
         program = self.program
         keepers: dict[int, tuple[int, ...]] = {}
         for s in range(program.num_stages):
@@ -525,9 +526,9 @@ class Trainer:
             if len(members) > 1:
                 keepers[s] = members
         groups = {g: dist.new_group(list(g), timeout=delta) for g in sorted(set(keepers.values()))}
-        self._buffer_runs = {s: any(self.rank in program.members(Work(b, s, FORWARD))
-                                    for b in range(program.num_batches)) for s in keepers}
-        return {s: (members, groups[members]) for s, members in keepers.items() if self.rank in members}
+        return {s: (groups[members], any(self.rank in program.members(Work(b, s, FORWARD))
+                                         for b in range(program.num_batches)))
+                for s, members in keepers.items() if self.rank in members}
 
     def _clock_offsets(self, store) -> tuple[list[float], int | None]:
         """Per-rank clock offsets (zero on one host, where perf_counter is
@@ -1260,9 +1261,8 @@ class Trainer:
         """Average each stage's buffers over the ranks that ran its forwards
         in this step, and give the mean to every holder of its weights:
         replicas end a step with equal BatchNorm statistics."""
-        for s, (members, group) in self._buffer_groups.items():
+        for s, (group, ran) in self._buffer_groups.items():
             buffers = _buffers(self.stages[s])
-            ran = self._buffer_runs[s]
             flat = torch.cat([b.detach().double().reshape(-1) * ran for b in buffers]
                              + [torch.ones(1, dtype=torch.float64, device=self.device) * ran])
             flat = flat.cpu()

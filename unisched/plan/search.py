@@ -795,7 +795,7 @@ class _Run:
         self.say(f"search: CP-SAT order of {m.label} ({left:.1f} s) ...")
         solved = solve_order(self.timed, m.compute, m.weight, time_limit=left, hint_starts=best.timing.start,
                              num_workers=2, seed=seed)
-        self.interrupted |= bool(getattr(solved, "interrupted", False))
+        self.interrupted |= solved.interrupted
         if not solved.found:
             return starts
         schedule = Schedule.from_starts(self.problem, m.compute, m.weight, solved.starts)

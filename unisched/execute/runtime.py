@@ -1139,8 +1139,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ end of step
     def _finish(self, st) -> float:
-        """Await everything, stop on a non-finite loss, take in returned
-        gradients, update (or hold the gradients for a later update),
+        """Await everything (taking in the returned gradients), stop on a
+        non-finite loss, update (or hold the gradients for a later update),
         average buffers, and note the step."""
         self._post_due(st, math.inf)
         self._await_transfers(st)
@@ -1156,8 +1156,6 @@ class Trainer:
                 f"{self.program.loss_rank(bad[0])}) in step {self._step_no}; no weights were changed. "
                 f"Lower the learning rate or check the inputs of that micro-batch"
             )
-        for s, flat in st.returned:
-            self._accept(s, flat)
         self._accumulated += 1
         if self._accumulated < self.accumulate:
             self._hold_gradients()
@@ -1177,12 +1175,12 @@ class Trainer:
         return self.last_loss
 
     def _await_transfers(self, st) -> None:
-        """Every receive and send of the step, done (returned gradients kept for later)."""
+        """Every receive and send of the step, done; returned gradients taken in."""
         for index in list(st.pending):
             flat = self._wait(st, index)
             msg = self.program.messages[index]
             if msg.letter == "r":
-                st.returned.append((msg.stage, flat))
+                self._accept(msg.stage, flat)
         self._await_sends(st.outgoing)
         st.outgoing.clear()
 
@@ -1369,7 +1367,6 @@ class _StepState:
         self.pending: dict[int, tuple] = {}
         self.deferred: list[int] = []
         self.outgoing: list = []
-        self.returned: list = []
         self.reductions: list = []
         self.loss_sum: torch.Tensor | None = None
         self.loss_work = None

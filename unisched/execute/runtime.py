@@ -638,7 +638,6 @@ class Trainer:
             flat.zero_()
             for p, view in zip(self._params[s], _split(flat, self._params[s])):
                 p.grad = view
-        self._loss_factor = self._scale.scale / (self.program.num_batches * self.accumulate)
         if self._recording and self.world_size > 1:
             self._collective(lambda: dist.barrier(group=self._control), "the barrier that starts a recorded step")
         st.begin = st.clock.begin()
@@ -939,7 +938,7 @@ class Trainer:
             loss = self._loss(st, b, out)
             if record_loss:
                 st.losses[b] = loss.detach()
-            return (loss * self._loss_factor,), None
+            return (loss * st.loss_factor,), None
         grads = st.take(gradients[0])
         for key in gradients[1:]:
             grads = tuple(g + h for g, h in zip(grads, st.take(key)))
@@ -1361,6 +1360,8 @@ class _StepState:
         self.evaluating = evaluating
         self.micro_in, self.micro_t = micro_in, micro_t
         self.uses = dict(trainer.program.uses[trainer.rank])
+        # a micro-batch's loss counts 1/B of the step's and 1/k of an accumulation, times the fp16 loss scale
+        self.loss_factor = trainer._scale.scale / (trainer.program.num_batches * trainer.accumulate)
         self.values: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.weight_graphs: dict[tuple[int, int], tuple] = {}

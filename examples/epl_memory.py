@@ -76,7 +76,9 @@ class SavedBytes:
             self.now += entry[1]
             self.peak = max(self.peak, self.now)
         entry[0] += 1
-        return _Held(tensor, self, key)
+        # a detached alias (same storage, no grad_fn): holding the tensor itself would make a
+        # cycle through the graph when autograd saves an op's own output, which gc cannot free
+        return _Held(tensor.detach(), self, key)
 
     def unpack(self, held):
         return held.tensor if isinstance(held, _Held) else held

@@ -28,6 +28,8 @@ from typing import Any, Mapping
 from unisched.render.text import add_color_arguments
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
+from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
+                            add_shape_arguments, cost_values, numbers, splits_backward)
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
@@ -49,22 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "plan is to a lower bound. With no arguments: a demo problem "
         f"(W={DEFAULT_SHAPE[0]}, S={DEFAULT_SHAPE[1]}, B={DEFAULT_SHAPE[2]}, memory limit {DEFAULT_MEMORY_LIMIT:g})."
     )
-    shape = parser.add_argument_group("shape")
-    shape.add_argument("--workers", "-W", type=int, help=f"workers (default {DEFAULT_SHAPE[0]})")
-    shape.add_argument("--stages", "-S", type=int, help=f"pipeline stages (default {DEFAULT_SHAPE[1]})")
-    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {DEFAULT_SHAPE[2]})")
-    costs = parser.add_argument_group("costs (default: forward 1, backward 2, free communication)")
-    costs.add_argument("--forward", type=float, help="forward time of a stage")
-    costs.add_argument("--backward", type=float, help="backward time of a stage")
-    costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
-    costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
-    costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from calibration")
-    costs.add_argument("--comm", type=float, default=0.0, help="time to move an activation or gradient between workers")
+    add_shape_arguments(parser, *(f"default {n}" for n in DEFAULT_SHAPE))
+    costs = add_cost_arguments(parser)
+    costs.add_argument("--comm", type=float, default=0.0,
+                       help="time to move an activation or gradient between workers (a weight fetch pays it too)")
     costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--memory-limit",
-                        help="activations a worker may hold (bytes when the costs file gives activation_bytes): "
-                        "one number, or one per worker separated by commas (the planner plans under the least)")
+    add_memory_limit_argument(limits, " (each worker is planned under its own)")
     limits.add_argument("--max-stages-per-worker", type=int, help="how many stages' weights a worker may hold")
     limits.add_argument("--memory-budget", metavar="BYTES",
                         help="bytes a worker may hold in all: its weights (owned and fetched), their optimizer "
@@ -75,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "one number, or one per stage separated by commas")
     search = parser.add_argument_group("search")
     search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work: "
-                        "NAME or NAME(key=value, ...), e.g. looped(group_size=2), " + USER_STRATEGY_HELP)
+                        + STRATEGY_HELP)
     search.add_argument("--param", action="append", default=[], metavar="K=V",
                         help="parameter of --strategy, repeatable (e.g. group_size=2); the same as NAME(K=V)")
     search.add_argument("--time-limit", type=float, default=None,
@@ -109,15 +102,16 @@ def run(args: argparse.Namespace) -> int:
         for i, value in enumerate((args.workers, args.stages, args.batches))
     )
     Shape(W, S, B).check()
-    memory_limit = DEFAULT_MEMORY_LIMIT if demo else _numbers("--memory-limit", args.memory_limit, W, "workers")
+    memory_limit = (DEFAULT_MEMORY_LIMIT if demo
+                    else numbers("--memory-limit", args.memory_limit, W, "workers", error=PlanInputError))
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
     costs, split = _costs(args)
     split = split_from(costs, split)
-    budget = _numbers("--memory-budget", args.memory_budget, W, "workers")
-    optimizer = _numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages")
+    budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
+    optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)
     if optimizer is not None and budget is None:
         raise PlanInputError("--optimizer-bytes counts against --memory-budget: give a --memory-budget too")
     strategy, members = _named_strategy(args, (W, S, B), split)
@@ -208,21 +202,6 @@ def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
             raise PlanInputError("--param needs --strategy: it sets a parameter of the strategy whose mapping is kept")
         return None
     return strategy_spec(text, given)
-
-
-def _numbers(flag: str, text: str | None, count: int, what: str) -> float | tuple[float, ...] | None:
-    """A flag's one non-negative number, or ``count`` of them separated by commas (one per worker or stage)."""
-    if text is None:
-        return None
-    try:
-        values = [float(v) for v in str(text).split(",")]
-    except ValueError:
-        raise PlanInputError(f"{flag} takes a number or comma-separated numbers, got {text!r}") from None
-    if not all(v >= 0 and math.isfinite(v) for v in values):
-        raise PlanInputError(f"{flag} must be non-negative numbers, got {text!r}")
-    if len(values) > 1 and len(values) != count:
-        raise PlanInputError(f"{flag} gives {len(values)} numbers but there are {count} {what}: give one, or {count}")
-    return values[0] if len(set(values)) == 1 else tuple(values)
 
 
 def summary(result: Plan) -> dict:
@@ -330,11 +309,8 @@ def _is_demo(args: argparse.Namespace) -> bool:
 
 
 def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
-    for flag in ("forward", "backward", "backward_input", "backward_weight", "comm", "fetch"):
-        value = getattr(args, flag)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            raise PlanInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value:g}")
-    split = args.backward_input is not None or args.backward_weight is not None
+    cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
+    split = splits_backward(args)
     if args.costs:
         clashing = [flag for flag, value in (("--forward", args.forward), ("--backward", args.backward),
                                               ("--backward-input", args.backward_input),
@@ -368,13 +344,6 @@ def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
 
 
 # ---------------------------------------------------------------------- your own strategy
-USER_STRATEGY_HELP = (
-    "or your own: MODULE:FUNCTION or path/to/file.py:FUNCTION, a function of one argument "
-    "(Work -> ComputeAndWeightWorkers) or a factory f(num_workers, num_stages, num_batches, **params) "
-    "returning a Strategy"
-)
-
-
 def is_user_strategy(name: str) -> bool:
     """Whether a strategy name points at your own code (``MODULE:FUNCTION``) rather than the registry."""
     return ":" in str(name)

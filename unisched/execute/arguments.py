@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from unisched.flags import STRATEGY_HELP
+
 MODELS = ("mlp", "transformer")
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_STRATEGY = "gpipe"
@@ -17,9 +19,7 @@ DEFAULT_TOLERANCE = 1e-5
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """The options :func:`check_training_arguments` and :func:`make_schedule` read."""
-    p.add_argument("--strategy", help=f"a registered strategy, NAME or NAME(K=V, ...) (default {DEFAULT_STRATEGY}; "
-                                      "unisched strategies lists them), or your own MODULE:FUNCTION or "
-                                      "path/to/file.py:FUNCTION (a Work -> workers function or a factory)")
+    p.add_argument("--strategy", help=f"{STRATEGY_HELP} (default {DEFAULT_STRATEGY})")
     p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
     p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
     p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")

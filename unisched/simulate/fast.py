@@ -6,8 +6,8 @@ orders (they are only edges), split backwards, memory limits with parking,
 gangs (tensor parallelism) when communication is free, and transfers over
 links between pairs of workers (latency, bandwidth, weight fetches with
 prefetch and caching, gradient returns) when there are no gangs.  That is
-what makes a million work items take about a second, 1F1B and zero bubble
-included.
+what makes a million work items take one to two seconds, 1F1B and zero
+bubble included (benchmarks/simulator.py).
 
 It is the same algorithm, step for step, as ``engine.run``; the tests check
 that both give identical timelines, item for item.  What differs is the

@@ -407,7 +407,7 @@ def _memory(model, timed: TimedProblem, places: _Places, owner, held, start, end
     W, S, B = problem.shape
     if problem.memory_limit is None and problem.memory_budget is None:
         return
-    _, _, unit = memory_demands(timed)
+    _, unit = memory_demands(timed)
     limits = problem.limits()
     caps = []
     budget = problem.memory_budget

@@ -263,10 +263,9 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     return tails
 
 
-def memory_demands(timed: TimedProblem) -> tuple[dict, int, Ticks]:
-    """Integer demand of each backward pass's share of its stash, the least worker's stash limit
-    (``memory_limit``; 0 when none) and the unit they and every memory limit and weight size
-    are counted in."""
+def memory_demands(timed: TimedProblem) -> tuple[dict, Ticks]:
+    """Integer demand of each backward pass's share of its stash, and the unit it and every
+    memory limit and weight size are counted in."""
     problem = timed.problem
     sizes = problem.stash_sizes
     shares = dataflow.stash_shares(problem.split_backward, problem.costs.input_grad_frees)
@@ -278,8 +277,7 @@ def memory_demands(timed: TimedProblem) -> tuple[dict, int, Ticks]:
             + (2 * problem.weight_bytes()).tolist() + problem.weight_bytes().tolist()
     unit = Ticks.for_times(values)
     demands = {(s, d): unit(sizes[s] * share) for s in range(len(sizes)) for d, share in shares.items()}
-    least = float(limits.min()) if np.isfinite(limits.min()) else 0.0
-    return demands, capacity(unit, least), unit
+    return demands, unit
 
 
 def capacity(unit: Ticks, limit: float) -> int:
@@ -291,7 +289,7 @@ def live_stashes(timed: TimedProblem) -> list[tuple[int, int, int, int, int]]:
     """(stage, batch, forward id, freeing pass id, demand) of every stash share that
     takes memory: it is live from the forward's start to that pass's end."""
     problem = timed.problem
-    demands, _, _ = memory_demands(timed)
+    demands, _ = memory_demands(timed)
     grid = problem.item_grid()
     W, S, B = problem.shape
     k = {d: i for i, d in enumerate(problem.dirs)}
@@ -333,7 +331,7 @@ def _memory(model, timed: TimedProblem, compute, weight, start, end, horizon, as
     if limits is None:
         return
     limits = np.broadcast_to(np.asarray(limits, dtype=float), (problem.shape.num_workers,))
-    _, _, unit = memory_demands(timed)
+    _, unit = memory_demands(timed)
     earliest = earliest_forwards(timed)
     per_worker: dict[int, tuple[list, list]] = {w: ([], []) for w in range(problem.shape.num_workers)}
     for s, _, f, r, demand in live_stashes(timed):

@@ -174,7 +174,7 @@ class Mapped:
         capacity = np.full(problem.shape.num_workers, NO_LIMIT, dtype=np.int64)
         limits = problem.stash_limits(compute, weight)
         if limits is not None:
-            _, _, unit = memory_demands(timed)
+            _, unit = memory_demands(timed)
             limits = np.broadcast_to(np.asarray(limits, dtype=float), capacity.shape)
             capacity = np.array([stash_capacity(unit, limit) if np.isfinite(limit) else NO_LIMIT for limit in limits],
                                 dtype=np.int64)

@@ -25,7 +25,7 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.plan.problem import PlanProblem
-from unisched.simulate.simulation import downstream_paths
+from unisched.simulate.simulation import downstream_paths, shape_bounds as simulated_shape_bounds
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 ANY_SCHEDULE = "any schedule"
@@ -34,18 +34,13 @@ ANY_SCHEDULE = "any schedule"
 
 def shape_bounds(problem: PlanProblem) -> dict[str, float]:
     """Bounds no mapping or order can beat (of the problem's objective)."""
-    W, S, B = problem.shape
-    costs = problem.costs
-    durations = costs.durations(S)
-    speeds = costs.speeds(W)
-    per_stage = sum(durations[d] for d in problem.dirs)
-    bounds = {"work": float(B * per_stage.sum() / speeds.sum())}
+    bounds = simulated_shape_bounds(problem.shape, problem.costs, problem.split_backward, problem.stage_graph)
     if problem.objective == "span":
-        return bounds
-    bounds = {"critical_path": float(_downstream(problem).max() / speeds.max()), **bounds}
+        return {"work": bounds["work"]}
+    B = problem.shape.num_batches
     room = _stash_room(problem)
     if room and np.isfinite(room):
-        live = _live_time(problem) / speeds.max()
+        live = _live_time(problem) / problem.costs.speeds(problem.shape.num_workers).max()
         bounds["memory_time"] = float(B * (live * problem.stash_sizes).sum() / room)
     return bounds
 

@@ -131,15 +131,22 @@ def _run(problem):
 def shape_lower_bound(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward: bool = False,
                       stage_graph: StageGraph | None = None) -> float:
     """A bound no strategy can beat: max(all work / total speed, one batch's critical path)."""
+    return max(shape_bounds(shape, costs, split_backward, stage_graph).values())
+
+
+def shape_bounds(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward: bool = False,
+                 stage_graph: StageGraph | None = None) -> dict[str, float]:
+    """The terms of :func:`shape_lower_bound`: ``critical_path`` (one
+    micro-batch through every stage and back, on the fastest worker) and
+    ``work`` (all the work over the workers' total speed)."""
     W, S, B = shape
     durations = costs.durations(S)
     speeds = costs.speeds(W)
-    per_stage = sum(durations[d] for d in directions(split_backward))
-    work_bound = B * per_stage.sum() / speeds.sum()
+    passes = directions(split_backward)
     graph = as_stage_graph(S, stage_graph)
-    forward, backward = durations[directions(split_backward)[0]], durations[directions(split_backward)[1]]
-    path_bound = downstream_paths(graph, forward, backward).max(initial=0.0) / speeds.max()
-    return float(max(work_bound, path_bound))
+    path = downstream_paths(graph, durations[passes[0]], durations[passes[1]]).max(initial=0.0) / speeds.max()
+    work = B * sum(durations[d] for d in passes).sum() / speeds.sum()
+    return {"critical_path": float(path), "work": float(work)}
 
 
 def downstream_paths(graph: StageGraph, forward: np.ndarray, backward: np.ndarray) -> np.ndarray:

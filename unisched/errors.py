@@ -34,3 +34,9 @@ class TimelineError(UniSchedError, ValueError):
         super().__init__(message)
         self.items = list(items)
         self.workers = list(workers)
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (at most 300 characters), or its type's name: for one-line reports."""
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__

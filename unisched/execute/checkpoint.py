@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from unisched.errors import first_line
 from unisched.execute.agreement import all_gather_json
 from unisched.execute.checkpoint_files import (
     CheckpointError,
@@ -93,9 +94,9 @@ def save_checkpoint(trainer, path: str | Path, extra: dict | None = None) -> Pat
     _agree(trainer, problem)
     state = _state_to_save(trainer, extra)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=_control(trainer))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=trainer.control_group)
     except Exception as error:
-        raise CheckpointError(f"saving checkpoint {path} failed: {_first_line(error)}") from error
+        raise CheckpointError(f"saving checkpoint {path} failed: {first_line(error)}") from error
     problem = None
     if trainer.rank == 0:
         problem = _attempt(lambda: _replace(partial, path), f"cannot move {partial} to {path}")
@@ -214,9 +215,9 @@ def load_checkpoint(trainer, path: str | Path, optimizer: bool = True) -> dict |
     _agree(trainer, problem)
     destination = _destination(trainer, metadata, optimizer)
     try:
-        dcp.load(destination, storage_reader=dcp.FileSystemReader(path), process_group=_control(trainer))
+        dcp.load(destination, storage_reader=dcp.FileSystemReader(path), process_group=trainer.control_group)
     except Exception as error:
-        raise CheckpointError(f"loading checkpoint {path} failed: {_first_line(error)}") from error
+        raise CheckpointError(f"loading checkpoint {path} failed: {first_line(error)}") from error
     if optimizer:
         _restore_optimizer(trainer, destination, objects)
     return objects.get("trainer.extra")
@@ -233,7 +234,7 @@ def read_metadata(path: str | Path) -> Metadata:
     try:
         return dcp.FileSystemReader(path).read_metadata()
     except Exception as error:
-        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(error)}") from error
+        raise CheckpointError(f"cannot read checkpoint {path}: {first_line(error)}") from error
 
 
 def _read_objects(path: Path, metadata: Metadata) -> dict[str, Any]:
@@ -252,7 +253,7 @@ def _load_alone(path: Path, destination: dict[str, torch.Tensor]) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(destination, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     except Exception as error:
-        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(error)}") from error
+        raise CheckpointError(f"cannot read checkpoint {path}: {first_line(error)}") from error
 
 
 def _mismatch(trainer, metadata: Metadata, objects: dict, optimizer: bool) -> str | None:
@@ -378,16 +379,12 @@ def _field(name: str, value: torch.Tensor) -> tuple[str, Any]:
 
 
 # ---------------------------------------------------------------------- every rank agrees
-def _control(trainer):
-    """The Trainer's gloo group (CPU collectives, on any backend)."""
-    return trainer._control
-
 
 def _agree(trainer, problem: str | None) -> None:
     """Every rank learns every rank's problem; all raise the first one together, or none does."""
     texts = [problem]
     if trainer.world_size > 1:
-        texts = all_gather_json(problem, _control(trainer), trainer.world_size)
+        texts = all_gather_json(problem, trainer.control_group, trainer.world_size)
     for rank, text in enumerate(texts):
         if text:
             raise CheckpointError(f"rank {rank}: {text}" if trainer.world_size > 1 else text)
@@ -410,8 +407,3 @@ def _span(stages: list[int]) -> str:
 def _shares_of(saved, s: int) -> str:
     shares = sorted({w for key in saved if (w := _stage_of(key)) is not None and w.partition(":")[0] == str(s)})
     return ", ".join(shares) or "nothing"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from unisched.errors import ShapeError, UniSchedError
+from unisched.errors import ShapeError, UniSchedError, first_line
 from unisched.execute.agreement import (
     all_gather_json,
     broadcast_json,
@@ -431,6 +431,12 @@ class Trainer:
                              "agreeing on the stages' memory sizes")
         return {"backward_workspace_bytes": sizes[0].tolist(), "optimizer_bytes": sizes[1].tolist()}
 
+    @property
+    def control_group(self):
+        """The Trainer's gloo process group, for CPU collectives among all its
+        ranks on any backend (checkpoint agreement, metadata)."""
+        return self._control
+
     def close(self) -> None:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""
         self._watchdog.stop()
@@ -627,7 +633,7 @@ class Trainer:
         except ShapeError as error:
             return None, f"{error} (on rank {self.rank})"
         except Exception as error:
-            return None, f"stage {s} raised {type(error).__name__}: {_first_line(error)} on rank {self.rank}"
+            return None, f"stage {s} raised {type(error).__name__}: {first_line(error)} on rank {self.rank}"
 
     # ------------------------------------------------------------------ the step
     def _run(self, st: "_StepState") -> float:
@@ -692,7 +698,7 @@ class Trainer:
         try:
             st.loss_work = dist.all_reduce(st.loss_sum, group=self._control, async_op=True)
         except Exception as error:
-            raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({_first_line(error)})") from error
+            raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({first_line(error)})") from error
 
     def _item(self, index: int, action: Action) -> "_Item":
         """What running the compute ``action`` needs, found once (see :class:`_Item`)."""
@@ -1037,7 +1043,7 @@ class Trainer:
                 work.wait()
             except Exception as error:
                 raise CommunicationError(
-                    f"rank {self.rank}'s send {action} to rank {peer} failed ({_first_line(error)})", peer=peer
+                    f"rank {self.rank}'s send {action} to rank {peer} failed ({first_line(error)})", peer=peer
                 ) from error
 
     def _receive(self, st, index: int) -> tuple[torch.Tensor, ...]:
@@ -1055,7 +1061,7 @@ class Trainer:
         except Exception as error:
             raise CommunicationError(
                 f"rank {self.rank} at {st.current} waited for {action} ({msg.kind} from rank {msg.src}), and rank "
-                f"{msg.src} failed, died or timed out ({_first_line(error)})",
+                f"{msg.src} failed, died or timed out ({first_line(error)})",
                 peer=msg.src,
             ) from error
         st.waiting_on = None
@@ -1077,7 +1083,7 @@ class Trainer:
         try:
             work = dist.all_reduce(flat, group=self._replica_groups[action.group], async_op=True)
         except Exception as error:
-            raise CommunicationError(f"rank {self.rank} could not post {action} ({_first_line(error)})") from error
+            raise CommunicationError(f"rank {self.rank} could not post {action} ({first_line(error)})") from error
         st.reductions.append((action, work, flat, time.perf_counter()))
 
     def _accept(self, s: int, flat: torch.Tensor) -> None:
@@ -1090,7 +1096,7 @@ class Trainer:
             run()
         except Exception as error:
             raise CommunicationError(
-                f"rank {self.rank} lost a peer in {what} ({_first_line(error)})"
+                f"rank {self.rank} lost a peer in {what} ({first_line(error)})"
             ) from error
 
     def _load_host_weights(self) -> None:
@@ -1831,8 +1837,3 @@ def _flat_like(params: list[torch.Tensor], device) -> torch.Tensor:
 def _split(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     chunks = flat.split([p.numel() for p in params]) if params else []
     return [c.view_as(p) for c, p in zip(chunks, params)]
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__

@@ -218,7 +218,7 @@ def backward_workspace(stages, micro_batch, target, loss_fn) -> list[float]:
         y = stage(x)
         backward(y)  # the gradients now exist, as after a rank's first backward of the stage
         y = stage(x)
-        out.append(float(allocated_peak(lambda: backward(y))))
+        out.append(float(allocated_peak(lambda y=y: backward(y))))
         del y
         stage.zero_grad(set_to_none=True)
         x = stage(x).detach()

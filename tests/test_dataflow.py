@@ -66,6 +66,23 @@ def test_vectorised_edges_are_the_per_item_flows(name, split):
         assert k == (EDGE_STASH if stash_of_inner_stage else EDGE_PRIMARY), (first, then)
 
 
+@pytest.mark.parametrize("name", GRAPHS)
+@pytest.mark.parametrize("split", [False, True])
+def test_depths_put_every_dependency_first_and_are_tight(name, split):
+    num_stages = 4
+    graph = as_stage_graph(num_stages, GRAPHS[name])
+    items = Items(num_stages, 2, split)
+    depth = dataflow.depths(items, graph)
+    src, dst = dataflow.edges(items, graph)[:2]
+    assert np.all(depth[src] < depth[dst])
+    # each item with a depth d > 0 has a dependency at depth d - 1 (the longest chain, not any order)
+    for item in np.flatnonzero(depth):
+        assert depth[item] - 1 in depth[src[dst == item]]
+    chain = 2 * num_stages - 1 + (1 if split else 0) if name == "chain" else None
+    if chain is not None:
+        assert depth.max() == chain
+
+
 def test_flows_of_a_chain_say_what_moves():
     flows = dataflow.flows(Work(5, 1, BACKWARD_INPUT), 3, split_backward=True)
     assert flows == (Flow(Work(5, 2, BACKWARD_INPUT), "gradient", 2), Flow(Work(5, 1, FORWARD), "stash", 1))

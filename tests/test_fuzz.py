@@ -224,8 +224,10 @@ def test_command_lines_end_in_a_result_or_a_clear_error(costs_files, data):
     assert "Traceback" not in err, (argv, err)
     if code == 2:
         assert out == "" or "--json" not in argv, (argv, out)
-        if "--json" in argv:
-            assert json.loads(err)["error"], (argv, err)
+        if "--json" in argv:  # stderr is JSON Lines: progress objects, then the error
+            lines = [json.loads(line) for line in err.splitlines()]
+            assert lines[-1]["error"], (argv, err)
+            assert all(set(line) == {"progress"} for line in lines[:-1]), (argv, err)
         else:
             assert "error:" in err, (argv, err)
     elif "--json" in argv:

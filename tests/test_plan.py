@@ -88,6 +88,12 @@ def test_plan_with_a_split_backward_replays():
     assert result.latency <= min(family)
 
 
+def test_a_fixed_strategy_with_zero_time_passes_is_planned():
+    # passes of no time start together: the orders read off start times must still keep dependencies
+    result = plan(4, 4, 8, Costs(forward=1.0, backward=0.0), strategy="looped(group_size=2)", time_limit=2)
+    assert result.simulate().latency == result.latency >= 8 * 4 / 4 * 1.0  # at least each worker's forwards
+
+
 def test_time_limit_is_honoured():
     begin = time.perf_counter()
     result = plan(4, 4, 24, encode_costs(comm=1, fetch=2), memory_limit=4, max_stages_per_worker=2, time_limit=3)

@@ -10,7 +10,9 @@
 Every verb takes ``--help``; ``--json`` prints one JSON object and nothing
 else on stdout.  Errors go to stderr with exit status 2: one line (details,
 such as a deadlock's blocked workers, indented on the lines after it), or
-with ``--json`` one JSON object ``{"error": ..., "details": [...], "type": ...}``.
+with ``--json`` one JSON object ``{"error": ..., "details": [...], "type": ...}``
+as the last line of stderr, where every line is JSON (progress lines are
+``{"progress": ...}``).
 
 A strategy is named the same way everywhere: ``NAME`` or
 ``NAME(key=value, ...)``, and ``--param key=value`` (repeatable) adds

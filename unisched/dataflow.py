@@ -244,6 +244,22 @@ def edges(items: Items, graph: StageGraph) -> np.ndarray:
     return np.concatenate(pieces, axis=1).astype(np.int64, copy=False)
 
 
+def depths(items: Items, graph: StageGraph) -> np.ndarray:
+    """Each item's place in the dependencies: the number of items on the longest
+    chain of :func:`edges` that ends at it.  Ordering by it breaks ties between
+    items that start together (zero-time passes) without breaking a dependency."""
+    one = Items(items.num_stages, 1, items.split_backward)
+    src, dst = edges(one, graph)[:2]
+    depth = np.zeros(one.count, dtype=np.int64)
+    for _ in range(one.count):  # a chain has fewer links than items
+        longer = np.zeros_like(depth)
+        np.maximum.at(longer, dst, depth[src] + 1)
+        if np.array_equal(np.maximum(depth, longer), depth):
+            break
+        depth = np.maximum(depth, longer)
+    return np.tile(depth, items.num_batches)
+
+
 def moved_stage(src_stage: np.ndarray, dst_stage: np.ndarray, moves: np.ndarray) -> np.ndarray:
     """The stage whose size the data of each edge has (vectorised :attr:`Flow.stage`):
     an activation is its consumer's input, a gradient or stash its producer's."""

@@ -9,6 +9,7 @@ memory and traffic is marked.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -317,17 +318,20 @@ def _is_terminal(stream: TextIO) -> bool:
 
 class ProgressLines:
     """Progress for a log, a pipe or beside ``--json``: what a terminal would redraw in
-    place (text between carriage returns) becomes one plain line each, repeats dropped."""
+    place (text between carriage returns) becomes one line each, repeats dropped; with
+    ``as_json`` each line is a JSON object ``{"progress": text}``, so that stderr stays
+    JSON Lines (a failing command's ``{"error": ...}`` object comes last)."""
 
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: TextIO, as_json: bool = False):
         self.stream = stream
+        self.as_json = as_json
         self.last = ""
 
     def write(self, text: str) -> int:
         for piece in text.replace("\r", "\n").split("\n"):
             piece = piece.strip()
             if piece and piece != self.last:
-                self.stream.write(piece + "\n")
+                self.stream.write((json.dumps({"progress": piece}) if self.as_json else piece) + "\n")
                 self.last = piece
         return len(text)
 
@@ -340,7 +344,7 @@ class ProgressLines:
 
 def default_progress(json_output: bool = False) -> TextIO:
     """Progress on stderr: redrawn in place on an interactive terminal, else (off a
-    terminal, or with ``--json``, whose stdout carries only the JSON object) as plain lines."""
+    terminal) as plain lines, or with ``--json`` as one JSON object per line."""
     if not json_output and sys.stderr.isatty():
         return sys.stderr
-    return ProgressLines(sys.stderr)
+    return ProgressLines(sys.stderr, as_json=json_output)

@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from unisched.dataflow import depths
 from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy, fixed_strategy
@@ -29,13 +30,15 @@ class Schedule:
 
     @classmethod
     def from_starts(cls, problem: PlanProblem, compute, weight, starts, name: str = "cpsat") -> "Schedule":
-        """Orders read off start times (ties by item id, which keeps dependencies in order)."""
+        """Orders read off start times; items starting together (zero-time passes) go in
+        the order of their dependencies (:func:`unisched.dataflow.depths`), then by id."""
         compute = np.asarray(compute, dtype=np.int64)
         starts = np.asarray(starts, dtype=float)
+        depth = depths(problem.items, problem.stage_graph)
         orders = {}
         for w in range(problem.shape.num_workers):
             rows = np.flatnonzero(compute == w)
-            orders[w] = rows[np.lexsort((rows, starts[rows]))].tolist()
+            orders[w] = rows[np.lexsort((rows, depth[rows], starts[rows]))].tolist()
         return cls(problem, compute, np.asarray(weight, dtype=np.int64), orders, name)
 
     def work(self, item: int) -> Work:

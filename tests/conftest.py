@@ -2,8 +2,18 @@ import os
 import sys
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Property tests draw the same examples on every run ("repeatable", the default), so a
+# failure on one checkout is a failure on every checkout and reproduces as it is.  To
+# look for new failures, draw fresh ones on each run (a failure prints the
+# @reproduce_failure line that replays it):
+#     python -m pytest --hypothesis-profile=explore tests/test_fuzz.py
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile("repeatable")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -116,8 +116,12 @@ class Items:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(batch, stage, direction) of every id, in id order."""
+        return self.columns(np.arange(self.count))
+
+    def columns(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(batch, stage, direction) of each of ``ids``: :meth:`work` on arrays."""
         D = len(self.dirs)
-        ids = np.arange(self.count)
+        ids = np.asarray(ids, dtype=np.int64)
         return ids // (self.num_stages * D), (ids // D) % self.num_stages, np.asarray(self.dirs, dtype=np.int64)[ids % D]
 
     def work(self, item: int) -> Work:

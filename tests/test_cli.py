@@ -224,3 +224,28 @@ def test_a_deadlock_is_summed_up_on_its_first_line(capsys):
     code, _, err = run(capsys, "simulate", "--strategy", "cuckoo", "--memory-limit", "1", "--json")
     error = json.loads(err)
     assert "To fix:" in error["error"] and error["details"][0].startswith("worker ")
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--nnodes", "x", "--rdzv-endpoint", "h:1"], "--nnodes 'x': give a number of nodes N >= 1"),
+        (["--nnodes", "0", "--rdzv-endpoint", "h:1"], "--nnodes '0'"),
+        (["--nnodes", "-1", "--rdzv-endpoint", "h:1"], "--nnodes '-1'"),
+        (["--nnodes", "3:2", "--rdzv-endpoint", "h:1"], "1 <= MIN <= MAX"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "-1"], "a node's rank lies in 0..1"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--node-rank", "2"], "a node's rank lies in 0..1"),
+        (["--node-rank", "1"], "--node-rank 1 is for runs on several nodes"),
+    ],
+)
+def test_run_refuses_nodes_torchrun_would_refuse_after_starting(capsys, flags, words):
+    code, out, err = run(capsys, "run", "--dry-run", *flags)
+    assert code == 2 and out == "" and words in err and "Traceback" not in err
+
+
+def test_run_dry_run_under_json_prints_the_command_as_json(capsys):
+    code, out, _ = run(capsys, "run", "-W", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--node-rank", "1",
+                       "--dry-run", "--json")
+    command = json.loads(out)["command"]
+    assert code == 0 and command[command.index("--nnodes") + 1] == "1:2"
+    assert command[command.index("--node-rank") + 1] == "1" and command[command.index("--nproc-per-node") + 1] == "2"

@@ -45,16 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch")
     launch.add_argument("--workers", "-W", "--nproc", "-n", dest="nproc", type=positive_int,
                         help=f"processes (workers) per node (default: the plan's workers, else {DEFAULT_NPROC})")
-    launch.add_argument("--nnodes", default="1", help="nodes, as torchrun takes it (default 1)")
-    launch.add_argument("--node-rank", type=int, help="this node's rank (several nodes)")
+    launch.add_argument("--nnodes", default="1", help="nodes, as torchrun takes it: N or MIN:MAX (default 1)")
+    launch.add_argument("--node-rank", type=int, help="this node's rank, 0 to N-1 (several nodes)")
     launch.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (several nodes)")
     launch.add_argument("--program", action="store_true", help="print every rank's compiled program and exit")
-    launch.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    launch.add_argument("--dry-run", action="store_true",
+                        help='print the torchrun command instead of running it (with --json: {"command": [...]})')
     add_training_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     check_training_arguments(args)
+    _check_nodes(args)
     workers = _workers(args)
     if args.program:
         return _print_program(args, workers)
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if world is not None:
         make_schedule(args, world)  # refuses a strategy that does not fit, or a plan for another world size
     if args.dry_run:
-        print(shlex.join(command))
+        print(json.dumps({"command": command}) if args.json else shlex.join(command))
         return 0
     return _launch(command)
 
@@ -87,6 +89,25 @@ def _launch(command: list[str]) -> int:
         return done.returncode
     print(f"{found.group(0)} (the whole log is in {log.name})", file=sys.stderr)
     return 2
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """Refuse a node count or node rank torchrun would refuse only after starting: ``--nnodes`` is
+    N or MIN:MAX with 1 <= MIN <= MAX, and ``--node-rank`` lies in 0..N-1 and needs several nodes."""
+    nnodes = str(args.nnodes).strip()
+    low, _, high = nnodes.partition(":")
+    bounds = (low, high or low)
+    if not all(part.isdigit() for part in bounds) or not 1 <= int(bounds[0]) <= int(bounds[1]):
+        raise UniSchedError(f"--nnodes {args.nnodes!r}: give a number of nodes N >= 1, or a range MIN:MAX "
+                            "with 1 <= MIN <= MAX, as torchrun takes it")
+    if args.node_rank is None:
+        return
+    if nnodes == "1":
+        raise UniSchedError(f"--node-rank {args.node_rank} is for runs on several nodes; give --nnodes too, "
+                            "or drop --node-rank")
+    if not 0 <= args.node_rank < int(bounds[1]):
+        raise UniSchedError(f"--node-rank {args.node_rank}: a node's rank lies in 0..{int(bounds[1]) - 1} "
+                            f"for --nnodes {nnodes}")
 
 
 def torchrun_command(args: argparse.Namespace, workers: int) -> list[str]:

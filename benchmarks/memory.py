@@ -3,6 +3,7 @@ and against the simulator's prediction.
 
     python benchmarks/memory.py                  # both models, 2 ranks (this 2-core CPU machine), gloo
     python benchmarks/memory.py --model linear --width 2048 --json
+    python benchmarks/memory.py --schedules gpipe,fsdp      # some schedules only
 
 Two models, each split into one stage per rank, the same batch and SGD:
 
@@ -58,14 +59,18 @@ out, each storage once), with ``input_grad_frees=0`` (the runtime keeps
 the whole graph from the input-gradient pass to the weight-gradient pass);
 and ``backward_workspace_bytes``, the most a backward accumulating into
 existing gradients allocates above what it starts with (the allocator's
-growth, as the ranks are measured).  Measured rather than the Trainer's
+growth, as the ranks are measured: the forward runs under the profiler
+too, so the saved tensors autograd frees as the backward goes count, as
+they do on a rank; measured after the forward alone, the GPT-2's last
+stage showed 0.78 MiB instead of 0.22).  Measured rather than the Trainer's
 estimate (its largest parameter, printed beside): that is the whole
 workspace of the Linear stages (a parameter's fresh gradient before it is
 added), but the GPT-2's is mostly the activations' gradients (the MLP's
 hidden layer, the attention scores), which no parameter shows.  It is
 replayed in the order that ran (:func:`unisched.execute.predict`).
 Compared: the rank's weights of truth and optimizer state plus the
-measured growth, with the predicted peak.
+measured growth, with the predicted peak, printed beside what each of the
+memory model's kinds holds at that peak.
 """
 
 from __future__ import annotations
@@ -83,17 +88,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import unisched
 from unisched import policies
 from unisched.execute import Trainer, predict
 from unisched.execute.launch import run_local
 from unisched.execute.stages import build_stages
-from unisched.memory import memory_curves
+from unisched.memory import MEMORY_KINDS, memory_curves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import gpt2 as gpt2_example  # noqa: E402
@@ -102,6 +108,7 @@ LR = 1e-3
 MiB = 1024 * 1024
 MMAP_THRESHOLD = 16 * 1024
 CPU_DEVICE_TYPE = 0  # the profiler's device type of CPU memory events
+MEASURED = "unisched.benchmarks.measured"  # the profiler range of what allocated_peak measures
 TORCH_KINDS = {"gpipe": "ScheduleGPipe", "one_f_one_b": "Schedule1F1B"}
 SIMULATED_KINDS = ("gpipe", "one_f_one_b", "zb_h1", "fsdp")
 
@@ -203,8 +210,10 @@ def backward_workspace(stages, micro_batch, target, loss_fn) -> list[float]:
     """Per stage, the most a backward that accumulates into existing
     gradients allocates above what it starts with (torch's allocations, as
     the ranks are measured): the fresh gradient of a parameter before it is
-    added, the gradients of the stage's activations.  One micro-batch, once
-    per stage: like the stash, a property of the stage."""
+    added, the gradients of the stage's activations, less the saved tensors
+    autograd frees as it goes (the forward runs while measuring, so that
+    their release counts, as it does on a rank).  One micro-batch, once per
+    stage: like the stash, a property of the stage."""
     out = []
     x = micro_batch
     for s, stage in enumerate(stages):
@@ -215,11 +224,9 @@ def backward_workspace(stages, micro_batch, target, loss_fn) -> list[float]:
             root = loss_fn(y, target) if last else y
             root.backward(None if last else torch.ones_like(y))
 
-        y = stage(x)
-        backward(y)  # the gradients now exist, as after a rank's first backward of the stage
-        y = stage(x)
-        out.append(float(allocated_peak(lambda y=y: backward(y))))
-        del y
+        backward(stage(x))  # the gradients now exist, as after a rank's first backward of the stage
+        kept = {}
+        out.append(float(allocated_peak(lambda: backward(kept.pop("y")), before=lambda: kept.update(y=stage(x)))))
         stage.zero_grad(set_to_none=True)
         x = stage(x).detach()
     return out
@@ -258,23 +265,31 @@ def lifetime_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def allocated_peak(run) -> int:
+def allocated_peak(run, before=None) -> int:
     """The most torch's CPU allocator holds, above what it held before, while ``run()`` runs.
 
     The profiler's memory events carry the running total of the bytes
     allocated since profiling began, less those freed (tensors made before
     are left out, so their release cannot lower it); its largest value is
-    the peak growth, in the bytes asked for, without page rounding."""
+    the peak growth, in the bytes asked for, without page rounding.
+    ``before()``, if given, runs first under the profiler, so that what it
+    makes and ``run()`` frees counts; the growth is then taken from the
+    total when ``run()`` starts."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
+        if before is not None:
+            before()
+        with record_function(MEASURED):
+            run()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events
-              if e.get("name") == "[memory]" and e["args"].get("Device Type") == CPU_DEVICE_TYPE]
-    return max(totals, default=0)
+    begin = min(e["ts"] for e in events if e.get("name") == MEASURED and e.get("ph") == "X")
+    totals = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events
+                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == CPU_DEVICE_TYPE)
+    start = next((total for ts, total in reversed(totals) if ts < begin), 0)
+    return max([total for ts, total in totals if ts >= begin], default=start) - start
 
 
 def baseline() -> int:
@@ -362,11 +377,12 @@ def measure(fn, world: int, model: Model, kind: str, config: dict) -> list[dict]
 
 
 # ---------------------------------------------------------------------- prediction
-def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float], list[float], list[float]]:
+def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float], list[dict], list[float], list[float]]:
     """The simulator's peak bytes per rank for the schedule that ran, under
     ``costs`` (calibrated, with the Trainer's optimizer state) with the stash
-    sizes and backward workspaces measured on the real stages; the
-    workspaces, and the Trainer's own (each stage's largest parameter)."""
+    sizes and backward workspaces measured on the real stages; per rank, what
+    each of the memory model's kinds holds at that peak; the workspaces, and
+    the Trainer's own (each stage's largest parameter)."""
     _, S, B = shape_of(kind, W, model.micro_batches)
     stages = build_stages(model.stages(S), S)
     x, y = model.batch(B)
@@ -375,7 +391,11 @@ def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float]
     derived = list(costs.per_stage("backward_workspace_bytes", S))
     costs = dataclasses.replace(costs, stash_bytes=stash, input_grad_frees=0.0, backward_workspace_bytes=workspace)
     timeline = predict(make_schedule(kind, W, S, B), costs).timeline
-    return [c.peak for c in memory_curves(timeline, "total", "bytes")], workspace, derived
+    total = memory_curves(timeline, "total", "bytes")
+    at_peak = [float(c.times[np.argmax(c.values)]) for c in total]
+    by_kind = {k: memory_curves(timeline, k, "bytes") for k in MEMORY_KINDS}
+    parts = [{k: curves[w].at(t) for k, curves in by_kind.items()} for w, t in enumerate(at_peak)]
+    return [c.peak for c in total], parts, workspace, derived
 
 
 # ---------------------------------------------------------------------- report
@@ -389,12 +409,12 @@ def run_model(model: Model, W: int, config: dict, kinds_torch, kinds_simulated) 
         costs = ranks[0].pop("costs", None)
         for r in ranks[1:]:
             r.pop("costs", None)
-        predicted, workspace, derived = predicted_peaks(model, kind, W, costs)
+        predicted, parts, workspace, derived = predicted_peaks(model, kind, W, costs)
         out["simulated"][kind] = [
-            {"predicted_peak": p, "held": r["weights_of_truth"] + r["optimizer_state"],
+            {"predicted_peak": p, "predicted_parts": part, "held": r["weights_of_truth"] + r["optimizer_state"],
              "measured_growth": r["allocated_growth"], "rss_growth": r["peak"] - r["baseline"],
              "predicted_growth": p - r["weights_of_truth"] - r["optimizer_state"]}
-            for p, r in zip(predicted, ranks)
+            for p, part, r in zip(predicted, parts, ranks)
         ]
         out.setdefault("backward_workspace", workspace)
         out.setdefault("largest_parameter", derived)
@@ -434,8 +454,16 @@ def main(argv=None) -> int:
     parser.add_argument("--gpt2-width", type=int, default=64, help="GPT-2 n_embd (default 64, examples/gpt2.py's)")
     parser.add_argument("--steps", type=int, default=3, help="measured training steps per system (default 3)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (default 300)")
+    parser.add_argument("--schedules", default=",".join(SIMULATED_KINDS),
+                        help=f"comma-separated schedules to run (default all: {','.join(SIMULATED_KINDS)}); "
+                             f"those of {', '.join(TORCH_KINDS)} are also run against torch")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    schedules = [k for k in args.schedules.split(",") if k]
+    unknown = [k for k in schedules if k not in SIMULATED_KINDS]
+    if unknown or not schedules:
+        parser.error(f"--schedules: {','.join(unknown) or 'none given'} not among {','.join(SIMULATED_KINDS)}; "
+                     f"pass some of them, comma-separated")
     W = args.ranks
     config = {"steps": args.steps, "timeout": args.timeout}
     models = {
@@ -444,7 +472,8 @@ def main(argv=None) -> int:
     }
     chosen = list(models) if args.model == "both" else [args.model]
     started = time.perf_counter()
-    runs = {name: run_model(models[name], W, config, TORCH_KINDS, SIMULATED_KINDS) for name in chosen}
+    kinds_torch = [k for k in schedules if k in TORCH_KINDS]
+    runs = {name: run_model(models[name], W, config, kinds_torch, schedules) for name in chosen}
     result = {"runs": runs, "ratios": {name: ratios(run) for name, run in runs.items()},
               "config": {"ranks": W, "steps": args.steps, "lr": LR, "backend": "gloo", "cpus": os.cpu_count(),
                          "mmap_threshold": MMAP_THRESHOLD, "seconds": time.perf_counter() - started,
@@ -463,17 +492,20 @@ def show(result: dict, W: int) -> None:
     for name, run in result["runs"].items():
         r = result["ratios"][name]
         print(f"\n{name}: {c['models'][name]}")
-        print("  vs torch.distributed.pipelining, per rank: RSS at start / baseline after warm-up / step peak / "
+        if run["torch"]:
+            print("  vs torch.distributed.pipelining, per rank: RSS at start / baseline after warm-up / step peak / "
               "lifetime peak")
-        for kind, torch_name in TORCH_KINDS.items():
+        for kind in run["torch"]:
+            torch_name = TORCH_KINDS[kind]
             for system, label in (("unisched", f"unisched {kind}"), ("torch", f"torch {torch_name}")):
                 for rank, m in enumerate(run["torch"][kind][system]):
                     print(f"    {label:<22} rank {rank}  {m['start'] / MiB:6.1f} / {m['baseline'] / MiB:6.1f} / "
                           f"{m['peak'] / MiB:6.1f} / {m['lifetime_peak'] / MiB:6.1f}   step growth "
                           f"{(m['peak'] - m['baseline']) / MiB:6.2f}   stages built {m['stages_built']}")
-        print("  ratios unisched / torch per rank (<= 1.0: as small or smaller): step peak, lifetime peak, step growth")
-        for kind, torch_name in TORCH_KINDS.items():
-            v = r["vs_torch"][kind]
+        if run["torch"]:
+            print("  ratios unisched / torch per rank (<= 1.0: as small or smaller): step peak, lifetime peak, step growth")
+        for kind in run["torch"]:
+            torch_name, v = TORCH_KINDS[kind], r["vs_torch"][kind]
             for rank in range(W):
                 print(f"    {kind + ' / ' + torch_name:<28} rank {rank}  step peak {v['step_peak'][rank]:6.3f}   "
                       f"lifetime peak {v['lifetime_peak'][rank]:6.3f}   step growth {v['step_growth'][rank]:6.3f}")
@@ -491,6 +523,8 @@ def show(result: dict, W: int) -> None:
                       f"{row['predicted_peak'] / MiB:7.2f}  growth: predicted {row['predicted_growth'] / MiB:7.2f} "
                       f"measured {row['measured_growth'] / MiB:7.2f} (RSS {row['rss_growth'] / MiB:7.2f})   "
                       f"ratio growth {v['growth'][rank]:6.3f}  peak {v['peak'][rank]:6.3f}  RSS {v['rss_peak'][rank]:6.3f}")
+                print(f"{'':<23}predicted peak of: " + ", ".join(
+                    f"{k} {b / MiB:.2f}" for k, b in row["predicted_parts"].items() if b))
 
 
 if __name__ == "__main__":

@@ -249,3 +249,11 @@ def test_run_dry_run_under_json_prints_the_command_as_json(capsys):
     command = json.loads(out)["command"]
     assert code == 0 and command[command.index("--nnodes") + 1] == "1:2"
     assert command[command.index("--node-rank") + 1] == "1" and command[command.index("--nproc-per-node") + 1] == "2"
+
+
+def test_simulate_priority_is_reported_as_run_and_refused_where_it_changes_nothing(capsys):
+    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe", "--priority", "oldest_stage_first", "--json")
+    assert code == 0 and json.loads(out)["params"]["priority"] == "oldest_stage_first"
+    assert json.loads(out)["worker_stats"]["max_activation_storage"] == [8, 8, 8, 8]  # fill-drain: it did run
+    code, out, err = run(capsys, "simulate", "--strategy", "zb_h1", "--priority", "backward_first")
+    assert code == 2 and out == "" and "zb_h1 fixes every worker's order" in err and "drop --priority" in err

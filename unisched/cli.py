@@ -153,7 +153,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "(dgx_h100, dgx_a100, p4d_24xlarge); transfers share NVLink ports and NICs, all-reduces follow NCCL's "
         "cost models, times in seconds and sizes in bytes (give them with --costs)",
     )
-    simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first")
+    simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
+                          "ties of a strategy that leaves the order of work to the simulator (replaces a strategy's "
+                          "own priority; refused for one that fixes every worker's order)")
     simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
     simulate.add_argument("--time-unit", default="s", metavar="UNIT",
                           help="what one unit of the costs is, for a Chrome trace (.json): s (the default), ms, us, "
@@ -254,7 +256,8 @@ def cmd_simulate(args) -> int:
         sim.save(args.out, **options)
     cluster = _cluster_json(sim)
     if args.json:
-        print(_dumps({**_result_json(sim), **({"plan": args.plan} if args.plan is not None else {}), **cluster}))
+        print(_dumps({**_result_json(sim, args.priority), **({"plan": args.plan} if args.plan is not None else {}),
+                      **cluster}))
         return 0
     print(sim.to_text(width=args.width, color=args.color, stats=True))
     print()
@@ -511,6 +514,11 @@ def _simulate(args, name: str, params: dict, options: dict):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
+    if options["priority_order"] is not None and strategy.worker_orders is not None:
+        raise UniSchedError(
+            f"--priority {args.priority} would change nothing: {label_of(name, params)} fixes every worker's order "
+            "of work, and a priority only breaks ties the simulator chooses; drop --priority"
+        )
     return simulate(W, S, B, strategy, **options)
 
 
@@ -531,10 +539,14 @@ def _rho(sim) -> float:
     return S * sim.shape.num_batches / (L * sim.shape.num_workers) if L > 0 else math.inf
 
 
-def _result_json(sim) -> dict:
+def _result_json(sim, priority: str | None = None) -> dict:
+    """``simulate --json``'s object; ``priority`` (``--priority``) replaces the strategy's own, as it did in the run."""
+    params = dict(sim.strategy.params)
+    if priority is not None and "priority" in params:
+        params["priority"] = priority.replace("-", "_").lower()
     return {
         "strategy": sim.strategy.name,
-        "params": dict(sim.strategy.params),
+        "params": params,
         "shape": list(sim.shape),
         "latency": sim.latency,
         "batch_throughput": sim.batch_throughput,

@@ -257,3 +257,10 @@ def test_simulate_priority_is_reported_as_run_and_refused_where_it_changes_nothi
     assert json.loads(out)["worker_stats"]["max_activation_storage"] == [8, 8, 8, 8]  # fill-drain: it did run
     code, out, err = run(capsys, "simulate", "--strategy", "zb_h1", "--priority", "backward_first")
     assert code == 2 and out == "" and "zb_h1 fixes every worker's order" in err and "drop --priority" in err
+
+
+def test_simulate_on_a_topology_takes_the_cost_flags(capsys):
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100", "--forward", "0.5",
+                         "--backward", "1", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["topology"]["name"] and result["lower_bounds"]["shape"] == pytest.approx(8 * 1.5)  # B (F + B)

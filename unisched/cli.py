@@ -480,8 +480,8 @@ def _costs(args):
 
         from unisched.topology import ClusterCosts
 
-        changes.update(topology=args.topology)
-        return ClusterCosts(**{f.name: getattr(costs, f.name) for f in fields(costs)}, **changes)
+        return ClusterCosts(**{**{f.name: getattr(costs, f.name) for f in fields(costs)}, **changes},
+                            topology=args.topology)
     if not changes:
         return costs
     from dataclasses import replace

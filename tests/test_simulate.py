@@ -25,6 +25,8 @@ from unisched import (
     simulate,
 )
 from unisched import network
+from unisched.dataflow import Items
+from unisched.strategy import WorkerOrders
 from unisched.simulate.priorities import BackwardFirst, OldestStageFirst
 
 from seed_notebook import run_seed_cells
@@ -406,6 +408,28 @@ def test_fixed_orders_are_followed_and_checked():
         simulate(1, 1, 2, unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), worker_orders=backwards))
 
 
+def test_fixed_orders_as_item_ids_are_followed_and_checked():
+    """Orders given as arrays of item ids (dataflow.Items numbering) run as
+    the same orders given as Work, and are checked the same way."""
+    items = Items(1, 2)
+    order = [Work(1, 0, FORWARD), Work(0, 0, FORWARD), Work(0, 0, BACKWARD), Work(1, 0, BACKWARD)]
+    ids = items.id(*np.array(order).T)
+    mapping = lambda w: ComputeAndWeightWorkers(0, 0)  # noqa: E731
+    for orders in ({0: ids}, WorkerOrders(items, {0: ids})):
+        sim = simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders=orders))
+        assert sim.timeline.worker_order(0) == order
+    assert WorkerOrders(items, {0: ids}) == {0: order}
+    with pytest.raises(StrategyError, match="leave out"):
+        simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids[:3]}))
+    with pytest.raises(StrategyError, match="appears twice"):
+        simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids[[0, 1, 2, 2]]}))
+    with pytest.raises(StrategyError, match="item ids outside 0..3"):
+        simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids + 1}))
+    two = lambda w: ComputeAndWeightWorkers(w.batch, w.batch)  # noqa: E731
+    with pytest.raises(StrategyError, match="the mapping sends it to worker 1"):
+        simulate(2, 1, 2, unisched.Strategy(two, worker_orders={0: ids, 1: ids[:0]}))
+
+
 def test_strategy_is_called_once_per_work_item():
     calls = []
 
@@ -529,14 +553,17 @@ def test_gang_must_hold_its_compute_worker():
         simulate(3, 1, 1, strategy)
 
 
-def test_fixed_orders_follow_the_backward_form_asked_for():
+@pytest.mark.parametrize("as_ids", [False, True], ids=["Work", "item ids"])
+def test_fixed_orders_follow_the_backward_form_asked_for(as_ids):
     order = {0: [Work(0, 0, FORWARD), Work(0, 0, BACKWARD)]}
+    split_order = {0: [Work(0, 0, FORWARD), Work(0, 0, BACKWARD_INPUT), Work(0, 0, BACKWARD_WEIGHT)]}
+    if as_ids:
+        order, split_order = WorkerOrders(Items(1, 1), {0: np.arange(2)}), WorkerOrders(Items(1, 1, True), {0: np.arange(3)})
     strategy = unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), worker_orders=order)
     split = simulate(1, 1, 1, strategy, split_backward=True)
     assert split.timeline.worker_order(0) == [Work(0, 0, FORWARD), Work(0, 0, BACKWARD_INPUT), Work(0, 0, BACKWARD_WEIGHT)]
-    split_order = {0: [Work(0, 0, FORWARD), Work(0, 0, BACKWARD_INPUT), Work(0, 0, BACKWARD_WEIGHT)]}
     joined = simulate(1, 1, 1, strategy.with_(worker_orders=split_order, split_backward=True), split_backward=False)
-    assert joined.timeline.worker_order(0) == order[0]
+    assert joined.timeline.worker_order(0) == [Work(0, 0, FORWARD), Work(0, 0, BACKWARD)]
 
 
 GANG_CASE = (2, 4, 4, "10000101000010001110100001110001", {2})

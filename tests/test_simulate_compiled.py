@@ -16,6 +16,7 @@ from unisched import ComputeAndWeightWorkers, Costs, DeadlockError
 from unisched.simulate import engine, fast
 from unisched.simulate.priorities import BUILTIN_PRIORITIES
 from unisched.simulate.problem import build
+from unisched.strategy import WorkerOrders
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import Shape, as_stage_graph
 
@@ -155,6 +156,46 @@ def test_named_strategies_same_timeline(name, W, S, B):
     expected, got = both_runs(Shape(W, S, B), strategy, priority, Costs(), strategy.memory_limit,
                               strategy.split_backward, as_stage_graph(S, None), False)
     assert not isinstance(expected, DeadlockError)
+    assert_same(expected, got)
+
+
+FIXED_ORDER_NAMES = ("one_f_one_b", "interleaved", "zb_h1", "zb_h2", "zbv", "dualpipe_v", "ScheduleGPipe",
+                     "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+                     "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    name=st.sampled_from(FIXED_ORDER_NAMES),
+    W=st.integers(1, 4),
+    rounds=st.integers(1, 2),
+    communication=st.booleans(),
+    other_backward=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_array_orders_and_work_lists_give_the_same_timeline(name, W, rounds, communication, other_backward, seed):
+    """A named schedule's orders, built as arrays of item ids, give the
+    timeline (and transfers) that the same orders written as lists of Work
+    give, on both engines, under random per-stage costs and in either
+    backward form."""
+    S = {"interleaved": 2 * W, "zbv": 2 * W, "dualpipe_v": 2 * W, "ScheduleInterleaved1F1B": 2 * W,
+         "ScheduleLoopedBFS": 2 * W, "ScheduleInterleavedZeroBubble": 2 * W, "ScheduleZBVZeroBubble": 2 * W,
+         "ScheduleDualPipeV": 2 * W}.get(name, W)
+    B = max(S, 2 * W) * rounds
+    strategy = unisched.policies.get(name, num_workers=W, num_stages=S, num_batches=B)
+    assert isinstance(strategy.worker_orders, WorkerOrders)
+    as_lists = strategy.with_(worker_orders={w: list(order) for w, order in strategy.worker_orders.items()})
+    rng = np.random.default_rng(seed)
+    costs = Costs(forward=list(rng.choice([0.5, 1.0, 2.0], S)), backward=list(rng.choice([1.0, 3.0], S)),
+                  **(dict(activation_bytes=1.0, weight_bytes=2.0, bandwidth=4.0, latency=0.25) if communication else {}))
+    split = strategy.split_backward != other_backward
+    arrays, lists = (unisched.simulate(W, S, B, s, costs=costs, split_backward=split).timeline
+                     for s in (strategy, as_lists))
+    assert np.array_equal(arrays.start, lists.start) and np.array_equal(arrays.end, lists.end)
+    for column in ("kind", "src", "dst", "start", "end", "nbytes", "batch", "stage", "direction"):
+        assert np.array_equal(getattr(arrays.transfers, column), getattr(lists.transfers, column))
+    priority = BUILTIN_PRIORITIES["oldest_batch_first"](S, B)
+    expected, got = both_runs(Shape(W, S, B), strategy, priority, costs, None, split, as_stage_graph(S, None), False)
     assert_same(expected, got)
 
 

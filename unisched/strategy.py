@@ -5,20 +5,26 @@ explicit order of work on each worker).
 Underneath it stays a plain function ``Work -> ComputeAndWeightWorkers``:
 ``strategy(work)`` calls the mapping, so a Strategy can go anywhere the seed
 notebook passes a function.
+
+Fixed orders are given either as lists of ``Work`` (what a user writes) or
+as a :class:`WorkerOrders`, which holds each worker's order as an array of
+item ids (the numbering of :class:`unisched.dataflow.Items`): the named
+schedules build theirs that way, so a million-item order costs no Python
+object per item, and the simulator reads the ids directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 import networkx as nx
 
 from unisched import dataflow
-from unisched.errors import ShapeError
-from unisched.work import ComputeAndWeightWorkers, Shape, StageGraph, Work
+from unisched.errors import ShapeError, StrategyError
+from unisched.work import ComputeAndWeightWorkers, Direction, Shape, StageGraph, Work
 
 Mapping_ = Callable[[Work], ComputeAndWeightWorkers]
 ArrayMapping = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -42,6 +48,86 @@ class Gang(NamedTuple):
         return cls(group, True)
 
 
+class WorkerOrders(Mapping[int, list]):
+    """Each worker's fixed order as an array of item ids in the numbering
+    ``numbering`` (the items of one step).
+
+    It reads as ``dict[int, list[Work]]``: ``orders[w]`` makes worker w's
+    list of Work when asked; :attr:`ids` holds the arrays themselves."""
+
+    def __init__(self, numbering: dataflow.Items, ids: Mapping[int, Any]):
+        self.numbering = numbering
+        self.ids = {int(w): np.asarray(order, dtype=np.int64).reshape(-1) for w, order in ids.items()}
+        n = numbering.count
+        bad = [w for w, order in self.ids.items() if len(order) and (order.min() < 0 or order.max() >= n)]
+        if bad:
+            raise StrategyError(
+                f"worker {bad[0]}'s order has item ids outside 0..{n - 1}, the items of S={numbering.num_stages}, "
+                f"B={numbering.num_batches}, split_backward={numbering.split_backward}; number items with "
+                f"unisched.dataflow.Items(S, B, split_backward).id(batch, stage, direction)")
+
+    @classmethod
+    def from_columns(cls, items: dataflow.Items, columns: Mapping[int, Sequence]) -> "WorkerOrders":
+        """From per-worker ``(batch, stage, direction)`` arrays, each row an item of ``items``."""
+        ids = {}
+        for w, (batch, stage, direction) in columns.items():
+            batch, stage = np.asarray(batch, dtype=np.int64), np.asarray(stage, dtype=np.int64)
+            outside = (batch < 0) | (batch >= items.num_batches) | (stage < 0) | (stage >= items.num_stages)
+            if outside.any():
+                i = int(np.argmax(outside))
+                raise StrategyError(f"worker {w}'s order has batch {batch[i]}, stage {stage[i]}, outside "
+                                    f"S={items.num_stages}, B={items.num_batches}")
+            ids[w] = items.id(batch, stage, direction)
+        return cls(items, ids)
+
+    def columns(self, worker: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(batch, stage, direction) arrays of ``worker``'s order."""
+        return self.numbering.columns(self.ids[worker])
+
+    def __getitem__(self, worker: int) -> list[Work]:
+        return works(*self.columns(worker))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, WorkerOrders) and other.numbering == self.numbering:
+            return self.ids.keys() == other.ids.keys() and all(
+                np.array_equal(order, other.ids[w]) for w, order in self.ids.items())
+        return super().__eq__(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"<WorkerOrders of {len(self.ids)} workers, {sum(map(len, self.ids.values()))} items of "
+                f"S={self.numbering.num_stages}, B={self.numbering.num_batches}>")
+
+
+def works(batch, stage, direction) -> list[Work]:
+    """The Work of each row of (batch, stage, direction) arrays."""
+    return list(map(Work, np.asarray(batch).tolist(), np.asarray(stage).tolist(),
+                    map(_DIRECTIONS.__getitem__, np.asarray(direction).tolist())))
+
+
+_DIRECTIONS = tuple(Direction)
+"""Direction by code, for making Work from arrays."""
+
+
+def order_ids(orders: Mapping[int, Any], items: dataflow.Items) -> WorkerOrders | None:
+    """``orders`` as a :class:`WorkerOrders` of ``items`` when it is one, or
+    when every order is a one-dimensional integer array (item ids); None for
+    orders of Work (or of ``(batch, stage, direction)`` rows)."""
+    if isinstance(orders, WorkerOrders):
+        return orders if orders.numbering == items else None
+    arrays = [np.asarray(o) if isinstance(o, np.ndarray) else None for o in orders.values()]
+    if orders and all(a is not None and a.ndim == 1 and np.issubdtype(a.dtype, np.integer) for a in arrays):
+        return WorkerOrders(items, orders)
+    return None
+
+
 @dataclass(frozen=True, eq=False)
 class Strategy:
     """A named strategy.
@@ -62,7 +148,7 @@ class Strategy:
     priority: Callable[[Work], Any] | None = None
     memory_limit: float | Sequence[float] | None = None
     split_backward: bool = False
-    worker_orders: Mapping[int, Sequence[Work]] | None = None
+    worker_orders: Mapping[int, Sequence[Work]] | WorkerOrders | None = None
     shape: Shape | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
     map_arrays: ArrayMapping | None = None
@@ -102,7 +188,7 @@ def fixed_strategy(
     shape: Shape | Sequence[int],
     compute: Sequence[int],
     weight: Sequence[int],
-    worker_orders: dict[int, Sequence[Work]],
+    worker_orders: Mapping[int, Sequence[Work]] | WorkerOrders,
     *,
     split_backward: bool = False,
     stage_graph: StageGraph | nx.DiGraph | None = None,
@@ -116,8 +202,9 @@ def fixed_strategy(
     """A Strategy that fixes everything: ``compute[i]``, ``weight[i]`` (and
     ``gang[i]``, an index into ``gang_members`` or -1) are the workers of the
     item with id i (:class:`unisched.dataflow.Items`), ``worker_orders`` the
-    sequence each worker runs.  What a plan and a timeline replay as
-    (:meth:`Timeline.as_strategy`)."""
+    sequence each worker runs: lists of Work, or arrays of item ids (a
+    :class:`WorkerOrders`, or a dict of one-dimensional integer arrays).
+    What a plan and a timeline replay as (:meth:`Timeline.as_strategy`)."""
     shape = Shape(*shape)
     W, S, B = shape
     items = dataflow.Items(S, B, split_backward)
@@ -156,7 +243,7 @@ def fixed_strategy(
         description=description or "fixed workers and a fixed order of work on each worker",
         memory_limit=memory_limit,
         split_backward=split_backward,
-        worker_orders={int(w): list(order) for w, order in worker_orders.items()},
+        worker_orders=order_ids(worker_orders, items) or {int(w): list(order) for w, order in worker_orders.items()},
         shape=shape,
         map_arrays=map_arrays,
         stage_graph=stage_graph,

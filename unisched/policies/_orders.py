@@ -7,7 +7,11 @@ then a steady phase that follows each backward (or each input-gradient
 pass I) with the next forward, and, with a split backward, runs each weight
 pass W a fixed number of backwards after its I.  The schedules differ only
 in those counts (and an interleaved worker's stages), so their orders hold
-under any costs.
+under any costs.  Phase-by-phase schedules (ZB-V, DualPipeV) write theirs
+with an :class:`OrderWriter`, whose repeated rounds are written at once.
+Both give arrays (micro-batch, stage, direction per pass), which the
+strategies hand over as :class:`unisched.strategy.WorkerOrders`: a
+million-item order takes no Python object per item.
 
 :func:`unit_time_orders` designs an order another way: it runs a design
 rule of one's own slot by slot on a grid where every pass takes one slot,
@@ -40,8 +44,12 @@ from unisched.work import (
 )
 
 
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""One worker's order as arrays: micro-batch, stage and direction of each pass, in order."""
+
+
 def warmup_steady_order(stages: int | Sequence[int], num_batches: int, warmup: int, weight_lag: int | None = None,
-                        per_round: int | None = None) -> list[Work]:
+                        per_round: int | None = None) -> Columns:
     """A worker's sequence: ``warmup`` forwards, then for each backward k
     (the k-th of the worker) the backward followed by the next forward, then
     nothing but backwards once the forwards are done.
@@ -58,33 +66,78 @@ def warmup_steady_order(stages: int | Sequence[int], num_batches: int, warmup: i
     run last, oldest first.  1F1B is ``warmup = S - s`` on one stage; ZB-H1
     adds ``weight_lag = s``; ZB-H2 takes ``warmup = 2(S - s) - 1`` and
     ``weight_lag = 2s``; the interleaved pipelines add their v - 1 rounds.
+
+    Built on arrays: the k-th backward's round (its backward, the W pass it
+    releases, the forward it lets in) is row k of a table of three slots.
     """
-    stages = [stages] if isinstance(stages, int) else list(stages)
+    stages = np.atleast_1d(np.asarray(stages, dtype=np.int64))
     v, per_round = len(stages), per_round or num_batches
     total = num_batches * v
+    warm = min(warmup, total)
+    k = np.arange(total)
+    split = weight_lag is not None
+    backward = BACKWARD_INPUT if split else BACKWARD
+    slots = np.stack([  # (pass, its index among the worker's passes of that kind) per slot of each round
+        np.broadcast_to(np.array([backward, BACKWARD_WEIGHT, FORWARD]), (total, 3)),
+        np.stack([k, k - (weight_lag or 0), warm + k], axis=1),
+    ])
+    used = np.stack([np.ones(total, bool), split & (k >= (weight_lag or 0)), warm + k < total], axis=1)
+    direction, index = slots[0][used], slots[1][used]
+    owed = np.arange(max(total - weight_lag, 0), total) if split else np.zeros(0, np.int64)
+    direction = np.concatenate([np.full(warm, FORWARD), direction, np.full(len(owed), BACKWARD_WEIGHT)])
+    index = np.concatenate([np.arange(warm), index, owed])
+    chunk = (index // per_round) % v
+    stage = stages[np.where(direction == FORWARD, chunk, v - 1 - chunk)]
+    return (index // (per_round * v)) * per_round + index % per_round, stage, direction.astype(np.int64)
 
-    def item(k: int, direction: Direction) -> Work:
-        chunk = (k // per_round) % v
-        stage = stages[chunk if direction is FORWARD else v - 1 - chunk]
-        return Work((k // (per_round * v)) * per_round + k % per_round, stage, direction)
 
-    forwards = min(warmup, total)
-    order = [item(k, FORWARD) for k in range(forwards)]
-    weights = 0
-    for k in range(total):
-        if weight_lag is None:
-            order.append(item(k, BACKWARD))
-        else:
-            order.append(item(k, BACKWARD_INPUT))
-            if k >= weight_lag:
-                order.append(item(weights, BACKWARD_WEIGHT))
-                weights += 1
-        if forwards < total:
-            order.append(item(forwards, FORWARD))
-            forwards += 1
-    if weight_lag is not None:
-        order += [item(k, BACKWARD_WEIGHT) for k in range(weights, total)]
-    return order
+class OrderWriter:
+    """One worker's order written pass by pass, or in rounds repeated at
+    once, as arrays.  ``stages[c]`` is the worker's chunk c; each pass of a
+    chunk (forward, I, W, B) takes its micro-batches 0, 1, 2, ... in turn."""
+
+    def __init__(self, stages: Sequence[int]):
+        self.stages = tuple(stages)
+        self.written: dict[tuple[int, Direction], int] = {}
+        self._rows: list[tuple[int, int, int]] = []
+        self._parts: list[Columns] = []
+
+    def count(self, chunk: int, direction: Direction) -> int:
+        """How many passes ``direction`` of ``chunk`` are written."""
+        return self.written.get((chunk, direction), 0)
+
+    def next(self, chunk: int, direction: Direction) -> None:
+        """Write the next micro-batch's pass ``direction`` of ``chunk``."""
+        batch = self.count(chunk, direction)
+        self.written[(chunk, direction)] = batch + 1
+        self._rows.append((batch, self.stages[chunk], int(direction)))
+
+    def rounds(self, times: int, *steps: tuple[int, Direction]) -> None:
+        """``times`` rounds of ``steps`` (each a (chunk, direction) that
+        :meth:`next` would write), written at once."""
+        if times <= 0:
+            return
+        self._flush()
+        round_ = np.arange(times)[:, None]
+        batch = np.empty((times, len(steps)), dtype=np.int64)
+        for j, step in enumerate(steps):
+            batch[:, j] = self.count(*step) + round_[:, 0] * steps.count(step) + steps[:j].count(step)
+        for step in set(steps):
+            self.written[step] = self.count(*step) + times * steps.count(step)
+        stage = np.broadcast_to(np.array([self.stages[c] for c, _ in steps]), batch.shape)
+        direction = np.broadcast_to(np.array([int(d) for _, d in steps]), batch.shape)
+        self._parts.append((batch.ravel(), stage.ravel(), direction.ravel()))
+
+    def columns(self) -> Columns:
+        """The order written so far."""
+        self._flush()
+        return tuple(np.concatenate([p[i] for p in self._parts] or [np.zeros(0, np.int64)]).astype(np.int64)
+                     for i in range(3))
+
+    def _flush(self) -> None:
+        if self._rows:
+            self._parts.append(tuple(np.array(column, dtype=np.int64) for column in zip(*self._rows)))
+            self._rows = []
 
 
 class KeyPriority:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from unisched.dataflow import Items
 from unisched.policies._orders import warmup_steady_order
 from unisched.policies._registry import Entry, Param, require
 from unisched.simulate.priorities import priority_by_name
-from unisched.strategy import Strategy
+from unisched.strategy import Strategy, WorkerOrders
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 GPIPE_PRIORITIES = ("oldest_batch_first", "oldest_stage_first")
@@ -54,7 +55,7 @@ def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy
         name="one_f_one_b",
         description=ONE_F_ONE_B.description,
         memory_limit=[float(num_stages - s) for s in range(num_workers)],
-        worker_orders=orders,
+        worker_orders=WorkerOrders.from_columns(Items(num_stages, num_batches), orders),
         shape=shape,
         map_arrays=map_arrays,
     )
@@ -87,7 +88,7 @@ def interleaved(num_workers: int, num_stages: int, num_batches: int, virtual_sta
     )
 
 
-def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int) -> dict[int, list[Work]]:
+def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int) -> WorkerOrders:
     """Each worker's sequence in Megatron-LM's interleaved 1F1B.
 
     Forwards go in rounds of W micro-batches per model chunk (chunk 0 for
@@ -97,8 +98,9 @@ def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int
     alternates one forward and one backward, then drains its backwards.
     """
     p, v = num_workers, virtual
-    return {rank: warmup_steady_order(range(rank, p * v, p), num_batches, 1 + _megatron_warmup(p, v, rank), per_round=p)
-            for rank in range(p)}
+    return WorkerOrders.from_columns(Items(p * v, num_batches), {
+        rank: warmup_steady_order(range(rank, p * v, p), num_batches, 1 + _megatron_warmup(p, v, rank), per_round=p)
+        for rank in range(p)})
 
 
 def _megatron_warmup(p: int, v: int, rank: int) -> int:

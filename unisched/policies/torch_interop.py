@@ -35,12 +35,12 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.errors import UniSchedError
-from unisched.policies._orders import warmup_steady_order
+from unisched.policies._orders import Columns, warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
-from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_order, zbv_order
+from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_columns, zbv_columns
 from unisched.simulate import simulate
-from unisched.strategy import Strategy, fixed_strategy
+from unisched.strategy import Strategy, WorkerOrders, fixed_strategy
 from unisched.timeline import Timeline
 from unisched.work import (
     BACKWARD,
@@ -65,8 +65,9 @@ class TorchCSVError(UniSchedError, ValueError):
 def schedule_gpipe(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """torch's ``ScheduleGPipe``: every forward (micro-batch 0 first), then every backward (0 first)."""
     shape = _pipeline_shape("ScheduleGPipe", num_workers, num_stages, num_batches)
-    orders = {r: [Work(b, r, FORWARD) for b in range(num_batches)] + [Work(b, r, BACKWARD) for b in range(num_batches)]
-              for r in range(num_workers)}
+    batches = np.tile(np.arange(num_batches), 2)
+    passes = np.repeat([FORWARD, BACKWARD], num_batches)
+    orders = {r: (batches, np.full(2 * num_batches, r), passes) for r in range(num_workers)}
     return _torch_strategy(GPIPE, shape, orders, stage_modulo_workers(num_workers))
 
 
@@ -99,10 +100,11 @@ def schedule_looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> 
             f"puts stages r, r + W, ... on rank r, so S must be a multiple of W; got S={num_stages}, W={num_workers}")
     orders = {}
     for rank in range(num_workers):
-        stages = range(rank, num_stages, num_workers)
-        order = [Work(b, s, FORWARD) for s in stages for b in range(num_batches)]
-        order += [Work(b, s, BACKWARD) for s in reversed(stages) for b in reversed(range(num_batches))]
-        orders[rank] = order
+        stages = np.arange(rank, num_stages, num_workers)
+        batches = np.arange(num_batches)
+        orders[rank] = (np.concatenate([np.tile(batches, len(stages)), np.tile(batches[::-1], len(stages))]),
+                        np.concatenate([np.repeat(stages, num_batches), np.repeat(stages[::-1], num_batches)]),
+                        np.repeat([FORWARD, BACKWARD], len(stages) * num_batches))
     return _torch_strategy(LOOPED_BFS, shape, orders, stage_modulo_workers(num_workers))
 
 
@@ -121,7 +123,7 @@ def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int
     designed for at least 2W - 1 micro-batches (the passes of the ones that do
     not exist are left out, as torch does)."""
     shape = _v_shape("ScheduleZBVZeroBubble", num_workers, num_stages, num_batches)
-    orders = {r: zbv_order(num_workers, r, num_batches) for r in range(num_workers)}
+    orders = {r: zbv_columns(num_workers, r, num_batches) for r in range(num_workers)}
     return _torch_strategy(ZBV_ZERO_BUBBLE, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
 
 
@@ -133,7 +135,7 @@ def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> 
     shape = _v_shape("ScheduleDualPipeV", num_workers, num_stages, num_batches)
     require(num_batches >= num_stages, "ScheduleDualPipeV",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
-    orders = {r: dualpipe_v_order(num_workers, r, num_batches) for r in range(num_workers)}
+    orders = {r: dualpipe_v_columns(num_workers, r, num_batches) for r in range(num_workers)}
     return _torch_strategy(DUALPIPE_V, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
 
 
@@ -149,7 +151,7 @@ def split_full_backwards(order: Iterable[Work]) -> list[Work]:
 
 
 # ---------------------------------------------------------------------- torch's rules, rank by rank
-def _interleaved_order(p: int, v: int, m: int, per_round: int, rank: int, zero_bubble: bool) -> list[Work]:
+def _interleaved_order(p: int, v: int, m: int, per_round: int, rank: int, zero_bubble: bool) -> Columns:
     """``_get_1f1b_rank_ops`` of torch's interleaved schedules, idle steps left
     out: (v - 1) rounds plus 2 (W - 1 - r) forwards (W - 1 - r for ZB1P) before
     the forward-backward pairs, and ZB1P's W passes r backwards late."""
@@ -169,11 +171,12 @@ def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, i
     return shape, S // W, B // rounds
 
 
-def _torch_strategy(entry: Entry, shape: Shape, orders: Orders, placement: tuple[Callable, Callable], *,
+def _torch_strategy(entry: Entry, shape: Shape, orders: dict[int, Columns], placement: tuple[Callable, Callable], *,
                     split_backward: bool = False) -> Strategy:
     """torch's ``orders`` on a placement of the policies (``stage_modulo_workers``
     or the V of ``zero_bubble``): its mapping and vectorised form."""
     mapping, map_arrays = placement
+    orders = WorkerOrders.from_columns(dataflow.Items(shape.num_stages, shape.num_batches, split_backward), orders)
     return Strategy(mapping, name=entry.name, description=entry.description, split_backward=split_backward,
                     worker_orders=orders, shape=shape, map_arrays=map_arrays)
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.policies._orders import warmup_steady_order
+from unisched.dataflow import Items
+from unisched.policies._orders import Columns, OrderWriter, warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
-from unisched.strategy import Strategy
+from unisched.strategy import Strategy, WorkerOrders, works
 from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape, Work
 
 
@@ -52,12 +53,17 @@ def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """V-shaped placement (stage s and 2W - 1 - s on worker s) in the ZB-V schedule's phases."""
     shape = _v_shape("zbv", num_workers, num_stages, num_batches)
     mapping, map_arrays, _ = _v_mapping(num_workers)
-    orders = {rank: zbv_order(num_workers, rank, num_batches) for rank in range(num_workers)}
+    orders = {rank: zbv_columns(num_workers, rank, num_batches) for rank in range(num_workers)}
     return _split_strategy("zbv", ZBV.description, shape, mapping, map_arrays, orders)
 
 
 def zbv_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
-    """Rank ``rank``'s sequence in ZB-V.
+    """Rank ``rank``'s sequence in ZB-V (:func:`zbv_columns`), as Work."""
+    return works(*zbv_columns(num_workers, rank, num_batches))
+
+
+def zbv_columns(num_workers: int, rank: int, num_batches: int) -> Columns:
+    """Rank ``rank``'s sequence in ZB-V, as arrays.
 
     Chunk 0 of a rank is stage ``rank`` (the way down), chunk 1 stage
     ``2W - 1 - rank`` (the way back).  The schedule is laid out for
@@ -71,53 +77,20 @@ def zbv_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
     """
     p, r, m = num_workers, rank, num_batches
     n = max(2 * p - 1, m)
-    stage = (r, 2 * p - 1 - r)
-    forwards, backwards, weights = [0, 0], [0, 0], [0, 0]
-    order: list[Work] = []
-
-    def add(chunk: int, direction, batch: int) -> None:
-        if batch < m:
-            order.append(Work(batch, stage[chunk], direction))
-
-    def forward(chunk: int) -> None:
-        add(chunk, FORWARD, forwards[chunk])
-        forwards[chunk] += 1
-
-    def backward(chunk: int, with_weight: bool) -> None:
-        add(chunk, BACKWARD_INPUT, backwards[chunk])
-        backwards[chunk] += 1
-        if with_weight:
-            weight(chunk)
-
-    def weight(chunk: int) -> None:
-        add(chunk, BACKWARD_WEIGHT, weights[chunk])
-        weights[chunk] += 1
-
-    for _ in range(2 * (p - r) - 1):
-        forward(0)
-    for _ in range(r):
-        forward(1)
-        forward(0)
-    for _ in range(p - r):
-        forward(1)
-        backward(1, with_weight=True)
-    while forwards[1] < forwards[0] or forwards[0] < n:
-        if forwards[0] < n:
-            forward(0)
-        backward(0, with_weight=True)
-        forward(1)
-        backward(1, with_weight=True)
-    for _ in range(r):
-        backward(0, with_weight=False)
-        backward(1, with_weight=False)
-    for _ in range(p - r):
-        backward(0, with_weight=False)
-        weight(0)
-    while weights[1] < backwards[1]:
-        weight(1)
-    while weights[0] < backwards[0]:
-        weight(0)
-    return order
+    order = OrderWriter((r, 2 * p - 1 - r))
+    F, I, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    order.rounds(2 * (p - r) - 1, (0, F))
+    order.rounds(r, (1, F), (0, F))
+    order.rounds(p - r, (1, F), (1, I), (1, W))
+    order.rounds(n - order.count(0, F), (0, F), (0, I), (0, W), (1, F), (1, I), (1, W))  # while forwards remain
+    order.rounds(order.count(0, F) - order.count(1, F), (0, I), (0, W), (1, F), (1, I), (1, W))
+    order.rounds(r, (0, I), (1, I))
+    order.rounds(p - r, (0, I), (0, W))
+    order.rounds(order.count(1, I) - order.count(1, W), (1, W))
+    order.rounds(order.count(0, I) - order.count(0, W), (0, W))
+    batch, stage, direction = order.columns()
+    exists = batch < m
+    return batch[exists], stage[exists], direction[exists]
 
 
 def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -125,56 +98,45 @@ def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     forward-backward pairs run one after the other."""
     shape = _dualpipe_v_shape(Shape(num_workers, num_stages, num_batches))
     mapping, map_arrays, _ = _v_mapping(num_workers)
-    orders = {rank: dualpipe_v_order(num_workers, rank, num_batches) for rank in range(num_workers)}
+    orders = {rank: dualpipe_v_columns(num_workers, rank, num_batches) for rank in range(num_workers)}
     return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, mapping, map_arrays, orders)
 
 
 def dualpipe_v_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
-    """Rank ``rank``'s sequence in DualPipeV.
+    """Rank ``rank``'s sequence in DualPipeV (:func:`dualpipe_v_columns`), as Work."""
+    return works(*dualpipe_v_columns(num_workers, rank, num_batches))
+
+
+def dualpipe_v_columns(num_workers: int, rank: int, num_batches: int) -> Columns:
+    """Rank ``rank``'s sequence in DualPipeV, as arrays.
 
     Chunk 0 of a rank is stage ``rank`` (the way down), chunk 1 stage
     ``2W - 1 - rank`` (the way back).  A backward "with zero bubble" runs its
     I pass now and queues its W pass; a weight step runs the oldest queued W;
-    other backwards run I and W together.
+    other backwards run I and W together.  (A chunk's W passes come in the
+    order of its I passes either way, so each takes the chunk's next
+    micro-batch.)
     """
     p, r = num_workers, rank
-    stage = (r, 2 * p - 1 - r)
-    forwards, backwards = [0, 0], [0, 0]
-    queued: list[Work] = []
-    order: list[Work] = []
+    order = OrderWriter((r, 2 * p - 1 - r))
+    F, I, W = FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    queued: list[int] = []  # the chunks of the W passes queued, oldest first
 
-    def forward(chunk: int) -> None:
-        order.append(Work(forwards[chunk], stage[chunk], FORWARD))
-        forwards[chunk] += 1
-
-    def backward(chunk: int, zero_bubble: bool = False) -> None:
-        batch = backwards[chunk]
-        backwards[chunk] += 1
-        order.append(Work(batch, stage[chunk], BACKWARD_INPUT))
-        weight = Work(batch, stage[chunk], BACKWARD_WEIGHT)
-        queued.append(weight) if zero_bubble else order.append(weight)
+    def backward(chunk: int, zero_bubble: bool) -> None:
+        order.next(chunk, I)
+        queued.append(chunk) if zero_bubble else order.next(chunk, W)
 
     def weight() -> None:
-        order.append(queued.pop(0))
+        order.next(queued.pop(0), W)
 
-    for _ in range((p - r - 1) * 2):
-        forward(0)
-    for _ in range(r + 1):
-        forward(0)
-        forward(1)
+    order.rounds((p - r - 1) * 2, (0, F))
+    order.rounds(r + 1, (0, F), (1, F))
     for _ in range(p - r - 1):
         backward(1, zero_bubble=True)
         weight()
-        forward(1)
-    for _ in range(num_batches - 2 * p + r + 1):
-        forward(0)
-        backward(1)
-        forward(1)
-        backward(0)
-    for _ in range(p - r - 1):
-        backward(1)
-        forward(1)
-        backward(0)
+        order.next(1, F)
+    order.rounds(num_batches - 2 * p + r + 1, (0, F), (1, I), (1, W), (1, F), (0, I), (0, W))
+    order.rounds(p - r - 1, (1, I), (1, W), (1, F), (0, I), (0, W))
     zero_bubble = False
     steps = r + 1
     for i in range(steps):
@@ -189,13 +151,15 @@ def dualpipe_v_order(num_workers: int, rank: int, num_batches: int) -> list[Work
         backward(0, zero_bubble=True)
     while queued:
         weight()
-    return order
+    return order.columns()
 
 
 # ---------------------------------------------------------------------- helpers
-def _split_strategy(name, description, shape, mapping, map_arrays, orders) -> Strategy:
+def _split_strategy(name, description, shape, mapping, map_arrays, orders: dict[int, Columns]) -> Strategy:
+    """A strategy with a split backward that follows ``orders``."""
+    items = Items(shape.num_stages, shape.num_batches, split_backward=True)
     return Strategy(mapping, name=name, description=description, split_backward=True,
-                    worker_orders=orders, shape=shape, map_arrays=map_arrays)
+                    worker_orders=WorkerOrders.from_columns(items, orders), shape=shape, map_arrays=map_arrays)
 
 
 def _v_mapping(p: int):

@@ -32,7 +32,8 @@ import numpy as np
 from unisched.errors import ShapeError
 from unisched.simulate.priorities import OldestBatchFirst
 from unisched.simulate.simulation import Simulation, simulate
-from unisched.strategy import Gang, Strategy
+from unisched.dataflow import Items
+from unisched.strategy import Gang, Strategy, WorkerOrders
 from unisched.topology import ClusterCosts, Topology
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
@@ -218,7 +219,7 @@ def tensor_parallel(pipeline: Strategy, tensor: int) -> Strategy:
     return replace(
         pipeline, mapping=mapping, map_arrays=map_arrays if pipeline.map_arrays is not None else None, gang=gang,
         memory_limit=limit, shape=None if shape is None else Shape(W * T, shape[1], shape[2]),
-        worker_orders=None if orders is None else {w * T: list(order) for w, order in orders.items()},
+        worker_orders=None if orders is None else _renumbered(orders, lambda w: w * T),
         name=f"{pipeline.name}, TP {T}",
     )
 
@@ -252,7 +253,12 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
     if limit is not None and np.ndim(limit):
         limit = [float(v) for v in np.tile(np.asarray(limit, dtype=float), replicas)]
     orders = strategy.worker_orders
-    if orders is not None:
+    if isinstance(orders, WorkerOrders):
+        items = Items(S, B * replicas, orders.numbering.split_backward)
+        columns = {w: orders.columns(w) for w in orders}
+        orders = WorkerOrders.from_columns(items, {w + d * W: (batch + d * B, stage, direction) for d in range(replicas)
+                                                   for w, (batch, stage, direction) in columns.items()})
+    elif orders is not None:
         orders = {w + d * W: [Work(u.batch + d * B, u.stage, u.direction) for u in order]
                   for d in range(replicas) for w, order in orders.items()}
     return replace(
@@ -261,6 +267,13 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
         priority=_PerReplica(strategy.priority or OldestBatchFirst(S, B), B),
         shape=Shape(W * replicas, S, B * replicas), name=f"{strategy.name}, DP {replicas}",
     )
+
+
+def _renumbered(orders, worker_of) -> WorkerOrders | dict:
+    """``orders`` with worker w's order given to ``worker_of(w)``."""
+    if isinstance(orders, WorkerOrders):
+        return WorkerOrders(orders.numbering, {worker_of(w): ids for w, ids in orders.ids.items()})
+    return {worker_of(w): list(order) for w, order in orders.items()}
 
 
 class _PerReplica:

@@ -8,10 +8,10 @@ worker the mapping sends it to.  An order written for the other backward
 form is adapted: with a split backward each B becomes I then W in its
 place; without, I becomes B and W is dropped.
 
-Orders arrive as lists of Work (or ``(batch, stage, direction)`` tuples);
-they are read into integer arrays in one pass each (``np.fromiter``), and
-everything after that is numpy, so a million-item order takes
-milliseconds rather than seconds.
+Orders arrive as a :class:`~unisched.strategy.WorkerOrders` (arrays of
+item ids, what the named schedules build), used as they are, or as lists of
+Work (or ``(batch, stage, direction)`` tuples), read into integer arrays in
+one pass each (``np.fromiter``); everything after that is numpy.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from unisched.dataflow import Items
 from unisched.errors import StrategyError
+from unisched.strategy import WorkerOrders, order_ids
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Direction, Shape, Work
 
 
@@ -32,12 +33,21 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
     unknown = sorted(set(orders) - set(range(W)))
     if unknown:
         raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
-    columns = [_in_directions(_as_columns(w, order), items.split_backward) for w, order in orders.items()]
-    lengths = np.array([len(c[0]) for c in columns], dtype=np.int64)
-    owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
-    batch, stage, direction = (np.concatenate([c[i] for c in columns]) if columns else np.zeros(0, np.int64)
-                               for i in range(3))
-    ids = _checked_ids(owner, batch, stage, direction, compute, shape, items)
+    given = order_ids(orders, items)
+    if given is not None:
+        lengths = np.array([len(given.ids[w]) for w in orders], dtype=np.int64)
+        ids = np.concatenate([given.ids[w] for w in orders]) if orders else np.zeros(0, np.int64)
+        owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
+        if not _each_once_on_its_worker(ids, owner, compute):
+            ids = _checked_ids(owner, *items.columns(ids), compute, shape, items)
+    else:
+        read = orders.columns if isinstance(orders, WorkerOrders) else lambda w: _as_columns(w, orders[w])
+        columns = [_in_directions(read(w), items.split_backward) for w in orders]
+        lengths = np.array([len(c[0]) for c in columns], dtype=np.int64)
+        owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
+        batch, stage, direction = (np.concatenate([c[i] for c in columns]) if columns else np.zeros(0, np.int64)
+                                   for i in range(3))
+        ids = _checked_ids(owner, batch, stage, direction, compute, shape, items)
     seen = np.zeros(len(compute), dtype=bool)
     seen[ids] = True
     if not seen.all():
@@ -52,6 +62,13 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
     dst = ids[follows]
     src = ids[np.flatnonzero(follows) - 1]
     return np.stack([src, dst, np.full(len(src), kind), np.full(len(src), -1)]).astype(np.int64)
+
+
+def _each_once_on_its_worker(ids: np.ndarray, owner: np.ndarray, compute: np.ndarray) -> bool:
+    """Whether ``ids`` name every item once, each in the order of the worker
+    the mapping sends it to (the common case, checked without sorting)."""
+    return len(ids) == len(compute) and bool((np.bincount(ids, minlength=len(compute)) == 1).all()) \
+        and bool((compute[ids] == owner).all())
 
 
 def _as_columns(worker: int, order) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -6,6 +6,8 @@ compile time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 import pytest
 import torch
@@ -18,6 +20,7 @@ from unisched import ComputeAndWeightWorkers, Direction, Work, simulate
 from unisched.execute import ProgramError, Trainer, compile_program, train_one_process
 from unisched.execute.program import validate
 from unisched.strategy import Gang, Strategy
+from unisched.timeline import Transfers
 
 from test_execute import WIDTH, assert_every_rank_matches, batch, largest_change, optimizer, run_ranks, state_of
 
@@ -148,6 +151,24 @@ def test_a_weight_pass_away_from_its_input_pass_gets_the_summed_output_gradient(
     sums = [m for m in program.messages if m.letter == "V" and m.stage == 0 and m.batch == 0]
     assert [(m.src, m.dst, m.key) for m in sums] == [(1, 2, ("g", 0, 0))]
     assert program.reads(Work(0, 0, Direction.BACKWARD_WEIGHT), 2).gradients == (("g", 0, 0),)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_a_returned_gradient_is_received_where_the_simulator_returns_it(workers):
+    """Under fsdp every rank runs its micro-batch in step, so the others
+    return stage s's gradient as its weight worker finishes its own pass of
+    s: the weight worker posts those receives right there, not after its
+    last item, so neither the sender's copy nor the buffer waits."""
+    sim = simulate(workers, workers, workers, unisched.policies.get("fsdp", num_workers=workers,
+                                                                    num_stages=workers, num_batches=workers))
+    program = compile_program(sim.timeline)
+    for rank, acts in enumerate(program.actions):
+        before = [str(next(a for a in reversed(acts[:i]) if a.is_compute)) for i, a in enumerate(acts) if a.op == "r<"]
+        assert before == [f"{rank}B{rank}"] * (workers - 1), str(program)
+    posted_last = compile_program(dataclasses.replace(sim.timeline, transfers=Transfers.empty()))
+    for acts in posted_last.actions:
+        last = max(i for i, a in enumerate(acts) if a.is_compute)
+        assert all(i > last for i, a in enumerate(acts) if a.op == "r<"), "without the simulator's returns: at the end"
 
 
 @settings(max_examples=30, deadline=None)

@@ -379,6 +379,7 @@ def compile_program(
                     builder.message("r", rank, returns[work], work.stage, -1, ("r", work.stage)))
     returned = {m.stage for m in builder.messages if m.letter == "r"}
     builder.reduces = _reduce_points(orders, program, split, returned)
+    builder.accepts = _accept_points(timeline, orders, builder.messages, ranks)
     for rank in range(ranks):
         builder.emit_rank(rank, orders[rank], program.reads, lookahead)
     for rank in range(ranks):
@@ -597,6 +598,53 @@ def _returns(order, rank, weights: _Weights, split) -> dict[Work, int]:
     return {work: weights.holder(work, rank)[0] for work in last.values()}
 
 
+def _accept_points(timeline: Timeline, orders, messages: Sequence[Message], ranks: int) -> list[dict[int, list[Message]]]:
+    """Where each weight worker posts the receive of a returned gradient:
+    per rank, compute position -> the ``r`` messages to post before that
+    item (``len(order)``: after the last).
+
+    Where the simulator starts the return (the Timeline's
+    ``weight_gradient`` transfer from that rank for that stage, the last if
+    several): before the first item of the receiving rank that is still
+    running then, so that the sender's copy and the receive buffer both
+    live no longer than the transfer.  A Timeline without that transfer
+    posts it after the receiving rank's last item."""
+    tr = timeline.transfers
+    rows = np.flatnonzero(tr.of_kind("weight_gradient"))
+    sent_at: dict[tuple[int, int, int], float] = {}
+    for src, dst, stage, start in zip(tr.src[rows].tolist(), tr.dst[rows].tolist(), tr.stage[rows].tolist(),
+                                      tr.start[rows].tolist()):
+        key = (_as_rank(src, ranks), _as_rank(dst, ranks), stage)
+        sent_at[key] = max(sent_at.get(key, -np.inf), start)
+    ends = _item_ends(timeline)
+    points: list[dict[int, list[Message]]] = [defaultdict(list) for _ in orders]
+    for m in messages:
+        if m.letter != "r":
+            continue
+        order = orders[m.dst]
+        at = sent_at.get((m.src, m.dst, m.stage))
+        position = len(order) if at is None else sum(1 for _ in _prefix(order, lambda w: ends[w] <= at))
+        points[m.dst][position].append(m)
+    return points
+
+
+def _as_rank(worker: int, ranks: int) -> int:
+    """The rank a worker is: itself, or for a host worker the rank whose host memory it is."""
+    return worker - ranks if worker >= ranks else worker
+
+
+def _item_ends(timeline: Timeline) -> dict[Work, float]:
+    return {timeline.work(i): float(end) for i, end in enumerate(timeline.end.tolist())}
+
+
+def _prefix(order: Sequence[Work], keep) -> Iterable[Work]:
+    """The leading items of ``order`` for which ``keep`` holds."""
+    for work in order:
+        if not keep(work):
+            return
+        yield work
+
+
 def _reduce_points(orders, program: Program, split, returned: set[int]) -> list[dict[int, list[int]]]:
     """Where each replica posts each stage's gradient all-reduce: per rank,
     compute position -> stages to all-reduce right after that item (-1:
@@ -738,6 +786,7 @@ class _Builder:
         self.channel_count: dict[tuple[int, int], int] = defaultdict(int)
         self.programs: dict[int, list[Action]] = {r: [] for r in range(num_ranks)}
         self.reduces: list[dict[int, list[int]]] = []
+        self.accepts: list[dict[int, list[Message]]] = []
         self.reduce_group = None
 
     def message(self, letter, src, dst, stage, batch, key, value=None) -> Message:
@@ -754,7 +803,8 @@ class _Builder:
     def emit_rank(self, rank, order, reads, lookahead):
         """Lay out one rank's list: serves and fetches first, then each item
         with its receives posted ``lookahead`` items ahead and its sends
-        right after, then the remaining receives (returned gradients)."""
+        right after, a returned gradient's receive where its return starts
+        (``accepts``), then the remaining receives."""
         acts = self.programs[rank]
         channels: dict[int, list[Message]] = defaultdict(list)
         for m in self.messages:
@@ -781,10 +831,12 @@ class _Builder:
         def inbound_of(work: Work) -> list[Message]:
             return [self.by_dst_key[(rank, k)] for k in reads(work, rank).keys if (rank, k) in self.by_dst_key]
 
-        reduces = self.reduces[rank]
+        reduces, accepts = self.reduces[rank], self.accepts[rank]
         for s in reduces.get(-1, []):
             acts.append(Action("R", s, group=self.reduce_group(rank, s)))
         for i, work in enumerate(order):
+            for msg in accepts.get(i, []):
+                post(msg)
             for ahead in order[i : i + 1 + lookahead]:
                 for msg in inbound_of(ahead):
                     post(msg)
@@ -793,6 +845,8 @@ class _Builder:
                 acts.append(Action(msg.letter + ">", msg.stage, msg.batch, msg.dst, msg.index))
             for s in reduces.get(i, []):
                 acts.append(Action("R", s, group=self.reduce_group(rank, s)))
+        for msg in accepts.get(len(order), []):
+            post(msg)
         for src, queue in channels.items():
             if cursor[src] < len(queue):
                 post(queue[-1])

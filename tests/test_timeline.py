@@ -224,3 +224,24 @@ def test_the_views_work_on_a_bare_timeline(tmp_path):
     assert (tmp_path / "step.txt").read_text()
     with pytest.raises(ValueError, match="not a Timeline view"):
         Timeline.register_view("bogus", print)
+
+
+# ---------------------------------------------------------------------- rates
+def test_throughput_is_micro_batches_per_time_and_the_item_rate_counts_items_per_worker():
+    """B / latency whatever the backward's form; items / (latency W) counts a split backward twice."""
+    whole = simulate(2, 2, 4, gpipe, costs=Costs(forward=1, backward=2))
+    split = simulate(2, 2, 4, gpipe, costs=Costs(forward=1, backward_input=1, backward_weight=1), split_backward=True)
+    for sim, items in ((whole, 16), (split, 24)):
+        t = sim.timeline
+        assert t.throughput == t.batch_throughput == 4 / t.latency
+        assert t.item_rate == pytest.approx(items / (t.latency * 2))
+    # the split step is 15/14 faster, and its throughput says so; its item rate says 1.5 times more
+    assert split.timeline.throughput / whole.timeline.throughput == pytest.approx(whole.latency / split.latency)
+    assert split.timeline.item_rate / whole.timeline.item_rate == pytest.approx(1.5 * whole.latency / split.latency)
+
+
+def test_the_drawing_view_keeps_both_rates():
+    t = simulate(2, 2, 2, unisched.Strategy(lambda w: ComputeAndWeightWorkers(0, 0), gang=lambda w: (0, 1))).timeline
+    drawn = t.per_worker()
+    assert len(drawn) == 2 * len(t)
+    assert (drawn.throughput, drawn.item_rate) == (t.throughput, t.item_rate)

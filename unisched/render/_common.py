@@ -243,7 +243,7 @@ def fmt_throughput(timeline: Timeline) -> str:
     """Micro-batches per unit of time (per second when measured): the rate
     that compares strategies whatever form their backwards take."""
     per = "s" if timeline.source == "measured" else "time"
-    return f"{timeline.batch_throughput:.4g} micro-batches/{per}"
+    return f"{timeline.throughput:.4g} micro-batches/{per}"
 
 
 def headline(timeline: Timeline) -> str:

@@ -143,16 +143,18 @@ def tensor_parallel_time(costs: Costs, members: Sequence[int], nbytes):
 
 def _group(costs: Costs, members: Sequence[int]) -> tuple[int, float, float]:
     """(members, step latency, bandwidth) of a collective among ``members``."""
-    members = [int(m) for m in members]
+    members = np.asarray(members)
     k = len(members)
     if k == 0:
         raise ShapeError("a collective needs at least one worker; got an empty list of members")
+    if not np.issubdtype(members.dtype, np.integer):
+        raise ShapeError(f"a collective's members are worker numbers; got {members.tolist()!r}")
     topology = getattr(costs, "topology", None)
     if topology is not None:
-        route = topology.group_route(members)
+        route = topology.group_route(members.tolist())
         return k, route.latency, route.bandwidth
-    hops = [costs.link(a, b) for a, b in zip(members, (*members[1:], members[0]))]
-    return k, max(h.latency for h in hops), min(h.bandwidth for h in hops)
+    latency, bandwidth = pair_links(costs, members, np.roll(members, -1))  # the ring's hops, on arrays
+    return k, float(latency.max()), float(bandwidth.min())
 
 
 # ---------------------------------------------------------------------- vectorised forms

@@ -123,8 +123,31 @@ class AllReduce(NamedTuple):
     """The stage's first gradient pass, which the transfer rows name."""
 
 
-def allreduce_groups(p: Problem, end: np.ndarray, returned_stage: np.ndarray, returned_end: np.ndarray) -> list:
-    """An :class:`AllReduce` per share of a stage held by several workers (the
+class AllReduces(NamedTuple):
+    """Every :class:`AllReduce` of a step as arrays, by (stage, share):
+    group g's replicas are ``replicas[ptr[g]:ptr[g + 1]]``, in worker order."""
+
+    stage: np.ndarray
+    share: np.ndarray
+    ready: np.ndarray
+    nbytes: np.ndarray
+    item: np.ndarray
+    ptr: np.ndarray
+    replicas: np.ndarray
+
+    def groups(self) -> list[AllReduce]:
+        return [AllReduce(s, k, self.replicas[a:b].tolist(), r, n, i) for s, k, r, n, i, a, b in zip(
+            self.stage.tolist(), self.share.tolist(), self.ready.tolist(), self.nbytes.tolist(), self.item.tolist(),
+            self.ptr[:-1].tolist(), self.ptr[1:].tolist())]
+
+
+def allreduce_groups(p: Problem, end: np.ndarray, returned_stage, returned_end) -> list[AllReduce]:
+    """The :class:`AllReduce` of :func:`allreduce_table`, one by one."""
+    return allreduce_table(p, end, returned_stage, returned_end).groups()
+
+
+def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -> AllReduces:
+    """An all-reduce per share of a stage held by several workers (the
     holders of :meth:`Problem.weight_links`), or by one when the costs say
     the step is one of several data-parallel replicas; ``returned_*`` are the
     stage and arrival of every weight gradient returned to a holder."""
@@ -134,38 +157,59 @@ def allreduce_groups(p: Problem, end: np.ndarray, returned_stage: np.ndarray, re
     stage = p.stage[item]
     shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
     held, first = np.unique((stage * shares + share) * holders + holder, return_index=True)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for c in held.tolist():
-        groups.setdefault(divmod(c // holders, shares), []).append(c % holders)
+    group_of = held // holders  # stage * shares + share, one run per group
+    opens = np.flatnonzero(np.append(True, group_of[1:] != group_of[:-1]))
+    count = np.diff(np.append(opens, len(held)))
+    kept = (count > 1) | (getattr(p.costs, "replicas", 1) > 1)
     S = p.shape.num_stages
     ready = np.full(S, -np.inf)
     np.maximum.at(ready, stage, end[item])
     np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))
     some_item = np.full(S, -1)
     some_item[stage[::-1]] = item[::-1]  # the first gradient pass of each stage
-    nbytes_of = {divmod(c // holders, shares): float(size[row]) for c, row in zip(held.tolist(), first.tolist())}
-    mirrored = getattr(p.costs, "replicas", 1) > 1
-    return [AllReduce(s, k, replicas, float(ready[s]), nbytes_of[(s, k)], int(some_item[s]))
-            for (s, k), replicas in sorted(groups.items()) if len(replicas) > 1 or mirrored]
+    group_stage, group_share = np.divmod(group_of[opens][kept], shares)
+    ptr = np.zeros(int(kept.sum()) + 1, dtype=np.int64)
+    np.cumsum(count[kept], out=ptr[1:])
+    return AllReduces(
+        stage=group_stage, share=group_share, ready=ready[group_stage],
+        nbytes=size[first[(opens + count - 1)[kept]]].astype(float),  # the size its last holder gives
+        item=some_item[group_stage], ptr=ptr, replicas=(held % holders)[np.repeat(kept, count)],
+    )
 
 
 def ring_rows(group: AllReduce, everyone: list, begin: float, finish: float) -> list:
     """Transfer rows of an all-reduce among ``everyone`` (the replicas
-    simulated and any others like them): one per hop of the ring among the
-    simulated ones, each carrying 2(n-1)/n of the buffer."""
-    n = len(everyone)
-    nbytes = 2 * (n - 1) / n * group.nbytes
-    ring = group.replicas
-    return [("allreduce", int(r), int(ring[(i + 1) % len(ring)]), begin, finish, nbytes, group.item)
-            for i, r in enumerate(ring)]
+    simulated and any others like them): :func:`ring_hops` of the simulated ones."""
+    src, dst, nbytes = ring_hops(np.array([0, len(group.replicas)]), np.asarray(group.replicas, dtype=np.int64),
+                                 np.array([len(everyone)]), np.array([group.nbytes], dtype=float))
+    return [("allreduce", s, d, begin, finish, b, group.item) for s, d, b in zip(src.tolist(), dst.tolist(),
+                                                                                 nbytes.tolist())]
+
+
+def ring_hops(ptr: np.ndarray, replicas: np.ndarray, ring_sizes: np.ndarray, nbytes: np.ndarray):
+    """(src, dst, bytes) of the transfer rows of ring all-reduces: one per hop
+    of each ring among its simulated replicas (group g's are
+    ``replicas[ptr[g]:ptr[g + 1]]``), each carrying 2(n-1)/n of the buffer,
+    n the ring's size (``ring_sizes``: the replicas and any others like them)."""
+    count = np.diff(ptr)
+    nxt = np.arange(1, len(replicas) + 1)
+    nxt[ptr[1:][count > 0] - 1] = ptr[:-1][count > 0]  # the last replica sends to the first
+    n = np.asarray(ring_sizes, dtype=float)
+    return replicas, replicas[nxt], np.repeat(2 * (n - 1) / n * nbytes, count)
 
 
 def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
-    """The all-reduces of :func:`allreduce_groups`, each starting when its
+    """The all-reduces of :func:`allreduce_table`, each starting when its
     stage is ready and taking the network model's time."""
     returned = moved["kind"] == _CODE["weight_gradient"]
-    rows = []
-    for group in allreduce_groups(p, end, moved["stage"][returned], moved["end"][returned]):
-        finish = group.ready + float(network.ring_allreduce_time(p.costs, group.replicas, group.nbytes))
-        rows += ring_rows(group, group.replicas, group.ready, finish)
-    return _from_booked(p, rows)
+    t = allreduce_table(p, end, moved["stage"][returned], moved["end"][returned])
+    duration = np.array([network.ring_allreduce_time(p.costs, t.replicas[a:b], n)
+                         for a, b, n in zip(t.ptr[:-1].tolist(), t.ptr[1:].tolist(), t.nbytes.tolist())], dtype=float)
+    count = np.diff(t.ptr)
+    src, dst, nbytes = ring_hops(t.ptr, t.replicas, count, t.nbytes)
+    every = np.repeat(np.arange(len(count)), count)
+    table = _columns(np.full(len(src), _CODE["allreduce"]), src, dst, t.ready[every],
+                     (t.ready + duration)[every], nbytes, t.item[every], p)
+    table["batch"][:] = -1  # serves the whole step, not one item
+    table["direction"][:] = -1
+    return table

@@ -64,14 +64,14 @@ def stats(sim, column):
 def test_seed_ddp():
     sim = simulate(8, 4, 8, ddp)
     assert sim.latency == 12
-    assert round(sim.throughput, 4) == 0.6667
+    assert round(sim.timeline.item_rate, 4) == 0.6667
     assert stats(sim, "max_activation_storage") == [4] * 8
 
 
 def test_seed_fsdp():
     sim = simulate(8, 4, 8, lambda w: ComputeAndWeightWorkers(w.batch, w.stage % 8))
     assert sim.latency == 12
-    assert round(sim.throughput, 4) == 0.6667
+    assert round(sim.timeline.item_rate, 4) == 0.6667
     assert stats(sim, "max_activation_storage") == [4] * 8
     assert stats(sim, "weight_transmissions") == [6, 6, 6, 6, 8, 8, 8, 8]
     assert stats(sim, "weight_storage") == [1, 1, 1, 1, 0, 0, 0, 0]
@@ -81,7 +81,7 @@ def test_seed_gpipe_both_priorities():
     by_stage = simulate(4, 4, 8, gpipe, OldestStageFirst(4, 8))
     by_batch = simulate(4, 4, 8, gpipe)
     assert by_stage.latency == by_batch.latency == 33
-    assert round(by_batch.throughput, 4) == 0.4848
+    assert round(by_batch.timeline.item_rate, 4) == 0.4848
     assert stats(by_stage, "max_activation_storage") == [8, 8, 8, 8]
     assert stats(by_batch, "max_activation_storage") == [8, 7, 4, 1]
 
@@ -89,7 +89,7 @@ def test_seed_gpipe_both_priorities():
 def test_seed_looped():
     sim = simulate(4, 4, 8, looped(4, 2))
     assert sim.latency == 28
-    assert round(sim.throughput, 4) == 0.5714
+    assert round(sim.timeline.item_rate, 4) == 0.5714
     assert stats(sim, "max_activation_storage") == [6, 3, 6, 3]
     assert stats(sim, "weight_storage") == [2, 2, 2, 2]
 

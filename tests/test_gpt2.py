@@ -1,10 +1,15 @@
 """A Hugging Face GPT-2 (tiny, random, built in code) split by split_model
 and trained by the Trainer on 4 gloo ranks under gpipe, 1F1B, interleaved,
 ZB-H1, FSDP, a Cuckoo-style mapping and a planned schedule, each matching
-one process to 1e-5 after two steps."""
+one process to 1e-5 after two steps; its tied lm_head and wte stay one
+weight: on 2 gloo ranks (pipelines, a V that holds both copies on one rank,
+DDP, FSDP; clipped or not) the split model trains as the tied model does in
+one process, and the two copies stay equal."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 
 import numpy as np
@@ -19,6 +24,7 @@ from unisched import policies, simulate  # noqa: E402
 from unisched.execute import SplitError, Trainer, split_model, train_one_process  # noqa: E402
 from unisched.execute.example import counting_tokens, gpt2_config, next_token_loss  # noqa: E402
 from unisched.execute.launch import run_local  # noqa: E402
+from unisched.execute.ties import Tie  # noqa: E402
 
 from test_execute import seed_cuckoo  # noqa: E402
 
@@ -28,7 +34,13 @@ W = 4
 
 
 def gpt2(layers: int = LAYERS, attention: str = "eager", tie: bool = True, head: bool = True) -> nn.Module:
-    """A GPT-2 with tiny sizes and no dropout, the same on every call (seed 0)."""
+    """A GPT-2 with tiny sizes and no dropout, the same on every call (seed 0;
+    a copy of the first one built, which keeps its tie)."""
+    return copy.deepcopy(_gpt2(layers, attention, tie, head))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt2(layers: int, attention: str, tie: bool, head: bool) -> nn.Module:
     config = gpt2_config(layers, VOCAB, POSITIONS, WIDTH, HEADS, attention, tie_word_embeddings=tie)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config) if head else transformers.GPT2Model(config)
@@ -81,20 +93,43 @@ def test_gpt2_balance_and_refusals():
     assert len(timed.weights) == LAYERS and min(timed.weights) > 0
 
 
-def test_the_tied_head_is_untied_by_copy_or_refused():
+def test_the_tied_head_is_a_recorded_copy_or_untied_or_refused():
     model = gpt2()
-    with pytest.warns(UserWarning, match=r"lm_head.weight is transformer.wte.weight \(stages 0 and 3\)"):
-        stages = split_model(model, 4)
-    assert stages.untied == ["lm_head.weight"]
-    assert stages[3].lm_head.weight is not stages[0].transformer.wte.weight
-    assert torch.equal(stages[3].lm_head.weight, model.transformer.wte.weight)
-    assert model.lm_head.weight is model.transformer.wte.weight, "the model keeps its tie"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert split_model(gpt2(), 1).untied == [], "on one stage the tie stays"
-        assert split_model(gpt2(tie=False), 4).untied == []
+        stages = split_model(model, 4)
+    assert stages.ties == [Tie("transformer.wte.weight", ((0, "transformer.wte.weight"), (3, "lm_head.weight")))]
+    assert stages.untied == []
+    assert stages[3].lm_head.weight is not stages[0].transformer.wte.weight
+    assert stages[0].transformer.wte.weight is model.transformer.wte.weight
+    assert torch.equal(stages[3].lm_head.weight, model.transformer.wte.weight)
+    assert model.lm_head.weight is model.transformer.wte.weight, "the model keeps its tie"
+    one = split_model(gpt2(), 1)
+    assert one.ties == [] and one[0].lm_head.weight is one[0].transformer.wte.weight, "on one stage the tie stays"
+    assert split_model(gpt2(tie=False), 4).ties == []
+    untied = split_model(gpt2(), 4, tied="untie")
+    assert untied.untied == ["lm_head.weight"] and untied.ties == []
     with pytest.raises(SplitError, match="tied weights fall into different stages: lm_head.weight is transformer.wte"):
         split_model(model, 4, tied="refuse")
+    with pytest.raises(SplitError, match="tied must be one of share, untie, refuse"):
+        split_model(model, 4, tied="keep")
+
+
+def test_in_one_process_the_split_tied_model_trains_as_the_tied_model():
+    batches = [batch(step) for step in range(2)]
+    whole = split_model(gpt2(layers=4), 1)
+    losses, expected = train_one_process(whole, next_token_loss, optimizer, batches, clip_grad_norm=0.5)
+    expected = whole.model_state_dict(expected)
+    for tied in ("share", "untie"):
+        stages = split_model(gpt2(layers=4), 4, tied=tied)
+        got_losses, state = train_one_process(stages, next_token_loss, optimizer, batches, clip_grad_norm=0.5)
+        state = stages.model_state_dict(state)
+        worst = max(float((state[k] - expected[k]).abs().max()) for k in expected)
+        if tied == "share":
+            assert worst < 1e-6 and np.allclose(got_losses, losses, atol=1e-6)
+            assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+        else:
+            assert worst > 1e-3, "copies trained apart are another model"
 
 
 def test_trained_stages_load_back_into_the_model_and_a_bare_gpt2_model_splits():
@@ -132,7 +167,7 @@ def cases(tmp_path_factory) -> list[tuple[str, int, object]]:
 def _train(rank: int, world: int, schedules):
     out = {}
     for name, S, timeline in schedules:
-        trainer = Trainer(split_model(gpt2(), S, tied="untie"), timeline, next_token_loss, optimizer, timeout=60)
+        trainer = Trainer(split_model(gpt2(), S), timeline, next_token_loss, optimizer, timeout=60)
         for step in range(2):
             trainer.step(*batch(step))
         out[name] = {
@@ -154,7 +189,7 @@ def trained(tmp_path_factory):
 
 
 def reference(S: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    return train_one_process(split_model(gpt2(), S, tied="untie"), next_token_loss, optimizer,
+    return train_one_process(split_model(gpt2(), S), next_token_loss, optimizer,
                              (batch(step) for step in range(2)))
 
 
@@ -162,7 +197,7 @@ def reference(S: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 def test_gpt2_trains_like_one_process(trained, name):
     stage_counts, ranks = trained
     losses, expected = reference(stage_counts[name])
-    initial = {f"{s}.{k}": v for s, stage in enumerate(split_model(gpt2(), stage_counts[name], tied="untie"))
+    initial = {f"{s}.{k}": v for s, stage in enumerate(split_model(gpt2(), stage_counts[name]))
                for k, v in stage.state_dict().items()}
     assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-3, "training must move weights"
     for rank, rows in enumerate(ranks):
@@ -177,3 +212,66 @@ def test_a_pipeline_rank_builds_only_its_own_stage(trained):
     _, ranks = trained
     assert [rows["gpipe"]["built"] for rows in ranks] == [[0], [1], [2], [3]]
     assert [rows["interleaved"]["built"] for rows in ranks] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+# ---------------------------------------------------------------------- the tie on 2 gloo ranks
+TIED_CASES = [  # (strategy, stages, micro-batches, clip): who holds wte and lm_head
+    ("gpipe", 2, 4, None),          # rank 0 and rank 1
+    ("one_f_one_b", 2, 4, 0.5),     # rank 0 and rank 1, the norm clipped
+    ("looped_bfs", 4, 4, None),     # gpipe's order over 4 stages: stages 0, 2 on rank 0, 1, 3 on rank 1
+    ("interleaved", 4, 4, 0.5),     # 1F1B over 4 stages, clipped
+    ("zbv", 4, 4, None),            # a V: stages 0 and 3 on rank 0, a local sum
+    ("ddp", 2, 2, 0.5),             # both stages replicated on both ranks
+    ("fsdp", 4, 2, None),           # weight workers apart from the ranks that compute
+]
+TIED_STEPS = 3
+
+
+def _train_tied(rank: int, world: int, cases):
+    out = {}
+    for name, S, B, clip, timeline in cases:
+        stages = split_model(gpt2(layers=4), S)
+        trainer = Trainer(stages, timeline, next_token_loss, optimizer, timeout=60, clip_grad_norm=clip,
+                          record=False)
+        losses = [trainer.step(*batch(step)) for step in range(TIED_STEPS)]
+        state = stages.model_state_dict(trainer.gather_state_dict())
+        out[name] = {"losses": losses, "state": {k: v.numpy() for k, v in state.items()},
+                     "holders": [list(trainer.program.replicas[s]) for s, _ in stages.ties[0].copies]}
+        trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_tied():
+    cases = [(name, S, B, clip, simulate(2, S, B, policies.get(name, num_workers=2, num_stages=S, num_batches=B)).timeline)
+             for name, S, B, clip in TIED_CASES]
+    results = run_local(_train_tied, 2, cases, timeout=180)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
+@functools.lru_cache(maxsize=None)
+def tied_reference(micro_batches: int, clip: float | None) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The tied GPT-2, whole (one stage keeps the tie), trained in one process."""
+    whole = split_model(gpt2(layers=4), 1)
+    losses, state = train_one_process(whole, next_token_loss, optimizer, [batch(s) for s in range(TIED_STEPS)],
+                                      micro_batches=micro_batches, clip_grad_norm=clip)
+    return losses, {k: v.numpy() for k, v in whole.model_state_dict(state).items()}
+
+
+@pytest.mark.parametrize("name, S, B, clip", TIED_CASES, ids=[c[0] for c in TIED_CASES])
+def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(trained_tied, name, S, B, clip):
+    losses, expected = tied_reference(B, clip)
+    initial = {k: v.detach().numpy() for k, v in gpt2(layers=4).state_dict().items()}
+    assert np.abs(expected["lm_head.weight"] - initial["lm_head.weight"]).max() > 1e-3, "training moves the tie"
+    for rank, rows in enumerate(trained_tied):
+        state = rows[name]["state"]
+        assert set(state) == set(expected)
+        worst = max(float(np.abs(state[k] - expected[k]).max()) for k in expected)
+        assert worst < 1e-5, f"{name}: rank {rank} differs from the tied model by {worst:.2e}"
+        assert np.allclose(rows[name]["losses"], losses, atol=1e-5)
+        assert np.array_equal(state["lm_head.weight"], state["transformer.wte.weight"]), "the copies stay equal"
+    holders = trained_tied[0][name]["holders"]
+    assert holders == {"gpipe": [[0], [1]], "one_f_one_b": [[0], [1]], "looped_bfs": [[0], [1]],
+                       "interleaved": [[0], [1]], "zbv": [[0], [0]], "ddp": [[0, 1], [0, 1]]}.get(name, holders)

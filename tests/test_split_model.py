@@ -1,7 +1,8 @@
 """split_model: a balanced contiguous partition, stages that compute what the
 model computes under its own parameter names, the pipelining tracer for other
 models, and clear refusals (too many stages, a cut the Trainer cannot pass,
-tied weights across stages when asked to refuse)."""
+tied weights across stages when asked to refuse); tied weights otherwise
+recorded as ties, which keep the split model training as the tied one."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint
 
 import unisched
-from unisched.execute import ModelStages, SplitError, build_stages, split_model
+from unisched.execute import ModelStages, SplitError, build_stages, split_model, train_one_process
 from unisched.execute.split import balanced_partition
+from unisched.execute.ties import Tie
 
 
 # ---------------------------------------------------------------------- the partition
@@ -127,23 +129,46 @@ def tied_model() -> nn.Sequential:
     return nn.Sequential(embed, nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), head)
 
 
-def test_tied_weights_across_stages_are_untied_with_a_warning_or_refused():
+def test_tied_weights_across_stages_are_recorded_copies_untied_or_refused():
     model = tied_model()
-    with pytest.warns(UserWarning, match=r"4.weight is 0.weight \(stages 0 and 1\); the later stage gets its own copy"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         stages = split_model(model, 2, balance="uniform")
-    assert stages.untied == ["4.weight"]
+    assert stages.ties == [Tie("0.weight", ((0, "0.weight"), (1, "4.weight")))] and stages.untied == []
+    assert "tied 0.weight (0.weight of stage 0, 4.weight of stage 1)" in repr(stages)
     copy, original = stages[1][-1].weight, stages[0][0].weight
     assert copy is not original and torch.equal(copy, original)
     assert original is model[0].weight and model[4].weight is model[0].weight, "the model itself stays tied"
-    assert stages[1][0].weight is model[3].weight, "untied parameters are still shared with the model"
+    assert stages[1][0].weight is model[3].weight, "other parameters are still shared with the model"
     x = torch.randint(0, 10, (3, 5))
     assert torch.equal(chain(stages, x), model(x))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        split_model(tied_model(), 2, balance="uniform", tied="untie")
-        assert split_model(tied_model(), 1).untied == [], "a tie inside one stage stays"
+    assert pickle.loads(pickle.dumps(stages)).ties == stages.ties
+    untied = split_model(tied_model(), 2, balance="uniform", tied="untie")
+    assert untied.untied == ["4.weight"] and untied.ties == []
+    assert split_model(tied_model(), 1).ties == [], "a tie inside one stage stays"
     with pytest.raises(SplitError, match=r"tied weights fall into different stages: 4.weight is 0.weight"):
         split_model(tied_model(), 2, balance="uniform", tied="refuse")
+
+
+def test_recorded_ties_train_the_split_model_as_the_tied_model_in_one_process():
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1))
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+    torch.manual_seed(1)
+    batches = [(torch.randint(0, 10, (4, 5)), torch.randint(0, 10, (4, 5))) for _ in range(3)]
+    whole = split_model(tied_model(), 1)
+    expected_losses, expected = train_one_process(whole, loss_fn, sgd, batches, clip_grad_norm=0.3)
+    expected = whole.model_state_dict(expected)
+    for tied, equal in (("share", True), ("untie", False)):
+        stages = split_model(tied_model(), 3, balance="uniform", tied=tied)
+        losses, state = train_one_process(stages, loss_fn, sgd, batches, clip_grad_norm=0.3)
+        state = stages.model_state_dict(state)
+        worst = max(float((state[k] - expected[k]).abs().max()) for k in expected)
+        assert (worst < 1e-6) == equal, f"tied={tied}: {worst:.2e} from the tied model"
+    assert losses[0] == expected_losses[0] and losses[-1] != expected_losses[-1]
 
 
 # ---------------------------------------------------------------------- traced models
@@ -243,6 +268,18 @@ def test_a_trace_the_trainer_cannot_run_is_refused():
         split_model(Residual(), 7, example=torch.randint(0, 16, (2, 5)))
     with pytest.raises(SplitError, match="tied weights fall into different stages: head.weight is embed.weight"):
         split_model(Residual(tie=True), 2, example=torch.randint(0, 16, (2, 5)), tied="refuse")
+
+
+@traced
+def test_a_traced_models_tie_is_recorded_over_the_tracers_copies():
+    torch.manual_seed(0)
+    model = Residual(tie=True)
+    x = torch.randint(0, 16, (2, 5))
+    stages = split_model(model, 2, example=x)
+    assert stages.ties == [Tie("embed.weight", ((0, "embed.weight"), (1, "head.weight")))]
+    first, last = stages[0].get_parameter("embed.weight"), stages[1].get_parameter("head.weight")
+    assert first is not last and torch.equal(first, last)
+    assert torch.allclose(chain(stages, x), model(x))
 
 
 # ---------------------------------------------------------------------- a model on the meta device, loaded from its state dict

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_unflatten
 
 from unisched.execute.program import loss_stage, topological_order
 from unisched.execute.runtime import _micro_batches, _step_scheduler, stage_arguments
+from unisched.execute.ties import Tie, align_copies, check_ties, counted_elsewhere, sum_tied_gradients
 from unisched.execute.training import (
     LOSS_SCALE_DEFAULTS,
     PRECISIONS,
@@ -43,6 +44,7 @@ def train_one_process(
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     accumulate: int = 1,
     loss_scale: dict | None = None,
+    ties: Sequence[Tie] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``stages`` in place, one step per ``(inputs, targets)`` batch.
 
@@ -66,11 +68,23 @@ def train_one_process(
     ``scheduler`` step.  fp16 scales the loss with ``torch.amp.GradScaler``
     (``loss_scale`` its options), which skips a step whose gradients are not
     finite; the scheduler steps only when the optimizer did.
+
+    ``ties`` (default: ``stages.ties``, which ``split_model`` records) are
+    weights several stages hold a copy of, kept one weight as the Trainer
+    keeps them (:mod:`unisched.execute.ties`): the copies start as the
+    first, each takes the sum of their gradients before clipping, and the
+    norm counts the weight once.
     """
     check_training_options(stages, loss_fn, optimizer, seed=seed, precision=precision, clip_grad_norm=clip_grad_norm,
                            scheduler=scheduler, accumulate=accumulate, loss_scale_options=loss_scale)
     # No container module is built here: EPL's scopes would capture it as part of the model.
     params = list({id(p): p for stage in stages for p in stage.parameters()}.values())
+    ties = check_ties(getattr(stages, "ties", ()) if ties is None else ties,
+                      [{n: (p.shape, p.dtype) for n, p in stage.named_parameters()} for stage in stages])
+    copy_of = lambda s, name: stages[s].get_parameter(name)  # noqa: E731
+    align_copies(ties, copy_of)
+    skipped = {id(copy_of(*c)) for c in counted_elsewhere(ties)}
+    counted = [p for p in params if id(p) not in skipped]
     graph = as_stage_graph(len(stages), stage_graph)
     order, last = topological_order(graph), loss_stage(graph)
     dtype = PRECISIONS[precision]
@@ -101,9 +115,11 @@ def train_one_process(
             losses.append(total / micro_batches)
             if (step + 1) % accumulate:
                 continue
+            sum_tied_gradients(ties, copy_of)
             scaler.unscale_(opt)
             if clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in counted if p.grad is not None])
+                torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, norm)
             before = scaler.get_scale() if scaler.is_enabled() else None
             scaler.step(opt)
             scaler.update()

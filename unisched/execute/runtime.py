@@ -27,8 +27,10 @@ each ``step`` walks the rank's instruction list:
 - at the end everything is awaited, a NaN loss stops every rank with the
   same error before any weight changes, and the weight workers step their
   optimizers, after the options in :mod:`unisched.execute.training` say
-  (fp16 loss scale, global-norm clipping, accumulation); stages' buffers
-  kept by several ranks are averaged;
+  (fp16 loss scale, global-norm clipping, accumulation), after the copies
+  of a weight several stages share have summed their gradients
+  (:mod:`unisched.execute.ties`); stages' buffers kept by several ranks are
+  averaged;
 - each (stage, micro-batch) forward runs under an RNG seed of its own, so a
   recomputed forward draws the same dropout masks; ``evaluate`` walks the
   forward part of the program only.
@@ -71,6 +73,7 @@ from unisched.execute.faults import (
 )
 from unisched.execute.measure import Clock, NotesLayout, assemble
 from unisched.execute.stages import is_factory, materialize
+from unisched.execute.ties import Tie, TiedGradients, as_ties, check_ties
 from unisched.execute.training import (
     PRECISIONS,
     autocast,
@@ -150,6 +153,13 @@ class Trainer:
     N: every N-th step).  ``trainer.optimizer`` steps this rank's weights of
     truth in the order of its owned stages; ``trainer.scheduler``;
     :meth:`training_state` for checkpoints.
+
+    ``ties`` (default: ``stages.ties``, which ``split_model`` records for a
+    GPT-2's ``lm_head`` and ``wte``): weights several stages hold a copy of,
+    kept one weight (:mod:`unisched.execute.ties`): the copies start as the
+    first, and at each optimizer step every copy takes the sum of their
+    gradients, all-reduced among the ranks that hold them; clipping counts
+    the weight once.
     """
 
     def __init__(
@@ -169,8 +179,10 @@ class Trainer:
         scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         accumulate: int = 1,
         loss_scale: dict | None = None,
+        ties: Sequence[Tie] | None = None,
     ):
         timeline, self.label, graph = schedule_timeline(schedule)
+        ties = list(getattr(stages, "ties", ()) if ties is None else ties)
         error = caught(lambda: check_options(
             stages, loss_fn, optimizer, timeout=timeout, lookahead=lookahead, record=record, seed=seed,
             precision=precision, clip_grad_norm=clip_grad_norm, scheduler=scheduler, accumulate=accumulate,
@@ -201,12 +213,15 @@ class Trainer:
                                     | {s for s, held in enumerate(program.replicas) if self.rank in held})
                 self.stages = materialize(stages, program.num_stages, self._mine, seed)
                 self._set_up_stages(program, optimizer, scheduler)
+                ties = as_ties(ties)
+                self._check_tie_copies(program, ties)
         except Exception as failed:
             error = failed
         delta = datetime.timedelta(seconds=self.timeout)
         self._control = dist.new_group(backend="gloo", timeout=delta)
         try:
             self._agree(error)
+            ties = self._agree_ties(ties)
         except BaseException:
             # every rank raises here together, so every rank releases the group
             dist.destroy_process_group(self._control)
@@ -218,6 +233,8 @@ class Trainer:
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
         self._buffer_groups = self._make_buffer_groups(delta)
+        self._ties = TiedGradients(ties, program.replicas, self.rank, self.device, delta)
+        self._collective(lambda: self._ties.synchronize(self._truth), "making the copies of tied weights equal")
         store = _default_store()
         self._offsets, host = self._clock_offsets(store)
         self._board = FaultBoard(store, f"unisched/{self._control.group_name}", host)
@@ -240,6 +257,8 @@ class Trainer:
         self._forward_only = [i for i, a in enumerate(self._actions)
                               if a.op == "F" or ((a.is_send or a.is_recv) and a.op[0] in "Fw")]
         self._counts_norm = {s for s in self._owned if self.program.reduce_group(self.rank, s)[0] == self.rank}
+        self._counted_elsewhere = {(s, self._index[s][name]) for s, name in self._ties.counted_elsewhere
+                                   if s in self._counts_norm}
         self._meta: _Agreed | None = None
         self._metas: dict[tuple, _Agreed] = {}
         self._failed: str | None = None
@@ -445,6 +464,7 @@ class Trainer:
         groups = [g for g in (*self._replica_groups.values(), *self._gang_groups.values(), *buffer_groups.values(),
                               self._p2p, self._control) if g is not None]
         self._replica_groups, self._gang_groups, self._buffer_groups, self._p2p, self._control = {}, {}, {}, None, None
+        self._ties.close()
         if dist.is_initialized():
             for group in groups:
                 dist.destroy_process_group(group)
@@ -464,6 +484,9 @@ class Trainer:
             self.stages[s].to(self.device)
         self._params = [[] if stage is None else [p for p in stage.parameters() if p.requires_grad]
                         for stage in self.stages]
+        self._index = [{} if stage is None else                       # name -> index in _params[s]
+                       {name: i for i, name in enumerate(n for n, p in stage.named_parameters() if p.requires_grad)}
+                       for stage in self.stages]
         self._owned = [s for s in range(program.num_stages) if self.rank in program.replicas[s]]
         self.weight_bytes = [float(sum(p.numel() * p.element_size() for p in ps)) for ps in self._params]
         self._templates = [[torch.empty_like(p, device="meta") for p in ps] for ps in self._params]
@@ -487,6 +510,36 @@ class Trainer:
             s: _flat_like(self._params[s], self.device)
             for s in self._owned if len(program.reduce_group(self.rank, s)) > 1 and self._params[s]
         }
+
+    def _check_tie_copies(self, program: Program, ties: Sequence[Tie]) -> None:
+        """Each copy of a tied weight this rank builds is a trainable
+        parameter of its stage, and no tie reaches a stage that a
+        tensor-parallel gang holds in shards."""
+        for tie in ties:
+            for s, name in tie.copies:
+                if not 0 <= s < program.num_stages:
+                    raise ShapeError(f"the tie {tie} names stage {s}, but the schedule has {program.num_stages} stages")
+                if len(set(program.shares[s].values())) > 1:
+                    raise ShapeError(f"the tie {tie} reaches stage {s}, which a tensor-parallel gang holds in "
+                                     f"shards; tie only weights of stages held whole")
+                if self.stages[s] is not None and name not in self._index[s]:
+                    raise ShapeError(f"the tie {tie} names {name!r}, which is not a trainable parameter of stage "
+                                     f"{s}; name the copy as the stage's named_parameters() do")
+
+    def _agree_ties(self, ties: Sequence) -> tuple[Tie, ...]:
+        """The ties, checked against every stage's weights and the same on every rank."""
+        checked = check_ties(ties, self._state_specs)
+        seen = all_gather_json([[t.name, [list(c) for c in t.copies]] for t in checked], self._control,
+                               self.world_size)
+        for rank, theirs in enumerate(seen):
+            if theirs != seen[0]:
+                raise ProgramError(f"rank {rank} was given other tied weights ({theirs}) than rank 0 ({seen[0]}); "
+                                   f"give every rank the same stages")
+        return checked
+
+    def _truth(self, s: int, name: str) -> torch.Tensor:
+        """This rank's weight of truth of parameter ``name`` of stage ``s`` (a host copy where offloaded)."""
+        return self.host_weights.get(s, self._params[s])[self._index[s][name]]
 
     def _agree(self, error: Exception | None) -> None:
         """Every rank learns every rank's verdict, so all raise together
@@ -1212,7 +1265,8 @@ class Trainer:
 
     def _update(self, loss: float) -> None:
         """The optimizer step, on the gradients of truth (with those held
-        from earlier steps of the accumulation): unscaled by the fp16 loss
+        from earlier steps of the accumulation, and each copy of a tied
+        weight holding the sum of the copies'): unscaled by the fp16 loss
         scale, clipped to the global norm every rank agrees on, skipped on
         every rank when that norm is not finite under fp16."""
         truth = [p for s in self._owned for p in self._params[s]]
@@ -1221,6 +1275,8 @@ class Trainer:
                 if h is not None:
                     p.grad = h if p.grad is None else p.grad.add_(h)
         self._held = {}
+        self._collective(lambda: self._ties.reduce(lambda s, name: self._params[s][self._index[s][name]]),
+                         "the all-reduce of tied weights' gradients")
         grads = [p.grad for p in truth if p.grad is not None]
         if self._scale.enabled and grads:
             torch._foreach_mul_(grads, 1.0 / self._scale.scale)
@@ -1252,9 +1308,11 @@ class Trainer:
         tensor-parallel gang runs, shard 0 counts every parameter and the
         other shards only those marked as split among the shards
         (``param.tensor_model_parallel = True``, Megatron's convention); the
-        others are copies of shard 0's."""
-        grads = [p.grad for s in self._counts_norm for p in self._params[s]
-                 if p.grad is not None and (self.program.shares[s][self.rank] == 0 or _sharded(p))]
+        others are copies of shard 0's.  A weight several stages share counts
+        once, in its first copy."""
+        grads = [p.grad for s in self._counts_norm for i, p in enumerate(self._params[s])
+                 if p.grad is not None and (self.program.shares[s][self.rank] == 0 or _sharded(p))
+                 and (s, i) not in self._counted_elsewhere]
         local = torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
         total = local.cpu().reshape(1)
         self._collective(lambda: dist.all_reduce(total, group=self._control), "the all-reduce of the gradient norm")

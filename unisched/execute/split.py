@@ -31,11 +31,14 @@ Stage modules keep the model's parameter names (``stages.model_state_dict``
 turns ``Trainer.gather_state_dict()`` back into the model's keys, and
 ``stages.stage_state_dict`` a model's state dict into the stages' keys, which
 ``stages_from_state_dict`` loads: split a model built on the meta device,
-then load each rank's stages from a checkpoint).  A
-parameter shared by two stages (GPT-2 ties ``lm_head`` to ``wte``) cannot
-stay shared across ranks: by default the later stage gets its own copy
-(``tied="untie"``, with a warning unless asked for), or the split refuses
-(``tied="refuse"``).
+then load each rank's stages from a checkpoint).
+
+A parameter shared by two stages (GPT-2 ties ``lm_head`` to ``wte``) cannot
+be one tensor on two ranks.  By default (``tied="share"``) each later stage
+gets its own copy and ``stages.ties`` records the copies
+(:class:`unisched.execute.ties.Tie`): the Trainer keeps them one weight,
+summing their gradients each step (:mod:`unisched.execute.ties`).
+``tied="untie"`` trains the copies apart; ``tied="refuse"`` raises.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -53,9 +55,10 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from unisched.errors import UniSchedError
+from unisched.execute.ties import Tie
 
 BALANCES = ("parameters", "uniform", "time")
-TIED = ("untie", "refuse")
+TIED = ("share", "untie", "refuse")
 
 
 class SplitError(UniSchedError, ValueError):
@@ -75,18 +78,22 @@ class ModelStages(list):
 
     ``blocks[s]`` is the range of block indices of stage s, ``weights`` the
     weight of each block used to balance them, ``kind`` which splitter made
-    them ("sequential", "gpt2" or "traced"), ``untied`` the names of
-    parameters a later stage got its own copy of.
+    them ("sequential", "gpt2" or "traced"), ``ties`` the weights several
+    stages hold a copy of, which the Trainer keeps one weight
+    (:class:`~unisched.execute.ties.Tie`, ``tied="share"``), ``untied`` the
+    names of copies trained apart (``tied="untie"``).
     """
 
     def __init__(self, modules: Iterable[nn.Module], *, kind: str, blocks: Sequence[range],
-                 weights: Sequence[float], block_names: Sequence[str], untied: Sequence[str] = ()):
+                 weights: Sequence[float], block_names: Sequence[str], untied: Sequence[str] = (),
+                 ties: Sequence[Tie] = ()):
         super().__init__(modules)
         self.kind = kind
         self.blocks = list(blocks)
         self.weights = [float(w) for w in weights]
         self.block_names = list(block_names)
         self.untied = list(untied)
+        self.ties = [Tie(t.name, tuple(tuple(c) for c in t.copies)) for t in ties]
 
     def __call__(self, stage: int) -> nn.Module:
         if not 0 <= stage < len(self):
@@ -130,14 +137,17 @@ class ModelStages(list):
     def __repr__(self) -> str:
         spans = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in self.blocks)
         untied = f", untied {self.untied}" if self.untied else ""
-        return f"ModelStages({len(self)} {self.kind} stages of {len(self.weights)} blocks: {spans}{untied})"
+        tied = f", tied {'; '.join(map(str, self.ties))}" if self.ties else ""
+        return f"ModelStages({len(self)} {self.kind} stages of {len(self.weights)} blocks: {spans}{untied}{tied})"
 
     def __reduce__(self):
-        return (_rebuild, (list(self), self.kind, self.blocks, self.weights, self.block_names, self.untied))
+        return (_rebuild, (list(self), self.kind, self.blocks, self.weights, self.block_names, self.untied,
+                           [tuple(t) for t in self.ties]))
 
 
-def _rebuild(modules, kind, blocks, weights, block_names, untied) -> ModelStages:
-    return ModelStages(modules, kind=kind, blocks=blocks, weights=weights, block_names=block_names, untied=untied)
+def _rebuild(modules, kind, blocks, weights, block_names, untied, ties=()) -> ModelStages:
+    return ModelStages(modules, kind=kind, blocks=blocks, weights=weights, block_names=block_names, untied=untied,
+                       ties=[Tie(*t) for t in ties])
 
 
 # ---------------------------------------------------------------------- the entry point
@@ -149,7 +159,7 @@ def split_model(
     example: Any = None,
     blocks: str | None = None,
     split_spec: dict | None = None,
-    tied: str | None = None,
+    tied: str = "share",
     repeats: int = 5,
 ) -> ModelStages:
     """Split ``model`` into ``num_stages`` pipeline stages, balanced by ``balance``.
@@ -163,15 +173,16 @@ def split_model(
     traced model (default: the longest one).  ``split_spec``: for a traced
     model, ``torch.distributed.pipelining`` split points used as they are
     (``{}``: the ``pipe_split()`` calls in the model's forward) instead of a
-    balanced partition.  ``tied``: what to do with a parameter two stages
-    share, "untie" (the later stage gets its own copy; a warning when not
-    asked for explicitly) or "refuse".
+    balanced partition.  ``tied``: what to do with a parameter several
+    stages share: "share" (each later stage gets its own copy, recorded in
+    ``ties``, which the Trainer and ``train_one_process`` keep one weight),
+    "untie" (the copies train apart, named in ``untied``) or "refuse".
     """
     if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
         raise SplitError(f"num_stages must be a whole number of at least 1, got {num_stages!r}")
     if not isinstance(model, nn.Module):
         raise SplitError(f"split_model takes a torch.nn.Module, got {type(model).__name__}")
-    if tied is not None and tied not in TIED:
+    if tied not in TIED:
         raise SplitError(f"tied must be one of {', '.join(TIED)}, got {tied!r}")
     if isinstance(balance, str) and balance not in BALANCES:
         raise SplitError(f"balance must be one of {', '.join(BALANCES)} or one weight per block, got {balance!r}")
@@ -266,9 +277,9 @@ def _split_sequential(model: nn.Sequential, num_stages, balance, example, tied, 
     weights = _weights(balance, len(children), lambda: [_count(m) for _, m in children],
                        lambda: _time_chain(build(singles), example, repeats), what)
     parts = balanced_partition(weights, num_stages)
-    stages, untied = _resolve_ties(build(parts), model, tied)
+    stages, untied, ties = _copy_shared(build(parts), model, tied)
     return ModelStages(stages, kind="sequential", blocks=parts, weights=weights,
-                       block_names=[name for name, _ in children], untied=untied)
+                       block_names=[name for name, _ in children], untied=untied, ties=ties)
 
 
 # ---------------------------------------------------------------------- GPT-2
@@ -363,9 +374,9 @@ def _split_gpt2(model: nn.Module, layout: _GPT2Layout, num_stages, balance, exam
     singles = [range(i, i + 1) for i in range(count)]
     weights = _weights(balance, count, parameters, lambda: _time_chain(build(singles), example, repeats), what)
     parts = balanced_partition(weights, num_stages)
-    stages, untied = _resolve_ties(build(parts), model, tied)
+    stages, untied, ties = _copy_shared(build(parts), model, tied)
     return ModelStages(stages, kind="gpt2", blocks=parts, weights=weights,
-                       block_names=[f"{layout.prefix}h.{i}" for i in range(count)], untied=untied)
+                       block_names=[f"{layout.prefix}h.{i}" for i in range(count)], untied=untied, ties=ties)
 
 
 def _causal_mask(x: torch.Tensor) -> torch.Tensor:
@@ -423,8 +434,9 @@ def _split_traced(model: nn.Module, num_stages, balance, example, blocks, split_
     if not parts:
         parts = [range(s, s + 1) for s in range(num_stages)]
         weights = [float(_count(stage)) for stage in stages]
-    untied = _shared_by_name(stages, model, tied)
-    return ModelStages(stages, kind="traced", blocks=parts, weights=weights, block_names=names, untied=untied)
+    untied, ties = _tie_policy(tied, _ties_by_name(stages, model))
+    return ModelStages(stages, kind="traced", blocks=parts, weights=weights, block_names=names, untied=untied,
+                       ties=ties)
 
 
 @contextlib.contextmanager
@@ -502,65 +514,72 @@ def _check_chain(pipe, label: str) -> None:
 
 
 # ---------------------------------------------------------------------- tied weights
-def _resolve_ties(stages: list[nn.Module], model: nn.Module, tied: str | None) -> tuple[list[nn.Module], list[str]]:
+def _copy_shared(stages: list[nn.Module], model: nn.Module,
+                 tied: str) -> tuple[list[nn.Module], list[str], list[Tie]]:
     """Give each later stage its own copy of a parameter an earlier stage
-    holds (or refuse); the copy starts equal and trains on its own."""
-    seen: dict[int, int] = {}
-    shared: dict[int, set[int]] = {}
-    for s, stage in enumerate(stages):
-        for p in stage.parameters():
-            if id(p) in seen and seen[id(p)] != s:
-                shared.setdefault(s, set()).add(id(p))
-            seen.setdefault(id(p), s)
-    if not shared:
-        return stages, []
-    names = _model_names(model)
-    untied = []
-    for s, ids in sorted(shared.items()):
-        own = {id(p): n for n, p in stages[s].named_parameters(remove_duplicate=False)}
-        for i in ids:
-            untied.append(own[i])
-        _tie_policy(tied, [(names.get(i, own[i]), own[i], seen[i], s) for i in ids])
-        memo = {id(t): t for t in (*stages[s].parameters(), *stages[s].buffers()) if id(t) not in ids}
+    holds (or refuse): the copy starts equal and shares every other
+    parameter with the model.  Returns the stages, the copies trained apart
+    (``"untie"``) and the ties (``"share"``)."""
+    ties = _ties_by_identity(stages, model)
+    untied, kept = _tie_policy(tied, ties)
+    later: dict[int, set[str]] = {}
+    for tie in ties:
+        for s, name in tie.copies[1:]:
+            later.setdefault(s, set()).add(name)
+    for s, names in sorted(later.items()):
+        shared = {id(stages[s].get_parameter(name)) for name in names}
+        memo = {id(t): t for t in (*stages[s].parameters(), *stages[s].buffers()) if id(t) not in shared}
         stages[s] = copy.deepcopy(stages[s], memo)
-    return stages, sorted(untied)
+    return stages, untied, kept
 
 
-def _shared_by_name(stages: list[nn.Module], model: nn.Module, tied: str | None) -> list[str]:
-    """Tied parameters the tracer handed to several stages, each its own copy."""
+def _ties_by_identity(stages: Sequence[nn.Module], model: nn.Module) -> list[Tie]:
+    """Parameters several stage modules hold as one tensor: a tie per
+    tensor, its copies named as each stage names it (a tensor used twice
+    inside one stage counts once there)."""
+    names = _model_names(model)
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            holders.setdefault(id(p), []).append((s, name))
+    return [Tie(names.get(i, copies[0][1]), tuple(copies)) for i, copies in holders.items() if len(copies) > 1]
+
+
+def _ties_by_name(stages: Sequence[nn.Module], model: nn.Module) -> list[Tie]:
+    """Tied parameters the tracer handed to several stages, each its own
+    copy under one of the model's names for the tensor."""
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    where: dict[str, set[int]] = {}
-    for s, stage in enumerate(stages):
-        for name, _ in stage.named_parameters(remove_duplicate=False):
-            where.setdefault(name, set()).add(s)
-    found = []
+    ties = []
     for group in aliases.values():
-        holders = sorted(set().union(*(where.get(n, set()) for n in group)))
-        if len(group) > 1 and len(holders) > 1:
-            found.append((group[0], ", ".join(group[1:]), holders[0], holders[-1]))
-    if not found:
-        return []
-    _tie_policy(tied, found)
-    return sorted(names for _, names, _, _ in found)
+        if len(group) < 2:
+            continue
+        copies = []
+        for s, stage in enumerate(stages):
+            own = [name for name, _ in stage.named_parameters() if name in group]
+            if own:
+                copies.append((s, own[0]))
+        if len(copies) > 1:
+            ties.append(Tie(group[0], tuple(copies)))
+    return ties
 
 
-def _tie_policy(tied: str | None, found: list[tuple[str, str, int, int]]) -> None:
-    described = "; ".join(f"{later} is {first} (stages {a} and {b})" for first, later, a, b in found)
+def _tie_policy(tied: str, ties: list[Tie]) -> tuple[list[str], list[Tie]]:
+    """What ``tied`` makes of the ties found: ``(untied names, ties kept)``."""
+    if not ties:
+        return [], []
     if tied == "refuse":
+        described = "; ".join(f"{n} is {tie.name} (stages {tie.copies[0][0]} and {s})"
+                              for tie in ties for s, n in tie.copies[1:])
         raise SplitError(
-            f"tied weights fall into different stages: {described}. Each rank keeps its own stages' weights, "
-            f"so the tie cannot hold; pass tied='untie' to give the later stage its own copy (trained apart), "
-            f"or untie the model yourself"
+            f"tied weights fall into different stages: {described}. Pass tied='share' (the default: each stage "
+            f"keeps a copy and the Trainer sums their gradients, so they stay one weight), tied='untie' (the "
+            f"copies train apart), or untie the model yourself"
         )
-    if tied is None:
-        warnings.warn(
-            f"split_model: {described}; the later stage gets its own copy, trained apart from the first "
-            f"(pass tied='untie' to say so, or tied='refuse')",
-            UserWarning,
-            stacklevel=5,
-        )
+    if tied == "untie":
+        return sorted(n for tie in ties for _, n in tie.copies[1:]), []
+    return [], ties
 
 
 def _model_names(model: nn.Module) -> dict[int, str]:

@@ -20,12 +20,16 @@ simulated 1F1B, ZB-H1 and ZB-H2 from the same profiled times (target: within
 0.002 of the paper's); and the planner's plans with memory p and 2p
 activations, one stage per worker, for the span objective the paper
 measures (targets: at or below ZB-1p and ZB-2p), each searched for
-``--plan-seconds`` (default 60; 0 skips the planner).
+``--plan-seconds`` (default 60; 0 skips the planner).  ``--rows 4-6`` plans
+only those rows (numbered from 1 as in the paper's table; ``--rows 3``: the
+first three), ``--memory p`` or ``2p`` only that column, and ``--progress``
+shows the search's progress lines on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from unisched.errors import UniSchedError
@@ -90,23 +94,39 @@ def large(search_seconds: float) -> None:
           f"lower bound {result.lower_bound:g}")
 
 
-def zero_bubble(plan_seconds: float, rows: int | None = None) -> None:
+def zero_bubble(plan_seconds: float, rows: slice = slice(None), memories: tuple[str, ...] = ("p", "2p"),
+                progress: bool = False) -> None:
     import zero_bubble_table as table
 
     print("The zero-bubble paper's bubble rates (Qi et al., ICLR 2024, Table 5) from its profiled times (Table 6)")
     print(f"{'setting':<17} | {'paper: 1F1B  ZB-H1  ZB-H2  ZB-1p  ZB-2p':<40}| {'simulated: 1F1B  ZB-H1  ZB-H2':<31}"
           f"| planned: memory p        memory 2p")
     worst = 0.0
-    for setting in table.settings()[:rows]:
+    for setting in table.settings()[rows]:
         paper = "  ".join(f"{setting.paper[c]:.4f}" for c in ("1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p"))
         ours = [table.simulated(setting, c) for c in table.OURS]
         worst = max(worst, *(abs(v - setting.paper[c]) for v, c in zip(ours, table.OURS)))
-        planned = "  ".join(_planned(table, setting, memory, plan_seconds) for memory in (setting.p, 2 * setting.p))
-        print(f"{setting.label:<17} | {paper:<40}| {'  '.join(f'{v:.4f}' for v in ours):<31}| {planned}", flush=True)
+        planned = "  ".join(_planned(table, setting, MEMORIES[memory] * setting.p, plan_seconds, progress)
+                            if memory in memories else "-" for memory in MEMORIES)
+        print(f"{setting.label:<17} | {paper:<40}| {'  '.join(f'{v:.4f}' for v in ours):<31}| {planned}"
+              f"   (load {_load()})", flush=True)
     print(f"largest difference, simulated against the paper's 1F1B, ZB-H1, ZB-H2: {worst:.5f} (target 0.002)")
 
 
-def _planned(table, setting, memory: int, seconds: float) -> str:
+MEMORIES = {"p": 1, "2p": 2}
+"""The planned columns: the activation memory limit in multiples of p (the paper's ZB-1p and ZB-2p)."""
+
+
+def _load() -> str:
+    """The machine's load average over the last minute (the planned times depend on it)."""
+    try:
+        with open("/proc/loadavg") as file:
+            return file.read().split()[0]
+    except OSError:
+        return "?"
+
+
+def _planned(table, setting, memory: int, seconds: float, progress: bool = False) -> str:
     """The planner's plan for one setting and memory limit: its bubble rate, and what it is."""
     if seconds <= 0:
         return "-"
@@ -116,11 +136,23 @@ def _planned(table, setting, memory: int, seconds: float) -> str:
                           split_backward=True, objective="span")
     try:
         # what `unisched plan` runs on steps this large (--search auto): the heuristic search
-        result = search(problem, time_limit=seconds)
+        result = search(problem, time_limit=seconds, progress=sys.stderr if progress else None)
     except UniSchedError as error:
         return f"none ({str(error).splitlines()[0].split(' (')[0]})"
     rate = bubble_rate(result.simulate().timeline)
     return f"{rate:.4f} ({result.strategy_name}, {time.perf_counter() - begin:.0f} s)"
+
+
+def _rows(text: str) -> slice:
+    """``--rows``: "A-B" (rows A to B, numbered from 1) or "N" (the first N rows)."""
+    try:
+        first, _, last = text.partition("-")
+        first, last = (int(first), int(last)) if last else (1, int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rows {text!r}: give A-B (rows A to B, from 1) or N (the first N)")
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"--rows {text!r}: rows are numbered from 1, and A must not exceed B")
+    return slice(first - 1, last)
 
 
 def main() -> None:
@@ -131,10 +163,14 @@ def main() -> None:
                         help="only the zero-bubble paper's bubble-rate table, side by side with unisched")
     parser.add_argument("--plan-seconds", type=float, default=60.0,
                         help="with --zero-bubble: search time per plan (default 60; 0 skips the planner)")
-    parser.add_argument("--rows", type=int, default=None, help="with --zero-bubble: only the table's first ROWS settings")
+    parser.add_argument("--rows", type=_rows, default=slice(None),
+                        help="with --zero-bubble: only rows A-B of the table (from 1), or its first N rows")
+    parser.add_argument("--memory", choices=list(MEMORIES), action="append",
+                        help="with --zero-bubble: plan only with this memory limit (repeatable; default both)")
+    parser.add_argument("--progress", action="store_true", help="with --zero-bubble: the search's progress on stderr")
     args = parser.parse_args()
     if args.zero_bubble:
-        zero_bubble(args.plan_seconds, args.rows)
+        zero_bubble(args.plan_seconds, args.rows, tuple(args.memory or MEMORIES), args.progress)
         return
     proofs()
     mapping(15.0 if args.quick else 60.0)

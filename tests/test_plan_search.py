@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -15,8 +16,8 @@ from unisched.plan import search as search_module
 from unisched.plan.family import registry_members, search_family
 from unisched.plan.planfile import objective_value
 from unisched.plan.problem import TimedProblem
-from unisched.plan.search import Mapped, construct, evaluate, rules, search, seed_mappings
-from unisched.work import Shape
+from unisched.plan.search import Mapped, Rule, Start, construct, evaluate, improve, rules, search, seed_mappings
+from unisched.work import BACKWARD_INPUT, Shape
 
 # the zero-bubble paper's profiled times of its 1.5B model (T_F, T_B = input gradient, T_W, T_comm)
 PAPER_COSTS = encode_costs(forward=18.522, backward=18.086 + 9.337, backward_input=18.086, backward_weight=9.337,
@@ -67,6 +68,47 @@ def test_evaluate_rejects_orders_against_dependencies_or_memory():
     assert evaluate(m, one_f_one_b) is not None
     backwards_first = [gpipe[0][::-1], one_f_one_b[1]]
     assert evaluate(m, backwards_first) is None  # a backward before its own forward
+
+
+def one_stage_per_worker(problem: PlanProblem) -> Mapped:
+    stage = problem.items.arrays()[1]
+    return Mapped.build(TimedProblem.build(problem), stage, stage, "one stage per worker")
+
+
+def test_a_fit_in_the_warm_up_keeps_forwards_from_delaying_the_first_backward():
+    # the paper's 28.3B times, where a forward outlasts a backward: one run as the first backward
+    # arrives on a stage delays that backward on every stage below
+    costs = encode_costs(forward=10.419, backward=10.207 + 7.715, backward_input=10.207, backward_weight=7.715,
+                         comm=0.408)
+    problem = PlanProblem(Shape(4, 4, 8), costs, memory_limit=8, max_stages_per_worker=1, split_backward=True,
+                          objective="span")
+    m = one_stage_per_worker(problem)
+    first_backward = problem.items.id(0, np.arange(4), BACKWARD_INPUT)
+    waited = {}
+    for fit in ("warm-up", "never"):
+        timing = evaluate(m, construct(m, Rule((2.0, 0), 0.25, fit)), "span")
+        waited[fit] = (timing.start[first_backward] - timing.ready[first_backward]).tolist()
+    assert waited["warm-up"] == [0, 0, 0, 0]  # each stage's first backward starts as its gradient arrives
+    assert max(waited["never"]) > 0  # without the fit a warm-up forward is in the way on some stage
+
+
+def test_rules_name_their_fit_and_refuse_others():
+    assert Rule(fit="warm-up").label() == "warm-up memory, fill 1, fit warm-up"
+    assert Rule().label() == "warm-up memory, fill 1"
+    with pytest.raises(ValueError, match="Rule.fit must be one of warm-up, never, always, not True"):
+        Rule(fit=True)
+    first = rules(True, False)[:2]  # the likeliest first: with and without the fit in the warm-up
+    assert [(r.warmup, r.fill, r.fit) for r in first] == [((2.0, 0), 0.25, "warm-up"), ((2.0, 0), 0.25, "never")]
+
+
+def test_local_search_makes_no_move_past_its_deadline():
+    problem = paper_problem(4, 8, memory=8, objective="span")
+    m = one_stage_per_worker(problem)
+    orders = construct(m, Rule((1.0, 0), math.inf))
+    start = Start(m, [o.copy() for o in orders], evaluate(m, orders, "span"), "1F1B-like")
+    assert not improve(start, "span", 50, np.random.default_rng(0), deadline=0.0)
+    assert start.stale == 0 and all((a == b).all() for a, b in zip(start.orders, orders))
+    assert improve(start, "span", 200, np.random.default_rng(0))  # with time, the same moves shorten it
 
 
 def test_search_beats_the_zero_bubble_hand_schedule_at_twice_its_memory():

@@ -10,7 +10,10 @@ search, all on fixed mappings taken from the named strategies:
 2. **Construction** (:func:`construct`). For each seed mapping, a list
    scheduler walks time forward: a free worker runs a ready backward (the
    input-gradient pass) first; else a forward, while it has fewer forwards in
-   flight than its warm-up allows and its memory has room; else a weight pass
+   flight than its warm-up allows and its memory has room (and, in the
+   warm-up, if it ends before a backward known to be on its way arrives: a
+   forward that delays the first backward delays it on every stage below, the
+   paper's rule); else a weight pass
    when the gap before its next backward or forward is long enough, or when
    memory or the end of the step asks for it.  A grid of warm-ups, gap
    thresholds and memory reservations (:class:`Rule`) gives as many schedules.
@@ -37,8 +40,9 @@ building the problem as long again).  The best is replayed by
 :func:`unisched.simulate` and reported as that replay, beside the named
 strategies' own replays, so the plan is never worse than the best of them.
 
-Anytime: the search stops at its time limit, on Ctrl-C (the best plan so far
-is returned) or as soon as the best meets the lower bound of
+Anytime: the search stops at its time limit (less the time one simulation
+of the step took, kept for that replay), on Ctrl-C (the best plan so far is
+returned) or as soon as the best meets the lower bound of
 :mod:`unisched.plan.bounds`.  ``objective="span"`` minimizes the longest
 per-worker busy span (first item's start to last item's end), the measure of
 the zero-bubble paper's bubble rate; the default is the step's latency.
@@ -94,7 +98,8 @@ class Rule:
     as memory allows).  ``fill``: a weight pass runs in an idle gap at least
     ``fill`` times its length (inf: only when memory or the end of the step
     asks).  ``fit``: a forward runs only if it ends before the next backward
-    is known to arrive.  ``later_stages_first``: among a worker's stages,
+    known to be on its way arrives: ``"always"``, ``"warm-up"`` (until the
+    worker's first backward) or ``"never"``.  ``later_stages_first``: among a worker's stages,
     later ones first (for V and interleaved placements).  ``reserve``: a
     forward claims memory for the stashes of this many stages of its
     micro-batch, its own and the next ones, on the workers that will keep
@@ -106,9 +111,13 @@ class Rule:
 
     warmup: tuple[float, int] | None = None
     fill: float = 1.0
-    fit: bool = False
+    fit: str = "never"
     later_stages_first: bool = False
     reserve: int = 1
+
+    def __post_init__(self):
+        if self.fit not in FITS:
+            raise ValueError(f"Rule.fit must be one of {', '.join(FITS)}, not {self.fit!r}")
 
     def caps(self, num_workers: int) -> np.ndarray:
         if self.warmup is None:
@@ -118,21 +127,28 @@ class Rule:
 
     def label(self) -> str:
         warm = "memory" if self.warmup is None else f"{self.warmup[0]:g}(W-w){self.warmup[1]:+d}"
-        return f"warm-up {warm}, fill {self.fill:g}" + (", fit" if self.fit else "") + (
+        return f"warm-up {warm}, fill {self.fill:g}" + ("" if self.fit == "never" else f", fit {self.fit}") + (
             ", later stages first" if self.later_stages_first else "") + (
             "" if self.reserve == 1 else ", memory reserved " + (f"{self.reserve} stages ahead" if self.reserve
                                                                  else "for the whole micro-batch"))
 
 
+FITS = ("warm-up", "never", "always")
+"""When a forward must end before a backward on its way arrives (:class:`Rule`)."""
+
+
 def rules(split_backward: bool, several_stages: bool) -> list[Rule]:
     """The grid the constructions run over (weight-pass thresholds only with a split backward;
-    stage orders and reservations only where a worker computes several stages)."""
+    stage orders and reservations only where a worker computes several stages), the likeliest
+    first: warm-up 2(W-w), fill 0.25 or 0, fit in the warm-up gives the paper's ZB-2p bubble
+    rate on eleven of the twelve settings of its table, and the same without the fit is as good
+    or better where p is at most 16; a fit beyond the warm-up comes last."""
     warmups = [(2.0, 0), None, (2.0, -1), (1.75, 0), (1.0, 0), (1.5, 0), (1.0, 1), (1.25, 0), (2.5, 0), (3.0, 0)]
-    fills = [0.75, 0.5, 0.25, 1.0, 0.0, math.inf] if split_backward else [math.inf]
+    fills = [0.25, 0.0, 0.5, 0.75, 1.0, math.inf] if split_backward else [math.inf]
     orders = [False, True] if several_stages else [False]
     reserves = [0, 2, 4, 1] if several_stages else [1]
-    return [Rule(w, f, fit, o, r) for fit in (False, True) for w in warmups for f in fills for r in reserves
-            for o in orders]
+    return [Rule(w, f, fit, o, r) for fits in (FITS[:2], FITS[2:]) for w in warmups for f in fills for fit in fits
+            for r in reserves for o in orders]
 
 
 # ---------------------------------------------------------------------- one mapping, timed
@@ -385,6 +401,7 @@ class _Builder:
         self.cap = rule.caps(W).tolist()
         self.free = [0] * W
         self.ahead = [0] * W  # forwards run minus first backwards run, per worker
+        self.warming = [True] * W  # no backward run yet
         self.left = np.bincount(m.compute[direction != BACKWARD_WEIGHT], minlength=W).tolist()
         self.ready: list[list[list[int]]] = [[[], [], []] for _ in range(W)]
         self.orders: list[list[int]] = [[] for _ in range(W)]
@@ -455,8 +472,8 @@ class _Builder:
         may_forward = self.ahead[w] < self.cap[w]
         next_b = min((arrival[i] for i in backwards), default=math.inf)
         fitting = [i for i in forwards if may_forward and self._fits(i, t)]
-        now_f = [i for i in fitting if arrival[i] <= t
-                 and (not self.rule.fit or t + self.duration[i] <= next_b)]
+        fit = self.rule.fit == "always" or (self.rule.fit == "warm-up" and self.warming[w])
+        now_f = [i for i in fitting if arrival[i] <= t and (not fit or t + self.duration[i] <= next_b)]
         if now_f:
             return self._run(w, min(now_f, key=key.__getitem__), t)
         now_w = [i for i in weights if arrival[i] <= t]
@@ -490,6 +507,7 @@ class _Builder:
                 self.live[holder] += amount
         elif kind == 1:
             self.ahead[w] -= 1
+            self.warming[w] = False
         if kind != 2:
             self.left[w] -= 1
         if self.frees[item] is not None:
@@ -525,8 +543,9 @@ class Start:
     """Moves tried since the last one that made it better."""
 
 
-def improve(start: Start, objective: str, moves: int, rng: np.random.Generator) -> bool:
-    """Try ``moves`` local moves on ``start`` (changed in place); whether it got strictly better.
+def improve(start: Start, objective: str, moves: int, rng: np.random.Generator, deadline: float = math.inf) -> bool:
+    """Try ``moves`` local moves on ``start`` (changed in place), fewer if the ``deadline`` (a
+    ``time.perf_counter()`` value) comes first; whether it got strictly better.
 
     A move works on one worker's order (the worker that sets the objective
     half the time): either it fills an idle gap, moving there a later item
@@ -539,6 +558,8 @@ def improve(start: Start, objective: str, moves: int, rng: np.random.Generator) 
     weights = m.problem.items.arrays()[2] == BACKWARD_WEIGHT
     better = False
     for _ in range(moves):
+        if time.perf_counter() > deadline:
+            break
         w = start.timing.busiest if rng.random() < 0.5 else int(rng.integers(W))
         order = orders[w]
         if len(order) < 2:
@@ -611,12 +632,13 @@ def search(
                                deadline=begin + FAMILY_SHARE * float(time_limit))
     except KeyboardInterrupt:
         raise UniSchedError("interrupted before any schedule was found: let the search run longer") from None
+    replay = _one_simulation(family, time.perf_counter() - run.built)
     seeds = sorted(family.feasible, key=lambda member: objective_value(member.simulation, objective))
     if seeds:
         run.offer_seed(seeds[0])
     try:
         mappings = seed_mappings(problem, seeds, family, constructed=members is None)
-        now, end = time.perf_counter(), begin + float(time_limit)
+        now, end = time.perf_counter(), begin + float(time_limit) - replay
         starts = run.constructions(mappings, now + CONSTRUCT_SHARE * (end - now))
         starts = run.refine(starts, now + (CONSTRUCT_SHARE + REFINE_SHARE) * (end - now), seed)
         run.local_search(starts, end, np.random.default_rng(seed))
@@ -625,6 +647,13 @@ def search(
     if not seeds and run.best_start is None:
         raise UniSchedError(_nothing_runs(problem, family))
     return run.answer(seeds, family)
+
+
+def _one_simulation(family, elapsed: float) -> float:
+    """Seconds one simulation of the step took in the family search (at most ``elapsed`` over the
+    members that ran to the end or to a deadlock): the time kept back for replaying the best plan."""
+    ran = len(family.feasible) + sum(m.reason.startswith("deadlock") for m in family.dropped)
+    return elapsed / max(1, ran)
 
 
 def _promising_first(problem: PlanProblem, members) -> list:
@@ -710,6 +739,7 @@ class _Run:
 
     def __post_init__(self):
         self.timed = TimedProblem.build(self.problem)
+        self.built = time.perf_counter()
         bounds = shape_bounds(self.problem)
         self.bounds = {"work": bounds["work"]} if self.objective == "span" else bounds
         self.bound = max(self.bounds.values())
@@ -820,7 +850,7 @@ class _Run:
         while pool and not self.met and time.perf_counter() < deadline:
             pool.sort(key=lambda s: (s.stale > 20 * len(s.m.compute), s.timing.score))
             start = pool[0]
-            if improve(start, self.objective, 50, rng):
+            if improve(start, self.objective, 50, rng, deadline):
                 start.how = start.how.removesuffix(" + local search") + " + local search"
                 self.offer(start)
 

@@ -137,6 +137,10 @@ def test_a_saved_plan_loads_with_its_replayed_latency(tmp_path, plan_data):
         (dict(costs__forward=None), "Costs.forward"),
         (dict(costs__links={"0,5": {"latency": 1}}), "link 0,5"),
         (dict(strategy=7), "'strategy' must be a string"),
+        (dict(bound_classes=True), "'bound_classes' must be a JSON object of strings"),
+        (dict(bound_classes={"work": 3}), "'bound_classes.work' must be a string"),
+        (dict(interrupted="no"), "'interrupted' must be true or false"),
+        (dict(bounds=[]), "'bounds' must be a JSON object of numbers"),
     ],
 )
 def test_a_plan_file_is_not_trusted(tmp_path, plan_data, changes, words):

@@ -259,9 +259,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     for name in ("shape", "costs", "mapping", "orders"):
         if not isinstance(data.get(name), dict):
             raise PlanFileError(f"{source} is malformed: {name!r} must be a JSON object")
-    split = data.get("split_backward", False)
-    if not isinstance(split, bool):
-        raise PlanFileError(f"{source} is malformed: 'split_backward' must be true or false, got {split!r}")
+    split = _flag(data, "split_backward", source)
     shape = _shape(data["shape"], source)
     try:
         check_size(shape, split)
@@ -279,13 +277,11 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         raise PlanFileError(f"{source} is malformed: 'strategy' must be a string, got {name!r}")
     claims = {key: _number(data, key, source, optional=key != "latency")
               for key in ("latency", "model_latency", "lower_bound")}
-    bounds = data.get("bounds") or {}
-    if not isinstance(bounds, dict):
-        raise PlanFileError(f"{source} is malformed: 'bounds' must be a JSON object of numbers")
+    bounds = _object(data, "bounds", source, "numbers")
     bounds = {str(k): _number(bounds, k, source, where="bounds") for k in bounds}
-    optimal = data.get("optimal", False)
-    if not isinstance(optimal, bool):
-        raise PlanFileError(f"{source} is malformed: 'optimal' must be true or false, got {optimal!r}")
+    bound_classes = _object(data, "bound_classes", source, "strings (the class of schedules each bound holds for)")
+    bound_classes = {str(k): _text(bound_classes, k, source, "", where="bound_classes") for k in bound_classes}
+    optimal = _flag(data, "optimal", source)
     texts = {key: _text(data, key, source, default) for key, default in
              (("objective", "latency"), ("proven_for", ""), ("bound_for", ""), ("search", "cpsat"))}
     if texts["objective"] not in OBJECTIVES:
@@ -317,8 +313,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         objective_value=value,
         proven_for=texts["proven_for"],
         bound_for=texts["bound_for"],
-        bound_classes={str(k): str(v) for k, v in (data.get("bound_classes") or {}).items()},
-        interrupted=bool(data.get("interrupted", False)),
+        bound_classes=bound_classes,
+        interrupted=_flag(data, "interrupted", source),
         search=texts["search"],
     )
 
@@ -345,12 +341,31 @@ def _problem_fields(data: Mapping) -> dict:
     return given
 
 
-def _text(data: Mapping, key: str, source: str, default: str) -> str:
+def _text(data: Mapping, key: str, source: str, default: str, where: str = "") -> str:
     value = data.get(key, default)
     if value is None:
         return default
     if not isinstance(value, str):
-        raise PlanFileError(f"{source} is malformed: {key!r} must be a string, got {value!r:.80}")
+        name = f"{where}.{key}" if where else key
+        raise PlanFileError(f"{source} is malformed: {name!r} must be a string, got {value!r:.80}")
+    return value
+
+
+def _flag(data: Mapping, key: str, source: str) -> bool:
+    """A true/false field (false when absent)."""
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise PlanFileError(f"{source} is malformed: {key!r} must be true or false, got {value!r:.80}")
+    return value
+
+
+def _object(data: Mapping, key: str, source: str, of: str) -> dict:
+    """A JSON object field ({} when absent or null)."""
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise PlanFileError(f"{source} is malformed: {key!r} must be a JSON object of {of}, got {value!r:.80}")
     return value
 
 

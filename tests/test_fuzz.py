@@ -8,6 +8,7 @@ import functools
 import io
 import json
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -44,9 +45,15 @@ cost_fields = st.fixed_dictionaries(
         "worker_speed": odd_values, "activation_bytes": odd_values, "stash_bytes": odd_values,
         "weight_bytes": odd_values, "latency": odd_values, "bandwidth": odd_values, "links": links,
         "prefetch_depth": st.one_of(st.integers(-1, 3), odd_values), "cache_weights": st.one_of(st.booleans(), odd_values),
-        "input_grad_frees": odd_values,
+        "input_grad_frees": odd_values, "stash_bytes": odd_values, "backward_workspace_bytes": odd_values,
+        "optimizer_bytes": odd_values,
     },
 )
+# (strategy, W -> (S, B)): shapes each strategy fits, with a split backward (zb_h1) among them
+STRATEGY_SHAPES = {
+    "gpipe": lambda W, B: (W, B), "fsdp": lambda W, B: (2, W), "one_f_one_b": lambda W, B: (W, B),
+    "zb_h1": lambda W, B: (W, B), "looped": lambda W, B: (2 * W, B),
+}
 
 
 def assert_sane(sim) -> None:
@@ -57,28 +64,70 @@ def assert_sane(sim) -> None:
     assert sim.lower_bounds["shape"] <= latency * (1 + 1e-9) + 1e-12, (sim.lower_bounds, latency)
 
 
-@FUZZ
-@given(fields=cost_fields, name=st.sampled_from(["gpipe", "fsdp"]), W=st.integers(1, 3), B=st.integers(1, 3),
-       split=st.booleans())
-def test_costs_make_a_valid_step_or_a_clear_error(fields, name, W, B, split):
+def simulated_or_refused(costs_of, name, W, B, split, memory_limit):
+    """``simulate`` with the costs ``costs_of()`` builds: a sane step, or one of unisched's errors."""
     try:
-        costs = Costs(**fields)
+        costs = costs_of()
     except UniSchedError:
         return
-    S = W if name == "gpipe" else 2
-    B = W if name == "fsdp" else B
+    S, B = STRATEGY_SHAPES[name](W, B)
     strategy = unisched.policies.get(name, W, S, B)
     try:
-        sim = simulate(W, S, B, strategy, costs=costs, split_backward=split)
+        sim = simulate(W, S, B, strategy, costs=costs, split_backward=split, memory_limit=memory_limit)
     except UniSchedError:
         return
     assert_sane(sim)
 
 
+strategy_names = st.sampled_from(sorted(STRATEGY_SHAPES))
+limit_numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-1, 10),
+                          st.sampled_from([0.5, 1e-300, 1e300, 2**63]))  # ints beyond floats: test_bad_input
+memory_limits = st.one_of(st.none(), st.none(), limit_numbers, st.lists(limit_numbers, min_size=1, max_size=3))
+
+
+@FUZZ
+@given(fields=cost_fields, name=strategy_names, W=st.integers(1, 3), B=st.integers(1, 3),
+       split=st.sampled_from([None, False, True]), memory_limit=memory_limits)
+def test_costs_make_a_valid_step_or_a_clear_error(fields, name, W, B, split, memory_limit):
+    simulated_or_refused(lambda: Costs(**fields), name, W, B, split, memory_limit)
+
+
+json_text = st.sampled_from(["nan", "inf", "-1", "1", "", "1e400", "0,1"])
+costs_json = st.dictionaries(
+    st.sampled_from(["forward", "backward", "backward_input", "backward_weight", "worker_speed", "activation_bytes",
+                     "latency", "bandwidth", "links", "prefetch_depth", "cache_weights", "speed", "Forward"]),
+    st.one_of(odd_values, json_text, st.dictionaries(st.sampled_from(["0,1", "1,0", "0,0", "x", "0,1,2", ""]),
+                                                    st.one_of(odd_values, json_text, st.dictionaries(
+                                                        st.sampled_from(["latency", "bandwidth"]),
+                                                        st.one_of(odd_values, json_text), max_size=2)),
+                                                    max_size=2)),
+    max_size=4,
+)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+@FUZZ
+@given(data=st.one_of(costs_json, odd_values), name=strategy_names, W=st.integers(1, 3),
+       split=st.sampled_from([None, True]))
+def test_a_costs_file_makes_a_valid_step_or_a_clear_error(scratch, data, name, W, split):
+    """What ``Costs.load`` reads: JSON, where a number may arrive as a string and a key misspelt."""
+    path = scratch / "costs.json"
+    path.write_text(json.dumps(data))  # Python's json writes NaN and Infinity, as a careless writer would
+    simulated_or_refused(lambda: Costs.load(path), name, W, 2, split, None)
+
+
 # ---------------------------------------------------------------------- plan files
 @functools.lru_cache(maxsize=1)
-def saved_plan() -> dict:
-    return json.loads(json.dumps(plan(2, 2, 3, memory_limit=2, strategy="gpipe", time_limit=5).to_dict()))
+def saved_plans() -> tuple[dict, dict]:
+    """Two plan files as JSON: a whole backward under a memory limit, and a split one with sizes and a link."""
+    whole = plan(2, 2, 3, memory_limit=2, strategy="gpipe", time_limit=5)
+    split = plan(2, 2, 2, Costs(backward_input=1, backward_weight=1, activation_bytes=2, bandwidth=4,
+                                links={(0, 1): Link(latency=0.5)}), strategy="zb_h1", time_limit=5)
+    return tuple(json.loads(json.dumps(p.to_dict())) for p in (whole, split))
 
 
 def paths(value, prefix=()):
@@ -104,7 +153,7 @@ DELETE = object()
 @FUZZ
 @given(data=st.data())
 def test_an_edited_plan_file_is_refused_or_what_it_says(data):
-    edited = copy.deepcopy(saved_plan())
+    edited = copy.deepcopy(data.draw(st.sampled_from(saved_plans())))
     places = [p for p in paths(edited) if p]
     for _ in range(data.draw(st.integers(1, 3))):
         place = data.draw(st.sampled_from(places))
@@ -136,32 +185,66 @@ def flag(name, good, bad=()):
     return st.tuples(st.just(name), st.sampled_from([*good, *good, *good, *good, *bad] if bad else list(good)))
 
 
+def switch(name):
+    return st.just((name,))
+
+
 numbers_good = ("0", "1", "2.5", "0.25")
 numbers_bad = ("-1", "nan", "inf", "1e300", "1e-300", "x", "")
 shape = (("1", "2", "3", "4"), ("0", "-1", "x", "2.5", "1e3", "100000000"))
+shape_flags = [flag("-W", *shape), flag("-S", *shape), flag("-B", *shape)]
 common = [
-    flag("-W", *shape), flag("-S", *shape), flag("-B", *shape),
+    *shape_flags,
     flag("--forward", numbers_good, numbers_bad), flag("--backward", numbers_good, numbers_bad),
     flag("--backward-input", numbers_good, numbers_bad), flag("--backward-weight", numbers_good, numbers_bad),
-    flag("--memory-limit", ("1", "2", "4", "2,2", "4,3,2,1"), ("0", "-1", "nan", "inf", "1,x")),
-    flag("--param", ("group_size=2", "num_chunks=2"), ("group_size=x", "oops", "=3", "group-size=1")),
+    flag("--memory-limit", ("1", "2", "4", "2,2", "4,3,2,1"), ("0", "-1", "nan", "inf", "1,x", ",", "1e400")),
+    flag("--param", ("group_size=2", "virtual_stages=2"), ("group_size=x", "oops", "=3", "group-size=1")),
+    flag("--costs", ["{files}/" + name for name in ("good.json", "split.json", "sizes.json")],
+         ["{files}/" + name for name in ("null.json", "list.json", "text.json", "absent-worker.json", "stages.json",
+                                         "unknown.json", "nan-link.json", "huge.json", "missing.json")]),
 ]
-strategies_good = ("gpipe", "one_f_one_b", "looped(group_size=2)", "looped", "zb_h1", "interleaved(num_chunks=2)")
-strategies_bad = ("nope", "looped(group_size=x)", "looped(", "gpipe)", "ddp", "")
+strategies_good = ("gpipe", "one_f_one_b", "looped(group_size=2)", "looped", "zb_h1", "interleaved(virtual_stages=2)")
+strategies_bad = ("nope", "looped(group_size=x)", "looped(", "gpipe)", "ddp", "", "{files}/mine.py:missing",
+                  "{files}/mine.py:two_arguments", "no_such_module:f")
+plans = ("{files}/plan.json", "{files}/split-plan.json")
+plans_bad = ("{files}/plan-wrong-latency.json", "{files}/plan-truncated.json", "{files}/missing.json",
+             "{files}/good.json")
 verbs = {
     "simulate": [flag("--strategy", strategies_good, strategies_bad),
                  flag("--priority", ("backward_first", "oldest_stage_first"), ("random", "")),
-                 flag("--width", ("40", "100"), ("0", "-3"))],
+                 flag("--width", ("40", "100"), ("0", "-3")),
+                 flag("--topology", ("dgx_h100", "p4d_24xlarge"), ("nope", "{files}/good.json")),
+                 flag("--out", ("{files}/out/d.txt", "{files}/out/d.json", "{files}/out/d.html"),
+                      ("{files}/out/d.bogus", "{files}/nowhere/d.txt", "{files}/out")),
+                 flag("--time-unit", ("ms", "s", "1e-3"), ("0", "-1", "nan", "parsec")),
+                 flag("--plan", plans, plans_bad), flag("--color", ("never", "always")), switch("--no-color")],
     "compare": [flag("--strategies", ("gpipe,ddp", "looped(group_size=2),gpipe", "zb_h1,one_f_one_b"),
-                     ("gpipe,nope", ",", "gpipe,looped(group_size=2"))],
+                     ("gpipe,nope", ",", "gpipe,looped(group_size=2", "{files}/mine.py:missing"))],
     "plan": [flag("--strategy", strategies_good, strategies_bad),
              flag("--comm", numbers_good, numbers_bad), flag("--fetch", numbers_good, numbers_bad),
-             flag("--max-stages-per-worker", ("1", "2"), ("0", "x"))],
+             flag("--max-stages-per-worker", ("1", "2"), ("0", "x")),
+             flag("--objective", ("latency", "span"), ("speed",)), flag("--search", ("heuristic",), ("magic",)),
+             flag("--memory-budget", ("100", "1e9"), ("-1", "x", "nan")),
+             flag("--optimizer-bytes", ("0", "10"), ("-5", "inf")),
+             flag("--out", ("{files}/out/p.json", "{files}/out/p.txt"), ("{files}/out/p.bogus", "{files}/nowhere/p.json")),
+             flag("--width", ("60",), ("3",))],
+    "strategies": [],
+    "run": [*shape_flags, flag("--strategy", strategies_good, strategies_bad),
+            flag("--param", ("group_size=2",), ("group_size=x", "oops")),
+            flag("--plan", plans, plans_bad), flag("--nnodes", ("1", "2", "1:2"), ("0", "-1", "x", "2:1", "")),
+            flag("--node-rank", ("0", "1"), ("-1", "5", "x")), flag("--rdzv-endpoint", ("localhost:29500",)),
+            flag("--timeline", ("{files}/out/t.html",), ("{files}/out/t.bogus",)),
+            flag("--precision", ("fp32", "bf16"), ("fp8",)), flag("--lr", ("0.1",), ("0", "nan", "-1")),
+            flag("--steps", ("1", "5"), ("0", "x")), flag("--checkpoint-every", ("2",), ("0",)),
+            flag("--checkpoint", ("{files}/out/ckpt",), ("{files}/good.json",)),
+            flag("--resume", (), ("{files}/out/none",)), flag("--model", ("mlp", "transformer"), ("cnn",))],
 }
 
 
 COSTS_FILES = {
     "good": {"forward": [1, 2, 1, 1], "backward": 2, "activation_bytes": 4, "bandwidth": 2, "links": {"0,1": {}}},
+    "split": {"backward_input": 1, "backward_weight": 1, "latency": 0.5},
+    "sizes": {"activation_bytes": 1e6, "weight_bytes": 4e6, "bandwidth": 1e9, "forward": 1e-3, "backward": 2e-3},
     "null": {"forward": None},
     "list": [1, 2],
     "text": "not json",
@@ -171,30 +254,51 @@ COSTS_FILES = {
     "nan-link": {"links": {"1,0": {"latency": "nan"}}},
     "huge": {"forward": 1e300, "backward": 1e300},
 }
+USER_STRATEGIES = """
+def two_arguments(work, other):
+    return (0, 0)
+"""
 
 
 @pytest.fixture(scope="module")
-def costs_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("costs")
+def files(tmp_path_factory):
+    """Costs files, plan files (good and edited), a strategy module and an output folder, for the command lines."""
+    folder = tmp_path_factory.mktemp("files")
     for name, content in COSTS_FILES.items():
         (folder / f"{name}.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    (folder / "out").mkdir()
+    (folder / "mine.py").write_text(USER_STRATEGIES)
+    saved, split = saved_plans()
+    (folder / "plan.json").write_text(json.dumps(saved))
+    (folder / "split-plan.json").write_text(json.dumps(split))
+    (folder / "plan-wrong-latency.json").write_text(json.dumps({**saved, "latency": saved["latency"] / 2}))
+    (folder / "plan-truncated.json").write_text(json.dumps(saved)[:200])
     return folder
 
 
 @st.composite
-def command_lines(draw, costs_folder):
+def command_lines(draw, folder):
     verb = draw(st.sampled_from(sorted(verbs)))
-    required = verbs[verb][0]  # a strategy (or a list): the whole registry is too slow to fuzz
-    costs = flag("--costs", [str(costs_folder / f"{name}.json") for name in [*COSTS_FILES, "missing"]])
-    chosen = draw(st.lists(st.sampled_from([*common, costs, *verbs[verb][1:]]), max_size=5))
-    argv = [verb, *draw(required)]
+    flags = verbs[verb] if verb == "run" else [*common, *verbs[verb]] if verb != "strategies" else []
+    chosen = draw(st.lists(st.sampled_from(flags), max_size=5)) if flags else []
+    argv = [verb]
+    if verb in ("simulate", "compare", "plan") and draw(st.integers(0, 4)):
+        argv += list(draw(verbs[verb][0]))  # mostly a strategy (or a list): the whole registry is slow to fuzz
     for pair in chosen:
         argv += list(draw(pair))
     if verb == "plan":
         argv += ["--time-limit", "0.5"]
+    if verb == "run":  # never launch: print the command or the ranks' programs
+        argv.append(draw(st.sampled_from(["--dry-run", "--program"])))
     if draw(st.booleans()):
         argv.append("--json")
-    return argv
+    return [arg.replace("{files}", str(folder)) for arg in argv]
+
+
+WORDS = ("-W", "-S", "-B", "--strategy", "--strategies", "--param", "--json", "--memory-limit", "--costs", "--out",
+         "--plan", "--forward", "--width", "--time-limit", "--help-me", "gpipe", "2", "-1", "x", "=", "--", "nan",
+         "zb_h1", "looped(", "1,2", "", " ", "--color", "--nnodes", "--priority", "--dry-run", "--program")
+"""Flags and values of every verb, to jumble."""
 
 
 def latencies(value):
@@ -208,28 +312,53 @@ def latencies(value):
             yield from latencies(item)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_command_lines_end_in_a_result_or_a_clear_error(costs_files, data):
-    argv = data.draw(command_lines(costs_files), label="argv")
+def run_cli(argv):
+    """``unisched ARGV`` in-process: (exit status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as exit:  # argparse's complaints exit (status 2) as argparse does
             code = exit.code
-    out, err = out.getvalue(), err.getvalue()
-    event(f"{argv[0]} exit {code}")
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_clear_ending(argv, code, out, err):
+    """A result (exit 0) or one clear error (exit 2); with --json, JSON on stdout or the error last on stderr."""
+    event(f"{argv[0] if argv else '(none)'} exit {code}")
     assert code in (0, 2), (argv, code, err)
     assert "Traceback" not in err, (argv, err)
+    as_json = "--json" in argv
     if code == 2:
-        assert out == "" or "--json" not in argv, (argv, out)
-        if "--json" in argv:  # stderr is JSON Lines: progress objects, then the error
+        assert out == "" or not as_json, (argv, out)
+        if as_json:  # stderr is JSON Lines: progress objects, then the error
             lines = [json.loads(line) for line in err.splitlines()]
             assert lines[-1]["error"], (argv, err)
             assert all(set(line) == {"progress"} for line in lines[:-1]), (argv, err)
         else:
             assert "error:" in err, (argv, err)
-    elif "--json" in argv:
+    elif as_json and "-h" not in argv:
         for latency in latencies(json.loads(out)):
             assert latency is not None and math.isfinite(latency) and latency >= 0, (argv, latency)
+    else:
+        assert not re.search(r"\b(nan|-inf)\b", out, re.IGNORECASE), (argv, out)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_command_lines_end_in_a_result_or_a_clear_error(files, data):
+    argv = data.draw(command_lines(files), label="argv")
+    assert_clear_ending(argv, *run_cli(argv))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(verb=st.sampled_from(["simulate", "compare", "plan", "strategies", "run"]), tokens=st.lists(st.sampled_from(WORDS), max_size=6),
+       as_json=st.booleans())
+def test_any_jumble_of_words_ends_in_a_result_or_a_clear_error(verb, tokens, as_json):
+    """Flags without values, values without flags, flags of other verbs: argparse's complaints read like ours."""
+    argv = [verb, *tokens, *(["--json"] if as_json else [])]
+    if verb == "plan":
+        argv += ["--time-limit", "0.5"]
+    if verb == "run":
+        argv.append("--dry-run")
+    assert_clear_ending(argv, *run_cli(argv))

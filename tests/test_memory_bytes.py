@@ -1,8 +1,10 @@
 """Memory in bytes, as a rank of the executor holds it: weights of truth,
 their optimizer state and their gradients until the optimizer step, fetched
-weights while needed, stashes until their backward, a backward's workspace
-while it runs, a fetched stage's gradient until it is sent back, and a
-returned gradient's buffer while it travels."""
+weights while needed and the copy a weight worker serves them from while
+it travels, stashes until their backward, a backward's workspace while it
+runs, a fetched stage's gradient from the start of the pass that makes
+it until it is sent back, and a returned gradient's buffer while it
+travels."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from unisched import Costs, policies, simulate
 from unisched.memory import MEMORY_KINDS, memory_curves
 from unisched.errors import ShapeError
-from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers
+from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Work
 
 
 def run(name: str, W: int, S: int, B: int, costs: Costs):
@@ -50,7 +52,7 @@ def test_the_kinds_add_up_to_the_total():
             assert total.at(moment) == pytest.approx(sum(p.at(moment) for p in parts))
 
 
-def test_a_fetched_stages_gradient_accumulates_from_its_first_backward_until_sent():
+def test_a_fetched_stages_gradient_accumulates_from_its_first_backwards_start_until_sent():
     sharded = lambda w: ComputeAndWeightWorkers(w.batch % 2, w.stage % 2)  # noqa: E731
     costs = Costs(activation_bytes=1, weight_bytes=8.0, bandwidth=4.0, cache_weights=True)
     t = simulate(2, 2, 4, sharded, costs=costs).timeline
@@ -58,7 +60,7 @@ def test_a_fetched_stages_gradient_accumulates_from_its_first_backward_until_sen
     assert len(sent) == 2, "one return per worker and fetched stage"
     expected = np.zeros(2)
     for r in sent:
-        backwards = [t.end[i] for i in range(len(t))
+        backwards = [t.start[i] for i in range(len(t))
                      if t.worker[i] == r.src and t.stage[i] == r.work.stage and t.direction[i] == BACKWARD]
         assert len(backwards) == 2 and r.work.batch >= 2, "accumulated over two backwards, sent after the last"
         expected[r.src] += r.nbytes * (r.end - min(backwards))
@@ -75,6 +77,28 @@ def test_a_returned_gradient_arrives_in_a_buffer_then_joins_the_weight_workers_g
         assert curves[r.dst].at(middle) >= r.nbytes, "the buffer it arrives in"
         assert curves[r.dst].at(r.end) >= 8.0, "the weight worker's gradient from then on"
     assert peaks(t, "weights") == [8.0, 8.0]
+
+
+def test_a_weight_worker_holds_the_copy_it_serves_while_it_travels():
+    costs = Costs(activation_bytes=1, weight_bytes=[8.0, 12.0], bandwidth=4.0, cache_weights=True)
+    t = run("fsdp", 2, 2, 2, costs)
+    served = next(r for r in t.transfers if r.kind == "weights" and r.src == 0)
+    last_of_stage_1 = max(t.end[i] for i in range(len(t)) if t.worker[i] == 0 and t.stage[i] == 1)
+    assert served.nbytes == 8.0 and served.end < last_of_stage_1
+    fetched = memory_curves(t, "fetched")[0]
+    assert fetched.at((served.start + served.end) / 2) == 8.0 + 12.0, "stage 0 served while stage 1 is fetched"
+    assert fetched.at(served.end) == 12.0, "the served copy goes once it has arrived"
+    assert fetched.at(last_of_stage_1) == 0.0
+
+
+def test_a_fetched_stages_gradient_is_made_beside_the_fetched_weights():
+    costs = Costs(activation_bytes=1, weight_bytes=[8.0, 12.0], bandwidth=4.0, cache_weights=True)
+    t = run("fsdp", 2, 2, 2, costs)
+    row = next(i for i in range(len(t)) if t.work(i) == Work(0, 1, BACKWARD))
+    assert t.worker[row] == 0 and t.weight_worker[row] == 1, "worker 0 computes with stage 1's weights fetched"
+    middle = (t.start[row] + t.end[row]) / 2
+    assert memory_curves(t, "fetched")[0].at(middle) == 12.0
+    assert memory_curves(t, "gradients")[0].at(middle) == 12.0, "the gradient the pass makes, beside them"
 
 
 def test_units_count_buffers_and_bytes_need_sizes():

@@ -11,14 +11,19 @@ enforces memory limits incrementally with the same rules):
 - weights: the stages a worker is the weight worker of, for the whole step
   and the optimizer step at its end.
 - fetched: a fetched copy of a stage's weights, from the fetch's start to the
-  end of the last item on that worker and stage before the next fetch.
-- gradients: a fetched stage's gradient, from the end of the worker's first
-  gradient pass of the stage after its previous return until it has been
-  sent back to the weight worker.
+  end of the last item on that worker and stage before the next fetch; and,
+  on the weight worker, the flat copy it serves them from, while it travels.
+- gradients: a fetched stage's gradient, from the start of the worker's
+  first gradient pass of the stage after its previous return until it has
+  been sent back to the weight worker.  The pass makes it as it runs,
+  beside the fetched weights, which go when the pass ends: counted from
+  its end, the two would never meet.
 - weight_gradients: the gradient of a stage a worker holds the weights of,
   from the end of its first gradient pass of the stage (or the arrival of
-  the first gradient returned to it, if earlier) to the optimizer step;
-  and the buffer a returned gradient arrives in, while it travels.
+  the first gradient returned to it, if earlier) to the optimizer step
+  (during that pass it grows as the pass frees its stash, which is counted
+  until the pass ends); and the buffer a returned gradient arrives in,
+  while it travels.
 - workspace: what a backward pass (either half of a split one) holds only
   while it runs (``Costs.backward_workspace_bytes``: a parameter's fresh
   gradient before it joins the accumulated one, the activations'
@@ -170,7 +175,9 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
         fetch_ends = np.where(last >= 0, running_end[np.maximum(last, 0)] if len(items) else 0.0, tr.end[fetches])
         ends[np.searchsorted(rows, fetches)] = np.maximum(fetch_ends, tr.end[fetches])
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
-    return tr.dst[rows], tr.start[rows], ends, amounts
+    served = tr.src[rows], tr.start[rows], tr.end[rows], amounts
+    fetched = tr.dst[rows], tr.start[rows], ends, amounts
+    return tuple(np.concatenate([a, b]) for a, b in zip(fetched, served))
 
 
 def _weight_gradient_holds(t: Timeline, in_bytes: bool):
@@ -203,8 +210,9 @@ def _own_gradient_holds(t: Timeline, in_bytes: bool):
 
 
 def _gradient_holds(t: Timeline, in_bytes: bool):
-    """A fetched stage's gradient: from the first gradient pass after the
-    previous return until it has been sent back."""
+    """A fetched stage's gradient: from the start of the worker's first
+    gradient pass of the stage after the one whose gradient it sent back
+    before, until it has been sent back."""
     tr = t.transfers
     rows = np.flatnonzero(tr.of_kind("weight_gradient"))
     starts = tr.start[rows].copy()
@@ -213,12 +221,13 @@ def _gradient_holds(t: Timeline, in_bytes: bool):
         sends = rows[group]
         sends = sends[np.argsort(tr.start[sends], kind="stable")]
         mine = passes[(t.worker[passes] == tr.src[sends[0]]) & (t.stage[passes] == tr.stage[sends[0]])]
-        ends = np.sort(t.end[mine])
-        previous = np.concatenate([[-np.inf], tr.start[sends[:-1]]])
-        at = np.searchsorted(ends, previous, side="right")
-        found = at < len(ends)
-        first = np.where(found, ends[np.minimum(at, max(len(ends) - 1, 0))] if len(ends) else 0.0, tr.start[sends])
-        starts[np.searchsorted(rows, sends)] = np.minimum(first, tr.start[sends])
+        mine = mine[np.argsort(t.start[mine], kind="stable")]
+        position = {b: i for i, b in enumerate(t.batch[mine].tolist())}
+        first = 0  # the first pass whose gradient the next send carries
+        for send in sends.tolist():
+            if first < len(mine):
+                starts[np.searchsorted(rows, send)] = min(t.start[mine[first]], tr.start[send])
+            first = position.get(int(tr.batch[send]), first - 1) + 1
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
     return tr.src[rows], starts, tr.end[rows], amounts
 

@@ -225,3 +225,11 @@ def test_plan_time_limit_from_the_api():
     for bad in (math.nan, math.inf, 0, -1, "5", True):
         with pytest.raises(UniSchedError, match="time_limit"):
             plan(2, 2, 2, time_limit=bad)
+
+
+@pytest.mark.xfail(strict=True, raises=(OverflowError, ValueError, TypeError),
+                   reason="simulate/stashes.py _limits converts memory_limit with float() before checking it")
+@pytest.mark.parametrize("limit", [10**400, [10**400, 1], "x", {"workers": 1}])
+def test_a_memory_limit_that_is_no_number_is_refused_by_name(limit):
+    with pytest.raises(ShapeError, match="memory_limit"):
+        simulate(2, 2, 2, gpipe(2, 2, 2), memory_limit=limit)

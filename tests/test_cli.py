@@ -264,3 +264,10 @@ def test_simulate_on_a_topology_takes_the_cost_flags(capsys):
                          "--backward", "1", "--json")
     result = json.loads(out)
     assert code == 0 and result["topology"]["name"] and result["lower_bounds"]["shape"] == pytest.approx(8 * 1.5)  # B (F + B)
+
+
+def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path):
+    missing = tmp_path / "no-such-folder" / "plan.json"
+    code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--out", str(missing), "--time-limit", "60")
+    assert code == 2 and out == "" and f"there is no folder '{missing.parent}'" in err
+    assert "family search" not in err  # refused before the search began

@@ -99,3 +99,10 @@ def test_a_span_plan_keeps_its_objective(tmp_path):
     data["lower_bound"] = result.value + 1
     with pytest.raises(PlanFileError, match="above its own replayed value"):
         plan_from_dict(data, source="edited")
+
+
+def test_a_plan_file_that_cannot_be_written_is_a_plan_file_error(cross_worker_plan, tmp_path):
+    result, _ = cross_worker_plan
+    path = tmp_path / "no-such-folder" / "plan.json"
+    with pytest.raises(PlanFileError, match="cannot write plan file .*no-such-folder.*: No such file or directory"):
+        result.save(path)

@@ -499,6 +499,13 @@ def test_save_unknown_extension(tmp_path, name):
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.parametrize("name", ["d.txt", "d.html", "d.json", "d.png"])
+def test_save_where_no_file_can_be_written_names_the_path(tmp_path, name):
+    path = tmp_path / "no-such-folder" / name
+    with pytest.raises(UniSchedError, match=f"cannot write '{re.escape(str(path))}': No such file or directory"):
+        save(gpipe(), path)
+
+
 # ---------------------------------------------------------------------- empty
 def test_empty_timeline_renders():
     t = Timeline.from_records((2, 1, 1), [])

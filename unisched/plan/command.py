@@ -177,6 +177,10 @@ def _outputs(paths) -> list[str]:
                 f"--out {path}: {shown}; write the plan file as .json or draw the plan as "
                 f"{', '.join(PLAN_DRAWINGS)} (a Chrome trace of it: unisched simulate --plan plan.json --out trace.json)"
             )
+        folder = Path(path).parent
+        if not folder.is_dir():
+            raise PlanInputError(f"--out {path}: there is no folder {str(folder)!r} to write it in; create it first, "
+                                 "or name a file in a folder that exists")
     return paths
 
 

@@ -197,7 +197,12 @@ class Plan:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(jsonable(self.to_dict()), indent=1) + "\n")
+        """Write the plan file (JSON) to ``path``."""
+        try:
+            Path(path).write_text(json.dumps(jsonable(self.to_dict()), indent=1) + "\n")
+        except OSError as error:
+            raise PlanFileError(f"cannot write plan file {str(path)!r}: {error.strerror or error}; name a file in a "
+                                "folder that exists and that you may write to") from None
 
     def __repr__(self) -> str:
         W, S, B = self.shape

@@ -37,8 +37,18 @@ def save(timeline, path, **options) -> Path:
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         supported = ", ".join(FORMATS)
-        shown = f"extension {suffix!r}" if suffix else "no extension"
-        raise UniSchedError(f"cannot save {path.name!r}: {shown} is not supported; use one of {supported}")
+        shown = f"extension {suffix!r} is not supported" if suffix else "it has no extension"
+        raise UniSchedError(f"cannot save {path.name!r}: {shown}; use one of {supported}")
+    try:
+        _write(timeline, path, suffix, options)
+    except OSError as error:
+        raise UniSchedError(f"cannot write {str(path)!r}: {error.strerror or error}; name a file in a folder that "
+                            "exists and that you may write to") from None
+    return path
+
+
+def _write(timeline: Timeline, path: Path, suffix: str, options: dict) -> None:
+    """Render ``timeline`` in the format of ``suffix`` into ``path``."""
     if suffix == ".html":
         from unisched.render.html import to_html_document
 
@@ -59,7 +69,6 @@ def save(timeline, path, **options) -> Path:
 
         dpi = options.pop("dpi", None)
         save_figure(figure(timeline, **options), path, dpi=dpi)
-    return path
 
 
 _HOMES = {

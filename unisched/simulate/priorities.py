@@ -98,8 +98,7 @@ def ranks(priority: Priority, batch: np.ndarray, stage: np.ndarray, direction: n
     """Rank of each item under ``priority`` (0 = first), ties broken by position."""
     sort_keys = getattr(priority, "sort_keys", None)
     if sort_keys is not None:
-        columns = sort_keys(batch, stage, direction)
-        order = np.lexsort(tuple(reversed([np.asarray(c) for c in columns])))
+        order = _sorted_by(sort_keys(batch, stage, direction))
     else:
         works = [Work(int(b), int(s), Direction(int(d))) for b, s, d in zip(batch, stage, direction)]
         try:
@@ -110,3 +109,21 @@ def ranks(priority: Priority, batch: np.ndarray, stage: np.ndarray, direction: n
     result = np.empty(len(order), dtype=np.int64)
     result[order] = np.arange(len(order))
     return result
+
+
+def _sorted_by(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """The stable order of rows by key ``columns`` (most significant first):
+    one sort of the columns packed into one integer where they fit, else
+    ``np.lexsort``."""
+    columns = [np.asarray(c) for c in columns]
+    if not all(np.issubdtype(c.dtype, np.integer) or c.dtype == bool for c in columns) or not len(columns[0]):
+        return np.lexsort(tuple(reversed(columns)))
+    key = np.zeros(len(columns[0]), dtype=np.int64)
+    span = 1
+    for column in columns:
+        low, high = int(column.min()), int(column.max())
+        span *= high - low + 1
+        if span >= 1 << 62:
+            return np.lexsort(tuple(reversed(columns)))
+        key = key * (high - low + 1) + (column.astype(np.int64) - low)
+    return np.argsort(key, kind="stable")

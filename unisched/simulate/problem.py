@@ -235,8 +235,8 @@ def build(
     if strategy.worker_orders is not None:
         fixed = sequence_edges(strategy.worker_orders, compute, shape, items, EDGE_SEQUENCE)
         edges = np.concatenate([edges, fixed], axis=1)
-    followed = edges if costs.has_communication else edges[:, edges[2] != EDGE_STASH]
-    followed = followed[:, np.argsort(followed[0], kind="stable")]
+    kept = np.arange(edges.shape[1]) if costs.has_communication else np.flatnonzero(edges[2] != EDGE_STASH)
+    followed = edges[:, kept[np.argsort(edges[0, kept].astype(np.int32), kind="stable")]]  # by source, stably
     succ_ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(followed[0], minlength=n), out=succ_ptr[1:])
     num_deps = np.bincount(followed[1], minlength=n)

@@ -86,7 +86,7 @@ def stash_accounts(num_workers: int, memory_limit, items: dataflow.Items, comput
     _check_one_stash_fits(claim_worker, claim_amount, claim_ptr, limit, stage, sizes is not None)
 
     claimant = np.repeat(compute, per_item)
-    pairs, claim_pair, per_pair = np.unique(claim_worker * W + claimant, return_inverse=True, return_counts=True)
+    pairs, _, claim_pair, per_pair = unique_codes(claim_worker * W + claimant, W * W)
     pair_ptr = np.zeros(W + 1, np.int64)
     np.cumsum(np.bincount(pairs // W, minlength=W), out=pair_ptr[1:])
     return StashAccounts(
@@ -151,6 +151,23 @@ def region_starts(sizes: np.ndarray) -> np.ndarray:
     base = np.zeros(len(sizes), np.int64)
     np.cumsum(sizes[:-1], out=base[1:])
     return base
+
+
+def unique_codes(codes: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(codes, return_index=True, return_inverse=True,
+    return_counts=True)`` of integer codes in ``0..span-1``, by counting
+    instead of sorting where ``span`` is not much larger than ``codes``."""
+    codes = np.asarray(codes, dtype=np.int64)
+    n = len(codes)
+    if span > max(4 * n, 1 << 16):
+        values, first, inverse, counts = np.unique(codes, return_index=True, return_inverse=True, return_counts=True)
+        return values, first, inverse.reshape(-1), counts
+    counts = np.bincount(codes, minlength=span)
+    values = np.flatnonzero(counts)
+    position = np.cumsum(counts > 0) - 1
+    first = np.empty(span, np.int64)
+    first[codes[::-1]] = np.arange(n - 1, -1, -1)  # the earliest occurrence is written last
+    return values, first[values], position[codes], counts[values]
 
 
 def _per_item(ptr: np.ndarray, *columns: list) -> list:

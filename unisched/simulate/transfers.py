@@ -22,6 +22,7 @@ import numpy as np
 
 from unisched import dataflow, network
 from unisched.simulate.problem import Problem, moves
+from unisched.simulate.stashes import unique_codes
 from unisched.timeline import TRANSFER_KINDS, Transfers
 
 _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
@@ -155,13 +156,13 @@ def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -
     last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
     item, holder, share, size = item[last], holder[last], share[last], size[last]
     stage = p.stage[item]
+    S = p.shape.num_stages
     shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
-    held, first = np.unique((stage * shares + share) * holders + holder, return_index=True)
+    held, first, _, _ = unique_codes((stage * shares + share) * holders + holder, S * shares * holders)
     group_of = held // holders  # stage * shares + share, one run per group
     opens = np.flatnonzero(np.append(True, group_of[1:] != group_of[:-1]))
     count = np.diff(np.append(opens, len(held)))
     kept = (count > 1) | (getattr(p.costs, "replicas", 1) > 1)
-    S = p.shape.num_stages
     ready = np.full(S, -np.inf)
     np.maximum.at(ready, stage, end[item])
     np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))

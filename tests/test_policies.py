@@ -45,7 +45,7 @@ def spans_idle(timeline) -> np.ndarray:
 def test_seed_figures_through_the_registry(name, W, params, latency, peaks):
     sim = run(name, W, 4, 8, **params)
     assert sim.latency == latency
-    assert sim.throughput == pytest.approx(64 / (latency * W))
+    assert sim.timeline.item_rate == pytest.approx(64 / (latency * W))
     assert sim.worker_stats()["max_activation_storage"] == peaks
 
 

@@ -225,37 +225,71 @@ TIED_CASES = [  # (strategy, stages, micro-batches, clip): who holds wte and lm_
     ("fsdp", 4, 2, None),           # weight workers apart from the ranks that compute
 ]
 TIED_STEPS = 3
+SAVED, RESUMED = "interleaved", ("resumed", "zbv", 4, 4, 0.5)
+"""Saved after the steps under interleaved; loaded under zbv (both copies on rank 0 now) for one more step."""
 
 
-def _train_tied(rank: int, world: int, cases):
+def _train_tied(rank: int, world: int, cases, directory):
     out = {}
     for name, S, B, clip, timeline in cases:
         stages = split_model(gpt2(layers=4), S)
         trainer = Trainer(stages, timeline, next_token_loss, optimizer, timeout=60, clip_grad_norm=clip,
                           record=False)
-        losses = [trainer.step(*batch(step)) for step in range(TIED_STEPS)]
+        if name == RESUMED[0]:
+            unisched.load_checkpoint(trainer, directory)
+        steps = [TIED_STEPS] if name == RESUMED[0] else range(TIED_STEPS)
+        losses = [trainer.step(*batch(step)) for step in steps]
+        if name == SAVED:
+            unisched.save_checkpoint(trainer, directory)
         state = stages.model_state_dict(trainer.gather_state_dict())
         out[name] = {"losses": losses, "state": {k: v.numpy() for k, v in state.items()},
                      "holders": [list(trainer.program.replicas[s]) for s, _ in stages.ties[0].copies]}
         trainer.close()
+    out["checks"] = _tie_checks(cases[0][4])
     return out
 
 
+def _tie_checks(timeline) -> dict:
+    """On a 2-stage pipeline: copies built unequal start as the first; a tie
+    naming no parameter is refused on every rank."""
+    stages = split_model(gpt2(layers=4), 2)
+    with torch.no_grad():
+        stages[1].lm_head.weight.add_(1.0)
+    trainer = Trainer(stages, timeline, next_token_loss, optimizer, timeout=60)
+    state = stages.model_state_dict(trainer.gather_state_dict())
+    trainer.close()
+    wrong = [Tie("wte", ((0, "transformer.wte.weight"), (1, "lm_head.bias")))]
+    try:
+        Trainer(split_model(gpt2(layers=4), 2), timeline, next_token_loss, optimizer, timeout=60, ties=wrong)
+        refusal = None
+    except Exception as error:
+        refusal = f"{type(error).__name__}: {error}"
+    return {"equal": bool(torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])),
+            "first": bool(torch.equal(state["transformer.wte.weight"], gpt2(layers=4).transformer.wte.weight)),
+            "refusal": refusal}
+
+
+def schedule(strategy: str, S: int, B: int):
+    return simulate(2, S, B, policies.get(strategy, num_workers=2, num_stages=S, num_batches=B)).timeline
+
+
 @pytest.fixture(scope="module")
-def trained_tied():
-    cases = [(name, S, B, clip, simulate(2, S, B, policies.get(name, num_workers=2, num_stages=S, num_batches=B)).timeline)
-             for name, S, B, clip in TIED_CASES]
-    results = run_local(_train_tied, 2, cases, timeout=180)
+def trained_tied(tmp_path_factory):
+    cases = [(name, S, B, clip, schedule(name, S, B)) for name, S, B, clip in TIED_CASES]
+    label, strategy, S, B, clip = RESUMED
+    cases.append((label, S, B, clip, schedule(strategy, S, B)))
+    results = run_local(_train_tied, 2, cases, tmp_path_factory.mktemp("tied") / "checkpoint", timeout=180)
     for r in results:
         assert r.error is None, f"rank {r.rank}: {r.error}"
     return [r.value for r in results]
 
 
 @functools.lru_cache(maxsize=None)
-def tied_reference(micro_batches: int, clip: float | None) -> tuple[list[float], dict[str, np.ndarray]]:
+def tied_reference(micro_batches: int, clip: float | None,
+                   steps: int = TIED_STEPS) -> tuple[list[float], dict[str, np.ndarray]]:
     """The tied GPT-2, whole (one stage keeps the tie), trained in one process."""
     whole = split_model(gpt2(layers=4), 1)
-    losses, state = train_one_process(whole, next_token_loss, optimizer, [batch(s) for s in range(TIED_STEPS)],
+    losses, state = train_one_process(whole, next_token_loss, optimizer, [batch(s) for s in range(steps)],
                                       micro_batches=micro_batches, clip_grad_norm=clip)
     return losses, {k: v.numpy() for k, v in whole.model_state_dict(state).items()}
 
@@ -275,3 +309,25 @@ def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(tr
     holders = trained_tied[0][name]["holders"]
     assert holders == {"gpipe": [[0], [1]], "one_f_one_b": [[0], [1]], "looped_bfs": [[0], [1]],
                        "interleaved": [[0], [1]], "zbv": [[0], [0]], "ddp": [[0, 1], [0, 1]]}.get(name, holders)
+
+
+def test_a_checkpoint_of_the_tied_copies_resumes_under_another_placement(trained_tied):
+    """Saved under interleaved (copies on ranks 0 and 1), loaded under zbv
+    (both on rank 0): one more step is the tied model's fourth step."""
+    label, _, _, B, clip = RESUMED
+    losses, expected = tied_reference(B, clip, TIED_STEPS + 1)
+    for rank, rows in enumerate(trained_tied):
+        state = rows[label]["state"]
+        worst = max(float(np.abs(state[k] - expected[k]).max()) for k in expected)
+        assert worst < 1e-5, f"rank {rank}: the resumed run differs from the tied model by {worst:.2e}"
+        assert abs(rows[label]["losses"][0] - losses[-1]) < 1e-5
+        assert np.array_equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    assert trained_tied[0][label]["holders"] == [[0], [0]]
+
+
+def test_the_trainer_starts_the_copies_equal_and_refuses_a_tie_it_cannot_find(trained_tied):
+    for rows in trained_tied:
+        checks = rows["checks"]
+        assert checks["equal"] and checks["first"], "the later copy starts as the first"
+        assert "the tie wte (transformer.wte.weight of stage 0, lm_head.bias of stage 1) names 'lm_head.bias'" \
+            in checks["refusal"]

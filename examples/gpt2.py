@@ -12,13 +12,15 @@ downloaded; dropout off, so that a backward recomputed on another rank sees
 the same forward) and learns counting sequences of tokens.  The heart of it::
 
     model = GPT2LMHeadModel(config)
-    stages = unisched.split_model(model, S, tied="untie")   # wte+wpe | blocks | ln_f+lm_head
+    stages = unisched.split_model(model, S)                 # wte+wpe | blocks | ln_f+lm_head
     trainer = unisched.Trainer(stages, schedule, loss_fn, lambda p: torch.optim.AdamW(p, lr=3e-3))
     del model, stages                                       # each rank keeps only its own stages
     loss = trainer.step(token_ids, next_tokens)
 
 GPT-2 ties lm_head to wte; on different stages the two cannot stay one
-tensor, so the last stage trains its own copy (``tied="untie"``).
+tensor, so the last stage holds a copy (``stages.ties``) and the Trainer
+keeps the copies one weight: equal at the start, each given the sum of
+their gradients before every optimizer step, as the tied model gets.
 
 Every ``--log-every`` steps rank 0 prints the loss, step time, samples and
 tokens per second and the model's TFLOP/s (6 x its parameters outside
@@ -90,10 +92,10 @@ def split(args: argparse.Namespace, S: int, layers: int):
         weights: list = [None]
         if dist.get_rank() == 0:
             example = data(args, 0, args.rows_per_batch)[0]
-            weights = [unisched.split_model(gpt2(args, layers), S, balance="time", example=example, tied="untie").weights]
+            weights = [unisched.split_model(gpt2(args, layers), S, balance="time", example=example).weights]
         dist.broadcast_object_list(weights, src=0)
         balance = weights[0]
-    return unisched.split_model(gpt2(args, layers), S, balance=balance, tied="untie")
+    return unisched.split_model(gpt2(args, layers), S, balance=balance)
 
 
 def make_optimizer(args: argparse.Namespace):
@@ -162,7 +164,7 @@ def train(args: argparse.Namespace, cleanup) -> int:
         state = trainer.gather_state_dict()
         if trainer.rank == 0:
             # the same split (the same block weights) of a fresh model
-            fresh = unisched.split_model(gpt2(args, layers), S, balance=weights, tied="untie")
+            fresh = unisched.split_model(gpt2(args, layers), S, balance=weights)
             report["max_difference_vs_one_process"] = difference_from_one_process(
                 args, state, fresh, next_token_loss, optimizer, batches, B, run.last_step)
     if trainer.rank == 0 and args.timeline:

@@ -1,6 +1,7 @@
 """The `unisched` command: every verb answers, --json is pure JSON, errors are one line."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -243,10 +244,10 @@ def test_run_refuses_nodes_torchrun_would_refuse_after_starting(capsys, flags, w
     assert code == 2 and out == "" and words in err and "Traceback" not in err
 
 
-def test_run_dry_run_under_json_prints_the_command_as_json(capsys):
+def test_run_dry_run_passes_the_nodes_on_to_torchrun(capsys):
     code, out, _ = run(capsys, "run", "-W", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--node-rank", "1",
-                       "--dry-run", "--json")
-    command = json.loads(out)["command"]
+                       "--dry-run")
+    command = shlex.split(out)
     assert code == 0 and command[command.index("--nnodes") + 1] == "1:2"
     assert command[command.index("--node-rank") + 1] == "1" and command[command.index("--nproc-per-node") + 1] == "2"
 
@@ -271,3 +272,13 @@ def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path)
     code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--out", str(missing), "--time-limit", "60")
     assert code == 2 and out == "" and f"there is no folder '{missing.parent}'" in err
     assert "family search" not in err  # refused before the search began
+
+
+def test_your_own_strategy_that_fails_is_an_error_naming_it(capsys, tmp_path):
+    mine = tmp_path / "mine.py"
+    mine.write_text("def crashes(work):\n    raise RuntimeError('boom')\n\n"
+                    "def factory(num_workers, num_stages, num_batches):\n    raise ValueError('nope')\n")
+    code, out, err = run(capsys, "compare", "--strategies", f"{mine}:crashes,gpipe", "-W", "2", "-B", "2")
+    assert code == 2 and out == "" and f"strategy '{mine}:crashes' failed on" in err and "RuntimeError: boom" in err
+    code, out, err = run(capsys, "simulate", "--strategy", f"{mine}:factory", "-W", "2", "-B", "2")
+    assert code == 2 and f"strategy factory '{mine}:factory' failed on W=2, S=2, B=2: ValueError: nope" in err

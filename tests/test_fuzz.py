@@ -9,6 +9,7 @@ import io
 import json
 import math
 import re
+import shlex
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -337,7 +338,9 @@ def assert_clear_ending(argv, code, out, err):
             assert all(set(line) == {"progress"} for line in lines[:-1]), (argv, err)
         else:
             assert "error:" in err, (argv, err)
-    elif as_json and "-h" not in argv:
+    elif argv[0] == "run" and "--program" not in argv:  # the torchrun command, as a shell reads it
+        assert "torch.distributed.run" in shlex.split(out), (argv, out)
+    elif as_json:
         for latency in latencies(json.loads(out)):
             assert latency is not None and math.isfinite(latency) and latency >= 0, (argv, latency)
     else:

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from unisched.errors import ShapeError, UniSchedError
+from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.flags import (
     STRATEGY_HELP,
     add_cost_arguments,
@@ -372,6 +372,8 @@ def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]
         label = label_of(name, params)
         try:
             simulations.append((label, _simulate(args, name, params, options)))
+        except StrategyError:
+            raise  # a strategy that fails or maps work to no worker is an error, not a row left out
         except UniSchedError as error:
             skipped.append((label, str(error).splitlines()[0]))
     return *_ranked(simulations), skipped

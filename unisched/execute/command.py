@@ -49,8 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-rank", type=int, help="this node's rank, 0 to N-1 (several nodes)")
     launch.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (several nodes)")
     launch.add_argument("--program", action="store_true", help="print every rank's compiled program and exit")
-    launch.add_argument("--dry-run", action="store_true",
-                        help='print the torchrun command instead of running it (with --json: {"command": [...]})')
+    launch.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     add_training_arguments(parser)
 
 
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if world is not None:
         make_schedule(args, world)  # refuses a strategy that does not fit, or a plan for another world size
     if args.dry_run:
-        print(json.dumps({"command": command}) if args.json else shlex.join(command))
+        print(shlex.join(command))  # --json here is the training's option, passed on
         return 0
     return _launch(command)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from unisched.render.text import add_color_arguments
-from unisched.errors import UniSchedError
+from unisched.errors import StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
                             add_shape_arguments, cost_values, numbers, splits_backward)
@@ -383,7 +383,14 @@ def user_strategy(target: str, shape: Shape | tuple[int, int, int], params: Mapp
         except TypeError as error:
             raise UniSchedError(f"strategy factory {target!r} cannot take these parameters ({error}); "
                                 f"its signature is {target.rpartition(':')[2]}{inspect.signature(obj)}") from None
-        made = obj(W, S, B, **params)
+        try:
+            made = obj(W, S, B, **params)
+        except UniSchedError:
+            raise  # e.g. a ShapeError: the strategy does not fit the shape
+        except Exception as error:
+            raise StrategyError(f"strategy factory {target!r} failed on W={W}, S={S}, B={B}"
+                                f"{''.join(f', {k}={v!r}' for k, v in params.items())}: "
+                                f"{type(error).__name__}: {error}") from error
         if isinstance(made, Strategy):
             return made if made.name else made.with_(name=label)
         if callable(made):

@@ -722,7 +722,7 @@ class Trainer:
             elif action.op == "R":
                 self._post_reduce(st, action)
             if index in self._last_use:
-                self._release_fetched(self._last_use[index])
+                self._release_data(self._last_use[index])
         st.current = None
 
     def _run_forwards(self, st: "_StepState") -> float:
@@ -1068,7 +1068,8 @@ class Trainer:
         if msg.letter == "w":
             tensor = _flatten([p.detach() for p in self._params[msg.stage]], self.device)
         elif msg.letter == "r":
-            tensor = _flatten([_grad(p) for p in self._params[msg.stage]], self.device)
+            tensor = _flatten([p.grad if p.grad is not None else torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+                               for p, t in zip(self._params[msg.stage], self._templates[msg.stage])], self.device)
             for p in self._params[msg.stage]:
                 p.grad = None  # returned: the copy in flight is all that is left of it
         else:
@@ -1166,18 +1167,24 @@ class Trainer:
             self._release_fetched(s)
 
     def _release_fetched(self, s: int) -> None:
-        """Free the device copy of stage ``s``'s weights and its gradient: a
-        fetched stage's after its last use in the step (its last item, or the
-        return of its gradient), an offloaded one's after the step."""
+        """Free the device copy of stage ``s``'s weights and its gradient (an
+        offloaded or fetched stage's, after the step)."""
+        self._release_data(s)
         for p in self._params[s]:
-            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
             p.grad = None
 
+    def _release_data(self, s: int) -> None:
+        """Free the device copy of stage ``s``'s weights: a fetched stage's
+        after its last item in the step.  Its gradient lives on until it is
+        returned (the send lets it go)."""
+        for p in self._params[s]:
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+
     def _last_uses(self) -> dict[int, int]:
-        """Per action index, the fetched stage whose last use in the step it is."""
+        """Per action index, the fetched stage whose last item in the step it is."""
         last = {}
         for index, action in enumerate(self._actions):
-            if action.stage in self._fetch and (action.is_compute or action.op == "r>"):
+            if action.stage in self._fetch and action.is_compute:
                 last[action.stage] = index
         return {index: s for s, index in last.items()}
 

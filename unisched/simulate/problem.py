@@ -376,7 +376,7 @@ def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int)
     weight = np.empty(len(batch), dtype=np.int64)
     mapping = strategy.mapping
     for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
-        work = Work(b, s, Direction(d))
+        work = Work(b, s, _DIRECTIONS[d])
         try:
             c, w = mapping(work)
         except Exception as error:
@@ -386,6 +386,10 @@ def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int)
         compute[i] = _worker_id(c, work, "compute", strategy, num_workers)
         weight[i] = _worker_id(w, work, "weight", strategy, num_workers)
     return compute, weight
+
+
+_DIRECTIONS = tuple(Direction)
+"""Direction by code."""
 
 
 def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):

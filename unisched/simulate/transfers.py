@@ -29,10 +29,10 @@ _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
 
 
 def transfers(p: Problem, start: np.ndarray, end: np.ndarray, booked: list | None) -> Transfers:
-    columns = _from_booked(p, booked) if booked is not None else _derived(p, start, end)
+    tables = [_from_booked(p, booked)] if booked is not None else _derived(p, start, end)
     if getattr(p.costs, "topology", None) is None:  # on a topology the engine booked the all-reduces
-        columns = _concat(columns, _allreduce(p, end, columns))
-    return Transfers(**columns)
+        tables.append(_allreduce(p, end, tables))
+    return Transfers(**_concat(*tables))
 
 
 def _columns(kind, src, dst, begin, finish, nbytes, item, p: Problem) -> dict:
@@ -65,7 +65,7 @@ def _from_booked(p: Problem, rows: list) -> dict:
     return table
 
 
-def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
+def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> list[dict]:
     compute = p.worker_array
     moved = (compute[p.edges[0]] != compute[p.edges[1]])
     kinds, nbytes = moves(p, p.edges[:, moved])
@@ -96,7 +96,7 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> dict:
         gangs = _columns(code, src, dst, at, at, nbytes, items, p)
     else:
         gangs = _columns([], [], [], [], [], [], [], p)
-    return _concat(data, fetches, returns, gangs)
+    return [data, fetches, returns, gangs]
 
 
 def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
@@ -199,11 +199,13 @@ def ring_hops(ptr: np.ndarray, replicas: np.ndarray, ring_sizes: np.ndarray, nby
     return replicas, replicas[nxt], np.repeat(2 * (n - 1) / n * nbytes, count)
 
 
-def _allreduce(p: Problem, end: np.ndarray, moved: dict) -> dict:
-    """The all-reduces of :func:`allreduce_table`, each starting when its
-    stage is ready and taking the network model's time."""
-    returned = moved["kind"] == _CODE["weight_gradient"]
-    t = allreduce_table(p, end, moved["stage"][returned], moved["end"][returned])
+def _allreduce(p: Problem, end: np.ndarray, moved: list[dict]) -> dict:
+    """The all-reduces of :func:`allreduce_table` after the transfers
+    ``moved``, each starting when its stage is ready and taking the network
+    model's time."""
+    returned = [table["kind"] == _CODE["weight_gradient"] for table in moved]
+    t = allreduce_table(p, end, np.concatenate([table["stage"][r] for table, r in zip(moved, returned)]),
+                        np.concatenate([table["end"][r] for table, r in zip(moved, returned)]))
     duration = np.array([network.ring_allreduce_time(p.costs, t.replicas[a:b], n)
                          for a, b, n in zip(t.ptr[:-1].tolist(), t.ptr[1:].tolist(), t.nbytes.tolist())], dtype=float)
     count = np.diff(t.ptr)

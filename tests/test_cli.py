@@ -282,3 +282,11 @@ def test_your_own_strategy_that_fails_is_an_error_naming_it(capsys, tmp_path):
     assert code == 2 and out == "" and f"strategy '{mine}:crashes' failed on" in err and "RuntimeError: boom" in err
     code, out, err = run(capsys, "simulate", "--strategy", f"{mine}:factory", "-W", "2", "-B", "2")
     assert code == 2 and f"strategy factory '{mine}:factory' failed on W=2, S=2, B=2: ValueError: nope" in err
+
+
+def test_simulate_time_unit_takes_a_number_of_seconds(capsys, tmp_path):
+    path = tmp_path / "trace.json"
+    code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", str(path), "--time-unit", "1e-3")
+    events = json.loads(path.read_text())["traceEvents"]
+    assert code == 0, err
+    assert max(e["ts"] + e["dur"] for e in events if e["ph"] == "X") == pytest.approx(33e3)  # 33 ms in us

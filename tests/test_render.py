@@ -393,7 +393,7 @@ def test_trace_simulated_one_event_per_item():
     assert counters == {"activations", "memory"}
 
 
-@pytest.mark.parametrize("unit, us", [("s", 1e6), ("ms", 1e3), ("us", 1.0), (0.5, 5e5)])
+@pytest.mark.parametrize("unit, us", [("s", 1e6), ("ms", 1e3), ("us", 1.0), (0.5, 5e5), ("0.5", 5e5), (" 1e-3", 1e3)])
 def test_trace_time_unit(unit, us):
     """Simulated times are in the unit of the costs: seconds by default, as a measured trace."""
     t = gpipe()  # forward 1, backward 2
@@ -416,9 +416,11 @@ def test_trace_time_unit_through_save_and_refused_when_unknown(tmp_path):
     save(gpipe(), tmp_path / "ms.json", time_unit="ms")
     events = json.loads((tmp_path / "ms.json").read_text())["traceEvents"]
     assert max(e["ts"] + e.get("dur", 0) for e in events if e["ph"] == "X") == pytest.approx(33e3)
-    for bad in ("minutes", 0, -1, float("nan"), True):
+    for bad in ("minutes", 0, -1, float("nan"), True, "0", "-1", "nan", "inf", ""):
         with pytest.raises(UniSchedError, match="time"):
             to_chrome_trace(gpipe(), time_unit=bad)
+    with pytest.raises(UniSchedError, match="too long for a trace in microseconds; give a smaller time_unit"):
+        to_chrome_trace(gpipe(), time_unit=1e305)
 
 
 def test_trace_of_a_simulation_lines_up_with_a_measured_one():

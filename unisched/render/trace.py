@@ -51,11 +51,15 @@ TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
 def unit_seconds(time_unit: str | float = "s") -> float:
-    """Seconds in one time unit: a name of :data:`TIME_UNITS` or a positive number."""
+    """Seconds in one time unit: a name of :data:`TIME_UNITS` or a positive number (also as text, as the
+    command line gives it)."""
     if isinstance(time_unit, str):
+        name = time_unit.strip().lower()
+        if name in TIME_UNITS:
+            return TIME_UNITS[name]
         try:
-            return TIME_UNITS[time_unit.strip().lower()]
-        except KeyError:
+            time_unit = float(name)
+        except ValueError:
             raise UniSchedError(
                 f"unknown time unit {time_unit!r}; use one of {', '.join(TIME_UNITS)} or a number of seconds"
             ) from None
@@ -76,6 +80,9 @@ def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     scale = seconds * 1e6  # microseconds per time unit
     origin = time_origin(timeline)
+    if not math.isfinite(timeline.latency * scale):
+        raise UniSchedError(f"a step of {timeline.latency:g} units of {seconds:g} s is too long for a trace in "
+                            "microseconds; give a smaller time_unit")
     W = timeline.num_workers
     events: list[dict] = []
 

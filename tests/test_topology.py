@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from unisched import Work, network, policies, simulate
+from unisched import Costs, Work, network, policies, simulate
 from unisched.cli import main
 from unisched.errors import ShapeError
 from unisched.simulate.layout import Layout, Model, simulate_layout
@@ -214,6 +214,24 @@ def test_a_layout_that_does_not_divide_is_refused():
 
 
 # ---------------------------------------------------------------------- the command
+def test_cluster_costs_round_trip_through_a_costs_file(tmp_path):
+    """A costs dict or file that carries a topology reads back as the same
+    ClusterCosts (what a plan file's costs are read with), and simulates the same."""
+    costs = ClusterCosts(forward=[1.0, 2.0], activation_bytes=1e6, weight_bytes=4e6, topology="dgx_h100",
+                         replicas=2, tensor_parallel_bytes=3e6)
+    back = Costs.from_dict(json.loads(json.dumps(costs.to_dict())))
+    assert isinstance(back, ClusterCosts) and back == costs
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    loaded = Costs.load(path)
+    assert isinstance(loaded, ClusterCosts) and loaded.topology == costs.topology
+    strategy = policies.get("one_f_one_b", 2, 2, 4)
+    first, again = (simulate(2, 2, 4, strategy, costs=c).timeline for c in (costs, loaded))
+    assert np.array_equal(first.start, again.start) and np.array_equal(first.end, again.end)
+    with pytest.raises(ShapeError, match=r"unknown cost field\(s\) \['nodes'\]"):
+        Costs.from_dict({"forward": 1.0, "nodes": 2})
+
+
 def test_simulate_takes_a_topology(tmp_path, capsys):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"forward": 0.01, "backward": 0.02, "activation_bytes": 1e9}))

@@ -215,9 +215,15 @@ class Costs:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Costs":
+        """Costs from :meth:`to_dict`'s form.  A dict with the fields of a
+        kind of Costs defined elsewhere (a :class:`~unisched.topology.ClusterCosts`'
+        ``topology``) is read as that kind, so a file can carry a cluster."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
+            wider = [kind for kind in _kinds_of(cls) if set(data) <= {f.name for f in fields(kind)}]
+            if wider:
+                return wider[0].from_dict(data)
             raise ShapeError(f"unknown cost field(s) {unknown}; known fields are {sorted(known)}")
         data = dict(data)
         if data.get("bandwidth", 0) is None:
@@ -240,6 +246,14 @@ class Costs:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _kinds_of(cls: type) -> list[type]:
+    """The subclasses of ``cls`` that are loaded, nearest first."""
+    found = list(cls.__subclasses__())
+    for kind in list(found):
+        found += _kinds_of(kind)
+    return found
 
 
 LARGEST_STEP = 1e290

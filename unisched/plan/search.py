@@ -12,11 +12,11 @@ search, all on fixed mappings taken from the named strategies:
    input-gradient pass) first; else a forward, while it has fewer forwards in
    flight than its warm-up allows and its memory has room (and, in the
    warm-up, if it ends before a backward known to be on its way arrives: a
-   forward that delays the first backward delays it on every stage below, the
-   paper's rule); else a weight pass
-   when the gap before its next backward or forward is long enough, or when
-   memory or the end of the step asks for it.  A grid of warm-ups, gap
-   thresholds and memory reservations (:class:`Rule`) gives as many schedules.
+   forward that delays the first backward delays it on every stage below;
+   the paper's heuristic has the same choice); else a weight pass when the
+   gap before its next backward or forward is long enough, or when memory or
+   the end of the step asks for it.  A grid of warm-ups, gap thresholds,
+   fits and memory reservations (:class:`Rule`) gives as many schedules.
 3. **Refinement.** On problems small enough, CP-SAT reorders the best
    construction (:func:`unisched.plan.order.solve_order`, hinted with it), as
    the paper refines its heuristic's schedule with an ILP.

@@ -2,9 +2,10 @@
 their optimizer state and their gradients until the optimizer step, fetched
 weights while needed and the copy a weight worker serves them from while
 it travels, stashes until their backward, a backward's workspace while it
-runs, a fetched stage's gradient from the start of the pass that makes
-it until it is sent back, and a returned gradient's buffer while it
-travels."""
+runs (none for the pass that starts a fetched stage's gradient, which
+holds that gradient from its start until it is sent back), and a returned
+gradient's buffer from the item during which it is sent to the end of
+the item during which it arrives."""
 
 from __future__ import annotations
 
@@ -99,6 +100,31 @@ def test_a_fetched_stages_gradient_is_made_beside_the_fetched_weights():
     middle = (t.start[row] + t.end[row]) / 2
     assert memory_curves(t, "fetched")[0].at(middle) == 12.0
     assert memory_curves(t, "gradients")[0].at(middle) == 12.0, "the gradient the pass makes, beside them"
+
+
+def test_a_weight_worker_posts_and_takes_in_a_returned_gradient_between_its_items():
+    sharded = lambda w: ComputeAndWeightWorkers(w.batch % 2, w.stage % 2)  # noqa: E731
+    costs = Costs(backward=3, activation_bytes=1, weight_bytes=[8.0, 12.0], bandwidth=5.0, cache_weights=True)
+    t = simulate(2, 2, 4, sharded, costs=costs).timeline
+    r = next(r for r in t.transfers if r.kind == "weight_gradient" and r.dst == 1)
+    items = [i for i in range(len(t)) if t.worker[i] == 1]
+    sent_in = next(i for i in items if t.start[i] < r.start < t.end[i])
+    arrives_in = next(i for i in items if t.start[i] < r.end < t.end[i])
+    own = 12.0  # worker 1's gradient of stage 1, held since its first backward of it
+    held = memory_curves(t, "weight_gradients")[1]
+    assert held.at(t.start[sent_in] - 0.1) == own
+    assert held.at((t.start[sent_in] + r.start) / 2) == own + 12.0, "the receive is posted before the item"
+    assert held.at((r.end + t.end[arrives_in]) / 2) == own + 12.0, "arrived, taken in once the item ends"
+    assert held.at(t.end[arrives_in]) == own
+
+
+def test_the_pass_that_starts_a_fetched_stages_gradient_holds_it_in_place_of_a_workspace():
+    costs = Costs(activation_bytes=1, weight_bytes=[8.0, 12.0], backward_workspace_bytes=[7.0, 9.0])
+    t = run("fsdp", 2, 2, 2, costs)
+    workspace = memory_curves(t, "workspace")[0]
+    for work, expected in ((Work(0, 1, BACKWARD), 0.0), (Work(0, 0, BACKWARD), 7.0)):
+        row = next(i for i in range(len(t)) if t.work(i) == work)
+        assert t.worker[row] == 0 and workspace.at((t.start[row] + t.end[row]) / 2) == expected, work
 
 
 def test_units_count_buffers_and_bytes_need_sizes():

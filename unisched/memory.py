@@ -23,11 +23,14 @@ enforces memory limits incrementally with the same rules):
   the first gradient returned to it, if earlier) to the optimizer step
   (during that pass it grows as the pass frees its stash, which is counted
   until the pass ends); and the buffer a returned gradient arrives in,
-  while it travels.
+  from when it is sent until the weight worker takes it in, between two of
+  its items (at the end of the item it runs when the gradient arrives).
 - workspace: what a backward pass (either half of a split one) holds only
   while it runs (``Costs.backward_workspace_bytes``: a parameter's fresh
   gradient before it joins the accumulated one, the activations'
-  gradients), on its worker from its start to its end.
+  gradients), on its worker from its start to its end; none for the pass
+  that starts a fetched stage's gradient, whose parameters' gradients are
+  that gradient, counted from the pass's start.
 - optimizer: a stage's optimizer state (``Costs.optimizer_bytes``), on each
   of its weight workers for the whole step, like the weights.
 
@@ -143,8 +146,12 @@ def _optimizer_step(t: Timeline) -> float:
 
 
 def _workspace_holds(t: Timeline, in_bytes: bool):
-    """Each backward pass's transient working memory, while it runs."""
-    rows = np.flatnonzero(t.direction != FORWARD)
+    """Each backward pass's transient working memory, while it runs; none
+    for a pass that starts a fetched stage's gradient (it writes the
+    parameters' gradients in place, counted as that gradient from its start)."""
+    backward = t.direction != FORWARD
+    backward[_makers(t)[1]] = False
+    rows = np.flatnonzero(backward)
     return t.worker[rows], t.start[rows], t.end[rows], _per_stage(t, "backward_workspace_bytes", in_bytes)[t.stage[rows]]
 
 
@@ -200,7 +207,8 @@ def _own_gradient_holds(t: Timeline, in_bytes: bool):
         first[(w, s)] = min(first.get((w, s), np.inf), end)
     tr = t.transfers
     back = np.flatnonzero(tr.of_kind("weight_gradient"))
-    for w, s, end in zip(tr.dst[back].tolist(), tr.stage[back].tolist(), tr.end[back].tolist()):
+    taken = _between_items(t, tr.dst[back], tr.end[back], before=False)
+    for w, s, end in zip(tr.dst[back].tolist(), tr.stage[back].tolist(), taken.tolist()):
         first[(w, s)] = min(first.get((w, s), np.inf), end)
     keys = list(first)
     workers = np.array([w for w, _ in keys], dtype=int)
@@ -210,34 +218,63 @@ def _own_gradient_holds(t: Timeline, in_bytes: bool):
 
 
 def _gradient_holds(t: Timeline, in_bytes: bool):
-    """A fetched stage's gradient: from the start of the worker's first
-    gradient pass of the stage after the one whose gradient it sent back
-    before, until it has been sent back."""
+    """A fetched stage's gradient: from the start of the pass that starts
+    making it (:func:`_makers`) until it has been sent back."""
+    rows, makers = _makers(t)
     tr = t.transfers
-    rows = np.flatnonzero(tr.of_kind("weight_gradient"))
-    starts = tr.start[rows].copy()
-    passes = _gradient_passes(t)
-    for group in _groups(tr.src[rows], tr.stage[rows]):
-        sends = rows[group]
-        sends = sends[np.argsort(tr.start[sends], kind="stable")]
-        mine = passes[(t.worker[passes] == tr.src[sends[0]]) & (t.stage[passes] == tr.stage[sends[0]])]
-        mine = mine[np.argsort(t.start[mine], kind="stable")]
-        position = {b: i for i, b in enumerate(t.batch[mine].tolist())}
-        first = 0  # the first pass whose gradient the next send carries
-        for send in sends.tolist():
-            if first < len(mine):
-                starts[np.searchsorted(rows, send)] = min(t.start[mine[first]], tr.start[send])
-            first = position.get(int(tr.batch[send]), first - 1) + 1
+    starts = np.where(makers >= 0, np.minimum(t.start[makers], tr.start[rows]), tr.start[rows])
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
     return tr.src[rows], starts, tr.end[rows], amounts
 
 
+def _makers(t: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """The returned gradients (rows of the transfers) and, for each, the
+    item that starts making it: the sender's first gradient pass of the
+    stage after the one whose gradient it sent back before (-1: none found)."""
+    tr = t.transfers
+    rows = np.flatnonzero(tr.of_kind("weight_gradient"))
+    makers = np.full(len(rows), -1)
+    passes = _gradient_passes(t)
+    for group in _groups(tr.src[rows], tr.stage[rows]):
+        group = group[np.argsort(tr.start[rows[group]], kind="stable")]
+        mine = passes[(t.worker[passes] == tr.src[rows[group[0]]]) & (t.stage[passes] == tr.stage[rows[group[0]]])]
+        mine = mine[np.argsort(t.start[mine], kind="stable")]
+        position = {b: i for i, b in enumerate(t.batch[mine].tolist())}
+        first = 0
+        for g in group.tolist():
+            if first < len(mine):
+                makers[g] = mine[first]
+            first = position.get(int(tr.batch[rows[g]]), first - 1) + 1
+    return rows, makers
+
+
 def _returned_holds(t: Timeline, in_bytes: bool):
-    """The buffer a returned gradient arrives in, on the weight worker, while it travels."""
+    """The buffer a returned gradient arrives in, on the weight worker, from
+    when that worker posts its receive until it takes it in: between two of
+    its items, so from the start of the item it runs when the gradient is
+    sent to the end of the item it runs when it arrives (:func:`_between_items`)."""
     tr = t.transfers
     rows = np.flatnonzero(tr.of_kind("weight_gradient"))
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
-    return tr.dst[rows], tr.start[rows], tr.end[rows], amounts
+    posted = _between_items(t, tr.dst[rows], tr.start[rows], before=True)
+    return tr.dst[rows], posted, _between_items(t, tr.dst[rows], tr.end[rows], before=False), amounts
+
+
+def _between_items(t: Timeline, workers: np.ndarray, times: np.ndarray, before: bool) -> np.ndarray:
+    """Where each worker, which acts between its items, does what falls at
+    each time: the start (``before``) or the end of the item it runs then,
+    or that time if it runs none."""
+    out = np.asarray(times, dtype=float).copy()
+    for w in np.unique(workers).tolist():
+        mine = np.flatnonzero(t.worker == w)
+        if not len(mine):
+            continue
+        mine = mine[np.argsort(t.start[mine], kind="stable")]
+        asked = np.flatnonzero(workers == w)
+        at = np.maximum(np.searchsorted(t.start[mine], out[asked], side="left") - 1, 0)  # the last item started before
+        running = (t.start[mine][at] < out[asked]) & (t.end[mine][at] > out[asked])
+        out[asked] = np.where(running, (t.start if before else t.end)[mine][at], out[asked])
+    return out
 
 
 def _groups(first: np.ndarray, second: np.ndarray):

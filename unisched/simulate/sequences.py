@@ -59,9 +59,11 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
     follows = np.ones(len(ids), dtype=bool)  # an item follows the one before it, unless it opens its worker's order
     opens = np.cumsum(lengths) - lengths
     follows[opens[opens < len(ids)]] = False
-    dst = ids[follows]
-    src = ids[np.flatnonzero(follows) - 1]
-    return np.stack([src, dst, np.full(len(src), kind), np.full(len(src), -1)]).astype(np.int64)
+    table = np.empty((4, int(follows.sum())), dtype=np.int64)
+    table[0] = ids[np.flatnonzero(follows) - 1]
+    table[1] = ids[follows]
+    table[2], table[3] = kind, -1
+    return table
 
 
 def _each_once_on_its_worker(ids: np.ndarray, owner: np.ndarray, compute: np.ndarray) -> bool:

@@ -163,6 +163,9 @@ def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -
     opens = np.flatnonzero(np.append(True, group_of[1:] != group_of[:-1]))
     count = np.diff(np.append(opens, len(held)))
     kept = (count > 1) | (getattr(p.costs, "replicas", 1) > 1)
+    if not kept.any():
+        none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+        return AllReduces(none_i, none_i, none_f, none_f, none_i, np.zeros(1, np.int64), none_i)
     ready = np.full(S, -np.inf)
     np.maximum.at(ready, stage, end[item])
     np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))

@@ -222,7 +222,7 @@ TIED_CASES = [  # (strategy, stages, micro-batches, clip): who holds wte and lm_
     ("interleaved", 4, 4, 0.5),     # 1F1B over 4 stages, clipped
     ("zbv", 4, 4, None),            # a V: stages 0 and 3 on rank 0, a local sum
     ("ddp", 2, 2, 0.5),             # both stages replicated on both ranks
-    ("fsdp", 4, 2, None),           # weight workers apart from the ranks that compute
+    ("fsdp", 4, 2, 0.5),            # weight workers apart from the ranks that compute
 ]
 TIED_STEPS = 3
 SAVED, RESUMED = "interleaved", ("resumed", "zbv", 4, 4, 0.5)

@@ -245,3 +245,27 @@ def test_the_drawing_view_keeps_both_rates():
     drawn = t.per_worker()
     assert len(drawn) == 2 * len(t)
     assert (drawn.throughput, drawn.item_rate) == (t.throughput, t.item_rate)
+
+
+# ---------------------------------------------------------------------- rows no view can draw
+@pytest.mark.parametrize(
+    "column, row, value, words",
+    [
+        ("start", 1, np.nan, r"has start time nan in timeline 'gpipe'; times must be finite numbers"),
+        ("end", 3, np.inf, r"has end time inf"),
+        ("worker", 0, 9, r"\(0F0\) has compute worker 9, but timeline 'gpipe' has workers 0..3"),
+        ("weight_worker", 0, -1, r"has weight worker -1"),
+        ("batch", 0, 8, r"row 0 .* = \(8, 0, 0\), which is not a work item of a step with S=4, B=8"),
+        ("direction", 0, 7, r"row 0 .* = \(0, 0, 7\), which is not a work item"),
+        ("gang", 0, 0, r"\(0F0\) is in gang 0, but timeline 'gpipe' has 0 gangs"),
+    ],
+)
+def test_rows_no_view_can_draw_are_refused_when_the_timeline_is_made(column, row, value, words):
+    """Every view (text, HTML, figure, trace, stats, memory) can then draw any timeline there is."""
+    t = simulate(4, 4, 8, gpipe).timeline
+    values = getattr(t, column).astype(float if column in ("start", "end") else np.int64)
+    values[row] = value
+    with pytest.raises(TimelineError, match=words):
+        replace(t, **{column: values})
+    with pytest.raises(TimelineError, match="differ in length"):
+        replace(t, start=t.start[:-1])

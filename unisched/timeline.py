@@ -228,6 +228,51 @@ class Timeline:
         for name, value in sizes.items():
             value = np.zeros(self.num_stages) if value is None else np.broadcast_to(_floats(value), (self.num_stages,))
             object.__setattr__(self, name, np.array(value, dtype=np.float64))
+        self._check_row_values()
+
+    def _check_row_values(self) -> None:
+        """Refuse rows no view can draw: columns of different lengths, an item that is not one
+        of this step's, a worker that does not exist, or a time that is not a finite number.
+        (Whether the rows make a valid step is :meth:`check`'s question.)"""
+        columns = {name: getattr(self, name) for name in ("batch", "stage", "direction", "worker", "weight_worker",
+                                                            "start", "end", "gang")}
+        lengths = {name: len(column) for name, column in columns.items()}
+        if len(set(lengths.values())) > 1:
+            raise TimelineError(f"the columns of {self._name()} differ in length: {lengths}; give one entry per row "
+                                "in each")
+        items = dataflow.Items(self.num_stages, self.num_batches, self.split_backward)
+        known = (self.batch >= 0) & (self.batch < self.num_batches) & (self.stage >= 0) & (self.stage < self.num_stages)
+        known &= np.isin(self.direction, np.asarray(items.dirs, dtype=np.int64))
+        if not known.all():
+            i = int(np.flatnonzero(~known)[0])
+            row = (int(self.batch[i]), int(self.stage[i]), int(self.direction[i]))
+            raise TimelineError(
+                f"row {i} of {self._name()} is (batch, stage, direction) = {row}, which is not a work item of a step "
+                f"with S={self.num_stages}, B={self.num_batches}, split_backward={self.split_backward}; give the "
+                "timeline the step's shape and backward form",
+                items=[Work(row[0], row[1], Direction(row[2]))] if row[2] in set(map(int, Direction)) else [],
+            )
+        W = self.num_workers
+        for role, column in (("compute", self.worker), ("weight", self.weight_worker)):
+            bad = np.flatnonzero((column < 0) | (column >= W))
+            if len(bad):
+                i = int(bad[0])
+                raise TimelineError(
+                    f"{_named(self.work(i))} has {role} worker {column[i]}, but {self._name()} has workers 0..{W - 1}",
+                    items=[self.work(i)], workers=[int(column[i])],
+                )
+        bad = np.flatnonzero((self.gang < -1) | (self.gang >= len(self.gang_members)))
+        if len(bad):
+            i = int(bad[0])
+            raise TimelineError(f"{_named(self.work(i))} is in gang {self.gang[i]}, but {self._name()} has "
+                                f"{len(self.gang_members)} gangs; give -1 (no gang) or an index into gang_members",
+                                items=[self.work(i)])
+        for name in ("start", "end"):
+            bad = np.flatnonzero(~np.isfinite(columns[name]))
+            if len(bad):
+                i = int(bad[0])
+                raise TimelineError(f"{_named(self.work(i))} has {name} time {float(columns[name][i])} in {self._name()}; "
+                                    "times must be finite numbers", items=[self.work(i)])
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -324,7 +369,7 @@ class Timeline:
         Check a timeline, not its :meth:`per_worker` view, which repeats items."""
         rows = self._rows_by_item()
         slack = tolerance * max(1.0, float(np.abs(self.start).max(initial=0.0)), float(np.abs(self.end).max(initial=0.0)))
-        self._check_rows(slack)
+        self._check_durations(slack)
         self._check_dependencies(rows, slack)
         self._check_one_item_at_a_time(slack)
         if memory_limit is not None:
@@ -358,19 +403,7 @@ class Timeline:
     def _rows_by_item(self) -> np.ndarray:
         """The row of each item id (:class:`unisched.dataflow.Items`), after
         checking that every item of the step ran exactly once."""
-        S, B = self.num_stages, self.num_batches
-        items = dataflow.Items(S, B, self.split_backward)
-        known = (self.batch >= 0) & (self.batch < B) & (self.stage >= 0) & (self.stage < S)
-        known &= np.isin(self.direction, np.asarray(items.dirs, dtype=np.int64))
-        if not known.all():
-            i = int(np.flatnonzero(~known)[0])
-            row = (int(self.batch[i]), int(self.stage[i]), int(self.direction[i]))
-            raise TimelineError(
-                f"row {i} of {self._name()} is (batch, stage, direction) = {row}, which is not a work item of a step "
-                f"with S={S}, B={B}, split_backward={self.split_backward}; give the timeline the step's shape and "
-                "backward form",
-                items=[Work(row[0], row[1], Direction(row[2]))] if row[2] in iter(Direction) else [],
-            )
+        items = dataflow.Items(self.num_stages, self.num_batches, self.split_backward)
         ids = items.id(self.batch, self.stage, self.direction)
         counts = np.bincount(ids, minlength=items.count)
         repeated = np.flatnonzero(counts > 1)
@@ -395,16 +428,7 @@ class Timeline:
         rows[ids] = np.arange(len(self))
         return rows
 
-    def _check_rows(self, slack: float) -> None:
-        W = self.num_workers
-        for role, column in (("compute", self.worker), ("weight", self.weight_worker)):
-            bad = np.flatnonzero((column < 0) | (column >= W))
-            if len(bad):
-                i = int(bad[0])
-                raise TimelineError(
-                    f"{_named(self.work(i))} has {role} worker {column[i]}, but {self._name()} has workers 0..{W - 1}",
-                    items=[self.work(i)], workers=[int(column[i])],
-                )
+    def _check_durations(self, slack: float) -> None:
         backwards = np.flatnonzero(~(self.end >= self.start - slack))
         if len(backwards):
             i = int(backwards[0])

@@ -46,8 +46,7 @@ cost_fields = st.fixed_dictionaries(
         "worker_speed": odd_values, "activation_bytes": odd_values, "stash_bytes": odd_values,
         "weight_bytes": odd_values, "latency": odd_values, "bandwidth": odd_values, "links": links,
         "prefetch_depth": st.one_of(st.integers(-1, 3), odd_values), "cache_weights": st.one_of(st.booleans(), odd_values),
-        "input_grad_frees": odd_values, "stash_bytes": odd_values, "backward_workspace_bytes": odd_values,
-        "optimizer_bytes": odd_values,
+        "input_grad_frees": odd_values, "backward_workspace_bytes": odd_values, "optimizer_bytes": odd_values,
     },
 )
 # (strategy, W -> (S, B)): shapes each strategy fits, with a split backward (zb_h1) among them
@@ -81,8 +80,9 @@ def simulated_or_refused(costs_of, name, W, B, split, memory_limit):
 
 
 strategy_names = st.sampled_from(sorted(STRATEGY_SHAPES))
+# (an int beyond floats, a string or an object as a limit: test_bad_input's strict xfail, until it is refused)
 limit_numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-1, 10),
-                          st.sampled_from([0.5, 1e-300, 1e300, 2**63]))  # ints beyond floats: test_bad_input
+                          st.sampled_from([0.5, 1e-300, 1e300, 2**63]))
 memory_limits = st.one_of(st.none(), st.none(), limit_numbers, st.lists(limit_numbers, min_size=1, max_size=3))
 
 
@@ -94,14 +94,13 @@ def test_costs_make_a_valid_step_or_a_clear_error(fields, name, W, B, split, mem
 
 
 json_text = st.sampled_from(["nan", "inf", "-1", "1", "", "1e400", "0,1"])
+json_link = st.dictionaries(st.sampled_from(["latency", "bandwidth"]), st.one_of(odd_values, json_text), max_size=2)
+json_links = st.dictionaries(st.sampled_from(["0,1", "1,0", "0,0", "x", "0,1,2", ""]),
+                             st.one_of(odd_values, json_text, json_link), max_size=2)
 costs_json = st.dictionaries(
     st.sampled_from(["forward", "backward", "backward_input", "backward_weight", "worker_speed", "activation_bytes",
                      "latency", "bandwidth", "links", "prefetch_depth", "cache_weights", "speed", "Forward"]),
-    st.one_of(odd_values, json_text, st.dictionaries(st.sampled_from(["0,1", "1,0", "0,0", "x", "0,1,2", ""]),
-                                                    st.one_of(odd_values, json_text, st.dictionaries(
-                                                        st.sampled_from(["latency", "bandwidth"]),
-                                                        st.one_of(odd_values, json_text), max_size=2)),
-                                                    max_size=2)),
+    st.one_of(odd_values, json_text, json_links),
     max_size=4,
 )
 
@@ -227,7 +226,8 @@ verbs = {
              flag("--objective", ("latency", "span"), ("speed",)), flag("--search", ("heuristic",), ("magic",)),
              flag("--memory-budget", ("100", "1e9"), ("-1", "x", "nan")),
              flag("--optimizer-bytes", ("0", "10"), ("-5", "inf")),
-             flag("--out", ("{files}/out/p.json", "{files}/out/p.txt"), ("{files}/out/p.bogus", "{files}/nowhere/p.json")),
+             flag("--out", ("{files}/out/p.json", "{files}/out/p.txt"),
+                  ("{files}/out/p.bogus", "{files}/nowhere/p.json")),
              flag("--width", ("60",), ("3",))],
     "strategies": [],
     "run": [*shape_flags, flag("--strategy", strategies_good, strategies_bad),
@@ -355,7 +355,8 @@ def test_command_lines_end_in_a_result_or_a_clear_error(files, data):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(verb=st.sampled_from(["simulate", "compare", "plan", "strategies", "run"]), tokens=st.lists(st.sampled_from(WORDS), max_size=6),
+@given(verb=st.sampled_from(["simulate", "compare", "plan", "strategies", "run"]),
+       tokens=st.lists(st.sampled_from(WORDS), max_size=6),
        as_json=st.booleans())
 def test_any_jumble_of_words_ends_in_a_result_or_a_clear_error(verb, tokens, as_json):
     """Flags without values, values without flags, flags of other verbs: argparse's complaints read like ours."""

@@ -46,6 +46,29 @@ def test_whole_scheme_model_finds_43_where_paired_passes_give_48():
     assert solved.optimal and solved.objective == 43
 
 
+@pytest.mark.parametrize("shape, costs, memory, optimum", [
+    ((2, 2, 8), encode_costs(comm=1), 1, 49),
+    ((3, 2, 4), encode_costs(backward_input=1, backward_weight=1, comm=1), 1, 17),
+])
+def test_small_steps_are_planned_to_their_proven_optimum(shape, costs, memory, optimum):
+    """Exact references: the plan meets a bound proven over the whole scheme, and replays to it."""
+    result = plan(*shape, costs, memory_limit=memory, time_limit=10)
+    assert result.latency == optimum and result.simulate().latency == optimum
+    assert result.optimal and result.lower_bound == optimum
+    assert result.proven_for in (WHOLE_SCHEME, ANY_SCHEDULE)
+
+
+def test_a_mapping_whose_greedy_replay_deadlocks_starts_from_a_list_schedule():
+    """W = 2, S = 3, B = 8, split backward, memory 2: every named strategy's greedy replay
+    deadlocks, and CP-SAT finds no order of its own in a few seconds; the list scheduler's
+    orders give the searches a start, so a plan comes back."""
+    costs = encode_costs(backward_input=1, backward_weight=1)
+    result = plan(2, 3, 8, costs, memory_limit=2, time_limit=4)
+    assert result.simulate().latency == result.latency
+    assert result.latency >= result.lower_bound >= 36  # the work bound: 72 units on 2 workers
+    assert max(result.simulate().worker_stats()["max_activation_storage"]) <= 2
+
+
 def test_a_bound_of_a_restricted_class_never_claims_more():
     result = plan(2, 2, 2, encode_costs(comm=1), memory_limit=1, time_limit=10, scheme="paired")
     classes = result.bound_classes

@@ -48,12 +48,14 @@ from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
                                    mapping_of, rows_of, split_from)
 from unisched.plan.schedule import Schedule
-from unisched.plan.search import SEARCH_FROM_ITEMS, search as heuristic_search
+from unisched.plan.search import SEARCH_FROM_ITEMS, Mapped, construct, rules, search as heuristic_search
 
 ORDER_SHARE = 0.3
 """Share of the time limit given to CP-SAT orders of the best family mappings."""
 ORDERED_MAPPINGS = 3
 """How many of the best family mappings CP-SAT reorders."""
+CONSTRUCTED_RULES = 8
+"""How many rules of the list scheduler build orders for a mapping whose greedy replay deadlocks."""
 REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
 PAIRED_SHARE = 0.5
@@ -222,9 +224,12 @@ class _Search:
                          + _ordering_targets(self.problem, self.timed, built, False, len(built)))
 
     def orders(self, targets) -> None:
-        """CP-SAT orders of fixed mappings, each stopping at its mapping's lower bound."""
+        """CP-SAT orders of fixed mappings, each stopping at its mapping's lower bound; a mapping
+        whose greedy replay deadlocks starts from a memory-aware list schedule (:meth:`construct`)."""
         budget = (self.deadline - time.perf_counter()) * (1.0 if self.fixed else ORDER_SHARE)
         for label, compute, weight, hint in targets:
+            if hint is None:
+                hint = self.construct(label, compute, weight)
             left = self.deadline - time.perf_counter()
             share = min(left, budget / max(len(targets), 1))
             if share <= 0.05 or self.done():
@@ -241,6 +246,34 @@ class _Search:
             if solved.found:
                 schedule = Schedule.from_starts(self.problem, compute, weight, solved.starts, name=f"{label}+cpsat")
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
+
+    def construct(self, label: str, compute: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
+        """Orders for a mapping from the list scheduler of :func:`unisched.plan.search.construct`
+        under its first few rules: the best that replays is a candidate, and its start ticks the
+        order search's hint (None: none replays)."""
+        problem, timed = self.problem, self.timed
+        mapped = Mapped.build(timed, compute, weight, label)
+        held = set(zip(np.asarray(compute).tolist(), timed.stage.tolist()))
+        several = len(held) > len({w for w, _ in held})
+        best = None
+        for rule in rules(problem.split_backward, several)[:CONSTRUCTED_RULES]:
+            orders = construct(mapped, rule) if time.perf_counter() < self.deadline else None
+            if orders is None:
+                continue
+            schedule = Schedule(problem, np.asarray(compute), np.asarray(weight),
+                                {w: order.tolist() for w, order in enumerate(orders)}, name=label)
+            try:
+                replay = schedule.simulate()
+            except UniSchedError:
+                continue
+            candidate = Candidate(f"{label} + list schedule", "constructed", schedule, replay)
+            if best is None or candidate.value(problem.objective) < best.value(problem.objective):
+                best = candidate
+        if best is None:
+            return None
+        self.candidates.append(best)
+        t = best.replay.timeline
+        return np.array([timed.ticks(x) for x in t.start[rows_of(problem, t)]], dtype=np.int64)
 
     def mapping(self, whole: bool) -> None:
         """CP-SAT over mappings and orders, each run warm-started from the best candidate that fits

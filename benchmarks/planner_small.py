@@ -1,0 +1,130 @@
+"""Planner benchmark, small problems: how far the plan is from the best schedule.
+
+For a grid of small steps (W, S <= 4 workers and stages, B <= 8 micro-batches;
+forward 1, backward 2, or a split backward I 1, W 1; communication 0 or 1;
+memory limit 1, 2 or none) this runs ``plan()`` at the command's default time
+limit and prints, per case, the plan's replayed latency, the best lower bound
+it proves (and for which class of schedules), and the gap between the two.
+
+``--reference SECONDS`` also plans every case for that long (a long CP-SAT
+run) and prints the gap of the default run to that reference, the best
+schedule known: where the long run proves its schedule optimal, the reference
+is the optimum of the class it names.
+
+Run: ``python benchmarks/planner_small.py`` (``--quick``: the first cases only;
+``--cases 0,3``: those rows; ``--time-limit``: another search time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import NamedTuple
+
+from unisched.errors import UniSchedError
+from unisched.plan import encode_costs, plan
+from unisched.plan.command import DEFAULT_TIME_LIMIT
+
+
+class Case(NamedTuple):
+    workers: int
+    stages: int
+    batches: int
+    memory: float | None
+    comm: float
+    split: bool = False
+
+    def label(self) -> str:
+        memory = "none" if self.memory is None else f"{self.memory:g}"
+        return (f"W={self.workers} S={self.stages} B={self.batches} mem {memory:<4} comm {self.comm:g}"
+                + (" split" if self.split else ""))
+
+    def costs(self):
+        if self.split:
+            return encode_costs(backward_input=1, backward_weight=1, comm=self.comm)
+        return encode_costs(comm=self.comm)
+
+
+GRID = [
+    Case(2, 2, 2, 1, 1),
+    Case(2, 4, 4, 2, 1),
+    Case(2, 4, 8, 2, 1),
+    Case(3, 4, 8, 2, 1),
+    Case(2, 3, 8, 2, 0, split=True),
+    Case(4, 4, 8, 2, 0),
+    Case(4, 4, 8, 1, 1),
+    Case(3, 3, 8, 1, 0),
+    Case(3, 3, 8, 2, 1),
+    Case(4, 4, 8, None, 1),
+    Case(4, 4, 8, 2, 1, split=True),
+    Case(2, 2, 8, 1, 1),
+    Case(3, 2, 4, 1, 1, split=True),
+    Case(4, 3, 8, 2, 1),
+    Case(4, 4, 4, 1, 1),
+    Case(2, 4, 8, None, 1),
+]
+
+
+def run(case: Case, seconds: float):
+    begin = time.perf_counter()
+    result = plan(case.workers, case.stages, case.batches, case.costs(), memory_limit=case.memory,
+                  split_backward=case.split, time_limit=seconds)
+    assert result.simulate().latency == result.latency  # a plan replays exactly
+    return result, time.perf_counter() - begin
+
+
+def short_class(name: str) -> str:
+    if name == "any schedule":
+        return "any"
+    if name.startswith("schedules with one worker per"):
+        return "paired"
+    if "earliest start" in name:
+        return "whole, early claims"
+    if name.startswith("schedules with one weight worker"):
+        return "whole"
+    return name[:24]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help=f"search time per case (default {DEFAULT_TIME_LIMIT:g}, the command's default)")
+    parser.add_argument("--reference", type=float, default=0.0,
+                        help="also plan each case this many seconds, as the reference (0: no reference)")
+    parser.add_argument("--quick", action="store_true", help="only the first four cases")
+    parser.add_argument("--cases", default=None, help="comma-separated row numbers of the grid")
+    args = parser.parse_args()
+    rows = list(range(len(GRID)))
+    if args.cases:
+        rows = [int(x) for x in args.cases.split(",")]
+    elif args.quick:
+        rows = rows[:4]
+    print(f"plan() at {args.time_limit:g} s per case" + (f"; reference: {args.reference:g} s" if args.reference else ""))
+    print(f"{'#':>2} {'case':<38} {'plan':>6} {'bound':>6} {'gap':>6}  {'bound holds for':<20} {'wall':>5}  found by"
+          + ("   ref  proven  gap to ref" if args.reference else ""))
+    worst = 0.0
+    for k in rows:
+        case = GRID[k]
+        try:
+            result, wall = run(case, args.time_limit)
+        except UniSchedError as error:
+            print(f"{k:>2} {case.label():<38} no plan: {str(error).splitlines()[0][:100]}", flush=True)
+            worst = math.inf
+            continue
+        gap = result.latency / result.lower_bound - 1 if result.lower_bound else 0.0
+        line = (f"{k:>2} {case.label():<38} {result.latency:>6g} {result.lower_bound:>6g} {gap:>6.1%}  "
+                f"{short_class(result.bound_for):<20} {wall:>5.1f}  {result.strategy_name[:40]}")
+        if args.reference:
+            reference, _ = run(case, args.reference)
+            best = min(reference.latency, result.latency)
+            to_ref = result.latency / best - 1
+            worst = max(worst, to_ref)
+            line += f"  {best:>5g}  {'yes' if reference.optimal else 'no':>5}  {to_ref:>8.1%}"
+        print(line, flush=True)
+    if args.reference:
+        print(f"largest gap to the reference: {worst:.1%} (target 2%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -118,6 +118,16 @@ def test_a_weight_worker_posts_and_takes_in_a_returned_gradient_between_its_item
     assert held.at(t.end[arrives_in]) == own
 
 
+def test_a_gradient_returned_as_the_weight_worker_starts_an_item_is_taken_in_after_it():
+    t = run("fsdp", 2, 2, 2, Costs(activation_bytes=1, weight_bytes=[8.0, 12.0]))
+    r = next(r for r in t.transfers if r.kind == "weight_gradient" and r.dst == 1)
+    row = next(i for i in range(len(t)) if t.worker[i] == 1 and t.start[i] == r.end)
+    assert r.start == r.end and t.end[row] > r.end, "sent at once, as worker 1 begins an item"
+    held = memory_curves(t, "weight_gradients")[1]
+    assert held.at((t.start[row] + t.end[row]) / 2) == 12.0 + 12.0, "its own gradient of stage 1, and the buffer"
+    assert held.at(t.end[row]) == 12.0
+
+
 def test_the_pass_that_starts_a_fetched_stages_gradient_holds_it_in_place_of_a_workspace():
     costs = Costs(activation_bytes=1, weight_bytes=[8.0, 12.0], backward_workspace_bytes=[7.0, 9.0])
     t = run("fsdp", 2, 2, 2, costs)

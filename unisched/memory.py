@@ -262,8 +262,9 @@ def _returned_holds(t: Timeline, in_bytes: bool):
 
 def _between_items(t: Timeline, workers: np.ndarray, times: np.ndarray, before: bool) -> np.ndarray:
     """Where each worker, which acts between its items, does what falls at
-    each time: the start (``before``) or the end of the item it runs then,
-    or that time if it runs none."""
+    each time: the start (``before``) or the end of the item it runs then
+    (one that starts at that time included: the worker has begun it), or
+    that time if it runs none."""
     out = np.asarray(times, dtype=float).copy()
     for w in np.unique(workers).tolist():
         mine = np.flatnonzero(t.worker == w)
@@ -271,8 +272,8 @@ def _between_items(t: Timeline, workers: np.ndarray, times: np.ndarray, before: 
             continue
         mine = mine[np.argsort(t.start[mine], kind="stable")]
         asked = np.flatnonzero(workers == w)
-        at = np.maximum(np.searchsorted(t.start[mine], out[asked], side="left") - 1, 0)  # the last item started before
-        running = (t.start[mine][at] < out[asked]) & (t.end[mine][at] > out[asked])
+        at = np.maximum(np.searchsorted(t.start[mine], out[asked], side="right") - 1, 0)  # the last item started
+        running = (t.start[mine][at] <= out[asked]) & (t.end[mine][at] > out[asked])
         out[asked] = np.where(running, (t.start if before else t.end)[mine][at], out[asked])
     return out
 

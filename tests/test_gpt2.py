@@ -3,7 +3,7 @@ and trained by the Trainer on 4 gloo ranks under gpipe, 1F1B, interleaved,
 ZB-H1, FSDP, a Cuckoo-style mapping and a planned schedule, each matching
 one process to 1e-5 after two steps; its tied lm_head and wte stay one
 weight: on 2 gloo ranks (pipelines, a V that holds both copies on one rank,
-DDP, FSDP; clipped or not) the split model trains as the tied model does in
+DDP, FSDP; clipped, accumulated or neither) the split model trains as the tied model does in
 one process, and the two copies stay equal."""
 
 from __future__ import annotations
@@ -215,26 +215,26 @@ def test_a_pipeline_rank_builds_only_its_own_stage(trained):
 
 
 # ---------------------------------------------------------------------- the tie on 2 gloo ranks
-TIED_CASES = [  # (strategy, stages, micro-batches, clip): who holds wte and lm_head
-    ("gpipe", 2, 4, None),          # rank 0 and rank 1
-    ("one_f_one_b", 2, 4, 0.5),     # rank 0 and rank 1, the norm clipped
-    ("looped_bfs", 4, 4, None),     # gpipe's order over 4 stages: stages 0, 2 on rank 0, 1, 3 on rank 1
-    ("interleaved", 4, 4, 0.5),     # 1F1B over 4 stages, clipped
-    ("zbv", 4, 4, None),            # a V: stages 0 and 3 on rank 0, a local sum
-    ("ddp", 2, 2, 0.5),             # both stages replicated on both ranks
-    ("fsdp", 4, 2, 0.5),            # weight workers apart from the ranks that compute
+CLIP, ACCUMULATE = (("clip_grad_norm", 0.5),), (("accumulate", 3),)
+TIED_CASES = [  # (strategy, stages, micro-batches, training options): who holds wte and lm_head
+    ("gpipe", 2, 4, ()),            # rank 0 and rank 1
+    ("one_f_one_b", 2, 4, CLIP),    # rank 0 and rank 1, the norm clipped
+    ("looped_bfs", 4, 4, ACCUMULATE),  # gpipe's order over 4 stages (0, 2 on rank 0; 1, 3 on rank 1), one update
+    ("interleaved", 4, 4, CLIP),    # 1F1B over 4 stages
+    ("zbv", 4, 4, ()),              # a V: stages 0 and 3 on rank 0, a local sum
+    ("ddp", 2, 2, CLIP),            # both stages replicated on both ranks
+    ("fsdp", 4, 2, CLIP),           # weight workers apart from the ranks that compute
 ]
 TIED_STEPS = 3
-SAVED, RESUMED = "interleaved", ("resumed", "zbv", 4, 4, 0.5)
+SAVED, RESUMED = "interleaved", ("resumed", "zbv", 4, 4, CLIP)
 """Saved after the steps under interleaved; loaded under zbv (both copies on rank 0 now) for one more step."""
 
 
 def _train_tied(rank: int, world: int, cases, directory):
     out = {}
-    for name, S, B, clip, timeline in cases:
+    for name, S, B, options, timeline in cases:
         stages = split_model(gpt2(layers=4), S)
-        trainer = Trainer(stages, timeline, next_token_loss, optimizer, timeout=60, clip_grad_norm=clip,
-                          record=False)
+        trainer = Trainer(stages, timeline, next_token_loss, optimizer, timeout=60, record=False, **dict(options))
         if name == RESUMED[0]:
             unisched.load_checkpoint(trainer, directory)
         steps = [TIED_STEPS] if name == RESUMED[0] else range(TIED_STEPS)
@@ -275,9 +275,9 @@ def schedule(strategy: str, S: int, B: int):
 
 @pytest.fixture(scope="module")
 def trained_tied(tmp_path_factory):
-    cases = [(name, S, B, clip, schedule(name, S, B)) for name, S, B, clip in TIED_CASES]
-    label, strategy, S, B, clip = RESUMED
-    cases.append((label, S, B, clip, schedule(strategy, S, B)))
+    cases = [(name, S, B, options, schedule(name, S, B)) for name, S, B, options in TIED_CASES]
+    label, strategy, S, B, options = RESUMED
+    cases.append((label, S, B, options, schedule(strategy, S, B)))
     results = run_local(_train_tied, 2, cases, tmp_path_factory.mktemp("tied") / "checkpoint", timeout=180)
     for r in results:
         assert r.error is None, f"rank {r.rank}: {r.error}"
@@ -285,18 +285,18 @@ def trained_tied(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def tied_reference(micro_batches: int, clip: float | None,
+def tied_reference(micro_batches: int, options: tuple,
                    steps: int = TIED_STEPS) -> tuple[list[float], dict[str, np.ndarray]]:
     """The tied GPT-2, whole (one stage keeps the tie), trained in one process."""
     whole = split_model(gpt2(layers=4), 1)
     losses, state = train_one_process(whole, next_token_loss, optimizer, [batch(s) for s in range(steps)],
-                                      micro_batches=micro_batches, clip_grad_norm=clip)
+                                      micro_batches=micro_batches, **dict(options))
     return losses, {k: v.numpy() for k, v in whole.model_state_dict(state).items()}
 
 
-@pytest.mark.parametrize("name, S, B, clip", TIED_CASES, ids=[c[0] for c in TIED_CASES])
-def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(trained_tied, name, S, B, clip):
-    losses, expected = tied_reference(B, clip)
+@pytest.mark.parametrize("name, S, B, options", TIED_CASES, ids=[c[0] for c in TIED_CASES])
+def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(trained_tied, name, S, B, options):
+    losses, expected = tied_reference(B, options)
     initial = {k: v.detach().numpy() for k, v in gpt2(layers=4).state_dict().items()}
     assert np.abs(expected["lm_head.weight"] - initial["lm_head.weight"]).max() > 1e-3, "training moves the tie"
     for rank, rows in enumerate(trained_tied):
@@ -314,8 +314,8 @@ def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(tr
 def test_a_checkpoint_of_the_tied_copies_resumes_under_another_placement(trained_tied):
     """Saved under interleaved (copies on ranks 0 and 1), loaded under zbv
     (both on rank 0): one more step is the tied model's fourth step."""
-    label, _, _, B, clip = RESUMED
-    losses, expected = tied_reference(B, clip, TIED_STEPS + 1)
+    label, _, _, B, options = RESUMED
+    losses, expected = tied_reference(B, options, TIED_STEPS + 1)
     for rank, rows in enumerate(trained_tied):
         state = rows[label]["state"]
         worst = max(float(np.abs(state[k] - expected[k]).max()) for k in expected)

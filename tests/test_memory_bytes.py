@@ -1,7 +1,7 @@
 """Memory in bytes, as a rank of the executor holds it: weights of truth,
 their optimizer state and their gradients until the optimizer step, fetched
-weights while needed and the copy a weight worker serves them from while
-it travels, stashes until their backward, a backward's workspace while it
+weights while needed and the copies a weight worker serves them from
+until they have arrived, stashes until their backward, a backward's workspace while it
 runs (none for the pass that starts a fetched stage's gradient, which
 holds that gradient from its start until it is sent back), and a returned
 gradient's buffer from the item during which it is sent to the end of
@@ -80,16 +80,17 @@ def test_a_returned_gradient_arrives_in_a_buffer_then_joins_the_weight_workers_g
     assert peaks(t, "weights") == [8.0, 8.0]
 
 
-def test_a_weight_worker_holds_the_copy_it_serves_while_it_travels():
-    costs = Costs(activation_bytes=1, weight_bytes=[8.0, 12.0], bandwidth=4.0, cache_weights=True)
-    t = run("fsdp", 2, 2, 2, costs)
-    served = next(r for r in t.transfers if r.kind == "weights" and r.src == 0)
-    last_of_stage_1 = max(t.end[i] for i in range(len(t)) if t.worker[i] == 0 and t.stage[i] == 1)
-    assert served.nbytes == 8.0 and served.end < last_of_stage_1
-    fetched = memory_curves(t, "fetched")[0]
-    assert fetched.at((served.start + served.end) / 2) == 8.0 + 12.0, "stage 0 served while stage 1 is fetched"
-    assert fetched.at(served.end) == 12.0, "the served copy goes once it has arrived"
-    assert fetched.at(last_of_stage_1) == 0.0
+def test_a_weight_worker_holds_the_copies_it_serves_from_the_steps_start_until_they_have_arrived():
+    costs = Costs(activation_bytes=1, weight_bytes=[8.0, 12.0, 16.0], bandwidth=4.0, cache_weights=True)
+    t = run("fsdp", 3, 3, 3, costs)
+    served = [r for r in t.transfers if r.kind == "weights" and r.src == 2]
+    assert [r.nbytes for r in served] == [16.0, 16.0] and min(r.start for r in served) > 0, "fetched late"
+    arrived = max(r.end for r in served)
+    running = next(i for i in range(len(t)) if t.worker[i] == 2 and t.start[i] <= arrived < t.end[i])
+    fetched = memory_curves(t, "fetched")[2]
+    assert fetched.at(min(r.start for r in served) / 2) >= 32.0, "served first in worker 2's program"
+    let_go = t.end[running]
+    assert fetched.at(np.nextafter(let_go, -np.inf)) - fetched.at(let_go) == 32.0, "after the item running then"
 
 
 def test_a_fetched_stages_gradient_is_made_beside_the_fetched_weights():

@@ -12,7 +12,9 @@ enforces memory limits incrementally with the same rules):
   and the optimizer step at its end.
 - fetched: a fetched copy of a stage's weights, from the fetch's start to the
   end of the last item on that worker and stage before the next fetch; and,
-  on the weight worker, the flat copy it serves them from, while it travels.
+  on the weight worker, the flat copy it serves them from: made as the step
+  starts (a rank's program serves first) and let go between two of its
+  items, once the fetch has arrived.
 - gradients: a fetched stage's gradient, from the start of the worker's
   first gradient pass of the stage after its previous return until it has
   been sent back to the weight worker.  The pass makes it as it runs,
@@ -182,7 +184,7 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
         fetch_ends = np.where(last >= 0, running_end[np.maximum(last, 0)] if len(items) else 0.0, tr.end[fetches])
         ends[np.searchsorted(rows, fetches)] = np.maximum(fetch_ends, tr.end[fetches])
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
-    served = tr.src[rows], tr.start[rows], tr.end[rows], amounts
+    served = tr.src[rows], _whole_step(t, len(rows))[0], _between_items(t, tr.src[rows], tr.end[rows], before=False), amounts
     fetched = tr.dst[rows], tr.start[rows], ends, amounts
     return tuple(np.concatenate([a, b]) for a, b in zip(fetched, served))
 

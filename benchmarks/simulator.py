@@ -11,8 +11,10 @@ the seed's plain function, and of the frontier scan on GPipe's mapping
 (after checking that it and unisched produce the same timeline); the speed
 ratio of each against the scan; and which engine ran it (compiled or the
 Python engine).  Then, each in a fresh process, the time and peak memory of
-about one million work items for every named strategy: building the
-strategy (its fixed orders) and simulating it, timed apart.
+about one million work items for every named strategy and torch's schedule
+classes: building the strategy (its fixed orders) and simulating it, timed
+apart (wall clock), and the CPU time of both together (the process's own,
+which a machine shared with other jobs slows less than the wall clock).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def seed_lambda(w: Work) -> ComputeAndWeightWorkers:
     return ComputeAndWeightWorkers(w.stage, w.stage)
 
 
-SPLIT = ("zb_h1", "zb_h2", "zbv", "dualpipe_v")
+SPLIT = ("zb_h1", "zb_h2", "zbv", "dualpipe_v", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+         "ScheduleDualPipeV")
 """Strategies with a split backward: three passes per (stage, micro-batch)."""
 
 
@@ -48,7 +51,9 @@ def shape_of(name: str, million: bool) -> tuple[int, int, int]:
     if name in ("ddp", "fsdp"):
         return (1024, 512, 1024) if million else (128, 64, 128)
     B = (1 << 20) // ((3 if name in SPLIT else 2) * 64) // 32 * 32 if million else 128
-    W = {"interleaved": 32, "zbv": 32, "dualpipe_v": 32, "overflow": 80}.get(name, 64)
+    halved = ("interleaved", "zbv", "dualpipe_v", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+              "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    W = 32 if name in halved else 80 if name == "overflow" else 64
     return W, 64, B
 
 
@@ -62,6 +67,11 @@ def build(name: str, million: bool = False) -> tuple[tuple[int, int, int], Strat
 
 def names() -> list[str]:
     return [e["name"] for e in unisched.policies.catalog()] + ["seed lambda"]
+
+
+def aliases() -> list[str]:
+    """torch's schedule classes (timed in the million-item part only)."""
+    return list(unisched.policies.aliases())
 
 
 # ---------------------------------------------------------------------- the frontier scan
@@ -157,30 +167,31 @@ def compare(repeat: int, only: list[str]) -> tuple[dict, list[dict]]:
 def million(name: str) -> dict:
     """About one million work items of ``name``, in this process (run it in a fresh one)."""
     fast.warm_up()  # load the compiled greedy from its cache first (numba loads on first use)
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.process_time()
     (W, S, B), strategy = build(name, million=True)
-    built = time.perf_counter()
+    built, built_cpu = time.perf_counter(), time.process_time()
     sim, path = engine_used(lambda: unisched.simulate(W, S, B, strategy))
-    done = time.perf_counter()
+    done, done_cpu = time.perf_counter(), time.process_time()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"strategy": name, "shape": [W, S, B], "items": len(sim.timeline), "build_s": built - began,
-            "simulate_s": done - built, "peak_rss_mb": peak_mb, "engine": path}
+            "simulate_s": done - built, "cpu_s": done_cpu - began_cpu, "peak_rss_mb": peak_mb, "engine": path}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="runs of unisched per case; the best counts")
     parser.add_argument("--skip-million", action="store_true", help="leave out the one-million-item runs")
-    parser.add_argument("--only", nargs="+", choices=names(), metavar="NAME", help="only these cases")
+    parser.add_argument("--only", nargs="+", choices=names() + aliases(), metavar="NAME", help="only these cases")
     parser.add_argument("--million", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.million:
         print(json.dumps(million(args.million)))
         return
     only = args.only or names()
+    table = [name for name in only if name in names()]
 
     fast.warm_up()  # compile (or load) the greedy before timing (numba loads on first use)
-    baseline, rows = compare(args.repeat, only)
+    baseline, rows = compare(args.repeat, table)
     print(f"W = S = 64, B = 128 or as noted, default costs; unisched best of {args.repeat}; frontier scan on GPipe's "
           f"mapping at W = S = 64, B = 128: {baseline['seconds']:.2f} s, {baseline['items_per_s']:,.0f} items/s, "
           f"same timeline as unisched: {baseline['same_timeline']}")
@@ -191,13 +202,14 @@ def main() -> None:
     if args.skip_million:
         return
     print("\nabout 1,048,576 work items, each in a fresh process (peak RSS: whole process, Python and libraries):")
-    print(f"{'strategy':<22}{'W,S,B':>14}{'items':>10}{'build s':>9}{'simulate s':>12}{'peak MB':>9}  engine")
-    for name in only:
+    print(f"{'strategy':<30}{'W,S,B':>14}{'items':>11}{'build s':>9}{'simulate s':>12}{'cpu s':>7}{'peak MB':>9}"
+          "  engine")
+    for name in only + ([] if args.only else aliases()):
         out = subprocess.run([sys.executable, __file__, "--million", name], check=True, capture_output=True,
                              text=True).stdout
         row = json.loads(out)
-        print(f"{row['strategy']:<22}{','.join(map(str, row['shape'])):>14}{row['items']:>10,}{row['build_s']:>9.2f}"
-              f"{row['simulate_s']:>12.2f}{row['peak_rss_mb']:>9,.0f}  {row['engine']}")
+        print(f"{row['strategy']:<30}{','.join(map(str, row['shape'])):>14}{row['items']:>11,}{row['build_s']:>9.2f}"
+              f"{row['simulate_s']:>12.2f}{row['cpu_s']:>7.2f}{row['peak_rss_mb']:>9,.0f}  {row['engine']}")
 
 
 if __name__ == "__main__":

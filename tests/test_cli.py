@@ -290,3 +290,16 @@ def test_simulate_time_unit_takes_a_number_of_seconds(capsys, tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     assert code == 0, err
     assert max(e["ts"] + e["dur"] for e in events if e["ph"] == "X") == pytest.approx(33e3)  # 33 ms in us
+
+
+@pytest.mark.parametrize("argv", [["run", "--dry-run", "--strategy", "zb_h1", "-B", "100000000"],
+                                  ["run", "--program", "--strategy", "zbv", "-W", "2", "-B", "30000000"],
+                                  ["plan", "--strategy", "zb_h1", "-B", "100000000", "--time-limit", "5"]])
+def test_a_shape_too_large_is_refused_before_any_strategy_is_built_for_it(capsys, monkeypatch, argv):
+    """zb_h1's factory alone would allocate gigabytes for 10^8 micro-batches."""
+    from unisched import policies
+
+    monkeypatch.setattr(policies, "get", lambda *a, **k: pytest.fail("built a strategy for a shape too large"))
+    monkeypatch.setattr(policies, "fits", lambda *a, **k: pytest.fail("built a strategy for a shape too large"))
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and "work items" in err and "at most" in err

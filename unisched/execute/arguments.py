@@ -160,12 +160,18 @@ def pick_shape(name: str, workers: int, stages: int | None, batches: int | None,
     """(S, B) for strategy ``name`` on ``workers``: the given values, else the
     first of a few natural choices that the strategy's constraints accept."""
     from unisched import policies
+    from unisched.errors import ShapeError
+    from unisched.simulate.simulation import check_size
     from unisched.work import Shape
 
     stage_options = [stages] if stages is not None else [workers, 2 * workers, max(1, workers // 2)]
     batch_options = [batches] if batches is not None else [2 * workers, workers, 4 * workers]
     for S in stage_options:
         for B in batch_options:
+            try:
+                check_size(Shape(workers, S, B))  # before building a strategy that large
+            except ShapeError:
+                continue
             if policies.fits(name, Shape(workers, S, B), params):
                 return S, B
     return stage_options[0], batch_options[0]
@@ -188,13 +194,17 @@ def make_schedule(args, workers: int):
     from unisched.plan.command import is_user_strategy, user_strategy
     from unisched.plan.family import label_of, parse_params
 
+    from unisched.simulate.simulation import check_size
+
     params = parse_params(args.param)
     name = args.strategy or DEFAULT_STRATEGY
     if is_user_strategy(name):
         S = args.stages or workers
         B = args.batches or 2 * workers
+        check_size(unisched.Shape(workers, S, B))
         strategy = user_strategy(name, (workers, S, B), params, label=label_of(name, params))
     else:
         S, B = pick_shape(name, workers, args.stages, args.batches, params)
+        check_size(unisched.Shape(workers, S, B))  # before building a strategy too large to simulate
         strategy = policies.get(name, num_workers=workers, num_stages=S, num_batches=B, **params)
     return unisched.simulate(workers, S, B, strategy), S, B

@@ -36,7 +36,7 @@ from unisched.work import Shape
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
 from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
-from unisched.plan.problem import PlanInputError, encode_costs, split_from
+from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS
 
 DEFAULT_SHAPE = (4, 4, 8)
@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)
     if optimizer is not None and budget is None:
         raise PlanInputError("--optimizer-bytes counts against --memory-budget: give a --memory-budget too")
+    check_plan_size(Shape(W, S, B), split, heuristic=True)  # before building a strategy that large
     strategy, members = _named_strategy(args, (W, S, B), split)
     result = plan(
         W, S, B, costs,

@@ -419,6 +419,9 @@ def test_fixed_orders_as_item_ids_are_followed_and_checked():
         sim = simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders=orders))
         assert sim.timeline.worker_order(0) == order
     assert WorkerOrders(items, {0: ids}) == {0: order}
+    replay = unisched.fixed_strategy((1, 1, 2), [0] * 4, [0] * 4, {0: ids})
+    assert isinstance(replay.worker_orders, WorkerOrders)
+    assert simulate(1, 1, 2, replay).timeline.worker_order(0) == order
     with pytest.raises(StrategyError, match="leave out"):
         simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids[:3]}))
     with pytest.raises(StrategyError, match="appears twice"):

@@ -39,6 +39,10 @@ def test_simulate_json_reports_the_throughput_in_micro_batches(capsys):
     result = json.loads(out)
     assert code == 0 and result["throughput"] == pytest.approx(8 / 27)
     assert "item_rate" not in result and "batch_throughput" not in result  # one rate, the one that compares
+    # the gap is measured from the shape's bound, the one compare measures every row from
+    assert result["gap"] == pytest.approx(27 / result["lower_bounds"]["shape"] - 1)
+    code, out, _ = run(capsys, "compare", "--strategies", "zb_h1", "--json")
+    assert json.loads(out)["results"][0]["gap"] == pytest.approx(result["gap"])
 
 
 def test_compare_measures_every_row_against_one_bound(capsys):

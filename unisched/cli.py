@@ -405,9 +405,14 @@ def _ranked(simulations) -> tuple[list[dict], float]:
         )
     bound = min((sim.lower_bounds["shape"] for _, sim in simulations), default=0.0)
     for row in rows:
-        row["gap"] = (row["latency"] - bound) / bound if bound > 0 else 0.0
+        row["gap"] = _gap(row["latency"], bound)
     rows.sort(key=lambda r: (r["latency"], r["peak_activations"], r["transfers"]))
     return rows, bound
+
+
+def _gap(latency: float, bound: float) -> float:
+    """How far ``latency`` is above ``bound``, as a fraction of it (0 for a bound of 0)."""
+    return (latency - bound) / bound if bound > 0 else 0.0
 
 
 def _bound_note(bound: float) -> str:
@@ -554,6 +559,7 @@ def _result_json(sim, priority: str | None = None) -> dict:
         "bubble_fraction": sim.bubble_fraction,
         "lower_bound": sim.lower_bound,
         "lower_bounds": sim.lower_bounds,
+        "gap": _gap(sim.latency, sim.lower_bounds["shape"]),
         "worker_stats": sim.worker_stats(),
     }
 

@@ -32,9 +32,11 @@ here: it is :func:`unisched.dataflow.flows` over the schedule's stage graph
 - ``2O``: step the optimizer of stage 2 (on its weight workers).
 
 Sends are posted right after the work that produces them; receives are
-posted ahead of use (weights at the start, activations a few items early),
-in the order the sender sends on that pair of ranks, which is what NCCL
-needs to match them.  :func:`validate` replays every rank's list against the
+posted ahead of use (weights at the start, activations a few items early;
+a returned gradient where the simulator starts its return, before the
+weight worker's item running then, so that neither the sender's copy nor
+the buffer waits for the weight worker's last item), in the order the
+sender sends on that pair of ranks, which is what NCCL needs to match them.  :func:`validate` replays every rank's list against the
 others and reports the ranks and actions of any deadlock before a single
 byte moves.
 

@@ -714,6 +714,7 @@ def test_random_strategies_with_sizes_costs_and_byte_limits(W, S, B, split, size
 
 
 def test_a_returned_gradient_is_held_from_its_backward_until_sent():
+    """From the start of the backward that makes it (unisched.memory) to the end of its return."""
     fsdp = lambda w: ComputeAndWeightWorkers(w.batch, w.stage % 2)  # noqa: E731
     sim = simulate(2, 2, 2, fsdp, costs=Costs(weight_bytes=2.0, bandwidth=1.0, cache_weights=False))
     t = sim.timeline
@@ -721,6 +722,6 @@ def test_a_returned_gradient_is_held_from_its_backward_until_sent():
     assert sent
     expected = np.zeros(2)
     for r in sent:
-        expected[r.src] += r.nbytes * (r.end - t.end[t.index()[r.work]])
+        expected[r.src] += r.nbytes * (r.end - t.start[t.index()[r.work]])
     held = [float(np.sum(c.values[:-1] * np.diff(c.times))) for c in t.memory("gradients", "bytes")]
     assert held == pytest.approx(expected.tolist()) and expected.sum() > 0

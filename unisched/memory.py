@@ -25,8 +25,9 @@ enforces memory limits incrementally with the same rules):
   the first gradient returned to it, if earlier) to the optimizer step
   (during that pass it grows as the pass frees its stash, which is counted
   until the pass ends); and the buffer a returned gradient arrives in,
-  from when it is sent until the weight worker takes it in, between two of
-  its items (at the end of the item it runs when the gradient arrives).
+  which the weight worker posts and takes in between two of its items:
+  from the start of the item it runs when the gradient is sent to the end
+  of the one it runs when the gradient arrives.
 - workspace: what a backward pass (either half of a split one) holds only
   while it runs (``Costs.backward_workspace_bytes``: a parameter's fresh
   gradient before it joins the accumulated one, the activations'
@@ -268,11 +269,12 @@ def _between_items(t: Timeline, workers: np.ndarray, times: np.ndarray, before: 
     (one that starts at that time included: the worker has begun it), or
     that time if it runs none."""
     out = np.asarray(times, dtype=float).copy()
+    by_worker = np.lexsort((t.start, t.worker))
+    bounds = np.searchsorted(t.worker[by_worker], np.arange(t.num_workers + 1))
     for w in np.unique(workers).tolist():
-        mine = np.flatnonzero(t.worker == w)
+        mine = by_worker[bounds[w]:bounds[w + 1]]
         if not len(mine):
             continue
-        mine = mine[np.argsort(t.start[mine], kind="stable")]
         asked = np.flatnonzero(workers == w)
         at = np.maximum(np.searchsorted(t.start[mine], out[asked], side="right") - 1, 0)  # the last item started
         running = (t.start[mine][at] <= out[asked]) & (t.end[mine][at] > out[asked])

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import unisched
 from unisched import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Costs, UniSchedError, Work, simulate
 from unisched import policies
+from unisched.errors import ShapeError
 from unisched.policies import StrategyParameterError, StrategyShapeError, UnknownStrategyError
 from unisched.policies.zero_bubble import zbv_order
 
@@ -192,6 +193,14 @@ def test_zero_bubble_strategies_follow_their_fixed_orders():
         sim = simulate(*shape, strategy, costs=UNEVEN_SPLIT)
         for worker, order in strategy.worker_orders.items():
             assert sim.timeline.worker_order(worker) == list(order)
+
+
+@pytest.mark.parametrize("name, shape", [("one_f_one_b", (4, 4, 10**8)), ("interleaved", (4, 8, 10**8)),
+                                         ("zb_h1", (4, 4, 10**8)), ("zbv", (2, 4, 10**8)),
+                                         ("ScheduleDualPipeV", (2, 4, 10**8))])
+def test_a_fixed_order_too_large_to_simulate_is_refused_before_it_is_built(name, shape):
+    with pytest.raises(ShapeError, match="MAX_ITEMS"):
+        policies.get(name, *shape)
 
 
 @pytest.mark.parametrize("order, m", [(policies.dualpipe_v_order, 10), (zbv_order, 10), (zbv_order, 3)],

@@ -30,14 +30,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from unisched.dataflow import dependencies
+from unisched.dataflow import Items, dependencies
 from unisched.errors import DeadlockError
+from unisched.simulate.simulation import check_size
+from unisched.strategy import WorkerOrders
 from unisched.work import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
     Direction,
+    Shape,
     StageGraph,
     Work,
     directions,
@@ -89,6 +92,16 @@ def warmup_steady_order(stages: int | Sequence[int], num_batches: int, warmup: i
     chunk = (index // per_round) % v
     stage = stages[np.where(direction == FORWARD, chunk, v - 1 - chunk)]
     return (index // (per_round * v)) * per_round + index % per_round, stage, direction.astype(np.int64)
+
+
+def fixed_orders(shape: Shape, split_backward: bool, order_of: Callable[[int], Columns]) -> WorkerOrders:
+    """Every worker w's order, ``order_of(w)``, as :class:`WorkerOrders` of
+    the step's items; a step too large to simulate is refused first
+    (:func:`~unisched.simulate.simulation.check_size`), before its orders
+    take the memory."""
+    check_size(shape, split_backward)
+    items = Items(shape.num_stages, shape.num_batches, split_backward)
+    return WorkerOrders.from_columns(items, {w: order_of(w) for w in range(shape.num_workers)})
 
 
 class OrderWriter:

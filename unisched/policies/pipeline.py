@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.dataflow import Items
-from unisched.policies._orders import warmup_steady_order
+from unisched.policies._orders import fixed_orders, warmup_steady_order
 from unisched.policies._registry import Entry, Param, require
 from unisched.simulate.priorities import priority_by_name
 from unisched.strategy import Strategy, WorkerOrders
@@ -49,13 +48,13 @@ def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy
     shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("one_f_one_b", shape)
     mapping, map_arrays = stage_modulo_workers(num_workers)
-    orders = {s: warmup_steady_order(s, num_batches, warmup=num_stages - s) for s in range(num_workers)}
+    orders = fixed_orders(shape, False, lambda s: warmup_steady_order(s, num_batches, warmup=num_stages - s))
     return Strategy(
         mapping,
         name="one_f_one_b",
         description=ONE_F_ONE_B.description,
         memory_limit=[float(num_stages - s) for s in range(num_workers)],
-        worker_orders=WorkerOrders.from_columns(Items(num_stages, num_batches), orders),
+        worker_orders=orders,
         shape=shape,
         map_arrays=map_arrays,
     )
@@ -98,9 +97,8 @@ def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int
     alternates one forward and one backward, then drains its backwards.
     """
     p, v = num_workers, virtual
-    return WorkerOrders.from_columns(Items(p * v, num_batches), {
-        rank: warmup_steady_order(range(rank, p * v, p), num_batches, 1 + _megatron_warmup(p, v, rank), per_round=p)
-        for rank in range(p)})
+    return fixed_orders(Shape(p, p * v, num_batches), False, lambda rank: warmup_steady_order(
+        range(rank, p * v, p), num_batches, 1 + _megatron_warmup(p, v, rank), per_round=p))
 
 
 def _megatron_warmup(p: int, v: int, rank: int) -> int:

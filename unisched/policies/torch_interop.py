@@ -35,12 +35,12 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.errors import UniSchedError
-from unisched.policies._orders import Columns, warmup_steady_order
+from unisched.policies._orders import Columns, fixed_orders, warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_columns, zbv_columns
 from unisched.simulate import simulate
-from unisched.strategy import Strategy, WorkerOrders, fixed_strategy
+from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
 from unisched.work import (
     BACKWARD,
@@ -67,8 +67,8 @@ def schedule_gpipe(num_workers: int, num_stages: int, num_batches: int) -> Strat
     shape = _pipeline_shape("ScheduleGPipe", num_workers, num_stages, num_batches)
     batches = np.tile(np.arange(num_batches), 2)
     passes = np.repeat([FORWARD, BACKWARD], num_batches)
-    orders = {r: (batches, np.full(2 * num_batches, r), passes) for r in range(num_workers)}
-    return _torch_strategy(GPIPE, shape, orders, stage_modulo_workers(num_workers))
+    return _torch_strategy(GPIPE, shape, lambda r: (batches, np.full(2 * num_batches, r), passes),
+                           stage_modulo_workers(num_workers))
 
 
 def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -78,8 +78,8 @@ def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strate
     shape = _pipeline_shape("Schedule1F1B", num_workers, num_stages, num_batches)
     require(num_batches >= num_stages, "Schedule1F1B",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
-    orders = {rank: warmup_steady_order(rank, num_batches, warmup=num_stages - rank) for rank in range(num_workers)}
-    return _torch_strategy(ONE_F_ONE_B, shape, orders, stage_modulo_workers(num_workers))
+    return _torch_strategy(ONE_F_ONE_B, shape, lambda rank: warmup_steady_order(rank, num_batches, num_stages - rank),
+                           stage_modulo_workers(num_workers))
 
 
 def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -87,9 +87,9 @@ def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: in
     on rank s mod W), forwards in rounds of micro-batches per stage, warm-up
     (v - 1) * round + 2 (W - 1 - r) forwards on rank r."""
     shape, v, per_round = _interleaved_shape("ScheduleInterleaved1F1B", num_workers, num_stages, num_batches)
-    orders = {r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=False)
-              for r in range(num_workers)}
-    return _torch_strategy(INTERLEAVED_1F1B, shape, orders, stage_modulo_workers(num_workers))
+    return _torch_strategy(INTERLEAVED_1F1B, shape,
+                           lambda r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=False),
+                           stage_modulo_workers(num_workers))
 
 
 def schedule_looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -98,14 +98,14 @@ def schedule_looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> 
     shape = Shape(num_workers, num_stages, num_batches).check()
     require(num_stages % num_workers == 0, "ScheduleLoopedBFS",
             f"puts stages r, r + W, ... on rank r, so S must be a multiple of W; got S={num_stages}, W={num_workers}")
-    orders = {}
-    for rank in range(num_workers):
-        stages = np.arange(rank, num_stages, num_workers)
-        batches = np.arange(num_batches)
-        orders[rank] = (np.concatenate([np.tile(batches, len(stages)), np.tile(batches[::-1], len(stages))]),
-                        np.concatenate([np.repeat(stages, num_batches), np.repeat(stages[::-1], num_batches)]),
-                        np.repeat([FORWARD, BACKWARD], len(stages) * num_batches))
-    return _torch_strategy(LOOPED_BFS, shape, orders, stage_modulo_workers(num_workers))
+
+    def order(rank: int) -> Columns:
+        stages, batches = np.arange(rank, num_stages, num_workers), np.arange(num_batches)
+        return (np.concatenate([np.tile(batches, len(stages)), np.tile(batches[::-1], len(stages))]),
+                np.concatenate([np.repeat(stages, num_batches), np.repeat(stages[::-1], num_batches)]),
+                np.repeat([FORWARD, BACKWARD], len(stages) * num_batches))
+
+    return _torch_strategy(LOOPED_BFS, shape, order, stage_modulo_workers(num_workers))
 
 
 def schedule_interleaved_zero_bubble(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -113,9 +113,9 @@ def schedule_interleaved_zero_bubble(num_workers: int, num_stages: int, num_batc
     with one warm-up forward fewer per hop, I passes for backwards, and each W
     pass run r forward-backward pairs after its I on rank r."""
     shape, v, per_round = _interleaved_shape("ScheduleInterleavedZeroBubble", num_workers, num_stages, num_batches)
-    orders = {r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=True)
-              for r in range(num_workers)}
-    return _torch_strategy(INTERLEAVED_ZERO_BUBBLE, shape, orders, stage_modulo_workers(num_workers), split_backward=True)
+    return _torch_strategy(INTERLEAVED_ZERO_BUBBLE, shape,
+                           lambda r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=True),
+                           stage_modulo_workers(num_workers), split_backward=True)
 
 
 def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -123,8 +123,8 @@ def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int
     designed for at least 2W - 1 micro-batches (the passes of the ones that do
     not exist are left out, as torch does)."""
     shape = _v_shape("ScheduleZBVZeroBubble", num_workers, num_stages, num_batches)
-    orders = {r: zbv_columns(num_workers, r, num_batches) for r in range(num_workers)}
-    return _torch_strategy(ZBV_ZERO_BUBBLE, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
+    return _torch_strategy(ZBV_ZERO_BUBBLE, shape, lambda r: zbv_columns(num_workers, r, num_batches),
+                           _v_mapping(num_workers)[:2], split_backward=True)
 
 
 def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -135,8 +135,8 @@ def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> 
     shape = _v_shape("ScheduleDualPipeV", num_workers, num_stages, num_batches)
     require(num_batches >= num_stages, "ScheduleDualPipeV",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
-    orders = {r: dualpipe_v_columns(num_workers, r, num_batches) for r in range(num_workers)}
-    return _torch_strategy(DUALPIPE_V, shape, orders, _v_mapping(num_workers)[:2], split_backward=True)
+    return _torch_strategy(DUALPIPE_V, shape, lambda r: dualpipe_v_columns(num_workers, r, num_batches),
+                           _v_mapping(num_workers)[:2], split_backward=True)
 
 
 def split_full_backwards(order: Iterable[Work]) -> list[Work]:
@@ -171,14 +171,13 @@ def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, i
     return shape, S // W, B // rounds
 
 
-def _torch_strategy(entry: Entry, shape: Shape, orders: dict[int, Columns], placement: tuple[Callable, Callable], *,
-                    split_backward: bool = False) -> Strategy:
-    """torch's ``orders`` on a placement of the policies (``stage_modulo_workers``
-    or the V of ``zero_bubble``): its mapping and vectorised form."""
+def _torch_strategy(entry: Entry, shape: Shape, order: Callable[[int], Columns], placement: tuple[Callable, Callable],
+                    *, split_backward: bool = False) -> Strategy:
+    """torch's orders (rank r's is ``order(r)``) on a placement of the policies
+    (``stage_modulo_workers`` or the V of ``zero_bubble``): its mapping and vectorised form."""
     mapping, map_arrays = placement
-    orders = WorkerOrders.from_columns(dataflow.Items(shape.num_stages, shape.num_batches, split_backward), orders)
     return Strategy(mapping, name=entry.name, description=entry.description, split_backward=split_backward,
-                    worker_orders=orders, shape=shape, map_arrays=map_arrays)
+                    worker_orders=fixed_orders(shape, split_backward, order), shape=shape, map_arrays=map_arrays)
 
 
 def _blocked(orders: Mapping[int, Sequence[Work]], num_stages: int, split_backward: bool) -> str | None:

@@ -23,13 +23,14 @@ DualPipeV uses the same V placement and follows DeepSeek's phase order.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
-from unisched.dataflow import Items
-from unisched.policies._orders import Columns, OrderWriter, warmup_steady_order
+from unisched.policies._orders import Columns, OrderWriter, fixed_orders, warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
-from unisched.strategy import Strategy, WorkerOrders, works
+from unisched.strategy import Strategy, works
 from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Shape, Work
 
 
@@ -37,24 +38,24 @@ def zb_h1(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """One stage per worker, 1F1B's warm-up, W passes s micro-batches late on worker s."""
     shape = _pipeline_shape("zb_h1", num_workers, num_stages, num_batches)
     p = num_workers
-    orders = {s: warmup_steady_order(s, num_batches, warmup=p - s, weight_lag=s) for s in range(p)}
-    return _split_strategy("zb_h1", ZB_H1.description, shape, *stage_modulo_workers(p), orders)
+    return _split_strategy("zb_h1", ZB_H1.description, shape, *stage_modulo_workers(p),
+                           lambda s: warmup_steady_order(s, num_batches, warmup=p - s, weight_lag=s))
 
 
 def zb_h2(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """One stage per worker, 2(S - s) - 1 warm-up forwards, W passes 2s micro-batches late."""
     shape = _pipeline_shape("zb_h2", num_workers, num_stages, num_batches)
     p = num_workers
-    orders = {s: warmup_steady_order(s, num_batches, warmup=2 * (p - s) - 1, weight_lag=2 * s) for s in range(p)}
-    return _split_strategy("zb_h2", ZB_H2.description, shape, *stage_modulo_workers(p), orders)
+    return _split_strategy("zb_h2", ZB_H2.description, shape, *stage_modulo_workers(p),
+                           lambda s: warmup_steady_order(s, num_batches, warmup=2 * (p - s) - 1, weight_lag=2 * s))
 
 
 def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """V-shaped placement (stage s and 2W - 1 - s on worker s) in the ZB-V schedule's phases."""
     shape = _v_shape("zbv", num_workers, num_stages, num_batches)
     mapping, map_arrays, _ = _v_mapping(num_workers)
-    orders = {rank: zbv_columns(num_workers, rank, num_batches) for rank in range(num_workers)}
-    return _split_strategy("zbv", ZBV.description, shape, mapping, map_arrays, orders)
+    return _split_strategy("zbv", ZBV.description, shape, mapping, map_arrays,
+                           lambda rank: zbv_columns(num_workers, rank, num_batches))
 
 
 def zbv_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
@@ -98,8 +99,8 @@ def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     forward-backward pairs run one after the other."""
     shape = _dualpipe_v_shape(Shape(num_workers, num_stages, num_batches))
     mapping, map_arrays, _ = _v_mapping(num_workers)
-    orders = {rank: dualpipe_v_columns(num_workers, rank, num_batches) for rank in range(num_workers)}
-    return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, mapping, map_arrays, orders)
+    return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, mapping, map_arrays,
+                           lambda rank: dualpipe_v_columns(num_workers, rank, num_batches))
 
 
 def dualpipe_v_order(num_workers: int, rank: int, num_batches: int) -> list[Work]:
@@ -155,11 +156,10 @@ def dualpipe_v_columns(num_workers: int, rank: int, num_batches: int) -> Columns
 
 
 # ---------------------------------------------------------------------- helpers
-def _split_strategy(name, description, shape, mapping, map_arrays, orders: dict[int, Columns]) -> Strategy:
-    """A strategy with a split backward that follows ``orders``."""
-    items = Items(shape.num_stages, shape.num_batches, split_backward=True)
+def _split_strategy(name, description, shape, mapping, map_arrays, order: Callable[[int], Columns]) -> Strategy:
+    """A strategy with a split backward in which worker w follows ``order(w)``."""
     return Strategy(mapping, name=name, description=description, split_backward=True,
-                    worker_orders=WorkerOrders.from_columns(items, orders), shape=shape, map_arrays=map_arrays)
+                    worker_orders=fixed_orders(shape, True, order), shape=shape, map_arrays=map_arrays)
 
 
 def _v_mapping(p: int):

@@ -18,7 +18,7 @@ from unisched.simulate import (
     shape_lower_bound,
     simulate,
 )
-from unisched.strategy import Gang, Strategy, as_strategy, fixed_strategy
+from unisched.strategy import Gang, Strategy, WorkerOrders, as_strategy, fixed_strategy
 from unisched.timeline import Timeline, TransferRecord, Transfers, WorkRecord
 import unisched.render  # noqa: F401,E402  (fills in Timeline.to_text, to_html, figure, save, ...)
 from unisched.work import (
@@ -55,6 +55,7 @@ __all__ = [
     "Simulation",
     "StageGraph",
     "Strategy",
+    "WorkerOrders",
     "StrategyError",
     "Timeline",
     "TimelineError",

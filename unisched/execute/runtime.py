@@ -8,7 +8,9 @@ each ``step`` walks the rank's instruction list:
 - receives are posted early with non-blocking ``irecv`` and awaited just
   before the item that reads them, so transfers overlap compute; sends are
   posted with ``isend`` right after the item that produces them, and their
-  buffers let go as soon as they complete (polled after each item);
+  buffers let go as soon as they complete (polled after each item; on gloo,
+  which marks a transfer completed only once it is waited on, each send and
+  each returned gradient's receive is waited on in a thread of its own);
 - what travels between stages is a tensor or a tuple, list or dict of
   tensors (a pytree); its structure, shapes and dtypes, and which of its
   tensors carry a gradient back, are agreed once by a shape probe, and each
@@ -46,6 +48,7 @@ import datetime
 import math
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -230,6 +233,7 @@ class Trainer:
         self.program: Program = program
         self._release_weights()
         self._p2p = dist.new_group(timeout=delta)
+        self._watch_transfers = dist.get_backend(self._p2p) == "gloo"
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
         self._buffer_groups = self._make_buffer_groups(delta)
@@ -1018,8 +1022,25 @@ class Trainer:
         else:
             wire = self._wire(msg.key)
             buffer = wire.empty(self.device)
-        work = dist.irecv(buffer, src=msg.src, group=self._p2p, tag=msg.seq)
-        st.pending[msg.index] = (work, buffer, action, wire)
+        work = self._posted(lambda: dist.irecv(buffer, src=msg.src, group=self._p2p, tag=msg.seq), action, msg.src)
+        st.pending[msg.index] = (self._watched(work) if msg.letter == "r" else work, buffer, action, wire)
+
+    def _posted(self, post: Callable[[], Any], action: Action, peer: int):
+        """Post a transfer; one refused because the link to ``peer`` has
+        failed (a transfer waited on meanwhile found it broken) is a
+        CommunicationError, so the fault board names the first cause."""
+        try:
+            return post()
+        except Exception as error:
+            raise CommunicationError(f"rank {self.rank} could not post {action} to or from rank {peer} "
+                                     f"({first_line(error)})", peer=peer) from error
+
+    def _watched(self, work):
+        """A send, or the receive of a returned gradient, whose completion
+        :meth:`_reap` polls: on gloo, waited on in a thread of its own
+        (:class:`_Watched`), since gloo marks a transfer completed only once
+        it is waited on, and the buffer would otherwise live to the step's end."""
+        return _Watched(work) if self._watch_transfers else work
 
     def _post_or_defer(self, st, action: Action, index: int) -> None:
         """Post a receive now, or keep a weight fetch for when it is due."""
@@ -1076,7 +1097,8 @@ class Trainer:
             tensor = self._wire(msg.value).pack(st.take(msg.value), self.device)
         if self._recording:
             st.sends[msg.index] = time.perf_counter()
-        st.outgoing.append((dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), tensor, action, msg.dst))
+        work = self._posted(lambda: dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), action, msg.dst)
+        st.outgoing.append((self._watched(work), tensor, action, msg.dst))
 
     def _reap(self, st) -> None:
         """Let go of the sends that have completed, and take in the returned
@@ -1402,6 +1424,34 @@ class Trainer:
             return False
         where = f" at {st.current}" if st.current is not None else ""
         self._board.post(f"rank {self.rank} ran past the step timeout of {self.timeout:g} s{where} in step {self._step_no}")
+        return True
+
+
+class _Watched:
+    """A transfer waited on in a daemon thread of its own (it is waited on
+    exactly once): ``is_completed()`` is true as soon as it has completed,
+    ``wait()`` joins the thread's wait and raises its failure."""
+
+    def __init__(self, work):
+        self._work, self._error = work, None
+        self._done = threading.Event()
+        threading.Thread(target=self._wait, name="unisched-transfer", daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as error:  # handed to wait()
+            self._error = error
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
         return True
 
 

@@ -98,7 +98,7 @@ def split_b(cells: list[str]) -> list[str]:
 
 def ours(name: str, W: int, S: int, B: int) -> dict[int, list[str]]:
     strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B)
-    timeline = simulate(W, S, B, strategy, costs=Costs(forward=1.3, backward=2.1, backward_input=1.1,
+    timeline = simulate(W, S, B, strategy, costs=Costs(forward=1.3, backward=1.8, backward_input=1.1,
                                                         backward_weight=0.7)).timeline
     assert timeline.worker_orders() == {r: list(o) for r, o in strategy.worker_orders.items()}
     return {rank: [str(work) for work in order] for rank, order in timeline.worker_orders().items()}

@@ -20,6 +20,7 @@ from unisched.simulate import (
 )
 from unisched.strategy import Gang, Strategy, WorkerOrders, as_strategy, fixed_strategy
 from unisched.timeline import Timeline, TransferRecord, Transfers, WorkRecord
+from unisched.topology import ClusterCosts, Topology  # loaded with the package: Costs.from_dict reads a topology's costs
 import unisched.render  # noqa: F401,E402  (fills in Timeline.to_text, to_html, figure, save, ...)
 from unisched.work import (
     BACKWARD,
@@ -41,6 +42,7 @@ __all__ = [
     "BACKWARD_INPUT",
     "BACKWARD_WEIGHT",
     "BackwardFirst",
+    "ClusterCosts",
     "ComputeAndWeightWorkers",
     "Costs",
     "DeadlockError",
@@ -59,6 +61,7 @@ __all__ = [
     "StrategyError",
     "Timeline",
     "TimelineError",
+    "Topology",
     "TransferRecord",
     "Transfers",
     "UniSchedError",
@@ -103,8 +106,6 @@ _LAZY = {
     "from_torch_csv": "unisched.policies",
     "TorchCSVError": "unisched.policies",
     "epl": "unisched.epl",
-    "Topology": "unisched.topology",
-    "ClusterCosts": "unisched.topology",
     "simulate_layout": "unisched.simulate.layout",
     "ParallelLayout": "unisched.simulate.layout",
     "TransformerModel": "unisched.simulate.layout",

@@ -49,7 +49,9 @@ class Link:
 @dataclass(frozen=True)
 class Costs:
     forward: PerStage = 1.0
-    backward: PerStage = 2.0
+    backward: PerStage | None = None
+    """A whole backward (default: the sum of the two halves when both are
+    given, else 2); where the halves are given too, it must be their sum."""
     backward_input: PerStage | None = None
     """Input-gradient half of a split backward (default: half of ``backward``)."""
     backward_weight: PerStage | None = None
@@ -79,6 +81,7 @@ class Costs:
     ``weight_bytes``; plain SGD: none), held by each of its weight workers."""
 
     def __post_init__(self):
+        self._whole_backward()
         for name in PER_STAGE_FIELDS:
             value = getattr(self, name)
             if value is None and name in _DEFAULTED:
@@ -120,6 +123,30 @@ class Costs:
             _check_link(f"Costs.links[{src},{dst}].", link.latency, link.bandwidth)
             links[(src, dst)] = link
         object.__setattr__(self, "links", links)
+
+    def _whole_backward(self) -> None:
+        """The whole backward and its halves describe one pass: a whole left out is
+        the halves' sum (or 2), and a whole given beside both halves must equal it."""
+        halves = self.backward_input, self.backward_weight
+        if any(h is None for h in halves):
+            if self.backward is None:
+                object.__setattr__(self, "backward", 2.0)
+            return
+        for name, value in zip(("backward_input", "backward_weight"), halves):
+            check_per_stage(name, value)
+        total = np.add(*(np.asarray(h, dtype=float) for h in halves))
+        if self.backward is None:
+            object.__setattr__(self, "backward", float(total) if total.ndim == 0 else total.tolist())
+            return
+        check_per_stage("backward", self.backward)
+        whole = np.asarray(self.backward, dtype=float)
+        if np.shape(whole) == np.shape(total) or 0 in (whole.ndim, total.ndim):
+            if np.allclose(whole, total, rtol=1e-9, atol=0.0):
+                return
+        raise ShapeError(
+            f"Costs.backward {self.backward!r} is not backward_input + backward_weight "
+            f"({self.backward_input!r} + {self.backward_weight!r}): a split backward is the whole one in two "
+            "halves; leave backward out (it is then their sum) or give halves that add up to it")
 
     def check(self, num_workers: int, num_stages: int) -> "Costs":
         """Check that these costs describe a step of ``num_stages`` stages on

@@ -54,7 +54,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from unisched.costs import Costs, Link, PerStage, check_per_stage
+from unisched.costs import LARGEST_STEP, Costs, Link, PerStage, check_per_stage
 from unisched.errors import ShapeError
 
 PRESETS = Path(__file__).resolve().parent / "topologies"
@@ -358,15 +358,20 @@ def _number(value) -> bool:
 
 def _bandwidth(section: Mapping, name: str, where: str) -> float:
     value = section["bandwidth"]
-    if not _number(value) or value <= 0:
-        raise ShapeError(f"{where}: {name}.bandwidth must be a number > 0 (bytes per second), got {value!r}")
+    if not _number(value) or value < 1:
+        raise ShapeError(f"{where}: {name}.bandwidth must be a number >= 1 (bytes per second), got {value!r}")
     return float(value)
+
+
+MAX_COUNT = 2**31 - 1
+"""The most nodes or devices a topology may count (worker numbers are indices)."""
 
 
 def _latency(section: Mapping, name: str, where: str) -> float:
     value = section["latency"]
-    if not _number(value) or value < 0:
-        raise ShapeError(f"{where}: {name}.latency must be a number >= 0 (seconds), got {value!r}")
+    if not _number(value) or not 0 <= value <= LARGEST_STEP:
+        raise ShapeError(f"{where}: {name}.latency must be a number of seconds from 0 to {LARGEST_STEP:g} "
+                         f"(larger ones overflow a step's times; a fabric's is microseconds: 2e-6), got {value!r}")
     return float(value)
 
 
@@ -381,8 +386,8 @@ def _count(data: Mapping, name: str, where: str) -> int:
     if name not in data:
         raise ShapeError(f"{where}: missing field {name!r}")
     value = data[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ShapeError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ShapeError(f"{where}: {name} must be an integer from 1 to {MAX_COUNT}, got {value!r}")
     return value
 
 

@@ -13,6 +13,7 @@ what the compiled greedy reads (:mod:`unisched.simulate.fast`).
 
 from __future__ import annotations
 
+import reprlib
 from typing import NamedTuple
 
 import numpy as np
@@ -106,14 +107,18 @@ def stash_accounts(num_workers: int, memory_limit, items: dataflow.Items, comput
 
 
 def _limits(memory_limit, num_workers: int) -> np.ndarray:
-    if np.ndim(memory_limit) == 0:
-        limits = np.full(num_workers, float(memory_limit))
-    else:
+    try:
         limits = np.asarray(memory_limit, dtype=float)
+    except (TypeError, ValueError, OverflowError):
+        raise ShapeError("memory_limit must be a number or one number per worker, "
+                         f"got {reprlib.repr(memory_limit)}") from None
+    if limits.ndim == 0:
+        limits = np.full(num_workers, float(limits))
+    else:
         if limits.shape != (num_workers,):
             raise ShapeError(f"memory_limit has {limits.size} entries but there are {num_workers} workers")
     if np.any(limits < 0) or np.any(np.isnan(limits)):
-        raise ShapeError(f"memory_limit must be >= 0, got {memory_limit!r}")
+        raise ShapeError(f"memory_limit must be >= 0, got {reprlib.repr(memory_limit)}")
     return limits
 
 

@@ -303,3 +303,10 @@ def test_a_shape_too_large_is_refused_before_any_strategy_is_built_for_it(capsys
     monkeypatch.setattr(policies, "fits", lambda *a, **k: pytest.fail("built a strategy for a shape too large"))
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and "work items" in err and "at most" in err
+
+
+def test_compare_where_no_strategy_fits_is_an_error_with_every_reason(capsys):
+    code, out, err = run(capsys, "compare", "--strategies", "gpipe,ddp", "-W", "3", "-S", "5", "-B", "2", "--json")
+    error = json.loads(err)
+    assert code == 2 and out == "" and "no strategy could be simulated on W=3, S=5, B=2" in error["error"]
+    assert [line.split(":")[0] for line in error["details"]] == ["gpipe", "ddp"]

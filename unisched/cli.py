@@ -319,6 +319,7 @@ def cmd_compare(args) -> int:
     else:
         candidates = list(policies.variants(*shape))
     rows, bound, skipped = _compare(args, candidates)
+    _some_row(rows, shape, skipped)
     if args.json:
         print(_dumps({"shape": list(shape), "bound": bound, "results": rows, "skipped": skipped}))
         return 0
@@ -377,6 +378,14 @@ def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]
         except UniSchedError as error:
             skipped.append((label, str(error).splitlines()[0]))
     return *_ranked(simulations), skipped
+
+
+def _some_row(rows: list[dict], shape, skipped: list[tuple[str, str]]) -> None:
+    """Refuse a comparison in which no strategy could be simulated (an empty table has no bound to show)."""
+    if not rows:
+        W, S, B = shape
+        raise UniSchedError(f"no strategy could be simulated on W={W}, S={S}, B={B}; change the shape or the "
+                            "strategies:\n" + "\n".join(f"{name}: {reason}" for name, reason in skipped))
 
 
 def _ranked(simulations) -> tuple[list[dict], float]:
@@ -447,6 +456,7 @@ def _demo(args) -> int:
             print(sim.to_text(width=args.width, color=args.color))
             print()
     rows, bound = _ranked(simulations)
+    _some_row(rows, shape, skipped)
     if args.json:
         print(_dumps({"shape": list(shape), "bound": bound, "results": rows, "skipped": skipped}))
         return 0

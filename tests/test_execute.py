@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import unisched
-from unisched import ComputeAndWeightWorkers, DeadlockError, Direction, Work, policies, simulate
+from unisched import ComputeAndWeightWorkers, DeadlockError, Direction, TimelineError, Work, policies, simulate
 from unisched.execute import (
     NonFiniteLossError,
     ProgramError,
@@ -720,8 +720,13 @@ def test_calibrate_costs_counts_the_item_overhead_once_per_item():
 
 
 def test_an_item_outside_the_schedule_shape_is_named():
+    # the Timeline refuses it as it is made, before any program is compiled from it
     order = [(0, Direction.FORWARD), (0, Direction.BACKWARD), (1, Direction.FORWARD), (1, Direction.BACKWARD), (2, Direction.FORWARD)]
     records = [WorkRecord(Work(b, 0, d), 0, 0, i, i + 1) for i, (b, d) in enumerate(order)]
-    timeline = Timeline.from_records((1, 1, 2), records)
-    with pytest.raises(ProgramError, match=r"1 work item\(s\) outside its 1 stage\(s\) x 2 micro-batch\(es\).*0F2"):
+    with pytest.raises(TimelineError, match=r"row 4 .* \(2, 0, 0\), which is not a work item of a step with S=1, B=2"):
+        Timeline.from_records((1, 1, 2), records)
+    # and a timeline of two stages compiled for a model of one is refused by its shape
+    order = [(0, Direction.FORWARD), (1, Direction.FORWARD), (1, Direction.BACKWARD), (0, Direction.BACKWARD)]
+    timeline = Timeline.from_records((1, 2, 1), [WorkRecord(Work(0, s, d), 0, 0, i, i + 1) for i, (s, d) in enumerate(order)])
+    with pytest.raises(ProgramError, match="the schedule has 2 stages but 1 stage modules were given"):
         compile_program(timeline, num_stages=1, world_size=1)

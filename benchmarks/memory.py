@@ -62,7 +62,10 @@ existing gradients allocates above what it starts with (the allocator's
 growth, as the ranks are measured: the forward runs under the profiler
 too, so the saved tensors autograd frees as the backward goes count, as
 they do on a rank; measured after the forward alone, the GPT-2's last
-stage showed 0.78 MiB instead of 0.22).  Measured rather than the Trainer's
+stage showed 0.78 MiB instead of 0.22).  Under a split backward (zb_h1)
+it is the larger of the two halves as the runtime runs them: the
+input-gradient pass keeps the graph for the weight pass and frees nothing
+(0.85 MiB on the GPT-2's last stage), the weight pass frees it.  Measured rather than the Trainer's
 estimate (its largest parameter, printed beside): that is the whole
 workspace of the Linear stages (a parameter's fresh gradient before it is
 added), but the GPT-2's is mostly the activations' gradients (the MLP's
@@ -206,27 +209,54 @@ def kept_bytes(stages, micro_batch) -> list[float]:
     return out
 
 
-def backward_workspace(stages, micro_batch, target, loss_fn) -> list[float]:
+def backward_workspace(stages, micro_batch, target, loss_fn, split: bool = False) -> list[float]:
     """Per stage, the most a backward that accumulates into existing
     gradients allocates above what it starts with (torch's allocations, as
     the ranks are measured): the fresh gradient of a parameter before it is
     added, the gradients of the stage's activations, less the saved tensors
     autograd frees as it goes (the forward runs while measuring, so that
-    their release counts, as it does on a rank).  One micro-batch, once per
-    stage: like the stash, a property of the stage."""
+    their release counts, as it does on a rank).  ``split``: the larger of
+    the two halves as the runtime runs them, the input-gradient pass
+    keeping the graph for the weight pass (nothing freed; none at a source
+    stage, whose input is the data) and the weight pass freeing it.  One
+    micro-batch, once per stage: like the stash, a property of the stage."""
     out = []
     x = micro_batch
     for s, stage in enumerate(stages):
         x = x.detach().requires_grad_(x.is_floating_point())
         last = s == len(stages) - 1
+        params = [p for p in stage.parameters() if p.requires_grad]
+        kept: dict = {}
 
-        def backward(y):
-            root = loss_fn(y, target) if last else y
-            root.backward(None if last else torch.ones_like(y))
+        def forward():
+            kept["y"] = stage(x)
 
-        backward(stage(x))  # the gradients now exist, as after a rank's first backward of the stage
-        kept = {}
-        out.append(float(allocated_peak(lambda: backward(kept.pop("y")), before=lambda: kept.update(y=stage(x)))))
+        def root(y):
+            """What the backward differentiates (the loss at the last stage) and with which gradient;
+            the output stays held while it runs, as on a rank."""
+            return (loss_fn(y, target), None) if last else (y, torch.ones_like(y))
+
+        def whole():
+            y = kept.pop("y")
+            torch.autograd.backward(*root(y))
+
+        def input_pass():
+            y = kept.pop("y")
+            kept["root"] = root(y)  # kept for the weight pass, as the runtime keeps it
+            if s:
+                torch.autograd.grad(kept["root"][0], [x], kept["root"][1], retain_graph=True)
+
+        def weight_pass():
+            torch.autograd.backward(*kept.pop("root"), inputs=params)
+
+        forward()
+        whole()  # the gradients now exist, as after a rank's first backward of the stage
+        if split:
+            halves = (allocated_peak(input_pass, before=forward),
+                      allocated_peak(weight_pass, before=lambda: (forward(), input_pass())))
+            out.append(float(max(halves)))
+        else:
+            out.append(float(allocated_peak(whole, before=forward)))
         stage.zero_grad(set_to_none=True)
         x = stage(x).detach()
     return out
@@ -387,10 +417,12 @@ def predicted_peaks(model: Model, kind: str, W: int, costs) -> tuple[list[float]
     stages = build_stages(model.stages(S), S)
     x, y = model.batch(B)
     stash = kept_bytes(stages, x.chunk(B)[0])
-    workspace = backward_workspace(stages, x.chunk(B)[0], y.chunk(B)[0], model.loss_fn())
+    schedule = make_schedule(kind, W, S, B)
+    workspace = backward_workspace(stages, x.chunk(B)[0], y.chunk(B)[0], model.loss_fn(),
+                                   split=bool(schedule.timeline.split_backward))
     derived = list(costs.per_stage("backward_workspace_bytes", S))
     costs = dataclasses.replace(costs, stash_bytes=stash, input_grad_frees=0.0, backward_workspace_bytes=workspace)
-    timeline = predict(make_schedule(kind, W, S, B), costs).timeline
+    timeline = predict(schedule, costs).timeline
     total = memory_curves(timeline, "total", "bytes")
     at_peak = [float(c.times[np.argmax(c.values)]) for c in total]
     by_kind = {k: memory_curves(timeline, k, "bytes") for k in MEMORY_KINDS}
@@ -416,7 +448,7 @@ def run_model(model: Model, W: int, config: dict, kinds_torch, kinds_simulated) 
              "predicted_growth": p - r["weights_of_truth"] - r["optimizer_state"]}
             for p, part, r in zip(predicted, parts, ranks)
         ]
-        out.setdefault("backward_workspace", workspace)
+        out.setdefault("backward_workspace", {})[kind] = workspace
         out.setdefault("largest_parameter", derived)
     for kind in kinds_torch:
         for r in out["torch"][kind]["unisched"]:
@@ -513,7 +545,8 @@ def show(result: dict, W: int) -> None:
               "peak, predicted and measured (allocator) growth above what is held; ratios measured / predicted "
               "(peak: allocator; RSS: the same with the RSS growth)")
         print("  backward workspace per stage, measured (in the prediction): "
-              + ", ".join(f"{w / MiB:.3f}" for w in run.get("backward_workspace", []))
+              + "; ".join(f"{kind} " + ", ".join(f"{w / MiB:.3f}" for w in sizes)
+                          for kind, sizes in run.get("backward_workspace", {}).items())
               + "; the Trainer's largest parameter: "
               + ", ".join(f"{w / MiB:.3f}" for w in run.get("largest_parameter", [])))
         for kind, rows in run["simulated"].items():

@@ -40,8 +40,8 @@ building the problem as long again).  The best is replayed by
 :func:`unisched.simulate` and reported as that replay, beside the named
 strategies' own replays, so the plan is never worse than the best of them.
 
-Anytime: the search stops at its time limit (less the time one simulation
-of the step took, kept for that replay), on Ctrl-C (the best plan so far is
+Anytime: the search stops at its time limit (less the time two simulations
+of the step took, kept for that replay and its measures), on Ctrl-C (the best plan so far is
 returned) or as soon as the best meets the lower bound of
 :mod:`unisched.plan.bounds`.  ``objective="span"`` minimizes the longest
 per-worker busy span (first item's start to last item's end), the measure of
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from heapq import heappop, heappush
 from typing import Iterable, Sequence, TextIO
@@ -632,10 +632,11 @@ def search(
                                deadline=begin + FAMILY_SHARE * float(time_limit))
     except KeyboardInterrupt:
         raise UniSchedError("interrupted before any schedule was found: let the search run longer") from None
-    replay = _one_simulation(family, time.perf_counter() - run.built)
+    replay = ANSWER_SIMULATIONS * _one_simulation(family, time.perf_counter() - run.built)
     seeds = sorted(family.feasible, key=lambda member: objective_value(member.simulation, objective))
     if seeds:
         run.offer_seed(seeds[0])
+    run.measure_seeds(seeds)
     try:
         mappings = seed_mappings(problem, seeds, family, constructed=members is None)
         now, end = time.perf_counter(), begin + float(time_limit) - replay
@@ -650,8 +651,8 @@ def search(
 
 
 def _one_simulation(family, elapsed: float) -> float:
-    """Seconds one simulation of the step took in the family search (at most ``elapsed`` over the
-    members that ran to the end or to a deadlock): the time kept back for replaying the best plan."""
+    """Seconds one simulation of the step took in the family search (``elapsed`` over the
+    members that ran to the end or to a deadlock)."""
     ran = len(family.feasible) + sum(m.reason.startswith("deadlock") for m in family.dropped)
     return elapsed / max(1, ran)
 
@@ -717,6 +718,9 @@ def _within_limits(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray
     return need <= float(np.min(problem.memory_limit)) + 1e-9
 
 
+ANSWER_SIMULATIONS = 2
+"""The time the search keeps back for its answer, in simulations of the step: the best plan's
+replay, and measuring it for the candidates table."""
 SAY_EVERY = 0.5
 """Seconds between two progress lines."""
 
@@ -736,6 +740,7 @@ class _Run:
     interrupted: bool = False
     said: float = -math.inf
     unsaid: bool = False
+    seed_rows: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         self.timed = TimedProblem.build(self.problem)
@@ -752,6 +757,11 @@ class _Run:
         self.best_value = objective_value(member.simulation, self.objective)
         self.best_label, self.best_seed = member.label, member
         self._announce()
+
+    def measure_seeds(self, seeds: list[Member]) -> None:
+        """The named strategies' rows of the candidates table, measured before the search (so
+        that the answer takes no more than the replay the time limit keeps back)."""
+        self.seed_rows = [self._row(m.label, "family", m.simulation, False) for m in seeds]
 
     def offer(self, start: Start) -> bool:
         """Keep ``start`` as the best if it is; whether it was."""
@@ -864,7 +874,7 @@ class _Run:
         value = self.best_value
         proven = value <= self.bound * (1 + 1e-9)
         rows = [self._row(label, source, sim, proven)]
-        rows += [self._row(m.label, "family", m.simulation, False) for m in seeds if m.label != label]
+        rows += [row for row in self.seed_rows if row["strategy"] != label]
         rows.sort(key=lambda row: row["latency"])
         return Plan(
             schedule=schedule,

@@ -305,6 +305,9 @@ def test_a_gpt2_on_the_meta_device_splits_and_loads_from_the_models_state_dict()
     with pytest.raises(SplitError, match="has no transformer.h.3.ln_1.weight, a weight of stage 2"):
         stages.stage_state_dict({k: v for k, v in real.state_dict().items() if "h.3.ln_1" not in k})
     with torch.device("meta"):
+        shared = split_model(transformers.GPT2LMHeadModel(config), 3)  # the tied head kept: loading from a state dict keeps the tie for the Trainer
+    assert shared.ties and stages_from_state_dict(shared, shared.stage_state_dict(real.state_dict())).ties == shared.ties
+    with torch.device("meta"):
         uninitialized = split_model(transformers.GPT2LMHeadModel(config), 3, tied="untie")
     with pytest.raises(unisched.UniSchedError, match="its submodule transformer.h.0.attn.c_attn .* no reset_parameters"):
         build_stages(uninitialized, 3, only=[0])

@@ -90,6 +90,7 @@ _LAZY = {
     "split_model": "unisched.execute",
     "ModelStages": "unisched.execute",
     "SplitError": "unisched.execute",
+    "Tie": "unisched.execute",
     "save_checkpoint": "unisched.execute",
     "load_checkpoint": "unisched.execute",
     "checkpoint_state_dict": "unisched.execute",

@@ -38,6 +38,7 @@ _WHERE = {
     "ModelStages": "split",
     "SplitError": "split",
     "split_model": "split",
+    "Tie": "ties",
 }
 
 
@@ -60,6 +61,7 @@ __all__ = [
     "Program",
     "ProgramError",
     "SplitError",
+    "Tie",
     "Trainer",
     "build_stages",
     "calibrate_costs",

@@ -123,10 +123,12 @@ class StateDictStages:
     modules, possibly on the meta device, or a factory) and loads its weights
     from ``state_dict`` (``{"<stage>.<name>": tensor}``, as
     ``Trainer.gather_state_dict()`` gives them).  ``len()`` is the number of
-    stages when ``stages`` has one, so that the Trainer can check it."""
+    stages when ``stages`` has one, so that the Trainer can check it; ``ties``
+    are those of ``stages`` (a split model's shared weights stay shared)."""
 
     def __init__(self, stages, state_dict: Mapping[str, torch.Tensor]):
         self.stages = stages
+        self.ties = list(getattr(stages, "ties", ()))
         self.per_stage: dict[int, dict[str, torch.Tensor]] = {}
         for key, tensor in state_dict.items():
             head, dot, name = str(key).partition(".")

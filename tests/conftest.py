@@ -15,6 +15,13 @@ settings.register_profile("repeatable", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile("repeatable")
 
+try:  # one-process references compute small tensors: threads only contend with the ranks' processes
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where CUDA is present."""

@@ -274,3 +274,10 @@ def test_a_costs_file_with_a_topology_reads_in_a_fresh_process(tmp_path):
                            "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["topology"]["name"] == "dgx_h100"
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError, reason="simulate/problem.py _worker_id checks the type, not "
+                   "the range, before storing a worker in an int64 array")
+def test_a_strategy_naming_a_worker_beyond_any_integer_is_refused_by_name():
+    with pytest.raises(UniSchedError, match="worker"):
+        simulate(2, 2, 2, lambda work: (10**30, 0))

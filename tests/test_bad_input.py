@@ -47,9 +47,7 @@ def gpipe(W=4, S=4, B=8):
         (dict(worker_speed=[1, math.inf]), "Costs.worker_speed"),
         (dict(worker_speed=2.0), "Costs.worker_speed"),
         (dict(worker_speed=["fast"]), "Costs.worker_speed"),
-        pytest.param(dict(backward_input=[1.0, 1.0], backward_weight=[]), "backward_weight",
-                     marks=pytest.mark.xfail(strict=True, raises=ValueError, reason="costs.py _whole_backward adds "
-                                             "halves of different lengths: numpy's broadcast error")),
+        (dict(backward_input=[1.0, 1.0], backward_weight=[]), "backward_weight"),
     ],
 )
 def test_bad_costs_are_refused_by_name(fields, named):
@@ -276,8 +274,6 @@ def test_a_costs_file_with_a_topology_reads_in_a_fresh_process(tmp_path):
     assert json.loads(done.stdout)["topology"]["name"] == "dgx_h100"
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason="simulate/problem.py _worker_id checks the type, not "
-                   "the range, before storing a worker in an int64 array")
 def test_a_strategy_naming_a_worker_beyond_any_integer_is_refused_by_name():
     with pytest.raises(UniSchedError, match="worker"):
         simulate(2, 2, 2, lambda work: (10**30, 0))

@@ -134,6 +134,10 @@ class Costs:
             return
         for name, value in zip(("backward_input", "backward_weight"), halves):
             check_per_stage(name, value)
+        shapes = [np.shape(h) for h in halves]
+        if () not in shapes and shapes[0] != shapes[1]:
+            raise ShapeError(f"Costs.backward_input has {shapes[0][0]} entries but Costs.backward_weight has "
+                             f"{shapes[1][0]}: give both halves per stage, one entry for each stage")
         total = np.add(*(np.asarray(h, dtype=float) for h in halves))
         if self.backward is None:
             object.__setattr__(self, "backward", float(total) if total.ndim == 0 else total.tolist())
@@ -245,6 +249,8 @@ class Costs:
         """Costs from :meth:`to_dict`'s form.  A dict with the fields of a
         kind of Costs defined elsewhere (a :class:`~unisched.topology.ClusterCosts`'
         ``topology``) is read as that kind, so a file can carry a cluster."""
+        if not isinstance(data, Mapping):
+            raise ShapeError(f"costs must be given as an object of fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -441,7 +441,8 @@ def _gang_traffic(gang, gang_members, gang_collective, compute, weight, stage, d
 
 
 def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= value < num_workers:
         raise StrategyError(
             f"strategy {strategy.name!r} returned {role} worker {value!r} ({type(value).__name__}) for {work!r}; "
             f"it must return integers in 0..{num_workers - 1}"

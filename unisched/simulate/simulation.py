@@ -228,7 +228,8 @@ class Simulation:
         stats = self.worker_stats()
         lines = [
             f"{self.strategy.name}: W={self.shape.num_workers} S={self.shape.num_stages} B={self.shape.num_batches}",
-            f"  latency {self.latency:g} (lower bound {self.lower_bound:g}, gap {self.gap:.1%})",
+            f"  latency {self.latency:g} ({_above(self.latency, self.lower_bounds['shape'])} "
+            f"{self.lower_bounds['shape']:g}, the shape's lower bound; this run's own {self.lower_bound:g})",
             f"  throughput {self.batch_throughput:.4g} micro-batches/time, bubble {self.bubble_fraction:.1%}",
             f"  peak activations per worker {_compact(stats['max_activation_storage'])}",
             f"  weight fetches per worker {_compact(stats['weight_transmissions'])}",
@@ -261,6 +262,11 @@ class Simulation:
 
     def save(self, path, **options) -> None:
         self.timeline.save(path, **options)
+
+
+def _above(value: float, bound: float) -> str:
+    """How far ``value`` lies above ``bound``, as a fraction of it."""
+    return f"{(value - bound) / bound:.1%} above" if bound > 0 else "at"
 
 
 def _compact(values: list) -> str:

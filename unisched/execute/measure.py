@@ -265,8 +265,7 @@ def calibrate_costs(
         if inputs is None or weights is None:
             raise ShapeError("the measured timelines lack a backward half of some stage; calibrate from complete steps")
         fields["backward_input"] = [i + extra for i in inputs]
-        fields["backward_weight"] = [w + extra for w in weights]
-        fields["backward"] = [i + w + extra for i, w in zip(inputs, weights)]
+        fields["backward_weight"] = [w + extra for w in weights]  # the whole backward is their sum
     else:
         backward = medians(BACKWARD)
         if backward is None:

@@ -10,7 +10,7 @@ each ``step`` walks the rank's instruction list:
   posted with ``isend`` right after the item that produces them, and their
   buffers let go as soon as they complete (polled after each item; on gloo,
   which marks a transfer completed only once it is waited on, each send and
-  each returned gradient's receive is waited on in a thread of its own);
+  each returned gradient's receive is waited on by one of a set of reused threads);
 - what travels between stages is a tensor or a tuple, list or dict of
   tensors (a pytree); its structure, shapes and dtypes, and which of its
   tensors carry a gradient back, are agreed once by a shape probe, and each
@@ -47,6 +47,7 @@ import dataclasses
 import datetime
 import math
 import os
+import queue
 import socket
 import threading
 import time
@@ -234,6 +235,7 @@ class Trainer:
         self._release_weights()
         self._p2p = dist.new_group(timeout=delta)
         self._watch_transfers = dist.get_backend(self._p2p) == "gloo"
+        self._waiters = _Waiters()
         self._replica_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.groups()}
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
         self._buffer_groups = self._make_buffer_groups(delta)
@@ -469,6 +471,7 @@ class Trainer:
                               self._p2p, self._control) if g is not None]
         self._replica_groups, self._gang_groups, self._buffer_groups, self._p2p, self._control = {}, {}, {}, None, None
         self._ties.close()
+        self._waiters.close()
         if dist.is_initialized():
             for group in groups:
                 dist.destroy_process_group(group)
@@ -1037,10 +1040,10 @@ class Trainer:
 
     def _watched(self, work):
         """A send, or the receive of a returned gradient, whose completion
-        :meth:`_reap` polls: on gloo, waited on in a thread of its own
-        (:class:`_Watched`), since gloo marks a transfer completed only once
+        :meth:`_reap` polls: on gloo, waited on in a waiting thread
+        (:class:`_Waiters`), since gloo marks a transfer completed only once
         it is waited on, and the buffer would otherwise live to the step's end."""
-        return _Watched(work) if self._watch_transfers else work
+        return self._waiters.watch(work) if self._watch_transfers else work
 
     def _post_or_defer(self, st, action: Action, index: int) -> None:
         """Post a receive now, or keep a weight fetch for when it is due."""
@@ -1428,16 +1431,16 @@ class Trainer:
 
 
 class _Watched:
-    """A transfer waited on in a daemon thread of its own (it is waited on
+    """A transfer that a :class:`_Waiters` thread waits on (it is waited on
     exactly once): ``is_completed()`` is true as soon as it has completed,
-    ``wait()`` joins the thread's wait and raises its failure."""
+    ``wait()`` joins that wait and raises its failure."""
 
     def __init__(self, work):
         self._work, self._error = work, None
         self._done = threading.Event()
-        threading.Thread(target=self._wait, name="unisched-transfer", daemon=True).start()
 
-    def _wait(self) -> None:
+    def run(self) -> None:
+        """Wait on the transfer (in a waiting thread)."""
         try:
             self._work.wait()
         except BaseException as error:  # handed to wait()
@@ -1453,6 +1456,38 @@ class _Watched:
         if self._error is not None:
             raise self._error
         return True
+
+
+class _Waiters:
+    """Daemon threads that wait on transfers, kept for reuse (starting a
+    thread per send costs more than the send on a small step): each
+    transfer goes to an idle thread, or to a new one when all are busy, so
+    no wait ever queues behind another transfer's."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # one count per thread about to take the next transfer
+        self._threads = 0
+
+    def watch(self, work) -> _Watched:
+        """``work``, waited on by one of the threads."""
+        watched = _Watched(work)
+        self._queue.put(watched)
+        if not self._idle.acquire(blocking=False):
+            self._threads += 1
+            threading.Thread(target=self._serve, name="unisched-transfer", daemon=True).start()
+        return watched
+
+    def close(self) -> None:
+        """Let every thread end once its current wait is over."""
+        for _ in range(self._threads):
+            self._queue.put(None)
+        self._threads = 0
+
+    def _serve(self) -> None:
+        while (watched := self._queue.get()) is not None:
+            watched.run()
+            self._idle.release()
 
 
 class _Item(NamedTuple):

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from unisched.work import FORWARD, Direction, Work
+from unisched.strategy import works
+from unisched.work import FORWARD, Work
 
 Priority = Callable[[Work], Any]
 
@@ -100,10 +101,9 @@ def ranks(priority: Priority, batch: np.ndarray, stage: np.ndarray, direction: n
     if sort_keys is not None:
         order = _sorted_by(sort_keys(batch, stage, direction))
     else:
-        works = [Work(int(b), int(s), Direction(int(d))) for b, s, d in zip(batch, stage, direction)]
         try:
-            keys = [priority(w) for w in works]
-            order = np.array(sorted(range(len(works)), key=keys.__getitem__), dtype=np.int64)
+            keys = [priority(w) for w in works(batch, stage, direction)]
+            order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
         except TypeError as error:
             raise TypeError(f"priority {priority!r} must return keys that compare with each other: {error}") from error
     result = np.empty(len(order), dtype=np.int64)

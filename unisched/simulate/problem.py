@@ -21,7 +21,7 @@ from unisched.errors import StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.simulate.sequences import sequence_edges
 from unisched.simulate.stashes import StashAccounts, stash_accounts
-from unisched.strategy import Gang, Strategy
+from unisched.strategy import Gang, Strategy, works
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD, Direction, Shape, StageGraph, Work
 
@@ -375,8 +375,7 @@ def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int)
     compute = np.empty(len(batch), dtype=np.int64)
     weight = np.empty(len(batch), dtype=np.int64)
     mapping = strategy.mapping
-    for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
-        work = Work(b, s, _DIRECTIONS[d])
+    for i, work in enumerate(works(batch, stage, direction)):
         try:
             c, w = mapping(work)
         except Exception as error:
@@ -386,10 +385,6 @@ def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int)
         compute[i] = _worker_id(c, work, "compute", strategy, num_workers)
         weight[i] = _worker_id(w, work, "weight", strategy, num_workers)
     return compute, weight
-
-
-_DIRECTIONS = tuple(Direction)
-"""Direction by code."""
 
 
 def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):

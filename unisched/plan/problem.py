@@ -416,7 +416,8 @@ class Ticks:
 
     @classmethod
     def for_times(cls, times: Sequence[float]) -> "Ticks":
-        positive = [float(t) for t in times if t > 0]
+        values = np.unique(np.asarray(times, dtype=float).ravel())  # tables repeat a few times many times over
+        positive = [float(t) for t in values if t > 0]
         if not positive:
             return cls(1)
         scale = 1

@@ -1440,13 +1440,14 @@ class _Watched:
         self._done = threading.Event()
 
     def run(self) -> None:
-        """Wait on the transfer (in a waiting thread)."""
+        """Wait on the transfer (in a waiting thread); :meth:`settle` then shows it completed."""
         try:
             self._work.wait()
         except BaseException as error:  # handed to wait()
             self._error = error
-        finally:
-            self._done.set()
+
+    def settle(self) -> None:
+        self._done.set()
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -1487,7 +1488,8 @@ class _Waiters:
     def _serve(self) -> None:
         while (watched := self._queue.get()) is not None:
             watched.run()
-            self._idle.release()
+            self._idle.release()  # idle before the transfer shows completed: the next watch finds this thread
+            watched.settle()
 
 
 class _Item(NamedTuple):

@@ -308,7 +308,8 @@ def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(tr
         assert np.array_equal(state["lm_head.weight"], state["transformer.wte.weight"]), "the copies stay equal"
     holders = trained_tied[0][name]["holders"]
     assert holders == {"gpipe": [[0], [1]], "one_f_one_b": [[0], [1]], "looped_bfs": [[0], [1]],
-                       "interleaved": [[0], [1]], "zbv": [[0], [0]], "ddp": [[0, 1], [0, 1]]}.get(name, holders)
+                       "interleaved": [[0], [1]], "zbv": [[0], [0]], "ddp": [[0, 1], [0, 1]],
+                       "fsdp": [[0], [1]]}[name]
 
 
 def test_a_checkpoint_of_the_tied_copies_resumes_under_another_placement(trained_tied):

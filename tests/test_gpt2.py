@@ -245,13 +245,21 @@ def _train_tied(rank: int, world: int, cases, directory):
         out[name] = {"losses": losses, "state": {k: v.numpy() for k, v in state.items()},
                      "holders": [list(trainer.program.replicas[s]) for s, _ in stages.ties[0].copies]}
         trainer.close()
-    out["checks"] = _tie_checks(cases[0][4])
+    out["checks"] = _tie_checks(cases[0][4], rank)
     return out
 
 
-def _tie_checks(timeline) -> dict:
+def _refusal(make) -> str | None:
+    try:
+        make()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _tie_checks(timeline, rank: int) -> dict:
     """On a 2-stage pipeline: copies built unequal start as the first; a tie
-    naming no parameter is refused on every rank."""
+    naming no parameter, or ranks given different ties, are refused on every rank."""
     stages = split_model(gpt2(layers=4), 2)
     with torch.no_grad():
         stages[1].lm_head.weight.add_(1.0)
@@ -259,14 +267,12 @@ def _tie_checks(timeline) -> dict:
     state = stages.model_state_dict(trainer.gather_state_dict())
     trainer.close()
     wrong = [Tie("wte", ((0, "transformer.wte.weight"), (1, "lm_head.bias")))]
-    try:
-        Trainer(split_model(gpt2(layers=4), 2), timeline, next_token_loss, optimizer, timeout=60, ties=wrong)
-        refusal = None
-    except Exception as error:
-        refusal = f"{type(error).__name__}: {error}"
     return {"equal": bool(torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])),
             "first": bool(torch.equal(state["transformer.wte.weight"], gpt2(layers=4).transformer.wte.weight)),
-            "refusal": refusal}
+            "refusal": _refusal(lambda: Trainer(split_model(gpt2(layers=4), 2), timeline, next_token_loss, optimizer,
+                                                timeout=60, ties=wrong)),
+            "differing": _refusal(lambda: Trainer(split_model(gpt2(layers=4), 2), timeline, next_token_loss,
+                                                  optimizer, timeout=60, ties=[] if rank == 1 else None))}
 
 
 def schedule(strategy: str, S: int, B: int):
@@ -326,9 +332,10 @@ def test_a_checkpoint_of_the_tied_copies_resumes_under_another_placement(trained
     assert trained_tied[0][label]["holders"] == [[0], [0]]
 
 
-def test_the_trainer_starts_the_copies_equal_and_refuses_a_tie_it_cannot_find(trained_tied):
+def test_the_trainer_starts_the_copies_equal_and_refuses_a_tie_it_cannot_find_or_ranks_disagree_on(trained_tied):
     for rows in trained_tied:
         checks = rows["checks"]
         assert checks["equal"] and checks["first"], "the later copy starts as the first"
         assert "the tie wte (transformer.wte.weight of stage 0, lm_head.bias of stage 1) names 'lm_head.bias'" \
             in checks["refusal"]
+        assert "rank 1 was given other tied weights ([]) than rank 0" in checks["differing"]

@@ -184,9 +184,8 @@ class Simulation:
     def throughput(self) -> float:
         return self.timeline.throughput
 
-    @property
-    def batch_throughput(self) -> float:
-        return self.timeline.batch_throughput
+    batch_throughput = throughput
+    """The same rate as :attr:`throughput` (an earlier name)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -230,7 +229,7 @@ class Simulation:
             f"{self.strategy.name}: W={self.shape.num_workers} S={self.shape.num_stages} B={self.shape.num_batches}",
             f"  latency {self.latency:g} ({_above(self.latency, self.lower_bounds['shape'])} "
             f"{self.lower_bounds['shape']:g}, the shape's lower bound; this run's own {self.lower_bound:g})",
-            f"  throughput {self.batch_throughput:.4g} micro-batches/time, bubble {self.bubble_fraction:.1%}",
+            f"  throughput {self.throughput:.4g} micro-batches/time, bubble {self.bubble_fraction:.1%}",
             f"  peak activations per worker {_compact(stats['max_activation_storage'])}",
             f"  weight fetches per worker {_compact(stats['weight_transmissions'])}",
             f"  weight storage per worker {_compact(stats['weight_storage'])}",
@@ -240,7 +239,7 @@ class Simulation:
     def __repr__(self) -> str:
         return (
             f"<Simulation {self.strategy.name} W={self.shape.num_workers} S={self.shape.num_stages} "
-            f"B={self.shape.num_batches}: latency {self.latency:g}, {self.batch_throughput:.4g} micro-batches/time, "
+            f"B={self.shape.num_batches}: latency {self.latency:g}, {self.throughput:.4g} micro-batches/time, "
             f"bubble {self.bubble_fraction:.1%}>"
         )
 

@@ -2,7 +2,7 @@
 depend on timing must also show, as committed, what the code prints today.  To
 refresh one after a change:
 
-    jupyter nbconvert --to notebook --execute --inplace notebooks/NAME.ipynb
+    jupyter execute --inplace notebooks/NAME.ipynb
 """
 
 from pathlib import Path
@@ -26,7 +26,7 @@ def test_notebook_runs(name, figures):
     committed = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert _texts(notebook) == _texts(committed), (
         f"{name} as committed shows other results than the code gives now: refresh it with "
-        f"jupyter nbconvert --to notebook --execute --inplace notebooks/{name}")
+        f"jupyter execute --inplace notebooks/{name}")
 
 
 def _texts(notebook) -> list[tuple[str, list[str]]]:

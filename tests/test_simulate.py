@@ -725,3 +725,49 @@ def test_a_returned_gradient_is_held_from_its_backward_until_sent():
         expected[r.src] += r.nbytes * (r.end - t.start[t.index()[r.work]])
     held = [float(np.sum(c.values[:-1] * np.diff(c.times))) for c in t.memory("gradients", "bytes")]
     assert held == pytest.approx(expected.tolist()) and expected.sum() > 0
+
+
+def _item_starts(t, split=False):
+    """Each item id's start time in timeline ``t``."""
+    ids = Items(t.num_stages, t.num_batches, split).id(t.batch, t.stage, t.direction)
+    starts = np.empty(len(ids))
+    starts[ids] = t.start
+    return starts
+
+
+@pytest.mark.parametrize("costs", [Costs(), Costs(activation_bytes=1.0, latency=0.5, bandwidth=2.0)])
+def test_a_release_time_delays_exactly_its_item(costs):
+    """A fixed strategy's release holds one item back to that time; what started before it is untouched."""
+    first = simulate(2, 2, 4, unisched.policies.get("one_f_one_b", num_workers=2, num_stages=2, num_batches=4),
+                     costs=costs).timeline
+    before = _item_starts(first)
+    item = int(np.argsort(before)[len(before) // 2])
+    release = np.zeros(len(before))
+    release[item] = before[item] + 3.0
+    replay = simulate(2, 2, 4, first.as_strategy().with_(release=release), costs=costs).timeline
+    after = _item_starts(replay)
+    assert after[item] == before[item] + 3.0
+    earlier = before < before[item]
+    assert earlier.any() and np.array_equal(after[earlier], before[earlier])
+    assert replay.latency > first.latency
+
+
+def test_release_times_of_a_schedule_s_own_starts_replay_it_unchanged():
+    """Under a memory limit, a schedule replayed with its own starts as releases is the same schedule."""
+    sim = simulate(2, 4, 8, random_mapping(5, 2, 4, 8, False), memory_limit=5)  # the limit binds here
+    starts = _item_starts(sim.timeline)
+    replay = simulate(2, 4, 8, sim.timeline.as_strategy().with_(release=starts), memory_limit=5).timeline
+    assert np.array_equal(_item_starts(replay), starts)
+
+
+def test_release_times_are_checked():
+    """One finite, non-negative release time per item, else an error naming ``release``."""
+    t = simulate(2, 2, 2, unisched.policies.get("gpipe", num_workers=2, num_stages=2, num_batches=2)).timeline
+    rows = t._rows_by_item()
+    args = (t.shape, t.worker[rows], t.weight_worker[rows], t.worker_orders())
+    with pytest.raises(unisched.UniSchedError, match="release"):
+        unisched.fixed_strategy(*args, release=[0.0, 1.0])
+    with pytest.raises(unisched.UniSchedError, match=r"release\[1\]"):
+        unisched.fixed_strategy(*args, release=[0.0, -1.0] + [0.0] * (len(rows) - 2))
+    with pytest.raises(unisched.UniSchedError, match="release"):
+        simulate(2, 2, 2, t.as_strategy().with_(release=np.zeros(3)))

@@ -146,6 +146,32 @@ def test_fixed_orders_same_timeline(W, S, B, split, limit, seed):
     assert_same(expected, got)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    W=st.integers(1, 3),
+    S=st.integers(1, 4),
+    B=st.integers(1, 5),
+    split=st.booleans(),
+    limit=st.one_of(st.none(), st.sampled_from([1.0, 2.0, 3.0])),
+    links=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_release_times_same_timeline(W, S, B, split, limit, links, seed):
+    """Fixed orders with some items released late (a plan's "not before" times): both agree,
+    and no item starts before its release."""
+    rng = np.random.default_rng(seed)
+    first = unisched.simulate(W, S, B, random_mapping(rng, W, S, B, split), split_backward=split)
+    n = len(first.timeline)
+    release = np.where(rng.random(n) < 0.3, rng.choice([0.5, 2.0, 7.0], n), 0.0)
+    replay = first.timeline.as_strategy().with_(release=release)
+    costs = Costs(activation_bytes=1.0, latency=0.25, bandwidth=2.0) if links else Costs()
+    expected, got = both_runs(Shape(W, S, B), replay, BUILTIN_PRIORITIES["backward_first"](S, B), costs, limit,
+                              split, as_stage_graph(S, None), None)
+    assert_same(expected, got)
+    if not isinstance(expected, DeadlockError):
+        assert np.all(got[0] >= release)
+
+
 @pytest.mark.parametrize("name, W, S, B", [
     ("one_f_one_b", 8, 8, 8), ("zb_h1", 8, 8, 8), ("zb_h2", 8, 8, 8), ("interleaved", 4, 8, 8), ("zbv", 4, 8, 8),
     ("dualpipe_v", 4, 8, 8), ("gpipe", 8, 8, 8), ("fsdp", 8, 4, 8), ("looped", 4, 8, 8),

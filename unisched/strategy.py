@@ -137,6 +137,9 @@ class Strategy:
     unless the call gives its own.  ``worker_orders`` fixes the sequence each
     worker runs (hand-made schedules such as ZB-H1's delayed weight passes, or
     a plan file); the simulator then follows it instead of choosing.
+    ``release`` (with fixed orders): per item id, the earliest time it may
+    start ("not before"), so that a planned schedule replays at its planned
+    times rather than each item as early as its order allows.
     ``map_arrays(batch, stage, direction) -> (compute, weight)`` is an
     optional vectorised form of ``mapping`` used to simulate large shapes fast;
     it must agree with ``mapping``.
@@ -158,6 +161,7 @@ class Strategy:
     jointly (its compute worker among them; a :class:`Gang` to say whether
     they all-reduce), or None for one worker.  A gang item starts when all of
     them are free and keeps all of them busy."""
+    release: np.ndarray | None = None
 
     def __call__(self, work: Work) -> ComputeAndWeightWorkers:
         return self.mapping(work)
@@ -196,6 +200,7 @@ def fixed_strategy(
     gang_members: Sequence[Sequence[int]] = (),
     gang_collective: Sequence[bool] = (),
     memory_limit: float | Sequence[float] | None = None,
+    release: Sequence[float] | None = None,
     name: str = "fixed",
     description: str = "",
 ) -> Strategy:
@@ -204,6 +209,8 @@ def fixed_strategy(
     item with id i (:class:`unisched.dataflow.Items`), ``worker_orders`` the
     sequence each worker runs: lists of Work, or arrays of item ids (a
     :class:`WorkerOrders`, or a dict of one-dimensional integer arrays).
+    ``release[i]``, when given, is the earliest time item i may start (a
+    plan's start times, so that its replay keeps them).
     What a plan and a timeline replay as (:meth:`Timeline.as_strategy`)."""
     shape = Shape(*shape)
     W, S, B = shape
@@ -228,6 +235,7 @@ def fixed_strategy(
         ids = items.id(batch, stage, direction)
         return compute[ids], weight[ids]
 
+    release = _release_times(release, items.count, name)
     ganged = gang is not None and bool(np.any(_int_array(gang) >= 0))
     gang = _int_array(gang) if ganged else None
     collective = tuple(gang_collective) or (True,) * len(gang_members)
@@ -248,7 +256,23 @@ def fixed_strategy(
         map_arrays=map_arrays,
         stage_graph=stage_graph,
         gang=gang_of if ganged else None,
+        release=release,
     )
+
+
+def _release_times(release, count: int, name: str) -> np.ndarray | None:
+    """``release`` as one finite, non-negative time per item, checked (None stays None)."""
+    if release is None:
+        return None
+    times = np.asarray(release, dtype=float).reshape(-1)
+    if len(times) != count:
+        raise ShapeError(f"the fixed schedule {name!r} has {count} items but release gives {len(times)} times; "
+                         f"give one per item id (unisched.dataflow.Items numbering)")
+    bad = np.flatnonzero(~np.isfinite(times) | (times < 0))
+    if len(bad):
+        raise StrategyError(f"the fixed schedule {name!r}: release[{bad[0]}] is {times[bad[0]]}; release times "
+                            f"must be finite and at least 0")
+    return times
 
 
 def _int_array(values) -> np.ndarray:

@@ -3,7 +3,8 @@
 The reference rule (DESIGN.md §1): repeatedly take, among the items whose
 dependencies are done, the one that can start soonest on its compute worker,
 ``max(time the worker is free, time its inputs are there)``, ties broken by
-the priority rank of its trigger; run it there for its duration.
+the priority rank of its trigger; run it there for its duration.  An item
+with a release time (a fixed strategy's ``release``) is not ready before it.
 
 Doing that by scanning the whole frontier costs O(J) a step.  Here every
 candidate sits in one heap keyed by ``(start estimate, rank)``.  An estimate
@@ -61,7 +62,7 @@ def run(p: Problem):
     worker, duration, rank = p.worker, p.duration.tolist(), p.rank.tolist()
     succ_ptr, succ_idx, succ_kind = p.succ_ptr.tolist(), p.succ_idx.tolist(), p.succ_kind.tolist()
     remaining = p.num_deps.tolist()
-    ready = [0.0] * n
+    ready = p.release.tolist() if p.release is not None else [0.0] * n  # "not before" times
     trigger_time = [-INF] * n
     trigger_rank = [0] * n
     start = [0.0] * n
@@ -77,7 +78,7 @@ def run(p: Problem):
 
     for item, virtual in p.sources.T.tolist():
         trigger_rank[item] = rank[virtual]
-        heappush(heap, (0.0, rank[virtual], item))
+        heappush(heap, (ready[item], rank[virtual], item))
 
     scheduled = 0
     while heap:

@@ -2,7 +2,7 @@
 
 It covers every step without a topology: any mapping, priority, per-stage
 costs and worker speeds (they are only the durations), fixed per-worker
-orders (they are only edges), split backwards, memory limits with parking,
+orders (they are only edges) and release times, split backwards, memory limits with parking,
 gangs (tensor parallelism) when communication is free, and transfers over
 links between pairs of workers (latency, bandwidth, weight fetches with
 prefetch and caching, gradient returns) when there are no gangs.  That is
@@ -81,6 +81,8 @@ class Graph(NamedTuple):
     ``gang_member[gang_ptr[g]:gang_ptr[g + 1]]``."""
     gang_ptr: np.ndarray
     gang_member: np.ndarray
+    release: np.ndarray
+    """Per item: the earliest time it may start (zeros: any time)."""
 
 
 class Links(NamedTuple):
@@ -126,7 +128,8 @@ def graph_of(problem) -> Graph:
     return Graph(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
                  problem.succ_kind == EDGE_PRIMARY, problem.succ_kind != EDGE_SEQUENCE, problem.num_deps,
                  problem.sources[0], problem.rank[problem.sources[1]], problem.num_workers, problem.gang, gang_ptr,
-                 np.array([m for group in members for m in group], dtype=np.int64))
+                 np.array([m for group in members for m in group], dtype=np.int64),
+                 problem.release if problem.release is not None else np.zeros(problem.num_items))
 
 
 def stash_accounts(problem) -> StashAccounts:
@@ -217,7 +220,7 @@ def schedule(graph, stashes, links):
     succ_ptr, succ_idx, succ_primary, succ_sends = graph.succ_ptr, graph.succ_idx, graph.succ_primary, graph.succ_sends
     n = worker.shape[0]
     remaining = graph.num_deps.copy()
-    ready = np.zeros(n)
+    ready = graph.release.copy()  # "not before" times
     trigger_time = np.full(n, -math.inf)
     trigger_rank = np.zeros(n, dtype=np.int64)
     start = np.full(n, -1.0)
@@ -266,7 +269,8 @@ def schedule(graph, stashes, links):
 
     for i in range(graph.source_items.shape[0]):
         trigger_rank[graph.source_items[i]] = graph.source_keys[i]
-        size = _push(heap_t, heap_k, heap_e, size, 0.0, graph.source_keys[i], graph.source_items[i])
+        source = graph.source_items[i]
+        size = _push(heap_t, heap_k, heap_e, size, ready[source], graph.source_keys[i], source)
 
     while size > 0:
         if size + slack > heap_t.shape[0]:
@@ -666,5 +670,5 @@ def warm_up() -> None:
         return
     one, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
     graph = Graph(one, np.ones(1), one, np.zeros(2, np.int64), none, np.zeros(0, bool), np.zeros(0, bool), one, one,
-                  one, 1, np.full(1, -1), np.zeros(1, np.int64), none)
+                  one, 1, np.full(1, -1), np.zeros(1, np.int64), none, np.zeros(1))
     schedule(*(_contiguous(table) for table in (graph, no_stashes(1, 1), no_links())))

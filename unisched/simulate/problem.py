@@ -77,6 +77,8 @@ class Problem:
     """Per item: the part of its duration that is its gang's tensor-parallel
     collective (0 for an item run by one worker); on a topology the engine
     books it on the gang's links."""
+    release: np.ndarray | None = None
+    """Per item: the earliest time it may start (a fixed strategy's ``release``), or None: any time."""
 
     @cached_property
     def _stash_lists(self) -> tuple:
@@ -285,7 +287,20 @@ def build(
         gang_moves=moves_in_gang,
         gang_weights=weights_in_gang,
         collective=collective_time,
+        release=_release(strategy, n),
     )
+
+
+def _release(strategy: Strategy, n: int) -> np.ndarray | None:
+    """The strategy's per-item release times, checked against the step's items."""
+    release = strategy.release
+    if release is None:
+        return None
+    release = np.asarray(release, dtype=float).reshape(-1)
+    if len(release) != n:
+        raise StrategyError(f"strategy {strategy.name!r} gives {len(release)} release times for a step of {n} items; "
+                            f"give one per item id (unisched.dataflow.Items numbering) of the shape simulated")
+    return release
 
 
 # ---------------------------------------------------------------------- mapping

@@ -310,3 +310,20 @@ def test_compare_where_no_strategy_fits_is_an_error_with_every_reason(capsys):
     error = json.loads(err)
     assert code == 2 and out == "" and "no strategy could be simulated on W=3, S=5, B=2" in error["error"]
     assert [line.split(":")[0] for line in error["details"]] == ["gpipe", "ddp"]
+
+
+@pytest.mark.parametrize("flags, whole, halves", [
+    (["--backward-input", "1", "--backward-weight", "2"], 3.0, (1.0, 2.0)),  # the whole is their sum
+    (["--backward-input", "1.5"], 4.0, (1.5, 2.5)),  # one half: the other is what remains of the file's whole
+    (["--backward", "6"], 6.0, (3.0, 3.0)),  # the whole alone replaces the file's halves
+    (["--backward", "5", "--backward-input", "1"], 5.0, (1.0, 4.0)),
+])
+def test_time_flags_put_into_a_costs_file_read_alike_in_every_verb(capsys, tmp_path, flags, whole, halves):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"forward": 2.0, "backward_input": 1.0, "backward_weight": 3.0}))
+    assert whole == sum(halves)
+    expected = 8 * (2.0 + whole)
+    for verb in (["simulate", "--strategy", "gpipe"], ["plan", "--strategy", "gpipe", "--time-limit", "2"]):
+        assert main([*verb, "-W", "1", "-S", "1", "-B", "8", "--costs", str(costs), *flags, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["latency"] == pytest.approx(expected), verb  # one worker: the step is all its work

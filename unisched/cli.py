@@ -484,25 +484,17 @@ def check_size(shape, split_backward: bool) -> None:
 
 
 def _costs(args):
+    """The costs file (or the defaults) with the time flags put in (:meth:`Costs.with_times`)."""
     from unisched import Costs
 
-    if args.costs:
-        costs = Costs.load(args.costs)
-    else:
-        costs = Costs()
-    changes = cost_values(args)
+    costs = (Costs.load(args.costs) if args.costs else Costs()).with_times(**cost_values(args))
     if getattr(args, "topology", None):
         from dataclasses import fields
 
         from unisched.topology import ClusterCosts
 
-        return ClusterCosts(**{**{f.name: getattr(costs, f.name) for f in fields(costs)}, **changes},
-                            topology=args.topology)
-    if not changes:
-        return costs
-    from dataclasses import replace
-
-    return replace(costs, **changes)
+        return ClusterCosts(**{f.name: getattr(costs, f.name) for f in fields(costs)}, topology=args.topology)
+    return costs
 
 
 def _step_options(args) -> dict:

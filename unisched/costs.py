@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -151,6 +151,30 @@ class Costs:
             f"Costs.backward {self.backward!r} is not backward_input + backward_weight "
             f"({self.backward_input!r} + {self.backward_weight!r}): a split backward is the whole one in two "
             "halves; leave backward out (it is then their sum) or give halves that add up to it")
+
+    def with_times(self, forward: PerStage | None = None, backward: PerStage | None = None,
+                   backward_input: PerStage | None = None, backward_weight: PerStage | None = None) -> "Costs":
+        """These costs with the pass times given (None: keep) put in, the backward kept one
+        pass: both halves given make the whole their sum (or must add up to a whole given);
+        one half given leaves the other what remains of the whole (given, or these costs');
+        a whole given alone drops these costs' halves (each is then half of it)."""
+        changes = {} if forward is None else {"forward": forward}
+        halves = {name: value for name, value in (("backward_input", backward_input),
+                                                  ("backward_weight", backward_weight)) if value is not None}
+        if len(halves) == 1:
+            (name, half), = halves.items()
+            whole = self.backward if backward is None else backward
+            rest = np.asarray(whole, dtype=float) - np.asarray(half, dtype=float)
+            if np.any(rest < 0):
+                raise ShapeError(f"the backward {whole!r} is shorter than its half {name} {half!r}: give both "
+                                 "halves, or a backward at least as long as the half you give")
+            other = "backward_weight" if name == "backward_input" else "backward_input"
+            halves[other] = float(rest) if rest.ndim == 0 else rest.tolist()
+        if halves:
+            changes.update(halves, backward=backward)  # None: their sum
+        elif backward is not None:
+            changes.update(backward=backward, backward_input=None, backward_weight=None)
+        return replace(self, **changes) if changes else self
 
     def check(self, num_workers: int, num_stages: int) -> "Costs":
         """Check that these costs describe a step of ``num_stages`` stages on

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from unisched.render.text import add_color_arguments
-from unisched.errors import StrategyError, UniSchedError
+from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
                             add_shape_arguments, cost_values, numbers, splits_backward)
@@ -314,38 +314,21 @@ def _is_demo(args: argparse.Namespace) -> bool:
 
 
 def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
-    cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
-    split = splits_backward(args)
+    """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
+    (:meth:`Costs.with_times`, as ``simulate`` does); whether the flags split the backward."""
+    times = cost_values(args, COST_FLAGS, PlanInputError)
+    cost_values(args, ("comm", "fetch"), PlanInputError)
     if args.costs:
-        clashing = [flag for flag, value in (("--forward", args.forward), ("--backward", args.backward),
-                                              ("--backward-input", args.backward_input),
-                                              ("--backward-weight", args.backward_weight),
-                                              ("--comm", args.comm or None), ("--fetch", args.fetch or None))
-                    if value is not None]
+        clashing = [flag for flag, value in (("--comm", args.comm), ("--fetch", args.fetch)) if value]
         if clashing:
-            raise PlanInputError(f"--costs {args.costs} gives every cost; drop {', '.join(clashing)} or the file")
-        return Costs.load(args.costs), split
-    backward = args.backward if args.backward is not None else 2.0
-    if split:
-        b_in = args.backward_input if args.backward_input is not None else backward - (args.backward_weight or 0.0)
-        b_w = args.backward_weight if args.backward_weight is not None else backward - b_in
-        if b_in < 0 or b_w < 0:
-            raise PlanInputError(
-                f"--backward {backward:g} is shorter than the split halves given "
-                f"(--backward-input {args.backward_input}, --backward-weight {args.backward_weight}); "
-                "give both halves, or a --backward at least as long as the half you give"
-            )
+            raise PlanInputError(f"--costs {args.costs} gives the links; drop {', '.join(clashing)} or the file")
+        base = Costs.load(args.costs)
     else:
-        b_in = b_w = None
-    costs = encode_costs(
-        forward=args.forward if args.forward is not None else 1.0,
-        backward=backward,
-        backward_input=b_in,
-        backward_weight=b_w,
-        comm=args.comm,
-        fetch=args.fetch,
-    )
-    return costs, split
+        base = encode_costs(comm=args.comm, fetch=args.fetch)
+    try:
+        return base.with_times(**times), splits_backward(args)
+    except ShapeError as error:
+        raise PlanInputError(str(error)) from None
 
 
 # ---------------------------------------------------------------------- your own strategy

@@ -44,7 +44,8 @@ def add_cost_arguments(parser: argparse.ArgumentParser):
     costs.add_argument("--backward", type=float, help="backward time of a stage")
     costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
     costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
-    costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from calibration")
+    costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from "
+                       "calibration; time flags given beside it replace its times")
     return costs
 
 

@@ -329,15 +329,15 @@ def test_strategy_with_parameters_and_progress_output():
 
 def test_large_neighbourhood_search_keeps_a_feasible_incumbent():
     from unisched.plan.mapping import incumbent_from, solve_mapping
-    from unisched.plan.planner import _scorer
+    from unisched.plan.planner import _scorer, replayed
 
     problem = PlanProblem(Shape(3, 3, 8), encode_costs(comm=1, fetch=2), memory_limit=2, max_stages_per_worker=2)
     timed = TimedProblem.build(problem)
     start = solve_order(timed, timed.stage, timed.stage, time_limit=2)
     hint = incumbent_from(timed, timed.stage, timed.stage, start.starts)
-    solved = solve_mapping(timed, time_limit=4, hint=hint, lns=True, score=_scorer(problem))
+    solved = solve_mapping(timed, time_limit=4, hint=hint, lns=True, score=_scorer(timed))
     assert solved.found and solved.objective <= hint.makespan
-    replay = Schedule.from_starts(problem, solved.compute, solved.weight, solved.starts).simulate()
+    _, replay = replayed(Schedule.planned(timed, solved.compute, solved.weight, solved.starts), "latency")
     assert replay.latency == solved.score
     assert max(replay.worker_stats()["max_activation_storage"]) <= 2
     assert stages_held(replay).max() <= 2

@@ -18,7 +18,7 @@ from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping
-from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.plan.problem import PlanProblem, TimedProblem, rows_of
 from unisched.plan.schedule import Schedule
 from unisched.work import Shape
 
@@ -42,8 +42,14 @@ def test_whole_scheme_model_finds_43_where_paired_passes_give_48():
     """W = 2, S = 4, B = 4, memory 2, comm 1: the whole-scheme model's optimum is 43 (the paired
     planner claimed 48 optimal)."""
     problem = PlanProblem(Shape(2, 4, 4), encode_costs(comm=1), memory_limit=2)
-    solved = solve_mapping(TimedProblem.build(problem), time_limit=60, whole=True, asap_replay=False)
+    timed = TimedProblem.build(problem)
+    solved = solve_mapping(timed, time_limit=60, whole=True, asap_replay=False)
     assert solved.optimal and solved.objective == 43
+    # its start times as release times: the simulator replays it exactly as planned, within the limit
+    replay = Schedule.planned(timed, solved.compute, solved.weight, solved.starts).simulate()
+    t = replay.timeline
+    assert replay.latency == 43 and np.array_equal(t.start[rows_of(problem, t)], solved.starts / timed.ticks.scale)
+    assert max(replay.worker_stats()["max_activation_storage"]) <= 2
 
 
 @pytest.mark.parametrize("shape, costs, memory, optimum", [

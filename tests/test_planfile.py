@@ -40,7 +40,7 @@ def test_a_start_time_the_orders_do_not_reproduce_is_refused(cross_worker_plan):
     _, path = cross_worker_plan
     data = json.loads(path.read_text())
     item = max(data["starts"], key=data["starts"].get)
-    data["starts"][item] += 1.0
+    data["starts"][item] -= 1.0  # earlier than its inputs and its worker allow
     with pytest.raises(PlanFileError, match=f"says {item} starts at"):
         plan_from_dict(data, source="edited")
     del data["starts"][item]
@@ -48,13 +48,22 @@ def test_a_start_time_the_orders_do_not_reproduce_is_refused(cross_worker_plan):
         plan_from_dict(data, source="damaged")
 
 
-def test_version_1_plan_files_are_still_read(cross_worker_plan):
-    result, path = cross_worker_plan
-    data = json.loads(path.read_text())
+def as_version_1(data: dict) -> dict:
+    """A version 2 plan file's contents as version 1 wrote them (no start times)."""
+    data = dict(data)
     for key in ("starts", "search", "objective", "objective_value", "proven_for", "bound_for", "bound_classes",
                 "gap", "interrupted", "memory_budget", "optimizer_bytes"):
         data.pop(key, None)
     data["version"] = 1
+    return data
+
+
+def test_version_1_plan_files_are_still_read(tmp_path):
+    """Version 1 plans replayed from their orders alone; one that needs its start times is refused."""
+    result = plan(2, 2, 4, encode_costs(comm=1), strategy="one_f_one_b", time_limit=5)
+    path = tmp_path / "plan.json"
+    result.save(path)
+    data = as_version_1(json.loads(path.read_text()))
     old = plan_from_dict(data, source="old")
     assert old.latency == result.latency and old.objective == "latency" and old.search == "cpsat"
     data["version"] = 3

@@ -13,7 +13,8 @@ schedule is replayed from its orders alone (``asap_replay``): the simulator
 then runs each item as early as it can, so such a forward may claim its room
 sooner than the model placed it, and counting it from then is what keeps
 the replay within the limit (and free of deadlocks).  A replay that follows
-start times as well would not need this restriction.
+start times as well (the planner's: :meth:`unisched.plan.schedule.Schedule.planned`
+keeps them as release times) does not need this restriction.
 
 Micro-batches with identical mappings are interchangeable, so the model
 fixes their order at the first stage (sound); ``fifo=True`` also keeps them
@@ -164,6 +165,7 @@ def solve_order_staged(
     lower_bound: int = 0,
     cold_share: float = 0.25,
     fifo_share: float = 0.3,
+    asap_replay: bool = True,
 ) -> Solved:
     """The full model without a hint first, briefly (a hint can steer CP-SAT's search away from a
     proof it finds at once without), then a first-in-first-out pass (small search, good schedules
@@ -173,7 +175,7 @@ def solve_order_staged(
     def left() -> float:
         return time_limit - (time.perf_counter() - begin)
 
-    common = dict(num_workers=num_workers, seed=seed, lower_bound=lower_bound)
+    common = dict(num_workers=num_workers, seed=seed, lower_bound=lower_bound, asap_replay=asap_replay)
     cold = solve_order(timed, compute, weight, time_limit=time_limit * cold_share, **common)
     if cold.optimal or cold.status == "INFEASIBLE" or cold.interrupted or left() <= 0.05:
         return replace(cold, wall=time.perf_counter() - begin)
@@ -362,11 +364,13 @@ def _symmetry(model, timed: TimedProblem, compute, weight, start, fifo: bool) ->
                     model.add(start[u] <= start[v])
 
 
-def order_class(problem, label: str, compute: np.ndarray) -> str:
+def order_class(problem, label: str, compute: np.ndarray, asap_replay: bool = False) -> str:
     """The class of schedules a proof of the order model covers: the orders of one mapping
-    (with ``asap_replay``'s restriction where the mapping keeps a stash away from its forward
-    under a memory limit)."""
+    (with ``asap_replay``'s restriction, when the model ran with it, where the mapping keeps a
+    stash away from its forward under a memory limit)."""
     name = f"orders of the mapping of {label}"
+    if not asap_replay:
+        return name
     limited = problem.memory_limit is not None or problem.memory_budget is not None
     grid = problem.item_grid()
     if limited and np.any(np.asarray(compute)[grid][:, :, 1:] != np.asarray(compute)[grid][:, :, :1]):

@@ -28,14 +28,15 @@ Format (``"format": "unisched-plan"``, ``"version": 2``)::
 Work items are written as ``{stage}{F|B|I|W}{batch}``.  Loading checks the
 format, the version (1 and 2 are read), that the mapping covers exactly the
 shape's items, that every order lists exactly its worker's items, and that
-the replay of the orders gives the file's latency and start times.
+the replay of the orders, with the start times as release times (no item
+before its start), gives the file's latency and start times.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -296,6 +297,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     dropped = _rows(data, "dropped", ("strategy", "reason"), source)
     schedule = _schedule(problem, data["mapping"], data["orders"], source, name)
     starts = _starts(problem, data.get("starts"), source)
+    if starts is not None:
+        schedule = replace(schedule, release=starts)  # replay at the planned times (Schedule.planned)
     replay = _replay(schedule, source, starts is not None)
     latency = float(replay.latency)
     value = objective_value(replay, texts["objective"])
@@ -412,8 +415,8 @@ def _replay(schedule: Schedule, source: str, timed: bool = False) -> Simulation:
     try:
         replay = schedule.simulate()
     except UniSchedError as error:
-        cause = ("its start times keep a worker waiting in a way its per-worker orders cannot express (the "
-                 "simulator replays orders, not start times)" if timed else "the file was edited or damaged")
+        cause = ("its orders and start times cannot run together under its limits" if timed
+                 else "the file was edited or damaged, or its schedule needs the start times a version 2 file keeps")
         raise PlanFileError(f"{source} cannot be replayed: {str(error).splitlines()[0]}; {cause}: plan again") from None
     latency = float(replay.latency)
     if not (math.isfinite(latency) and latency >= 0):

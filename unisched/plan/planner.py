@@ -10,7 +10,9 @@ Three phases share one time limit:
    small problems over the whole scheme (a backward may run away from its
    forward), else with one worker per (stage, micro-batch).
 
-Every candidate is replayed by the simulator with fixed orders, and the
+Every candidate is replayed by the simulator with fixed orders (a CP-SAT
+solution both with its planned starts as release times, which keeps the
+planned times, and from its orders alone; the better replay counts), and the
 plan is the candidate with the best replay (of the chosen objective), so it is
 never worse than the best family member simulated.  The search stops early
 once the best meets a lower bound, and on Ctrl-C, answering with the best so
@@ -63,8 +65,6 @@ PAIRED_SHARE = 0.5
 UNLIMITED_PAIRED_SHARE = 0.2
 """The same without memory limits, where the whole-scheme model finds and proves good schedules by
 itself (W = 2, S = 4, B = 8, comm 1: 49 proven in 2.3 s instead of 5.4 s at a share of 0.5)."""
-WIDE_SHARE = 0.35
-"""Share of what is left then for the unrestricted whole-scheme model (a bound), when memory is limited."""
 SEARCH_WORKERS = 3
 """CP-SAT's search workers per solve: from three on its portfolio runs a fixed search beside the
 default one, which on small problems finds and proves optima the default one alone does not reach
@@ -245,13 +245,13 @@ class _Search:
             bound = max(mapping_bounds(self.problem, compute, weight).values())
             solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
                                         num_workers=self.search_workers, seed=self.seed,
-                                        lower_bound=self._ticks_below(bound))
+                                        lower_bound=self._ticks_below(bound), asap_replay=False)
             self.order_results.append((label, solved))
             self.interrupted |= solved.interrupted
             if self.fixed and solved.bound > 0:
                 self.proofs.append((order_class(self.problem, label, compute), self.timed.ticks.time(solved.bound)))
             if solved.found:
-                schedule = Schedule.from_starts(self.problem, compute, weight, solved.starts, name=f"{label}+cpsat")
+                schedule = Schedule.planned(self.timed, compute, weight, solved.starts, name=f"{label}+cpsat")
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
 
     def construct(self, label: str, compute: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
@@ -286,34 +286,32 @@ class _Search:
         """CP-SAT over mappings and orders, each run warm-started from the best candidate that fits
         its class.
 
-        Over the whole scheme, the paired model runs first (small, good schedules fast); with memory
-        limited, the model whose solutions replay from their orders alone (``asap_replay``) is a
-        restriction, so the unrestricted model runs too, for a bound over the whole class (and any
-        solution of it that replays)."""
+        Over the whole scheme, the paired model runs first (small, good schedules fast).  Solutions
+        replay with their planned starts as release times, so no model needs ``asap_replay``'s
+        restriction: the proofs and solutions are of the unrestricted classes."""
         limited = self.problem.memory_limit is not None or self.problem.memory_budget is not None
-        runs = [(False, False, 1.0)]
+        runs = [(False, 1.0)]
         if whole:
-            runs = [(False, False, PAIRED_SHARE if limited else UNLIMITED_PAIRED_SHARE)] \
-                + ([(True, False, WIDE_SHARE)] if limited else []) + [(True, limited, 1.0)]
-        for whole_run, asap_replay, share in runs:
+            runs = [(False, PAIRED_SHARE if limited else UNLIMITED_PAIRED_SHARE), (True, 1.0)]
+        for whole_run, share in runs:
             left = self.deadline - time.perf_counter()
             if left <= 0.5 or self.done():
                 return
-            self._map(whole_run, asap_replay, left * share)
+            self._map(whole_run, left * share)
 
-    def _map(self, whole: bool, asap_replay: bool, seconds: float) -> None:
-        name = proven_class(whole, asap_replay)
+    def _map(self, whole: bool, seconds: float) -> None:
+        name = proven_class(whole)
         hint = _best_incumbent(self.timed, self.candidates, whole)
         _say(self.progress, f"CP-SAT mapping search over {name} ({seconds:.1f} s) ...")
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
-                               seed=self.seed, score=_scorer(self.problem), whole=whole, asap_replay=asap_replay,
+                               seed=self.seed, score=_scorer(self.timed), whole=whole, asap_replay=False,
                                lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
             self.proofs.append((name, self.timed.ticks.time(solved.bound)))
         if solved.found:
-            schedule = Schedule.from_starts(self.problem, solved.compute, solved.weight, solved.starts, name="cpsat")
+            schedule = Schedule.planned(self.timed, solved.compute, solved.weight, solved.starts, name="cpsat")
             tag = bound_key(name).removeprefix("cpsat_").replace("_", " ")
             self.add(f"cpsat mapping ({tag})", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective),
                      searched=name)
@@ -321,10 +319,11 @@ class _Search:
     # ------------------------------------------------------------------ candidates and bounds
     def add(self, label: str, source: str, schedule: Schedule, model_latency: float | None = None,
             pareto: bool = False, searched: str = "") -> None:
-        """Replay a schedule and keep it; one that cannot run under the plan's limits is dropped,
-        saying why (a CP-SAT schedule that the replay cannot follow is left out silently)."""
+        """Replay a schedule (:func:`replayed`) and keep it; one that cannot run under the plan's
+        limits is dropped, saying why (a CP-SAT schedule that the replay cannot follow is left out
+        silently)."""
         try:
-            replay = schedule.simulate()
+            schedule, replay = replayed(schedule, self.problem.objective)
         except UniSchedError as error:
             if source in ("family", "constructed"):
                 self.dropped.append({"strategy": label, "reason": str(error).splitlines()[0]})
@@ -514,12 +513,33 @@ def _distinct(targets):
     return kept
 
 
-def _scorer(problem: PlanProblem):
+def replayed(schedule: Schedule, objective: str) -> tuple[Schedule, Simulation]:
+    """The better replay of a schedule with release times (its planned starts) and of its orders
+    alone (each item as early as its order allows: never later, but under a memory limit it may
+    claim room sooner than planned and deadlock), and the schedule that gives it; on a tie, the
+    orders alone.  Raises the replay's UniSchedError when neither runs."""
+    versions = [schedule.as_soon_as_possible(), schedule] if schedule.release is not None else [schedule]
+    best, failure = None, None
+    for version in versions:
+        try:
+            replay = version.simulate()
+        except UniSchedError as error:
+            failure = failure or error
+            continue
+        if best is None or objective_value(replay, objective) < objective_value(best[1], objective) - 1e-9:
+            best = version, replay
+    if best is None:
+        raise failure
+    return best
+
+
+def _scorer(timed: TimedProblem):
     """The replayed objective of a CP-SAT solution (what a plan reports)."""
 
     def score(compute, weight, starts) -> float:
+        objective = timed.problem.objective
         try:
-            return objective_value(Schedule.from_starts(problem, compute, weight, starts).simulate(), problem.objective)
+            return objective_value(replayed(Schedule.planned(timed, compute, weight, starts), objective)[1], objective)
         except UniSchedError:
             return float("inf")
 

@@ -2,7 +2,8 @@
 
 It covers every step without a topology: any mapping, priority, per-stage
 costs and worker speeds (they are only the durations), fixed per-worker
-orders (they are only edges) and release times, split backwards, memory limits with parking,
+orders (they are only edges) and release times (an item's first ready
+time), split backwards, memory limits with parking,
 gangs (tensor parallelism) when communication is free, and transfers over
 links between pairs of workers (latency, bandwidth, weight fetches with
 prefetch and caching, gradient returns) when there are no gangs.  That is

@@ -169,7 +169,7 @@ def million(name: str) -> dict:
     fast.warm_up()  # load the compiled greedy from its cache first (numba loads on first use)
     began, began_cpu = time.perf_counter(), time.process_time()
     (W, S, B), strategy = build(name, million=True)
-    built, built_cpu = time.perf_counter(), time.process_time()
+    built = time.perf_counter()
     sim, path = engine_used(lambda: unisched.simulate(W, S, B, strategy))
     done, done_cpu = time.perf_counter(), time.process_time()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -235,7 +235,7 @@ def fixed_strategy(
         ids = items.id(batch, stage, direction)
         return compute[ids], weight[ids]
 
-    release = _release_times(release, items.count, name)
+    release = release_times(release, items.count, name)
     ganged = gang is not None and bool(np.any(_int_array(gang) >= 0))
     gang = _int_array(gang) if ganged else None
     collective = tuple(gang_collective) or (True,) * len(gang_members)
@@ -260,7 +260,7 @@ def fixed_strategy(
     )
 
 
-def _release_times(release, count: int, name: str) -> np.ndarray | None:
+def release_times(release, count: int, name: str) -> np.ndarray | None:
     """``release`` as one finite, non-negative time per item, checked (None stays None)."""
     if release is None:
         return None

@@ -21,7 +21,7 @@ from unisched.errors import StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.simulate.sequences import sequence_edges
 from unisched.simulate.stashes import StashAccounts, stash_accounts
-from unisched.strategy import Gang, Strategy, works
+from unisched.strategy import Gang, Strategy, release_times, works
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD, Direction, Shape, StageGraph, Work
 
@@ -293,14 +293,7 @@ def build(
 
 def _release(strategy: Strategy, n: int) -> np.ndarray | None:
     """The strategy's per-item release times, checked against the step's items."""
-    release = strategy.release
-    if release is None:
-        return None
-    release = np.asarray(release, dtype=float).reshape(-1)
-    if len(release) != n:
-        raise StrategyError(f"strategy {strategy.name!r} gives {len(release)} release times for a step of {n} items; "
-                            f"give one per item id (unisched.dataflow.Items numbering) of the shape simulated")
-    return release
+    return release_times(strategy.release, n, strategy.name)
 
 
 # ---------------------------------------------------------------------- mapping

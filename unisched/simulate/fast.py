@@ -71,8 +71,6 @@ class Graph(NamedTuple):
     succ_idx: np.ndarray
     succ_primary: np.ndarray
     """Per edge: whether it triggers its target (its rank becomes the target's key)."""
-    succ_sends: np.ndarray
-    """Per edge: whether it goes through the network (fixed-order edges do not)."""
     num_deps: np.ndarray
     source_items: np.ndarray
     source_keys: np.ndarray
@@ -97,7 +95,8 @@ class Links(NamedTuple):
 
     on: bool
     edge_kind: np.ndarray
-    """Per edge: the transfer kind it moves (a code of ``TRANSFER_KINDS``), -1: nothing."""
+    """Per edge: the transfer kind it moves (a code of ``TRANSFER_KINDS``),
+    -1: nothing (both ends on one worker, or a fixed-order edge)."""
     edge_bytes: np.ndarray
     edge_link: np.ndarray
     fetch_link: np.ndarray
@@ -127,7 +126,7 @@ def graph_of(problem) -> Graph:
     gang_ptr = np.zeros(len(members) + 1, np.int64)
     np.cumsum([len(m) for m in members], out=gang_ptr[1:])
     return Graph(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
-                 problem.succ_kind == EDGE_PRIMARY, problem.succ_kind != EDGE_SEQUENCE, problem.num_deps,
+                 problem.succ_kind == EDGE_PRIMARY, problem.num_deps,
                  problem.sources[0], problem.rank[problem.sources[1]], problem.num_workers, problem.gang, gang_ptr,
                  np.array([m for group in members for m in group], dtype=np.int64),
                  problem.release if problem.release is not None else np.zeros(problem.num_items))
@@ -218,7 +217,7 @@ def schedule(graph, stashes, links):
     bytes, item).  ``engine.run`` step for step."""
     worker, duration, rank, num_workers = graph.worker, graph.duration, graph.rank, graph.num_workers
     gang, gang_ptr, gang_member = graph.gang, graph.gang_ptr, graph.gang_member
-    succ_ptr, succ_idx, succ_primary, succ_sends = graph.succ_ptr, graph.succ_idx, graph.succ_primary, graph.succ_sends
+    succ_ptr, succ_idx, succ_primary = graph.succ_ptr, graph.succ_idx, graph.succ_primary
     n = worker.shape[0]
     remaining = graph.num_deps.copy()
     ready = graph.release.copy()  # "not before" times
@@ -355,7 +354,7 @@ def schedule(graph, stashes, links):
         for k in range(succ_ptr[item], succ_ptr[item + 1]):
             nxt = succ_idx[k]
             arrive = finish
-            if comm and succ_sends[k] and links.edge_kind[k] >= 0:
+            if comm and links.edge_kind[k] >= 0:  # -1: same worker, or a fixed-order edge
                 arrive, booked = _send(links.edge_link[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt, links,
                                        calendar_start, calendar_end, calendar_size, rows, booked)
             if arrive > ready[nxt]:
@@ -670,6 +669,6 @@ def warm_up() -> None:
     if compiled_schedule() is None:
         return
     one, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
-    graph = Graph(one, np.ones(1), one, np.zeros(2, np.int64), none, np.zeros(0, bool), np.zeros(0, bool), one, one,
+    graph = Graph(one, np.ones(1), one, np.zeros(2, np.int64), none, np.zeros(0, bool), one, one,
                   one, 1, np.full(1, -1), np.zeros(1, np.int64), none, np.zeros(1))
     schedule(*(_contiguous(table) for table in (graph, no_stashes(1, 1), no_links())))

@@ -205,7 +205,7 @@ def _own_gradient_holds(t: Timeline, in_bytes: bool):
     reaches it (its own pass, or one returned) to the end of the step."""
     first: dict[tuple[int, int], float] = {}
     rows = _gradient_passes(t)
-    own = rows[t.worker[rows] == t.weight_worker[rows]]
+    own = rows[~dataflow.fetches_weights(t.worker[rows], t.weight_worker[rows])]
     for w, s, end in zip(t.worker[own].tolist(), t.stage[own].tolist(), t.end[own].tolist()):
         first[(w, s)] = min(first.get((w, s), np.inf), end)
     tr = t.transfers

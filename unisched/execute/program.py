@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from itertools import takewhile
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
@@ -614,7 +615,7 @@ def _accept_points(timeline: Timeline, orders, messages: Sequence[Message], rank
             continue
         order = orders[m.dst]
         at = sent_at.get((m.src, m.dst, m.stage))
-        position = len(order) if at is None else sum(1 for _ in _prefix(order, lambda w: ends[w] <= at))
+        position = len(order) if at is None else sum(1 for _ in takewhile(lambda w: ends[w] <= at, order))
         points[m.dst][position].append(m)
     return points
 
@@ -626,14 +627,6 @@ def _as_rank(worker: int, ranks: int) -> int:
 
 def _item_ends(timeline: Timeline) -> dict[Work, float]:
     return {timeline.work(i): float(end) for i, end in enumerate(timeline.end.tolist())}
-
-
-def _prefix(order: Sequence[Work], keep) -> Iterable[Work]:
-    """The leading items of ``order`` for which ``keep`` holds."""
-    for work in order:
-        if not keep(work):
-            return
-        yield work
 
 
 def _reduce_points(orders, program: Program, split, returned: set[int]) -> list[dict[int, list[int]]]:

@@ -124,7 +124,7 @@ def schedule_zbv_zero_bubble(num_workers: int, num_stages: int, num_batches: int
     not exist are left out, as torch does)."""
     shape = _v_shape("ScheduleZBVZeroBubble", num_workers, num_stages, num_batches)
     return _torch_strategy(ZBV_ZERO_BUBBLE, shape, lambda r: zbv_columns(num_workers, r, num_batches),
-                           _v_mapping(num_workers)[:2], split_backward=True)
+                           _v_mapping(num_workers), split_backward=True)
 
 
 def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -136,7 +136,7 @@ def schedule_dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> 
     require(num_batches >= num_stages, "ScheduleDualPipeV",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
     return _torch_strategy(DUALPIPE_V, shape, lambda r: dualpipe_v_columns(num_workers, r, num_batches),
-                           _v_mapping(num_workers)[:2], split_backward=True)
+                           _v_mapping(num_workers), split_backward=True)
 
 
 def split_full_backwards(order: Iterable[Work]) -> list[Work]:

@@ -53,8 +53,7 @@ def zb_h2(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
 def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """V-shaped placement (stage s and 2W - 1 - s on worker s) in the ZB-V schedule's phases."""
     shape = _v_shape("zbv", num_workers, num_stages, num_batches)
-    mapping, map_arrays, _ = _v_mapping(num_workers)
-    return _split_strategy("zbv", ZBV.description, shape, mapping, map_arrays,
+    return _split_strategy("zbv", ZBV.description, shape, *_v_mapping(num_workers),
                            lambda rank: zbv_columns(num_workers, rank, num_batches))
 
 
@@ -98,8 +97,7 @@ def dualpipe_v(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """V-shaped placement in DualPipeV's eight-phase order, its overlapped
     forward-backward pairs run one after the other."""
     shape = _dualpipe_v_shape(Shape(num_workers, num_stages, num_batches))
-    mapping, map_arrays, _ = _v_mapping(num_workers)
-    return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, mapping, map_arrays,
+    return _split_strategy("dualpipe_v", DUALPIPE_V.description, shape, *_v_mapping(num_workers),
                            lambda rank: dualpipe_v_columns(num_workers, rank, num_batches))
 
 
@@ -163,6 +161,7 @@ def _split_strategy(name, description, shape, mapping, map_arrays, order: Callab
 
 
 def _v_mapping(p: int):
+    """(mapping, map_arrays) of the V placement: stage s and 2p - 1 - s on worker s."""
     def worker_of(stage: int) -> int:
         return stage if stage < p else 2 * p - 1 - stage
 
@@ -175,7 +174,7 @@ def _v_mapping(p: int):
         worker = np.where(stage < p, stage, 2 * p - 1 - stage)
         return worker, worker
 
-    return mapping, map_arrays, worker_of
+    return mapping, map_arrays
 
 
 def _dualpipe_v_shape(shape: Shape) -> Shape:

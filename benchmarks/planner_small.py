@@ -85,8 +85,6 @@ def short_class(name: str) -> str:
         return "any"
     if name.startswith("schedules with one worker per"):
         return "paired"
-    if "earliest start" in name:
-        return "whole, early claims"
     if name.startswith("schedules with one weight worker"):
         return "whole"
     return name[:24]

@@ -39,7 +39,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.plan.order import (EARLY_CLAIMS, Solved, busy_span, capacity, earliest_forwards, live_start, live_stashes, make_solver,
+from unisched.plan.order import (Solved, busy_span, capacity, earliest_forwards, live_start, live_stashes, make_solver,
                                  memory_demands, run_solver)
 from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
@@ -66,16 +66,14 @@ def whole_scheme_by_default(shape) -> bool:
     return all(n <= most for n, most in zip(shape, WHOLE_SCHEME_UP_TO))
 
 
-def proven_class(whole: bool, asap_replay: bool = False) -> str:
+def proven_class(whole: bool) -> str:
     """The class of schedules a proof of the mapping model covers."""
-    if not whole:
-        return PAIRED
-    return f"{WHOLE_SCHEME[:-1]}; {EARLY_CLAIMS})" if asap_replay else WHOLE_SCHEME
+    return WHOLE_SCHEME if whole else PAIRED
 
 
 def class_breadth(name: str) -> int:
     """How wide a class of schedules is (0: every schedule), to state the widest claim proven."""
-    order = ("any schedule", WHOLE_SCHEME, proven_class(True, True), PAIRED)
+    order = ("any schedule", WHOLE_SCHEME, PAIRED)
     return order.index(name) if name in order else len(order)
 
 

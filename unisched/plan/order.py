@@ -364,22 +364,9 @@ def _symmetry(model, timed: TimedProblem, compute, weight, start, fifo: bool) ->
                     model.add(start[u] <= start[v])
 
 
-def order_class(problem, label: str, compute: np.ndarray, asap_replay: bool = False) -> str:
-    """The class of schedules a proof of the order model covers: the orders of one mapping
-    (with ``asap_replay``'s restriction, when the model ran with it, where the mapping keeps a
-    stash away from its forward under a memory limit)."""
-    name = f"orders of the mapping of {label}"
-    if not asap_replay:
-        return name
-    limited = problem.memory_limit is not None or problem.memory_budget is not None
-    grid = problem.item_grid()
-    if limited and np.any(np.asarray(compute)[grid][:, :, 1:] != np.asarray(compute)[grid][:, :, :1]):
-        return f"{name} ({EARLY_CLAIMS})"
-    return name
-
-
-EARLY_CLAIMS = "a stash kept away from its forward's worker counted there from that forward's earliest start"
-"""The restriction ``asap_replay`` adds to a class of schedules when memory is limited."""
+def order_class(label: str) -> str:
+    """The class of schedules a proof of the order model covers: the orders of one mapping."""
+    return f"orders of the mapping of {label}"
 
 
 def check_mapping_memory(timed: TimedProblem, compute: np.ndarray, weight: np.ndarray | None = None) -> None:

@@ -249,7 +249,7 @@ class _Search:
             self.order_results.append((label, solved))
             self.interrupted |= solved.interrupted
             if self.fixed and solved.bound > 0:
-                self.proofs.append((order_class(self.problem, label, compute), self.timed.ticks.time(solved.bound)))
+                self.proofs.append((order_class(label), self.timed.ticks.time(solved.bound)))
             if solved.found:
                 schedule = Schedule.planned(self.timed, compute, weight, solved.starts, name=f"{label}+cpsat")
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
@@ -351,7 +351,7 @@ class _Search:
         if self.fixed:
             best = self.best()
             mapping = mapping_bounds(problem, best.schedule.compute, best.schedule.weight)
-            name = order_class(problem, best.label.split(" + ")[0], best.schedule.compute)
+            name = order_class(best.label.split(" + ")[0])
             for key, bound in mapping.items():
                 if bound > bounds.get(key, -math.inf):
                     bounds[key], classes[key] = bound, name
@@ -435,8 +435,7 @@ def bound_key(name: str) -> str:
     """The key of a CP-SAT bound in ``Plan.bounds``, after the class of schedules it holds for."""
     if name.startswith("orders of"):
         return "cpsat_order"
-    return {WHOLE_SCHEME: "cpsat_whole_scheme", proven_class(True, True): "cpsat_whole_scheme_early_claims",
-            PAIRED: "cpsat_paired"}[name]
+    return {WHOLE_SCHEME: "cpsat_whole_scheme", PAIRED: "cpsat_paired"}[name]
 
 
 MAX_TICKS = 2**53

@@ -12,7 +12,7 @@ import pytest
 from unisched import Costs, Work, network, policies, simulate
 from unisched.cli import main
 from unisched.errors import ShapeError
-from unisched.simulate.layout import Layout, Model, simulate_layout
+from unisched.simulate.layout import Layout, Model, replicated, simulate_layout
 from unisched.timeline import TRANSFER_KINDS
 from unisched.topology import ClusterCosts, Topology, presets
 from unisched.work import ComputeAndWeightWorkers
@@ -193,6 +193,18 @@ def test_replicas_sharing_nodes_are_all_simulated_and_said_so():
     result = simulate_layout(Layout(4, 2, 2), "dgx_h100", pipeline, MODEL)
     assert not result.symmetric and "share nodes" in result.method
     assert result.simulation.shape.num_workers == 16
+
+
+def test_replicas_follow_fixed_orders_given_as_item_ids_or_as_lists():
+    """Replica d runs replica 0's order on its workers with its own micro-batches,
+    whether the orders are WorkerOrders or lists of Work or of (batch, stage, direction)."""
+    zb = policies.get("zb_h1", num_workers=2, num_stages=2, num_batches=3)
+    as_ids = replicated(zb, 2).worker_orders
+    assert sorted(as_ids) == [0, 1, 2, 3]
+    assert as_ids[3] == [Work(u.batch + 3, u.stage, u.direction) for u in zb.worker_orders[1]]
+    for lists in ({w: list(zb.worker_orders[w]) for w in zb.worker_orders},
+                  {w: [tuple(u) for u in zb.worker_orders[w]] for w in zb.worker_orders}):
+        assert replicated(zb.with_(worker_orders=lists), 2).worker_orders == {w: as_ids[w] for w in as_ids}
 
 
 def test_a_layout_that_does_not_divide_is_refused():

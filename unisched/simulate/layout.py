@@ -31,9 +31,10 @@ import numpy as np
 
 from unisched.errors import ShapeError
 from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.sequences import order_columns
 from unisched.simulate.simulation import Simulation, simulate
 from unisched.dataflow import Items
-from unisched.strategy import Gang, Strategy, WorkerOrders
+from unisched.strategy import Gang, Strategy, WorkerOrders, works
 from unisched.topology import ClusterCosts, Topology
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
@@ -253,14 +254,12 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
     if limit is not None and np.ndim(limit):
         limit = [float(v) for v in np.tile(np.asarray(limit, dtype=float), replicas)]
     orders = strategy.worker_orders
-    if isinstance(orders, WorkerOrders):
-        items = Items(S, B * replicas, orders.numbering.split_backward)
-        columns = {w: orders.columns(w) for w in orders}
-        orders = WorkerOrders.from_columns(items, {w + d * W: (batch + d * B, stage, direction) for d in range(replicas)
-                                                   for w, (batch, stage, direction) in columns.items()})
-    elif orders is not None:
-        orders = {w + d * W: [Work(u.batch + d * B, u.stage, u.direction) for u in order]
-                  for d in range(replicas) for w, order in orders.items()}
+    if orders is not None:  # replica d's workers run its micro-batches in replica 0's order
+        columns = {w: order_columns(orders, w) for w in orders}
+        shifted = {w + d * W: (batch + d * B, stage, direction) for d in range(replicas)
+                   for w, (batch, stage, direction) in columns.items()}
+        orders = (WorkerOrders.from_columns(Items(S, B * replicas, orders.numbering.split_backward), shifted)
+                  if isinstance(orders, WorkerOrders) else {w: works(*c) for w, c in shifted.items()})
     return replace(
         strategy, mapping=mapping, map_arrays=map_arrays if strategy.map_arrays is not None else None,
         gang=gang if strategy.gang is not None else None, memory_limit=limit, worker_orders=orders,

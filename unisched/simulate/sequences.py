@@ -41,8 +41,7 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
         if not _each_once_on_its_worker(ids, owner, compute):
             ids = _checked_ids(owner, *items.columns(ids), compute, shape, items)
     else:
-        read = orders.columns if isinstance(orders, WorkerOrders) else lambda w: _as_columns(w, orders[w])
-        columns = [_in_directions(read(w), items.split_backward) for w in orders]
+        columns = [_in_directions(order_columns(orders, w), items.split_backward) for w in orders]
         lengths = np.array([len(c[0]) for c in columns], dtype=np.int64)
         owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
         batch, stage, direction = (np.concatenate([c[i] for c in columns]) if columns else np.zeros(0, np.int64)
@@ -73,9 +72,12 @@ def _each_once_on_its_worker(ids: np.ndarray, owner: np.ndarray, compute: np.nda
         and bool((compute[ids] == owner).all())
 
 
-def _as_columns(worker: int, order) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(batch, stage, direction) columns of an order of Work or 3-tuples."""
-    order = list(order)
+def order_columns(orders, worker: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(batch, stage, direction) columns of ``worker``'s order, from a
+    :class:`WorkerOrders` or from a list of Work or 3-tuples."""
+    if isinstance(orders, WorkerOrders):
+        return orders.columns(worker)
+    order = list(orders[worker])
     try:
         flat = np.fromiter(chain.from_iterable(order), dtype=np.int64, count=3 * len(order))
     except (TypeError, ValueError) as error:

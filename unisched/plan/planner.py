@@ -279,8 +279,7 @@ class _Search:
         if best is None:
             return None
         self.candidates.append(best)
-        t = best.replay.timeline
-        return np.array([timed.ticks(x) for x in t.start[rows_of(problem, t)]], dtype=np.int64)
+        return _start_ticks(timed, best.replay.timeline)
 
     def mapping(self, whole: bool) -> None:
         """CP-SAT over mappings and orders, each run warm-started from the best candidate that fits
@@ -481,7 +480,7 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
             t = member.simulation.timeline
             rows = rows_of(problem, t)
             compute, weight = t.worker[rows], t.weight_worker[rows]
-            hint = np.array([timed.ticks(x) for x in t.start[rows]], dtype=np.int64)
+            hint = _start_ticks(timed, t)
         elif fixed or member.reason.startswith("deadlock"):
             compute, weight = mapping_of(problem, strategy)
             hint = None
@@ -545,11 +544,15 @@ def _scorer(timed: TimedProblem):
     return score
 
 
+def _start_ticks(timed: TimedProblem, t) -> np.ndarray:
+    """A replay's start times in CP-SAT's ticks, by item id (a hint or warm start)."""
+    return np.array([timed.ticks(x) for x in t.start[rows_of(timed.problem, t)]], dtype=np.int64)
+
+
 def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: bool):
     """The shortest candidate that fits the mapping model's class, as its warm start."""
     for candidate in sorted(candidates, key=lambda c: c.latency):
-        t = candidate.replay.timeline
-        starts = np.array([timed.ticks(x) for x in t.start[rows_of(timed.problem, t)]], dtype=np.int64)
+        starts = _start_ticks(timed, candidate.replay.timeline)
         incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, whole)
         if incumbent is not None:
             return incumbent

@@ -267,6 +267,15 @@ def test_simulate_on_a_topology_takes_the_cost_flags(capsys):
     assert code == 0 and result["topology"]["name"] and result["lower_bounds"]["shape"] == pytest.approx(8 * 1.5)  # B (F + B)
 
 
+def test_simulate_topology_flag_replaces_the_costs_files_topology(capsys, tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"topology": "dgx_h100", "activation_bytes": 1e6}))
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--costs", str(costs), "--topology", "dgx_a100",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["topology"]["name"] == "dgx_a100"
+
+
 def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path):
     missing = tmp_path / "no-such-folder" / "plan.json"
     code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--out", str(missing), "--time-limit", "60")

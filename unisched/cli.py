@@ -493,7 +493,8 @@ def _costs(args):
 
         from unisched.topology import ClusterCosts
 
-        return ClusterCosts(**{f.name: getattr(costs, f.name) for f in fields(costs)}, topology=args.topology)
+        values = {f.name: getattr(costs, f.name) for f in fields(costs)}
+        return ClusterCosts(**{**values, "topology": args.topology})  # the flag replaces a costs file's topology
     return costs
 
 

@@ -35,15 +35,13 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
         raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
     given = order_ids(orders, items)
     if given is not None:
-        lengths = np.array([len(given.ids[w]) for w in orders], dtype=np.int64)
+        lengths, owner = _owners(orders, [len(given.ids[w]) for w in orders])
         ids = np.concatenate([given.ids[w] for w in orders]) if orders else np.zeros(0, np.int64)
-        owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
         if not _each_once_on_its_worker(ids, owner, compute):
             ids = _checked_ids(owner, *items.columns(ids), compute, shape, items)
     else:
         columns = [_in_directions(order_columns(orders, w), items.split_backward) for w in orders]
-        lengths = np.array([len(c[0]) for c in columns], dtype=np.int64)
-        owner = np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
+        lengths, owner = _owners(orders, [len(c[0]) for c in columns])
         batch, stage, direction = (np.concatenate([c[i] for c in columns]) if columns else np.zeros(0, np.int64)
                                    for i in range(3))
         ids = _checked_ids(owner, batch, stage, direction, compute, shape, items)
@@ -63,6 +61,13 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
     table[1] = ids[follows]
     table[2], table[3] = kind, -1
     return table
+
+
+def _owners(orders, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The orders' lengths as an array, and per row of the orders laid end
+    to end: the worker whose order it is in."""
+    lengths = np.array(lengths, dtype=np.int64)
+    return lengths, np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
 
 
 def _each_once_on_its_worker(ids: np.ndarray, owner: np.ndarray, compute: np.ndarray) -> bool:

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 import unisched
-from unisched import policies
 from unisched.execute import Trainer, example
 from unisched.execute.launch import check, run_local
+
+from executor import make_schedule, make_stages  # benchmarks/executor.py: the same Linear stages and schedules
 
 ROWS = 64
 MICRO_BATCHES = 8
@@ -46,14 +47,9 @@ GPT_ROWS = 16
 GPT_STEPS = 20
 
 
-def make_stages(num_stages: int, width: int, layers: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
-            for _ in range(num_stages)]
-
-
 def schedule(name: str, W: int, B: int):
-    return unisched.simulate(W, W, B, policies.get(name, num_workers=W, num_stages=W, num_batches=B))
+    """``name``'s schedule with one stage per rank."""
+    return make_schedule(name, W, W, B)
 
 
 # ---------------------------------------------------------------------- 1. recording

@@ -197,7 +197,7 @@ common = [
     flag("--backward-input", numbers_good, numbers_bad), flag("--backward-weight", numbers_good, numbers_bad),
     flag("--memory-limit", ("1", "2", "4", "2,2", "4,3,2,1"), ("0", "-1", "nan", "inf", "1,x", ",", "1e400")),
     flag("--param", ("group_size=2", "virtual_stages=2"), ("group_size=x", "oops", "=3", "group-size=1")),
-    flag("--costs", ["{files}/" + name for name in ("good.json", "split.json", "sizes.json")],
+    flag("--costs", ["{files}/" + name for name in ("good.json", "split.json", "sizes.json", "cluster.json")],
          ["{files}/" + name for name in ("null.json", "list.json", "text.json", "absent-worker.json", "stages.json",
                                          "unknown.json", "nan-link.json", "huge.json", "missing.json")]),
 ]
@@ -244,6 +244,7 @@ COSTS_FILES = {
     "good": {"forward": [1, 2, 1, 1], "backward": 2, "activation_bytes": 4, "bandwidth": 2, "links": {"0,1": {}}},
     "split": {"backward_input": 1, "backward_weight": 1, "latency": 0.5},
     "sizes": {"activation_bytes": 1e6, "weight_bytes": 4e6, "bandwidth": 1e9, "forward": 1e-3, "backward": 2e-3},
+    "cluster": {"topology": "dgx_h100", "activation_bytes": 1e6, "forward": 1e-3, "backward": 2e-3},
     "null": {"forward": None},
     "list": [1, 2],
     "text": "not json",

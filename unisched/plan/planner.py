@@ -532,14 +532,20 @@ def replayed(schedule: Schedule, objective: str) -> tuple[Schedule, Simulation]:
 
 
 def _scorer(timed: TimedProblem):
-    """The replayed objective of a CP-SAT solution (what a plan reports)."""
+    """The replayed objective of a CP-SAT solution (what a plan reports), each distinct solution
+    replayed once (CP-SAT reports a hint again as its first solution, once per LNS round)."""
+    objective = timed.problem.objective
+    seen: dict[bytes, float] = {}
 
     def score(compute, weight, starts) -> float:
-        objective = timed.problem.objective
-        try:
-            return objective_value(replayed(Schedule.planned(timed, compute, weight, starts), objective)[1], objective)
-        except UniSchedError:
-            return float("inf")
+        key = b"".join(np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in (compute, weight, starts))
+        if key not in seen:
+            try:
+                seen[key] = objective_value(replayed(Schedule.planned(timed, compute, weight, starts), objective)[1],
+                                            objective)
+            except UniSchedError:
+                seen[key] = float("inf")
+        return seen[key]
 
     return score
 

@@ -552,7 +552,9 @@ def _result_json(sim, priority: str | None = None) -> dict:
     """``simulate --json``'s object; ``priority`` (``--priority``) replaces the strategy's own, as it did in the run."""
     params = dict(sim.strategy.params)
     if priority is not None and "priority" in params:
-        params["priority"] = priority.replace("-", "_").lower()
+        from unisched.simulate.priorities import priority_key
+
+        params["priority"] = priority_key(priority)
     return {
         "strategy": sim.strategy.name,
         "params": params,

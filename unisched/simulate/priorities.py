@@ -86,9 +86,14 @@ BUILTIN_PRIORITIES = {
 }
 
 
+def priority_key(name: str) -> str:
+    """A priority's name as :data:`BUILTIN_PRIORITIES` keys it ("Backward-First" -> "backward_first")."""
+    return name.replace("-", "_").lower()
+
+
 def priority_by_name(name: str, num_stages: int, num_batches: int) -> _BuiltinPriority:
     try:
-        return BUILTIN_PRIORITIES[name.replace("-", "_").lower()](num_stages, num_batches)
+        return BUILTIN_PRIORITIES[priority_key(name)](num_stages, num_batches)
     except KeyError:
         raise ValueError(
             f"unknown priority {name!r}; choose one of {', '.join(BUILTIN_PRIORITIES)}"

@@ -199,6 +199,7 @@ class Trainer:
         self.record = record
         self.loss_fn = loss_fn
         self.device = compute_device(device)
+        self._clock = Clock(self.device)
         self.stages: list[nn.Module | None] = []
         self._mine: list[int] = []
         if error is None:
@@ -258,6 +259,10 @@ class Trainer:
              if a.is_compute and a.stage == self._loss_stage and a.op == self._back.letter),
             default=-1,
         )
+        if self.device.type == "cuda" and self._last_loss_item >= 0:
+            # reading the losses waits for the GPU: post them at the step's end
+            # (in _finish), not while the host is ahead of the GPU
+            self._last_loss_item = math.inf
         self._last_use = self._last_uses()
         self._post_at = self._fetch_points(lookahead)
         self._forward_only = [i for i, a in enumerate(self._actions)
@@ -1235,6 +1240,8 @@ class Trainer:
         self._post_due(st, math.inf)
         self._await_transfers(st)
         self._await_reductions(st)
+        if st.loss_work is None:
+            self._post_losses(st)
         self._collective(st.loss_work.wait, "the all-reduce of the losses")
         losses = st.loss_sum
         bad = [b for b in range(self.program.num_batches) if not math.isfinite(float(losses[b]))]
@@ -1530,7 +1537,7 @@ class _StepState:
         self.loss_sum: torch.Tensor | None = None
         self.loss_work = None
         self.losses: dict[int, torch.Tensor] = {}
-        self.clock = Clock(trainer.device)
+        self.clock = trainer._clock
         self.items: list = []
         self.sends: dict[int, float] = {}
         self.receives: dict[int, tuple[float, float]] = {}

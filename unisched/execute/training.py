@@ -83,13 +83,16 @@ def micro_batch_seed(seed: int, step: int, stage: int, batch: int) -> int:
 
 def seed_rng(device: torch.device, seed: int) -> None:
     """Seed the CPU generator, and ``device``'s when it is a GPU, with
-    ``seed``.  Not ``torch.manual_seed``: before CUDA starts, that queues a
-    seeding of every GPU with the caller's stack formatted (about a
-    millisecond a call), and the Trainer seeds once per forward."""
+    ``seed``.  Not ``torch.manual_seed`` nor ``torch.cuda.manual_seed``:
+    before CUDA starts, those queue a seeding with the caller's stack
+    formatted (about a millisecond a call), and the Trainer seeds once per
+    forward; the device's own generator is seeded directly."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not torch.cuda.is_initialized():
+            torch.cuda.init()
+        torch.cuda.default_generators[index].manual_seed(seed)
 
 
 class LossScale:

@@ -104,7 +104,7 @@ from unisched.execute.program import (
     value_stage,
 )
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD_WEIGHT, FORWARD, StageGraph, Work, as_stage_graph
+from unisched.work import BACKWARD, BACKWARD_WEIGHT, FORWARD, StageGraph, Work, as_stage_graph
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -250,6 +250,8 @@ class Trainer:
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
+        self._fused = self._fused_edges()
+        self._fused_into = {(t, b): s for s, t, b in self._fused}
         self._items = {i: self._item(i, a) for i, a in enumerate(self._actions) if a.is_compute}
         self._runs = {a.stage for a in self._actions if a.is_compute}
         self._first_forward = [program.compute_worker[Work(0, s, FORWARD)] for s in range(program.num_stages)]
@@ -771,6 +773,10 @@ class Trainer:
         reads = program.reads(work, self.rank)
         gang = program.gangs.get(work)
         after = {"F": self._back, "I": BACKWARD_WEIGHT}.get(action.op)
+        runs_also, stage = [], work.stage
+        while action.op == "B" and (stage, work.batch) in self._fused_into:
+            stage = self._fused_into[(stage, work.batch)]
+            runs_also.append(stage)
         return _Item(
             index=index,
             reads=reads,
@@ -778,7 +784,35 @@ class Trainer:
             gang=gang,
             noted=gang is None or gang.workers[0] == self.rank,
             keeps=after is not None and program.compute_worker[Work(work.batch, work.stage, after)] == self.rank,
+            runs_also=tuple(runs_also),
+            ran_before=action.op == "B" and any((work.stage, t, work.batch) in self._fused
+                                                for t in self._graph.successors[work.stage]),
         )
+
+    def _fused_edges(self) -> set[tuple[int, int, int]]:
+        """The edges ``(s, t, b)`` along which micro-batch ``b`` stays in one
+        autograd graph on this rank: stage t's forward takes stage s's output
+        as it is (not as the leaf of a new graph), and t's backward runs s's
+        too, in one engine call, as a plain loop's one ``backward`` runs
+        through every stage.  Where s feeds t alone, t takes s alone, all
+        four passes run here, none split or ganged, and s's backward is this
+        rank's next item after t's: the schedule is unchanged, and a GPU is
+        spared an engine call (its fixed cost, tens of microseconds, is most
+        of a small stage's host time)."""
+        program, graph = self.program, self._graph
+        if program.split_backward:
+            return set()
+        works = [a.work for a in self._actions if a.is_compute]
+        fused = set()
+        for here, after in zip(works, works[1:]):
+            t, s, b = here.stage, after.stage, here.batch
+            if not (here.direction == after.direction == BACKWARD and after.batch == b
+                    and tuple(graph.predecessors[t]) == (s,) and tuple(graph.successors[s]) == (t,)):
+                continue
+            passes = [Work(b, stage, d) for stage in (s, t) for d in (FORWARD, BACKWARD)]
+            if all(program.compute_worker[w] == self.rank and program.gangs.get(w) is None for w in passes):
+                fused.add((s, t, b))
+        return fused
 
     def _compute(self, st: "_StepState", action: Action, item: "_Item") -> None:
         """Wait for the item's inputs, then run it (only the run is timed)."""
@@ -796,9 +830,16 @@ class Trainer:
         elif action.op == "W":
             self._weight_pass(st, s, b, reads)
         else:
-            self._backward(st, s, b, reads, input_only=action.op == "I", keep_graph=item.keeps)
+            self._backward(st, s, b, reads, item, input_only=action.op == "I")
         if self._recording and item.noted:
-            st.items.append((item.index, start, st.clock.mark()))
+            end = st.clock.mark()
+            if item.ran_before:
+                start, end = st.carried.pop((s, b))
+            elif item.runs_also:  # split the call's span where each fused stage's backward began
+                marks = [start, *(st.boundaries.pop((p, b), end) for p in item.runs_also), end]
+                start, end = marks[0], marks[1]
+                st.carried.update({(p, b): span for p, span in zip(item.runs_also, zip(marks[1:], marks[2:]))})
+            st.items.append((item.index, start, end))
 
     def _call(self, s: int, args: list, batch: int | None = None) -> Any:
         """Stage ``s`` on ``args`` under the precision's autocast, the floating
@@ -818,10 +859,13 @@ class Trainer:
         xs = self._inputs(st, s, b, reads.inputs)
         if keep_graph:
             if self._graph.predecessors[s]:
-                xs = self._needing_grad(s, xs)
+                xs = self._needing_grad(s, xs, b)
             out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
             leaves = self._leaves(s, out)
             st.graphs[(s, b)] = (xs, out, leaves)
+            if any((s, t, b) in self._fused for t in self._graph.successors[s]):
+                st.put(output(s, b), leaves)  # its successor's forward extends this graph
+                return
         else:
             with torch.no_grad():
                 out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
@@ -856,9 +900,11 @@ class Trainer:
                 return tuple(leaves)
         raise ShapeError(_departure(f"stage {s} output", out, layout))
 
-    def _needing_grad(self, s: int, xs: list[tuple]) -> list[tuple]:
-        """Stage ``s``'s inputs, those that carry a gradient back made leaves of a new graph."""
-        return [_needing_grad(layout, group) for layout, group in zip(self._meta.inputs[s], xs)]
+    def _needing_grad(self, s: int, xs: list[tuple], b: int | None = None) -> list[tuple]:
+        """Stage ``s``'s inputs, those that carry a gradient back made leaves
+        of a new graph (but for micro-batch ``b``, not those of a fused edge)."""
+        return [group if (p, s, b) in self._fused else _needing_grad(layout, group)
+                for p, layout, group in zip(self._graph.predecessors[s], self._meta.inputs[s], xs)]
 
     # ------------------------------------------------------------------ gangs
     def _gang_pass(self, st, s: int, b: int, reads: Reads, gang, forward: bool) -> None:
@@ -936,27 +982,53 @@ class Trainer:
         self._collective(lambda: dist.gather(x, pieces, dst=first, group=group), "collecting a gang's rows")
         return torch.cat(pieces) if self.rank == first else x
 
-    def _backward(self, st, s: int, b: int, reads: Reads, input_only: bool, keep_graph: bool) -> None:
+    def _backward(self, st, s: int, b: int, reads: Reads, item: "_Item", input_only: bool) -> None:
         """The backward of stage ``s`` on micro-batch ``b`` (its input pass
         only when ``input_only``, the graph kept when the weight pass runs here)."""
         xs, out, leaves = st.graphs.pop((s, b), (None, None, None))
+        if item.ran_before:  # the fused call of its successor's backward ran it
+            self._put_input_gradients(st, s, b, xs)
+            return
         if leaves is None:
             xs, out, leaves = self._recompute(st, s, b, reads.inputs, needs_input_grad=True)
         roots, grads = self._root(st, s, b, out, leaves, reads.gradients, record_loss=True)
+        if not input_only:
+            if self._recording and item.runs_also:
+                self._note_boundaries(st, b, item.runs_also)
+            _differentiate(roots, grads)
+            self._put_input_gradients(st, s, b, xs)
+            return
         upstream = [(p, [x[i] for i in layout.grads])
                     for p, x, layout in zip(self._graph.predecessors[s], xs, self._meta.inputs[s])]
-        if not input_only:
-            _differentiate(roots, grads)
-            for p, wanted in upstream:
-                st.put(gradient(p, b, s), tuple(_or_zeros(x.grad, x) for x in wanted))
-            return
-        found = iter(_gradients(roots, grads, [x for _, xs_p in upstream for x in xs_p], retain_graph=keep_graph))
+        found = iter(_gradients(roots, grads, [x for _, xs_p in upstream for x in xs_p], retain_graph=item.keeps))
         for p, xs_p in upstream:
             st.put(gradient(p, b, s), tuple(_or_zeros(next(found), x) for x in xs_p))
-        if keep_graph:
+        if item.keeps:
             st.weight_graphs[(s, b)] = (roots, grads)
         elif grads is not None:
             st.put(gradient(s, b), grads)
+
+    def _put_input_gradients(self, st, s: int, b: int, xs) -> None:
+        """After stage ``s``'s backward on micro-batch ``b``: the gradients of
+        its inputs, for the predecessors not fused with it (those took theirs
+        in the same engine call)."""
+        for p, x, layout in zip(self._graph.predecessors[s], xs, self._meta.inputs[s]):
+            if (p, s, b) not in self._fused:
+                st.put(gradient(p, b, s), tuple(_or_zeros(x[i].grad, x[i]) for i in layout.grads))
+
+    def _note_boundaries(self, st, b: int, stages: tuple[int, ...]) -> None:
+        """Mark when each of ``stages``' backward begins inside one fused call:
+        when the gradient of its output arrives (a hook on the output)."""
+        def hook(stage):
+            def arrived(grad):
+                st.boundaries.setdefault((stage, b), st.clock.mark())
+            return arrived
+
+        for p in stages:
+            _, _, leaves = st.graphs[(p, b)]
+            for y in leaves:
+                if y.requires_grad:
+                    y.register_hook(hook(p))
 
     def _weight_pass(self, st, s: int, b: int, reads: Reads) -> None:
         roots, grads = st.weight_graphs.pop((s, b), (None, None))
@@ -1386,7 +1458,7 @@ class Trainer:
             self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control),
                              "gathering the measured step on rank 0")
         if self.rank == 0:
-            self._notes = ([self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(everyone)], self._meta)
+            self._notes = (everyone, self._meta)  # unpacked when last_timeline is read
             self._timeline = None
 
     @property
@@ -1394,7 +1466,8 @@ class Trainer:
         """Rank 0: the last recorded step, a measured :class:`unisched.Timeline`
         (None on the other ranks, and before a recorded step)."""
         if self._timeline is None and self._notes is not None:
-            notes, meta = self._notes
+            flats, meta = self._notes
+            notes = [self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(flats)]
             self._timeline = assemble(
                 self.program, notes, _input_bytes(meta), _output_bytes(meta), self.weight_bytes, self._offsets,
                 label=self.label, gradient_bytes=[layout.grad_wire.nbytes for layout in meta.outputs],
@@ -1504,8 +1577,12 @@ class _Item(NamedTuple):
     its ``index`` in the program, what it ``reads``, the messages it
     ``awaits``, the ``gang`` that runs it (None: this rank alone), whether
     this rank notes it in a recorded step (``noted``: the gang's first
-    member does), and whether it ``keeps`` its autograd graph (a forward
-    whose backward, or an input pass whose weight pass, runs here next)."""
+    member does), whether it ``keeps`` its autograd graph (a forward
+    whose backward, or an input pass whose weight pass, runs here next),
+    and for a backward fused with its neighbours' (see
+    :meth:`Trainer._fused_edges`): the stages whose backward its engine
+    call ``runs_also``, in the order it reaches them, or that its own
+    already ran in its successor's call (``ran_before``)."""
 
     index: int
     reads: Reads
@@ -1513,6 +1590,8 @@ class _Item(NamedTuple):
     gang: Any
     noted: bool
     keeps: bool
+    runs_also: tuple[int, ...] = ()
+    ran_before: bool = False
 
 
 class _StepState:
@@ -1538,6 +1617,8 @@ class _StepState:
         self.loss_work = None
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = trainer._clock
+        self.boundaries: dict[tuple[int, int], Any] = {}  # where a fused call reached (stage, batch)'s backward
+        self.carried: dict[tuple[int, int], tuple] = {}  # the span of a backward run in its successor's call
         self.items: list = []
         self.sends: dict[int, float] = {}
         self.receives: dict[int, tuple[float, float]] = {}
@@ -1862,10 +1943,12 @@ def ensure_process_group(timeout: float) -> None:
             "no process group: launch with torchrun (e.g. torchrun --nproc-per-node 4 train.py) or call "
             "torch.distributed.init_process_group before building the Trainer"
         )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        return
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout), device_id=device)
 
 
 def compute_device(device: torch.device | str | None = None) -> torch.device:

@@ -1,0 +1,95 @@
+"""Neighbouring stages on one rank whose backwards follow each other run
+them in one engine call (as a plain loop's one ``backward``): the same
+weights as one process, fewer autograd calls, and a recorded step that still
+gives each stage's backward its own span."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from unisched import ComputeAndWeightWorkers, Direction, simulate
+from unisched.execute import Trainer, train_one_process
+
+from test_execute import assert_every_rank_matches, run_ranks
+
+W, S, B, ROWS, WIDTH = 2, 4, 4, 8, 6
+
+
+def blocked(work):
+    """Stages 0-1 on rank 0, 2-3 on rank 1: each rank's two backwards of a micro-batch follow each other."""
+    return ComputeAndWeightWorkers(work.stage // 2, work.stage // 2)
+
+
+def make_stages() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.2), nn.Tanh()) for _ in range(S)]
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _fused(rank: int, world: int, timeline) -> dict:
+    calls = []
+    backward = torch.autograd.backward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return backward(*args, **kwargs)
+
+    torch.autograd.backward = counted
+    try:
+        trainer = Trainer(make_stages(), timeline, nn.functional.mse_loss, sgd, record=True, timeout=60)
+        losses = [trainer.step(*batch(step)) for step in range(2)]
+    finally:
+        torch.autograd.backward = backward
+    out = {"losses": losses, "engine_calls_per_step": len(calls) / 2,
+           "state": {k: v.numpy() for k, v in trainer.gather_state_dict().items()}}
+    timeline = trainer.last_timeline
+    if timeline is not None:
+        out["spans"] = [(timeline.worker[i], timeline.work(i), timeline.start[i], timeline.end[i])
+                        for i in range(len(timeline))]
+    trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fused():
+    timeline = simulate(W, S, B, blocked).timeline
+    return run_ranks(_fused, W, timeline, timeout=120)
+
+
+def test_fused_backwards_train_as_one_process(fused):
+    losses, reference = train_one_process(make_stages(), nn.functional.mse_loss, sgd, (batch(s) for s in range(2)),
+                                          micro_batches=B)
+    assert_every_rank_matches([r["state"] for r in fused], reference, "blocked stages")
+    for r in fused:
+        assert r["losses"] == pytest.approx(losses, abs=1e-6)
+
+
+def test_one_engine_call_runs_both_stages_of_a_rank(fused):
+    """Each rank: one call per micro-batch for its two stages (not two)."""
+    assert [r["engine_calls_per_step"] for r in fused] == [B, B]
+
+
+def test_each_fused_backward_keeps_its_own_span(fused):
+    spans = fused[0]["spans"]
+    for rank in range(W):
+        mine = sorted((start, end, work) for worker, work, start, end in spans if worker == rank)
+        assert all(end >= start for start, end, _ in mine)
+        assert all(b[0] >= a[1] - 1e-9 for a, b in zip(mine, mine[1:])), f"rank {rank}: spans overlap"
+        backward = {(w.batch, w.stage): (start, end) for start, end, w in mine if w.direction == Direction.BACKWARD}
+        later, earlier = 2 * rank + 1, 2 * rank
+        for b in range(B):
+            # the later stage's backward ends where the earlier one's begins: one call, split where the gradient arrived
+            assert backward[(b, earlier)][0] == pytest.approx(backward[(b, later)][1], abs=1e-9)
+            assert backward[(b, earlier)][1] > backward[(b, earlier)][0]
+        assert np.isfinite([s for s, _, _ in mine]).all()

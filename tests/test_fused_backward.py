@@ -61,10 +61,18 @@ def _fused(rank: int, world: int, timeline) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def fused():
-    timeline = simulate(W, S, B, blocked).timeline
-    return run_ranks(_fused, W, timeline, timeout=120)
+def one_rank(work):
+    return ComputeAndWeightWorkers(0, 0)
+
+
+LAYOUTS = {"blocked": (W, blocked), "one rank": (1, one_rank)}  # chains of 2 stages per rank, and of all 4
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def fused(request):
+    world, mapping = LAYOUTS[request.param]
+    timeline = simulate(world, S, B, mapping).timeline
+    return run_ranks(_fused, world, timeline, timeout=120)
 
 
 def test_fused_backwards_train_as_one_process(fused):
@@ -75,21 +83,23 @@ def test_fused_backwards_train_as_one_process(fused):
         assert r["losses"] == pytest.approx(losses, abs=1e-6)
 
 
-def test_one_engine_call_runs_both_stages_of_a_rank(fused):
-    """Each rank: one call per micro-batch for its two stages (not two)."""
-    assert [r["engine_calls_per_step"] for r in fused] == [B, B]
+def test_one_engine_call_runs_the_stages_of_a_rank(fused):
+    """Each rank: one call per micro-batch for all its stages (not one per stage)."""
+    assert [r["engine_calls_per_step"] for r in fused] == [B] * len(fused)
 
 
 def test_each_fused_backward_keeps_its_own_span(fused):
     spans = fused[0]["spans"]
-    for rank in range(W):
+    per_rank = S // len(fused)
+    for rank in range(len(fused)):
         mine = sorted((start, end, work) for worker, work, start, end in spans if worker == rank)
+        assert len(mine) == 2 * per_rank * B and np.isfinite([s for s, _, _ in mine]).all()
         assert all(end >= start for start, end, _ in mine)
         assert all(b[0] >= a[1] - 1e-9 for a, b in zip(mine, mine[1:])), f"rank {rank}: spans overlap"
         backward = {(w.batch, w.stage): (start, end) for start, end, w in mine if w.direction == Direction.BACKWARD}
-        later, earlier = 2 * rank + 1, 2 * rank
+        chain = list(range(per_rank * (rank + 1) - 1, per_rank * rank - 1, -1))  # this rank's stages, last first
         for b in range(B):
-            # the later stage's backward ends where the earlier one's begins: one call, split where the gradient arrived
-            assert backward[(b, earlier)][0] == pytest.approx(backward[(b, later)][1], abs=1e-9)
-            assert backward[(b, earlier)][1] > backward[(b, earlier)][0]
-        assert np.isfinite([s for s, _, _ in mine]).all()
+            for later, earlier in zip(chain, chain[1:]):
+                # a later stage's backward ends where the earlier one's begins: one call, split where the gradient arrived
+                assert backward[(b, earlier)][0] == pytest.approx(backward[(b, later)][1], abs=1e-9)
+                assert backward[(b, earlier)][1] > backward[(b, earlier)][0]

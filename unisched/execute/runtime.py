@@ -705,8 +705,7 @@ class Trainer:
     # ------------------------------------------------------------------ the step
     def _run(self, st: "_StepState") -> float:
         """Walk this rank's program for one training step, then finish it."""
-        for s in self._mine:
-            self.stages[s].zero_grad(set_to_none=True)
+        self._clear_gradients()
         for s, flat in self._flat_grads.items():
             flat.zero_()
             for p, view in zip(self._params[s], _split(flat, self._params[s])):
@@ -773,8 +772,10 @@ class Trainer:
         reads = program.reads(work, self.rank)
         gang = program.gangs.get(work)
         after = {"F": self._back, "I": BACKWARD_WEIGHT}.get(action.op)
+        ran_before = action.op == "B" and any((work.stage, t, work.batch) in self._fused
+                                              for t in self._graph.successors[work.stage])
         runs_also, stage = [], work.stage
-        while action.op == "B" and (stage, work.batch) in self._fused_into:
+        while action.op == "B" and not ran_before and (stage, work.batch) in self._fused_into:
             stage = self._fused_into[(stage, work.batch)]
             runs_also.append(stage)
         return _Item(
@@ -785,8 +786,7 @@ class Trainer:
             noted=gang is None or gang.workers[0] == self.rank,
             keeps=after is not None and program.compute_worker[Work(work.batch, work.stage, after)] == self.rank,
             runs_also=tuple(runs_also),
-            ran_before=action.op == "B" and any((work.stage, t, work.batch) in self._fused
-                                                for t in self._graph.successors[work.stage]),
+            ran_before=ran_before,
         )
 
     def _fused_edges(self) -> set[tuple[int, int, int]]:
@@ -822,7 +822,7 @@ class Trainer:
         for message in item.awaits:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._receive(st, message)
-        start = st.clock.mark() if self._recording else None
+        start = st.clock.mark() if self._recording and not item.ran_before else None
         if item.gang is not None:
             self._gang_pass(st, s, b, reads, item.gang, forward=action.op == "F")
         elif action.op == "F":
@@ -832,10 +832,11 @@ class Trainer:
         else:
             self._backward(st, s, b, reads, item, input_only=action.op == "I")
         if self._recording and item.noted:
-            end = st.clock.mark()
             if item.ran_before:
                 start, end = st.carried.pop((s, b))
-            elif item.runs_also:  # split the call's span where each fused stage's backward began
+            else:
+                end = st.clock.mark()
+            if item.runs_also:  # split the call's span where each fused stage's backward began
                 marks = [start, *(st.boundaries.pop((p, b), end) for p in item.runs_also), end]
                 start, end = marks[0], marks[1]
                 st.carried.update({(p, b): span for p, span in zip(item.runs_also, zip(marks[1:], marks[2:]))})
@@ -1316,10 +1317,9 @@ class Trainer:
             self._post_losses(st)
         self._collective(st.loss_work.wait, "the all-reduce of the losses")
         losses = st.loss_sum
-        bad = [b for b in range(self.program.num_batches) if not math.isfinite(float(losses[b]))]
+        bad = [b for b, loss in enumerate(losses.tolist()) if not math.isfinite(loss)]
         if bad:
-            for s in self._mine:
-                self.stages[s].zero_grad(set_to_none=True)
+            self._clear_gradients()
             raise NonFiniteLossError(
                 f"the loss of micro-batch {bad[0]} is {float(losses[bad[0]])} (computed on rank "
                 f"{self.program.loss_rank(bad[0])}) in step {self._step_no}; no weights were changed. "
@@ -1331,8 +1331,7 @@ class Trainer:
         else:
             self._accumulated = 0
             self._update(float(losses.mean()))
-        for s in self._mine:
-            self.stages[s].zero_grad(set_to_none=True)
+        self._clear_gradients()
         self._average_buffers()
         self._release_weights()
         st.clock.sync()
@@ -1342,6 +1341,13 @@ class Trainer:
         if self._recording:
             self._gather_timeline(st)
         return self.last_loss
+
+    def _clear_gradients(self) -> None:
+        """Drop the gradients of the stages this rank computes (what
+        ``zero_grad(set_to_none=True)`` does, without walking the modules)."""
+        for s in self._mine:
+            for p in self._params[s]:
+                p.grad = None
 
     def _await_transfers(self, st) -> None:
         """Every receive and send of the step, done; returned gradients taken in."""

@@ -7,6 +7,8 @@
 One process (NCCL, world size 1) runs 4 stages of ``--layers`` x
 (Linear(width) + ReLU), 256 rows in 8 micro-batches, SGD:
 
+(``--rows``: more rows per step, so that the GPU, not the host, sets the pace)
+
 - **plain loop**: each micro-batch forward through the 4 stages, its loss
   divided by 8 and backward, then one optimizer step; the step's loss is
   read back once (``float(sum)``), as the Trainer returns it;
@@ -48,11 +50,11 @@ SCHEDULES = ("looped_bfs", "looped")  # on one worker: every forward first (as g
 MODES = {"record=True": True, "record=10": 10, "record=False": False}
 
 
-def _systems(width: int, layers: int, device: torch.device) -> tuple[dict, list[Trainer]]:
+def _systems(width: int, layers: int, device: torch.device, rows: int = ROWS) -> tuple[dict, list[Trainer]]:
     """name -> one step of that system, on the same data."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(ROWS, width, generator=g).to(device)
-    y = torch.randn(ROWS, width, generator=g).to(device)
+    x = torch.randn(rows, width, generator=g).to(device)
+    y = torch.randn(rows, width, generator=g).to(device)
     plain = [stage.to(device) for stage in make_stages(STAGES, width, layers)]
     optimizer = torch.optim.SGD([p for stage in plain for p in stage.parameters()], lr=1e-3)
 
@@ -119,11 +121,11 @@ def _bench(rank: int, world: int, config: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = config["tf32"]
     out = {"device": name, "torch": torch.__version__}
     for width in config["widths"]:
-        systems, trainers = _systems(width, config["layers"], device)
+        systems, trainers = _systems(width, config["layers"], device, config["rows"])
         out[f"width {width}"] = _measure(systems, config["rounds"], config["steps"], synchronize)
         trainer = trainers[0]
         trainer.record = True
-        trainer.step(*[torch.randn(ROWS, width, device=device) for _ in range(2)])
+        trainer.step(*[torch.randn(config["rows"], width, device=device) for _ in range(2)])
         timeline = trainer.last_timeline
         out[f"width {width}"]["looped_bfs busy ms (recorded timeline)"] = 1e3 * float((timeline.end - timeline.start).sum())
         out[f"width {width}"]["looped_bfs makespan ms (recorded timeline)"] = 1e3 * float(timeline.end.max() - timeline.start.min())
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[4096, 1024], help="Linear widths (default 4096 1024)")
     parser.add_argument("--tiny", action="store_true", help="also width 64: the Python cost per item")
+    parser.add_argument("--rows", type=int, default=ROWS,
+                        help=f"rows per step, split in {MICRO_BATCHES} micro-batches (default {ROWS})")
     parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU layers per stage (default 2)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds alternating the systems (default 10)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system per round (default 5)")
@@ -197,8 +201,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no GPU here: --device cpu runs the same comparison on the CPU")
     widths = args.widths + ([64] if args.tiny else [])
-    config = {"widths": widths, "layers": args.layers, "rounds": args.rounds, "steps": args.steps, "tf32": args.tf32,
-              "device": args.device}
+    config = {"widths": widths, "rows": args.rows, "layers": args.layers, "rounds": args.rounds, "steps": args.steps,
+              "tf32": args.tf32, "device": args.device}
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.diagnose:
         if args.device != "cuda":
@@ -209,7 +213,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['device']}, torch {result['torch']}: 4 stages of {args.layers} x Linear(width), {ROWS} rows "
+    print(f"{result['device']}, torch {result['torch']}: 4 stages of {args.layers} x Linear(width), {args.rows} rows "
           f"in {MICRO_BATCHES} micro-batches, {backend} world size 1, {'TF32' if args.tf32 else 'fp32'}")
     for width in widths:
         row = result[f"width {width}"]

@@ -85,9 +85,9 @@ from unisched.execute.training import (
     check_options,
     check_scheduler,
     loss_scale as _loss_scale,
-    micro_batch_seed,
+    generators,
+    micro_batch_seeds,
     scalar_loss,
-    seed_rng,
     to_compute_dtype,
 )
 from unisched.dataflow import first_backward
@@ -200,6 +200,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = compute_device(device)
         self._clock = Clock(self.device)
+        self._generators = generators(self.device)
+        self._seeds: tuple[int, list] = (-1, [])  # (step, micro_batch_seeds of that step)
         self.stages: list[nn.Module | None] = []
         self._mine: list[int] = []
         if error is None:
@@ -848,7 +850,12 @@ class Trainer:
         for micro-batch ``batch``, under the RNG seed of (seed, step, stage,
         batch), so a recomputed forward draws the same dropout masks."""
         if batch is not None:
-            seed_rng(self.device, micro_batch_seed(self._seed, self._step_no - 1, s, batch))
+            if self._seeds[0] != self._step_no:
+                self._seeds = (self._step_no, micro_batch_seeds(self._seed, self._step_no - 1, self.program.num_stages,
+                                                                self.program.num_batches))
+            seed = self._seeds[1][s][batch]
+            for generator in self._generators:
+                generator.manual_seed(seed)
         with autocast(self.device, self._dtype):
             out = self.stages[s](*args)
         if self._dtype is not None and self._graph.successors[s]:

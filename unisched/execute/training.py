@@ -81,18 +81,42 @@ def micro_batch_seed(seed: int, step: int, stage: int, batch: int) -> int:
     return state & ((1 << 63) - 1)
 
 
+def micro_batch_seeds(seed: int, step: int, num_stages: int, num_batches: int) -> list[list[int]]:
+    """:func:`micro_batch_seed` of every stage and micro-batch of step
+    ``step`` at once (``[stage][batch]``): the same mix, vectorised, as the
+    Trainer seeds every forward."""
+    import numpy as np
+
+    parts = [np.full((num_stages, num_batches), int(seed) & _MASK, dtype=np.uint64),
+             np.full((num_stages, num_batches), int(step) & _MASK, dtype=np.uint64),
+             *np.indices((num_stages, num_batches), dtype=np.uint64)]
+    state = np.zeros((num_stages, num_batches), dtype=np.uint64)
+    for part in parts:
+        state = (state ^ part) * np.uint64(0x9E3779B97F4A7C15)
+        state = (state ^ (state >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        state = (state ^ (state >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        state ^= state >> np.uint64(31)
+    return (state & np.uint64((1 << 63) - 1)).tolist()
+
+
+def generators(device: torch.device) -> list[torch.Generator]:
+    """The default generators a stage on ``device`` draws from: the CPU's,
+    and the GPU's when ``device`` is one."""
+    if device.type != "cuda":
+        return [torch.default_generator]
+    if not torch.cuda.is_initialized():
+        torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [torch.default_generator, torch.cuda.default_generators[index]]
+
+
 def seed_rng(device: torch.device, seed: int) -> None:
-    """Seed the CPU generator, and ``device``'s when it is a GPU, with
-    ``seed``.  Not ``torch.manual_seed`` nor ``torch.cuda.manual_seed``:
-    before CUDA starts, those queue a seeding with the caller's stack
-    formatted (about a millisecond a call), and the Trainer seeds once per
-    forward; the device's own generator is seeded directly."""
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if not torch.cuda.is_initialized():
-            torch.cuda.init()
-        torch.cuda.default_generators[index].manual_seed(seed)
+    """Seed :func:`generators` of ``device`` with ``seed``.  Not
+    ``torch.manual_seed`` nor ``torch.cuda.manual_seed``: before CUDA
+    starts, those queue a seeding with the caller's stack formatted (about a
+    millisecond a call), and the Trainer seeds once per forward."""
+    for generator in generators(device):
+        generator.manual_seed(seed)
 
 
 class LossScale:

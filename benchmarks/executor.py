@@ -122,7 +122,8 @@ class Workload:
             g = torch.Generator().manual_seed(7)
             width = self.config["width"]
             return torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
-        return gpt2_example.data(SimpleNamespace(**GPT2), 0, GPT2["rows_per_batch"] * MICRO_BATCHES)
+        ids, targets = gpt2_example.data(SimpleNamespace(**GPT2), 0, GPT2["rows_per_batch"] * MICRO_BATCHES)
+        return ids.contiguous(), targets.contiguous()  # torch 2.11's PipelineStage refuses strided micro-batches
 
     def loss_fn(self):
         return nn.functional.mse_loss if self.model == "linear" else gpt2_example.next_token_loss

@@ -254,6 +254,7 @@ class Trainer:
         self._back = first_backward(program.split_backward)
         self._fused = self._fused_edges()
         self._fused_into = {(t, b): s for s, t, b in self._fused}
+        self._fused_from = {(s, b) for s, _, b in self._fused}
         self._items = {i: self._item(i, a) for i, a in enumerate(self._actions) if a.is_compute}
         self._runs = {a.stage for a in self._actions if a.is_compute}
         self._first_forward = [program.compute_worker[Work(0, s, FORWARD)] for s in range(program.num_stages)]
@@ -724,10 +725,12 @@ class Trainer:
         """Carry out the actions at ``indices`` of this rank's program, in order."""
         for index in indices:
             action = st.current = self._actions[index]
-            self._post_due(st, index)
+            if st.deferred:
+                self._post_due(st, index)
             if action.is_compute:
                 self._compute(st, action, self._items[index])
-                self._reap(st)
+                if st.outgoing or st.pending:
+                    self._reap(st)
                 if index == self._last_loss_item:
                     self._post_losses(st)
             elif action.is_recv:
@@ -774,8 +777,7 @@ class Trainer:
         reads = program.reads(work, self.rank)
         gang = program.gangs.get(work)
         after = {"F": self._back, "I": BACKWARD_WEIGHT}.get(action.op)
-        ran_before = action.op == "B" and any((work.stage, t, work.batch) in self._fused
-                                              for t in self._graph.successors[work.stage])
+        ran_before = action.op == "B" and (work.stage, work.batch) in self._fused_from
         runs_also, stage = [], work.stage
         while action.op == "B" and not ran_before and (stage, work.batch) in self._fused_into:
             stage = self._fused_into[(stage, work.batch)]
@@ -871,7 +873,7 @@ class Trainer:
             out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
             leaves = self._leaves(s, out)
             st.graphs[(s, b)] = (xs, out, leaves)
-            if any((s, t, b) in self._fused for t in self._graph.successors[s]):
+            if (s, b) in self._fused_from:
                 st.put(output(s, b), leaves)  # its successor's forward extends this graph
                 return
         else:

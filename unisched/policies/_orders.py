@@ -2,7 +2,8 @@
 
 The pipelines that run a warm-up, a steady phase and a drain (1F1B, ZB-H1,
 ZB-H2, the interleaved pipelines of Megatron-LM and torch) share one
-structure, which :func:`warmup_steady_order` builds: a warm-up of forwards,
+structure, which :func:`warmup_steady_orders` builds for every worker at
+once (:func:`warmup_steady_order` for one): a warm-up of forwards,
 then a steady phase that follows each backward (or each input-gradient
 pass I) with the next forward, and, with a split backward, runs each weight
 pass W a fixed number of backwards after its I.  The schedules differ only
@@ -31,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from unisched.dataflow import Items, dependencies
-from unisched.errors import DeadlockError
+from unisched.errors import DeadlockError, StrategyError
 from unisched.simulate.simulation import check_size
 from unisched.strategy import WorkerOrders
 from unisched.work import (
@@ -70,38 +71,86 @@ def warmup_steady_order(stages: int | Sequence[int], num_batches: int, warmup: i
     adds ``weight_lag = s``; ZB-H2 takes ``warmup = 2(S - s) - 1`` and
     ``weight_lag = 2s``; the interleaved pipelines add their v - 1 rounds.
 
-    Built on arrays: the k-th backward's round (its backward, the W pass it
-    releases, the forward it lets in) is row k of a table of three slots.
+    The one-worker case of :func:`warmup_steady_orders`.
     """
-    stages = np.atleast_1d(np.asarray(stages, dtype=np.int64))
-    v, per_round = len(stages), per_round or num_batches
-    total = num_batches * v
-    warm = min(warmup, total)
-    k = np.arange(total)
+    lag = None if weight_lag is None else [weight_lag]
+    batch, stage, direction = warmup_steady_orders(np.atleast_1d(np.asarray(stages, dtype=np.int64))[None, :],
+                                                   num_batches, [warmup], lag, per_round)
+    return batch[0], stage[0], direction[0]
+
+
+def warmup_steady_orders(stages, num_batches: int, warmup, weight_lag=None, per_round: int | None = None) -> Columns:
+    """:func:`warmup_steady_order` of every worker at once: row w of each
+    returned (W, passes) array is worker w's order.
+
+    ``stages``: one stage per worker (W,), or each worker's stages in the
+    order a micro-batch meets them (W, v); ``warmup`` and ``weight_lag``
+    (None: a whole backward): one count per worker.  Every worker runs the
+    same number of passes, so the orders are one table: each pass's place
+    in its worker's order follows from how many passes of each kind come
+    before it (the k-th backward comes after the warm-up, the k earlier
+    backwards, the forwards and W passes their rounds let in)."""
+    stages = np.asarray(stages, dtype=np.int64)
+    stages = stages[:, None] if stages.ndim == 1 else stages
+    W, v = stages.shape
+    per_round = per_round or num_batches
+    total = num_batches * v  # passes of each kind per worker
     split = weight_lag is not None
-    backward = BACKWARD_INPUT if split else BACKWARD
-    slots = np.stack([  # (pass, its index among the worker's passes of that kind) per slot of each round
-        np.broadcast_to(np.array([backward, BACKWARD_WEIGHT, FORWARD]), (total, 3)),
-        np.stack([k, k - (weight_lag or 0), warm + k], axis=1),
-    ])
-    used = np.stack([np.ones(total, bool), split & (k >= (weight_lag or 0)), warm + k < total], axis=1)
-    direction, index = slots[0][used], slots[1][used]
-    owed = np.arange(max(total - weight_lag, 0), total) if split else np.zeros(0, np.int64)
-    direction = np.concatenate([np.full(warm, FORWARD), direction, np.full(len(owed), BACKWARD_WEIGHT)])
-    index = np.concatenate([np.arange(warm), index, owed])
+    kinds = 3 if split else 2
+    warm = np.minimum(np.broadcast_to(np.asarray(warmup, dtype=np.int64), (W,)), total)[:, None]
+    lag = np.broadcast_to(np.asarray(weight_lag if split else total, dtype=np.int64), (W,))[:, None]
+    k = np.arange(total)[None, :]
+
+    backward_at = warm + k + np.minimum(k, total - warm) + np.maximum(k - lag, 0)
+    steady = k - warm  # the round a forward past the warm-up follows
+    forward_at = np.where(steady < 0, k, warm + 2 * steady + np.maximum(steady - lag, 0) + 1 + (steady >= lag))
+    places = [(backward_at, BACKWARD_INPUT if split else BACKWARD), (forward_at, FORWARD)]
+    if split:  # the k-th W pass follows the (k + L)-th I pass, or, still owed then, runs at the end
+        after = k + lag
+        places.append((np.where(after < total, warm + after + np.minimum(after, total - warm) + k + 1, 2 * total + k),
+                       BACKWARD_WEIGHT))
+
+    index = np.empty((W, kinds * total), dtype=np.int64)
+    direction = np.full((W, kinds * total), FORWARD, dtype=np.int64)
+    rows = np.arange(W)[:, None]
+    for at, kind in places:
+        index[rows, at] = k
+        if kind != FORWARD:
+            direction[rows, at] = kind
+    if v == 1:  # the k-th pass of a kind is micro-batch k
+        return index, np.repeat(stages, kinds * total, axis=1), direction
     chunk = (index // per_round) % v
-    stage = stages[np.where(direction == FORWARD, chunk, v - 1 - chunk)]
-    return (index // (per_round * v)) * per_round + index % per_round, stage, direction.astype(np.int64)
+    stage = np.take_along_axis(stages, np.where(direction == FORWARD, chunk, v - 1 - chunk), 1)
+    return (index // (per_round * v)) * per_round + index % per_round, stage, direction
 
 
-def fixed_orders(shape: Shape, split_backward: bool, order_of: Callable[[int], Columns]) -> WorkerOrders:
+def fixed_orders(shape: Shape, split_backward: bool, order_of: Callable[[int], Columns] | Columns) -> WorkerOrders:
     """Every worker w's order, ``order_of(w)``, as :class:`WorkerOrders` of
-    the step's items; a step too large to simulate is refused first
+    the step's items; ``order_of`` may also be every worker's order at once
+    (row w of each column: worker w's, as :func:`warmup_steady_orders`
+    gives them).  A step too large to simulate is refused first
     (:func:`~unisched.simulate.simulation.check_size`), before its orders
-    take the memory."""
+    take the memory.  The orders are numbered together, in one pass."""
     check_size(shape, split_backward)
     items = Items(shape.num_stages, shape.num_batches, split_backward)
-    return WorkerOrders.from_columns(items, {w: order_of(w) for w in range(shape.num_workers)})
+    workers = range(shape.num_workers)
+    if callable(order_of):
+        columns = [order_of(w) for w in workers]
+        lengths = [len(c[0]) for c in columns]
+        together = [np.concatenate([np.asarray(c[i], dtype=np.int64).reshape(-1) for c in columns]) for i in range(3)]
+    else:
+        together = [np.asarray(c, dtype=np.int64) for c in order_of]
+        if together[0].ndim != 2 or len(together[0]) != len(workers):
+            raise StrategyError(f"every worker's order at once needs one row per worker, {len(workers)} rows; got "
+                                f"columns of shape {together[0].shape}")
+        lengths = [together[0].shape[1]] * len(workers)
+        together = [c.reshape(-1) for c in together]
+    cuts = np.cumsum(lengths)[:-1]
+    try:
+        ids = WorkerOrders.from_columns(items, {0: together}).ids[0]
+    except StrategyError:  # numbered worker by worker, the error names the worker whose order is at fault
+        return WorkerOrders.from_columns(items, dict(zip(workers, zip(*(np.split(c, cuts) for c in together)))))
+    return WorkerOrders(items, dict(zip(workers, np.split(ids, cuts))))
 
 
 class OrderWriter:

@@ -327,6 +327,21 @@ def test_strategy_with_parameters_and_progress_output():
         plan(4, 4, 8, strategy="looped(group_size)", time_limit=2)
 
 
+def test_each_better_cp_sat_solution_is_a_line_of_progress():
+    """While CP-SAT runs, each better solution it finds is reported, with its class's bound."""
+    import io
+    import re
+
+    stream = io.StringIO()
+    plan(2, 4, 8, encode_costs(comm=1), memory_limit=2, time_limit=4, progress=stream)
+    lines = stream.getvalue().replace("\r", "\n").splitlines()
+    found = [(line.split(":")[0], float(m.group(1)), float(m.group(2)))
+             for line in lines if (m := re.search(r": ([0-9.]+), bound ([0-9.]+) after [0-9.]+ s", line))]
+    assert any(what.startswith("CP-SAT mapping") for what, _, _ in found)
+    assert any(what.startswith("CP-SAT order") for what, _, _ in found)
+    assert all(value >= bound for _, value, bound in found)  # a solution is never below its class's bound
+
+
 def test_large_neighbourhood_search_keeps_a_feasible_incumbent():
     from unisched.plan.mapping import incumbent_from, solve_mapping
     from unisched.plan.planner import _scorer, replayed

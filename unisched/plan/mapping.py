@@ -39,8 +39,8 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.plan.order import (Solved, busy_span, capacity, earliest_forwards, live_start, live_stashes, make_solver,
-                                 memory_demands, run_solver)
+from unisched.plan.order import (Improvements, Solved, busy_span, capacity, earliest_forwards, live_start,
+                                 live_stashes, make_solver, memory_demands, run_solver)
 from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD
@@ -118,6 +118,7 @@ def solve_mapping(
     whole: bool | None = None,
     lower_bound: int = 0,
     asap_replay: bool = True,
+    report=None,
 ) -> Solved:
     """Search mappings and orders together; LNS when the model is large (or ``lns=True``).
 
@@ -140,14 +141,14 @@ def solve_mapping(
     if hint is not None and score is not None:
         hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay)
+                  asap_replay=asap_replay, report=report)
     if not lns or hint is None:
         return _solve(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
     return _lns(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
 
 
 def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int,
-         score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool) -> Solved:
+         score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool, report=None) -> Solved:
     """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
     begin = time.perf_counter()
     deadline = begin + time_limit
@@ -157,7 +158,7 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     window = max(2, min(B, LNS_PAIRS // S))
     round_limit = max(1.0, min(LNS_ROUND_SECONDS, time_limit / 6))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay)
+                  asap_replay=asap_replay, report=report)
     first = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, seed=seed, **common)
     bound = first.bound
     best = _better(best, first)
@@ -185,11 +186,12 @@ def _better(best: Incumbent, result: Solved) -> Incumbent:
     return candidate if (candidate.score, candidate.value) < (best.score, best.value) else best
 
 
-class _Collector(cp_model.CpSolverSolutionCallback):
-    """Keeps every solution CP-SAT reports, to be replayed afterwards."""
+class _Collector(Improvements):
+    """Keeps every solution CP-SAT reports, to be replayed afterwards (and tells ``report`` of each)."""
 
-    def __init__(self, places: "_Places", owner, start, timed: TimedProblem, limit: int = 64):
-        super().__init__()
+    def __init__(self, places: "_Places", owner, start, timed: TimedProblem, limit: int = 64, report=None,
+                 bounded: bool = True):
+        super().__init__(report, bounded)
         self.places, self.owner, self.start, self.timed = places, owner, start, timed
         self.limit = limit
         self.solutions: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
@@ -204,6 +206,7 @@ class _Collector(cp_model.CpSolverSolutionCallback):
         self.solutions.append((compute, weight, starts, int(self.objective_value)))
         if len(self.solutions) > self.limit:
             del self.solutions[0]
+        super().on_solution_callback()
 
 
 class _Places:
@@ -262,6 +265,7 @@ def _solve(
     score: Scorer | None = None,
     lower_bound: int = 0,
     asap_replay: bool = True,
+    report=None,
 ) -> Solved:
     begin = time.perf_counter()
     problem = timed.problem
@@ -345,7 +349,7 @@ def _solve(
     else:
         model.minimize(makespan)
     solver = make_solver(time_limit, num_workers, seed)
-    collector = _Collector(places, owner, start, timed)
+    collector = _Collector(places, owner, start, timed, report=report, bounded=free_batches is None)
     status, interrupted = run_solver(solver, model, collector)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)

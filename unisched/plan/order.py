@@ -80,10 +80,12 @@ def solve_order(
     seed: int = 0,
     lower_bound: int = 0,
     asap_replay: bool = True,
+    report=None,
 ) -> Solved:
     """Best order for the mapping ``compute`` / ``weight`` (arrays over item ids);
     ``lower_bound`` (ticks): a bound proven for this mapping, where the search may stop;
-    ``asap_replay``: the order will be replayed from orders alone (see the module docstring)."""
+    ``asap_replay``: the order will be replayed from orders alone (see the module docstring);
+    ``report``: told of each better solution (:class:`Improvements`)."""
     compute = np.asarray(compute, dtype=np.int64)
     weight = np.asarray(weight, dtype=np.int64)
     begin = time.perf_counter()
@@ -124,7 +126,7 @@ def solve_order(
                for w in range(timed.shape.num_workers)]
     model.minimize(busy_span(model, workers, horizon, lower_bound) if span else makespan)
     solver = make_solver(time_limit, num_workers, seed)
-    status, interrupted = run_solver(solver, model)
+    status, interrupted = run_solver(solver, model, Improvements(report))
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
     if status == cp_model.INFEASIBLE:
@@ -166,6 +168,7 @@ def solve_order_staged(
     cold_share: float = 0.25,
     fifo_share: float = 0.3,
     asap_replay: bool = True,
+    report=None,
 ) -> Solved:
     """The full model without a hint first, briefly (a hint can steer CP-SAT's search away from a
     proof it finds at once without), then a first-in-first-out pass (small search, good schedules
@@ -175,7 +178,7 @@ def solve_order_staged(
     def left() -> float:
         return time_limit - (time.perf_counter() - begin)
 
-    common = dict(num_workers=num_workers, seed=seed, lower_bound=lower_bound, asap_replay=asap_replay)
+    common = dict(num_workers=num_workers, seed=seed, lower_bound=lower_bound, asap_replay=asap_replay, report=report)
     cold = solve_order(timed, compute, weight, time_limit=time_limit * cold_share, **common)
     if cold.optimal or cold.status == "INFEASIBLE" or cold.interrupted or left() <= 0.05:
         return replace(cold, wall=time.perf_counter() - begin)
@@ -199,6 +202,20 @@ def _settled(best: Solved | None, last: Solved, begin: float, bound: int | None 
         return replace(last, wall=wall, bound=bound)
     return replace(best, status="OPTIMAL" if best.objective <= bound else "FEASIBLE", bound=bound, wall=wall,
                    interrupted=last.interrupted or best.interrupted)
+
+
+class Improvements(cp_model.CpSolverSolutionCallback):
+    """Tells ``report(objective, bound, seconds)`` (ticks, and seconds into the
+    solve) of each better solution CP-SAT finds; ``bound`` is None where the
+    model's bound proves nothing of the whole problem (a neighbourhood of it)."""
+
+    def __init__(self, report=None, bounded: bool = True):
+        super().__init__()
+        self.report, self.bounded = report, bounded
+
+    def on_solution_callback(self) -> None:
+        if self.report is not None:
+            self.report(self.objective_value, self.best_objective_bound if self.bounded else None, self.wall_time)
 
 
 def make_solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:

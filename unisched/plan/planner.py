@@ -245,7 +245,8 @@ class _Search:
             bound = max(mapping_bounds(self.problem, compute, weight).values())
             solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
                                         num_workers=self.search_workers, seed=self.seed,
-                                        lower_bound=self._ticks_below(bound), asap_replay=False)
+                                        lower_bound=self._ticks_below(bound), asap_replay=False,
+                                        report=self._reporter(f"CP-SAT order of {label}"))
             self.order_results.append((label, solved))
             self.interrupted |= solved.interrupted
             if self.fixed and solved.bound > 0:
@@ -253,6 +254,17 @@ class _Search:
             if solved.found:
                 schedule = Schedule.planned(self.timed, compute, weight, solved.starts, name=f"{label}+cpsat")
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
+
+    def _reporter(self, what: str):
+        """A line of progress per better solution a CP-SAT run finds (None: no progress wanted)."""
+        if self.progress is None:
+            return None
+        time_of = self.timed.ticks.time
+
+        def report(objective: float, bound: float | None, seconds: float) -> None:
+            proven = "" if bound is None else f", bound {time_of(bound):g}"
+            _say(self.progress, f"{what}: {time_of(objective):g}{proven} after {seconds:.1f} s")
+        return report
 
     def construct(self, label: str, compute: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
         """Orders for a mapping from the list scheduler of :func:`unisched.plan.search.construct`
@@ -304,7 +316,8 @@ class _Search:
         _say(self.progress, f"CP-SAT mapping search over {name} ({seconds:.1f} s) ...")
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=_scorer(self.timed), whole=whole, asap_replay=False,
-                               lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())))
+                               lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())),
+                               report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})"))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):

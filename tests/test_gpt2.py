@@ -20,11 +20,12 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import unisched  # noqa: E402
-from unisched import policies, simulate  # noqa: E402
+from unisched import ComputeAndWeightWorkers, policies, simulate  # noqa: E402
 from unisched.execute import SplitError, Trainer, split_model, train_one_process  # noqa: E402
 from unisched.execute.example import counting_tokens, gpt2_config, next_token_loss  # noqa: E402
 from unisched.execute.launch import run_local  # noqa: E402
 from unisched.execute.ties import Tie  # noqa: E402
+from unisched.strategy import Gang, Strategy  # noqa: E402
 
 from test_execute import seed_cuckoo  # noqa: E402
 
@@ -272,7 +273,15 @@ def _tie_checks(timeline, rank: int) -> dict:
             "refusal": _refusal(lambda: Trainer(split_model(gpt2(layers=4), 2), timeline, next_token_loss, optimizer,
                                                 timeout=60, ties=wrong)),
             "differing": _refusal(lambda: Trainer(split_model(gpt2(layers=4), 2), timeline, next_token_loss,
-                                                  optimizer, timeout=60, ties=[] if rank == 1 else None))}
+                                                  optimizer, timeout=60, ties=[] if rank == 1 else None)),
+            "sharded": _refusal(lambda: Trainer(split_model(gpt2(layers=4), 2), sharded_first_stage(), next_token_loss,
+                                                optimizer, timeout=60))}
+
+
+def sharded_first_stage():
+    """Stage 0 (which holds wte) run by a tensor-parallel gang of both ranks, stage 1 on rank 1."""
+    return simulate(2, 2, 2, Strategy(mapping=lambda w: ComputeAndWeightWorkers(w.stage, w.stage),
+                                      gang=lambda w: Gang((0, 1), collective=True) if w.stage == 0 else None)).timeline
 
 
 def schedule(strategy: str, S: int, B: int):
@@ -332,10 +341,12 @@ def test_a_checkpoint_of_the_tied_copies_resumes_under_another_placement(trained
     assert trained_tied[0][label]["holders"] == [[0], [0]]
 
 
-def test_the_trainer_starts_the_copies_equal_and_refuses_a_tie_it_cannot_find_or_ranks_disagree_on(trained_tied):
+def test_the_trainer_starts_the_copies_equal_and_refuses_a_tie_it_cannot_find_or_shard_or_ranks_disagree_on(
+        trained_tied):
     for rows in trained_tied:
         checks = rows["checks"]
         assert checks["equal"] and checks["first"], "the later copy starts as the first"
         assert "the tie wte (transformer.wte.weight of stage 0, lm_head.bias of stage 1) names 'lm_head.bias'" \
             in checks["refusal"]
         assert "rank 1 was given other tied weights ([]) than rank 0" in checks["differing"]
+        assert "reaches stage 0, which a tensor-parallel gang holds in shards" in checks["sharded"]

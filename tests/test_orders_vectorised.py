@@ -11,6 +11,7 @@ import pytest
 import unisched
 from unisched.dataflow import Items
 from unisched.errors import StrategyError
+from unisched.policies import _orders as orders_module
 from unisched.policies._orders import fixed_orders, warmup_steady_order, warmup_steady_orders
 from unisched.strategy import WorkerOrders
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Shape
@@ -122,3 +123,14 @@ def test_orders_at_once_need_one_row_per_worker():
     s = np.arange(3)
     with pytest.raises(StrategyError, match="one row per worker, 4 rows"):
         fixed_orders(Shape(4, 4, 8), False, warmup_steady_orders(s, 8, 4 - s))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_orders_numbered_together_or_worker_by_worker_agree(monkeypatch, split):
+    shape = Shape(4, 4, 8)
+    s = np.arange(4)
+    columns = warmup_steady_orders(s, 8, 4 - s, s if split else None)
+    together = fixed_orders(shape, split, columns)
+    monkeypatch.setattr(orders_module, "NUMBERED_TOGETHER", 0)
+    assert fixed_orders(shape, split, columns) == together
+    assert fixed_orders(shape, split, lambda w: tuple(c[w] for c in columns)) == together

@@ -130,27 +130,39 @@ def fixed_orders(shape: Shape, split_backward: bool, order_of: Callable[[int], C
     (row w of each column: worker w's, as :func:`warmup_steady_orders`
     gives them).  A step too large to simulate is refused first
     (:func:`~unisched.simulate.simulation.check_size`), before its orders
-    take the memory.  The orders are numbered together, in one pass."""
+    take the memory."""
     check_size(shape, split_backward)
     items = Items(shape.num_stages, shape.num_batches, split_backward)
     workers = range(shape.num_workers)
     if callable(order_of):
         columns = [order_of(w) for w in workers]
         lengths = [len(c[0]) for c in columns]
-        together = [np.concatenate([np.asarray(c[i], dtype=np.int64).reshape(-1) for c in columns]) for i in range(3)]
+
+        def together() -> list[np.ndarray]:
+            return [np.concatenate([np.asarray(c[i], dtype=np.int64).reshape(-1) for c in columns]) for i in range(3)]
     else:
-        together = [np.asarray(c, dtype=np.int64) for c in order_of]
-        if together[0].ndim != 2 or len(together[0]) != len(workers):
+        rows = [np.asarray(c, dtype=np.int64) for c in order_of]
+        if rows[0].ndim != 2 or len(rows[0]) != len(workers):
             raise StrategyError(f"every worker's order at once needs one row per worker, {len(workers)} rows; got "
-                                f"columns of shape {together[0].shape}")
-        lengths = [together[0].shape[1]] * len(workers)
-        together = [c.reshape(-1) for c in together]
-    cuts = np.cumsum(lengths)[:-1]
-    try:
-        ids = WorkerOrders.from_columns(items, {0: together}).ids[0]
-    except StrategyError:  # numbered worker by worker, the error names the worker whose order is at fault
-        return WorkerOrders.from_columns(items, dict(zip(workers, zip(*(np.split(c, cuts) for c in together)))))
-    return WorkerOrders(items, dict(zip(workers, np.split(ids, cuts))))
+                                f"columns of shape {rows[0].shape}")
+        columns = [tuple(c[w] for c in rows) for w in workers]
+        lengths = [rows[0].shape[1]] * len(workers)
+
+        def together() -> list[np.ndarray]:
+            return [c.reshape(-1) for c in rows]
+    if sum(lengths) <= NUMBERED_TOGETHER:
+        try:
+            ids = WorkerOrders.from_columns(items, {0: together()}).ids[0]
+            return WorkerOrders(items, dict(zip(workers, np.split(ids, np.cumsum(lengths)[:-1]))))
+        except StrategyError:
+            pass  # numbered worker by worker, the error names the worker whose order is at fault
+    return WorkerOrders.from_columns(items, dict(zip(workers, columns)))
+
+
+NUMBERED_TOGETHER = 1 << 15
+"""Orders of at most this many passes in all are numbered in one pass
+(a step of a few thousand items would otherwise spend most of its time
+numbering worker by worker); larger ones worker by worker, each in cache."""
 
 
 class OrderWriter:

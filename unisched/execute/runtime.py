@@ -286,6 +286,7 @@ class Trainer:
         self._watchdog = Watchdog(self.timeout, self._on_timeout)
         self._notes_layout = NotesLayout(program)
         self._notes: list | None = None
+        self._gathering: tuple | None = None  # a recorded step's gather of notes, while under way
         self._timeline: Timeline | None = None
         self.last_loss: float | None = None
         self.last_step_seconds: float = 0.0
@@ -376,6 +377,7 @@ class Trainer:
         ticket = self._watchdog.arm()
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self._settle_gathering()
                 self._load_host_weights()
                 self._meta = self._layouts_for(spec, micro_in[0])
                 loss = run(state)
@@ -475,6 +477,12 @@ class Trainer:
     def close(self) -> None:
         """Release the trainer's process groups and its watchdog (every rank calls it)."""
         self._watchdog.stop()
+        if self._gathering is not None and not self._failed:
+            try:
+                self._settle_gathering()
+            except CommunicationError:
+                pass  # a peer is gone: there is nothing left to gather, and the groups go below
+        self._gathering = None
         self._failed = self._failed or "it was closed"
         buffer_groups = {id(group): group for group, _ in self._buffer_groups.values()}
         groups = [g for g in (*self._replica_groups.values(), *self._gang_groups.values(), *buffer_groups.values(),
@@ -1470,17 +1478,30 @@ class Trainer:
         everyone = [mine]
         if self.world_size > 1:
             everyone = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-            self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control),
+            gather = []
+            self._collective(lambda: gather.append(dist.gather(mine, everyone, dst=0, group=self._control,
+                                                               async_op=True)),
                              "gathering the measured step on rank 0")
+            # no rank waits for the others here: the gather completes in the background,
+            # settled when the next step begins, last_timeline is read or the trainer closes
+            self._gathering = (gather[0], mine)
         if self.rank == 0:
             self._notes = (everyone, self._meta)  # unpacked when last_timeline is read
             self._timeline = None
+
+    def _settle_gathering(self) -> None:
+        """Wait for the last recorded step's gather of notes, if it is still under way."""
+        if self._gathering is not None:
+            work, _ = self._gathering
+            self._gathering = None
+            self._collective(work.wait, "gathering the measured step on rank 0")
 
     @property
     def last_timeline(self) -> Timeline | None:
         """Rank 0: the last recorded step, a measured :class:`unisched.Timeline`
         (None on the other ranks, and before a recorded step)."""
         if self._timeline is None and self._notes is not None:
+            self._settle_gathering()
             flats, meta = self._notes
             notes = [self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(flats)]
             self._timeline = assemble(

@@ -256,6 +256,7 @@ def schedule(graph, stashes, links):
     park_size = np.zeros(pair_base.shape[0], dtype=np.int64)
     park_k, park_e = np.empty(claim_pair.shape[0], dtype=np.int64), np.empty(claim_pair.shape[0], dtype=np.int64)
     woken = np.empty(num_workers + 1, dtype=np.int64)
+    parked = 0  # forwards parked for memory: while none is, no release needs to wake one
 
     # the network: each link's calendar, each worker's start times (for
     # prefetch), resident stages, gradients still to return, and the rows booked
@@ -300,13 +301,15 @@ def schedule(graph, stashes, links):
                     size = _push(heap_t, heap_k, heap_e, size, free[w], key, -1 - w)
                 continue
 
-        if memory:
+        if memory and claim_ptr[item] < claim_ptr[item + 1]:
             retry = _admit(item, t, key, limit, claim_ptr, claim_worker, claim_amount, claim_pair, pair_base, live,
                            release_base, release_size, release_t, release_a, scratch_t, scratch_a, park_size, park_k,
                            park_e)
             if retry != t:
                 if retry < math.inf:
                     size = _push(heap_t, heap_k, heap_e, size, retry, key, item)
+                else:
+                    parked += 1
                 continue
 
         begin = t
@@ -333,7 +336,10 @@ def schedule(graph, stashes, links):
         if memory:  # book the item's claims and releases; retry the forwards parked where they land
             for c in range(claim_ptr[item], claim_ptr[item + 1]):
                 live[claim_worker[c]] += claim_amount[c]
+                if parked == 0:
+                    continue
                 count = _wake(claim_worker[c], pair_ptr, pair_base, park_size, park_k, park_e, woken)
+                parked -= count
                 for j in range(count):
                     other = woken[j]
                     size = _push(heap_t, heap_k, heap_e, size, max(begin, ready[other]), trigger_rank[other], other)
@@ -341,7 +347,10 @@ def schedule(graph, stashes, links):
                 holder = release_worker[r]
                 release_size[holder] = _heap_push(release_t, release_a, release_base[holder], release_size[holder],
                                                   finish, release_amount[r])
+                if parked == 0:
+                    continue
                 count = _wake(holder, pair_ptr, pair_base, park_size, park_k, park_e, woken)
+                parked -= count
                 for j in range(count):
                     other = woken[j]
                     size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other], other)

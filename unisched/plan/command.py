@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from unisched.render.text import add_color_arguments
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
+from unisched.topology import presets
 from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
                             add_shape_arguments, cost_values, numbers, splits_backward)
 from unisched.strategy import Strategy, as_strategy
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--comm", type=float, default=0.0,
                        help="time to move an activation or gradient between workers (a weight fetch pays it too)")
     costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
+    costs.add_argument(
+        "--topology", metavar="FILE|PRESET",
+        help="plan for a cluster: a JSON topology file (docs/topology.md) or a preset "
+        f"({', '.join(presets())}), read as `unisched simulate --topology` reads it; every transfer takes its route's "
+        "bottleneck, the CP-SAT models without contention, every candidate's replay with it (docs/planning.md); "
+        "times in seconds and sizes in bytes (give them with --costs); replaces --comm and --fetch",
+    )
     limits = parser.add_argument_group("limits")
     add_memory_limit_argument(limits, " (each worker is planned under its own)")
     limits.add_argument("--max-stages-per-worker", type=int, help="how many stages' weights a worker may hold")
@@ -210,7 +218,17 @@ def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
 
 
 def summary(result: Plan) -> dict:
-    """The --json object."""
+    """The --json object (with ``topology``, sized to the workers, when planned on a cluster)."""
+    return {**_summary(result), **_cluster(result)}
+
+
+def _cluster(result: Plan) -> dict:
+    """The topology a plan was made for, as ``unisched simulate --json`` shows it, or nothing."""
+    cluster = getattr(result.costs, "cluster", None)
+    return {"topology": cluster(result.shape[0]).to_dict()} if cluster is not None else {}
+
+
+def _summary(result: Plan) -> dict:
     return {
         "search": result.search,
         "objective": result.objective,
@@ -240,6 +258,7 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
         + (f" ({result.elapsed:.1f} s)" if result.elapsed is not None else ""),
         f"search: {result.search}, minimizing {result.objective}"
         + (" (interrupted: the best plan so far)" if result.interrupted else ""),
+        *_on_cluster(result),
         "",
         f"{'#':>2}  {'strategy':<44} {'source':<13} {'latency':>8} {'bubble':>7} {'peak act':>8} "
         f"{'traffic':>7} {'gap':>7}  optimal",
@@ -265,6 +284,16 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
         _diagram(result, width, color),
     ]
     return "\n".join(lines)
+
+
+def _on_cluster(result: Plan) -> list[str]:
+    """The report's line naming the topology a plan was made for (none without one)."""
+    topology = _cluster(result).get("topology")
+    if topology is None:
+        return []
+    return [f"on {topology['name'] or 'the topology'}: {topology['nodes']} node(s) x {topology['devices_per_node']} "
+            f"devices, {topology['nics_per_node']} NICs per node, all-reduces as {topology['collective']}s; "
+            "latencies are replays with link contention"]
 
 
 def _claim(result: Plan) -> str:
@@ -309,15 +338,18 @@ def _diagram(result: Plan, width: int, color: bool | str | None) -> str:
 def _is_demo(args: argparse.Namespace) -> bool:
     given = (args.workers, args.stages, args.batches, args.forward, args.backward, args.backward_input,
              args.backward_weight, args.costs, args.memory_limit, args.max_stages_per_worker, args.strategy,
-             args.memory_budget, args.optimizer_bytes)
+             args.memory_budget, args.optimizer_bytes, args.topology)
     return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
 
 
 def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
     """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
-    (:meth:`Costs.with_times`, as ``simulate`` does); whether the flags split the backward."""
+    (:meth:`Costs.with_times`, as ``simulate`` does); whether the flags split the backward.
+    With ``--topology``: the costs ``unisched simulate`` reads from the same flags, on that cluster."""
     times = cost_values(args, COST_FLAGS, PlanInputError)
     cost_values(args, ("comm", "fetch"), PlanInputError)
+    if args.topology:
+        return _cluster_costs(args), splits_backward(args)
     if args.costs:
         clashing = [flag for flag, value in (("--comm", args.comm), ("--fetch", args.fetch)) if value]
         if clashing:
@@ -329,6 +361,19 @@ def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
         return base.with_times(**times), splits_backward(args)
     except ShapeError as error:
         raise PlanInputError(str(error)) from None
+
+
+def _cluster_costs(args: argparse.Namespace) -> Costs:
+    """``--topology`` beside ``--costs`` and the time flags, read by ``unisched simulate``'s own
+    reader (:func:`unisched.cli._costs`), so a plan is made for the step that command simulates."""
+    clashing = [flag for flag, value in (("--comm", args.comm), ("--fetch", args.fetch)) if value]
+    if clashing:
+        raise PlanInputError(f"--topology {args.topology} prices every transfer on the cluster; drop "
+                             f"{', '.join(clashing)} and give the sizes moved in a --costs file (activation_bytes, "
+                             "weight_bytes)")
+    from unisched.cli import _costs as simulated_costs
+
+    return simulated_costs(args)
 
 
 # ---------------------------------------------------------------------- your own strategy

@@ -38,7 +38,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.network import ring_allreduce_time
+from unisched.network import allreduce_time
 from unisched.plan.problem import PlanInputError, TimedProblem, Ticks
 from unisched.work import FORWARD
 
@@ -267,8 +267,9 @@ def releases(timed: TimedProblem, compute, weight) -> np.ndarray:
 
 def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     """Ticks the step lasts after each item: the return of its weight gradient to
-    the weight worker, then the ring all-reduce of a replicated stage (both
-    priced by :mod:`unisched.network`, as the simulator books them)."""
+    the weight worker, then the all-reduce of a replicated stage (a ring, or a tree
+    where a topology says so; both priced by :mod:`unisched.network`, as the simulator
+    books them, without the waits for busy links the simulator adds)."""
     problem = timed.problem
     W, S, B = problem.shape
     last = timed.direction == dataflow.gradient_pass(problem.split_backward)
@@ -278,7 +279,7 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     wbytes = problem.costs.per_stage("weight_bytes", S)
     for s, replicas in enumerate(dataflow.replicas(timed.stage[last], weight[last], S)):
         if len(replicas) > 1:
-            tails[last & (timed.stage == s)] += timed.ticks(ring_allreduce_time(problem.costs, replicas, wbytes[s]))
+            tails[last & (timed.stage == s)] += timed.ticks(allreduce_time(problem.costs, replicas, wbytes[s]))
     return tails
 
 

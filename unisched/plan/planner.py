@@ -20,6 +20,10 @@ far.  Every claim names the class of schedules it is proven for
 (``Plan.proven_for``, ``Plan.bound_for``): a bound or optimum of a restricted
 model is never stated as one over every schedule.
 
+On a cluster topology (:class:`unisched.topology.ClusterCosts`) the family search and every
+replay run on the topology, transfers queueing on the links they share; the CP-SAT models take
+each pair of workers' transfer time without contention (docs/planning.md, "On a cluster").
+
 On steps too large for the CP-SAT models (:func:`uses_heuristic`), :func:`plan`
 runs the heuristic search of :mod:`unisched.plan.search` instead.
 """
@@ -143,6 +147,7 @@ def plan(
     if costs is not None and not isinstance(costs, Costs):
         raise PlanInputError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
     costs = (costs or Costs()).check(num_workers, num_stages)
+    _check_one_replica(costs)
     split = split_from(costs, split_backward)
     heuristic = uses_heuristic(search, shape, split)
     check_plan_size(shape, split, heuristic)
@@ -172,6 +177,18 @@ def plan(
             raise UniSchedError("interrupted before any schedule was found: let the search run longer")
         raise UniSchedError(_nothing_found(problem, family, run.order_results, strategy, time_limit))
     return run.answer(family, time.perf_counter() - begin)
+
+
+def _check_one_replica(costs: Costs) -> None:
+    """Refuse costs of one replica among several (``ClusterCosts.replicas``): the CP-SAT models
+    plan a step on its own workers and know nothing of the all-reduces with the other replicas."""
+    replicas = getattr(costs, "replicas", 1)
+    if replicas != 1:
+        raise PlanInputError(
+            f"ClusterCosts.replicas is {replicas}: the planner plans the whole step on its workers and "
+            "leaves out all-reduces with other replicas; plan with replicas=1 (give every device as a worker), "
+            "or compare layouts with unisched.simulate.layout.simulate_layout"
+        )
 
 
 def uses_heuristic(search: str, shape: Shape, split_backward: bool) -> bool:
@@ -255,14 +272,15 @@ class _Search:
                 schedule = Schedule.planned(self.timed, compute, weight, solved.starts, name=f"{label}+cpsat")
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
 
-    def _reporter(self, what: str):
-        """A line of progress per better solution a CP-SAT run finds (None: no progress wanted)."""
+    def _reporter(self, what: str, bounded: bool = True):
+        """A line of progress per better solution a CP-SAT run finds (None: no progress wanted),
+        with the model's bound only where it is a bound (``bounded``)."""
         if self.progress is None:
             return None
         time_of = self.timed.ticks.time
 
         def report(objective: float, bound: float | None, seconds: float) -> None:
-            proven = "" if bound is None else f", bound {time_of(bound):g}"
+            proven = "" if bound is None or not bounded else f", bound {time_of(bound):g}"
             _say(self.progress, f"{what}: {time_of(objective):g}{proven} after {seconds:.1f} s")
         return report
 
@@ -317,7 +335,8 @@ class _Search:
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=_scorer(self.timed), whole=whole, asap_replay=False,
                                lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())),
-                               report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})"))
+                               report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
+                                                     bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):

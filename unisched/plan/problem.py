@@ -21,6 +21,12 @@ The one thing the model leaves out is contention on a link (a fetch and an
 activation queueing on the same pair of workers); the latency a plan reports
 is always the simulator's replay, which includes it.
 
+On a cluster topology (:class:`unisched.topology.ClusterCosts`) the tables
+hold each pair of workers' own transfer time, ``latency + bytes /
+bandwidth`` of its route's bottleneck (:func:`unisched.network.transfer_matrix`),
+still without contention: a transfer never waits for a NIC or an NVLink port
+that another transfer holds, which the replay books.
+
 Memory is limited two ways, both per worker (one number for all, or a list):
 ``memory_limit`` caps the stashed activations, as :func:`unisched.simulate`
 does; ``memory_budget`` caps everything a worker holds, in bytes: the weights
@@ -41,7 +47,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.costs import Costs, Link
 from unisched.errors import ShapeError
-from unisched.network import transfer_matrix, transfer_time
+from unisched.network import link_arrays, transfer_matrix, transfer_time
 from unisched.simulate.problem import map_workers
 from unisched.strategy import Strategy
 from unisched.timeline import TRANSFER_KINDS
@@ -232,8 +238,8 @@ class PlanProblem:
     def identical_workers(self) -> bool:
         """Whether every worker is alike (same speed, links, limits): workers can then be relabelled."""
         costs = self.costs
-        return (costs.worker_speed is None and not costs.links and np.ndim(self.memory_limit) == 0
-                and np.ndim(self.memory_budget) == 0)
+        return (costs.worker_speed is None and not costs.links and _one_link_time(costs, self.shape.num_workers)
+                and np.ndim(self.memory_limit) == 0 and np.ndim(self.memory_budget) == 0)
 
     def weight_bytes(self) -> np.ndarray:
         """Per stage: the bytes of its weights a worker holds (owned or fetched)."""
@@ -368,6 +374,15 @@ def mapping_of(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np
     problem's item order (the simulator's mapping, checked as it checks it)."""
     batch, stage, direction = problem.items.arrays()
     return map_workers(strategy, problem.shape, batch, stage, direction)
+
+
+def _one_link_time(costs: Costs, num_workers: int) -> bool:
+    """Whether every pair of workers has the same latency and bandwidth (on a topology:
+    whether they all sit in one node, or in nodes alike, a pair apart by the same route)."""
+    if getattr(costs, "topology", None) is None:
+        return True
+    off = ~np.eye(num_workers, dtype=bool)
+    return all(np.all(a[off] == a[off][:1]) for a in link_arrays(costs, num_workers))
 
 
 def _per_worker(name: str, value, count: int, what: str = "worker"):

@@ -108,14 +108,14 @@ def test_replicas_of_a_layout_are_refused():
 
 def test_the_plan_command_takes_a_topology(tmp_path, capsys):
     costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"activation_bytes": 2.0, "weight_bytes": 4.0}))
+    costs.write_text(json.dumps({"activation_bytes": 2.0, "weight_bytes": 4.0, "topology": "dgx_h100"}))
     cluster = tmp_path / "tiny.json"
     cluster.write_text(json.dumps(TINY))
     out = tmp_path / "plan.json"
     args = ["plan", "-W", "4", "-S", "4", "-B", "4", "--costs", str(costs), "--time-limit", "1.5", "--json"]
     assert main([*args, "--topology", str(cluster), "--out", str(out)]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["topology"]["name"] == "tiny" and result["topology"]["nodes"] == 2
+    assert result["topology"]["name"] == "tiny" and result["topology"]["nodes"] == 2  # the flag's, not the file's
     assert load_plan(out).simulate().latency == result["latency"]
     assert main([*args, "--topology", str(cluster), "--comm", "1"]) == 2
     assert "drop --comm" in json.loads(capsys.readouterr().err.splitlines()[-1])["error"]
@@ -137,4 +137,4 @@ def test_plan_help_names_the_topology_flag(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--topology FILE|PRESET" in text and "dgx_h100" in text and "contention" in text
+    assert "--topology FILE|PRESET" in text and "dgx_h100" in text and "not with --comm or --fetch" in text

@@ -22,13 +22,14 @@ import json
 import math
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from unisched.render.text import add_color_arguments
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
-from unisched.topology import presets
+from unisched.topology import ClusterCosts, presets
 from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
                             add_shape_arguments, cost_values, numbers, splits_backward)
 from unisched.strategy import Strategy, as_strategy
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan for a cluster: a JSON topology file (docs/topology.md) or a preset "
         f"({', '.join(presets())}), read as `unisched simulate --topology` reads it; every transfer takes its route's "
         "bottleneck, the CP-SAT models without contention, every candidate's replay with it (docs/planning.md); "
-        "times in seconds and sizes in bytes (give them with --costs); replaces --comm and --fetch",
+        "times in seconds and sizes in bytes (give them with --costs); not with --comm or --fetch",
     )
     limits = parser.add_argument_group("limits")
     add_memory_limit_argument(limits, " (each worker is planned under its own)")
@@ -345,35 +346,33 @@ def _is_demo(args: argparse.Namespace) -> bool:
 def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
     """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
     (:meth:`Costs.with_times`, as ``simulate`` does); whether the flags split the backward.
-    With ``--topology``: the costs ``unisched simulate`` reads from the same flags, on that cluster."""
+    With ``--topology``: on that cluster, from the file (or the defaults) as ``simulate`` reads them."""
     times = cost_values(args, COST_FLAGS, PlanInputError)
     cost_values(args, ("comm", "fetch"), PlanInputError)
-    if args.topology:
-        return _cluster_costs(args), splits_backward(args)
-    if args.costs:
-        clashing = [flag for flag, value in (("--comm", args.comm), ("--fetch", args.fetch)) if value]
-        if clashing:
-            raise PlanInputError(f"--costs {args.costs} gives the links; drop {', '.join(clashing)} or the file")
-        base = Costs.load(args.costs)
-    else:
-        base = encode_costs(comm=args.comm, fetch=args.fetch)
-    try:
-        return base.with_times(**times), splits_backward(args)
-    except ShapeError as error:
-        raise PlanInputError(str(error)) from None
-
-
-def _cluster_costs(args: argparse.Namespace) -> Costs:
-    """``--topology`` beside ``--costs`` and the time flags, read by ``unisched simulate``'s own
-    reader (:func:`unisched.cli._costs`), so a plan is made for the step that command simulates."""
     clashing = [flag for flag, value in (("--comm", args.comm), ("--fetch", args.fetch)) if value]
-    if clashing:
+    if clashing and args.topology:
         raise PlanInputError(f"--topology {args.topology} prices every transfer on the cluster; drop "
                              f"{', '.join(clashing)} and give the sizes moved in a --costs file (activation_bytes, "
                              "weight_bytes)")
-    from unisched.cli import _costs as simulated_costs
+    if clashing and args.costs:
+        raise PlanInputError(f"--costs {args.costs} gives the links; drop {', '.join(clashing)} or the file")
+    if args.costs or args.topology:
+        base = Costs.load(args.costs) if args.costs else Costs()
+    else:
+        base = encode_costs(comm=args.comm, fetch=args.fetch)
+    try:
+        costs = base.with_times(**times)
+    except ShapeError as error:
+        raise PlanInputError(str(error)) from None
+    return (on_topology(costs, args.topology) if args.topology else costs), splits_backward(args)
 
-    return simulated_costs(args)
+
+def on_topology(costs: Costs, topology) -> ClusterCosts:
+    """``costs`` on a cluster (a preset name, a topology file, a dict or a Topology), read and
+    checked by :meth:`unisched.topology.Topology.load` as ``unisched simulate --topology`` reads it;
+    it replaces a topology the costs carry."""
+    values = {f.name: getattr(costs, f.name) for f in fields(costs)}
+    return ClusterCosts(**{**values, "topology": topology})
 
 
 # ---------------------------------------------------------------------- your own strategy

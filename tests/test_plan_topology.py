@@ -39,7 +39,7 @@ def tiny_costs(**changes) -> ClusterCosts:
 
 
 def test_a_plan_on_a_topology_is_its_replay_there(tmp_path):
-    result = plan(4, 4, 4, tiny_costs(), time_limit=1.5, search_workers=1)
+    result = plan(4, 4, 4, tiny_costs(), time_limit=1.5, search_workers=1, search="cpsat")
     assert isinstance(result.costs, ClusterCosts) and result.costs.topology.name == "tiny"
     assert result.latency == result.simulate().latency
     assert result.lower_bound <= result.latency + 1e-9
@@ -49,6 +49,12 @@ def test_a_plan_on_a_topology_is_its_replay_there(tmp_path):
     result.save(tmp_path / "plan.json")
     again = load_plan(tmp_path / "plan.json")  # checks its replay against the file
     assert again.costs.topology == result.costs.topology and again.latency == result.latency
+
+
+def test_the_heuristic_search_plans_on_a_topology_too():
+    result = plan(4, 4, 8, tiny_costs(), time_limit=1, search="heuristic")
+    assert result.search.startswith("heuristic") and isinstance(result.costs, ClusterCosts)
+    assert result.latency == result.simulate().latency
 
 
 def test_the_models_take_each_pairs_route():

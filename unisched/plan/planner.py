@@ -22,7 +22,7 @@ model is never stated as one over every schedule.
 
 On a cluster topology (:class:`unisched.topology.ClusterCosts`) the family search and every
 replay run on the topology, transfers queueing on the links they share; the CP-SAT models take
-each pair of workers' transfer time without contention (docs/planning.md, "On a cluster").
+each pair of workers' transfer time without contention (docs/planning.md, "On a cluster topology").
 
 On steps too large for the CP-SAT models (:func:`uses_heuristic`), :func:`plan`
 runs the heuristic search of :mod:`unisched.plan.search` instead.

@@ -489,12 +489,9 @@ def _costs(args):
 
     costs = (Costs.load(args.costs) if args.costs else Costs()).with_times(**cost_values(args))
     if getattr(args, "topology", None):
-        from dataclasses import fields
-
         from unisched.topology import ClusterCosts
 
-        values = {f.name: getattr(costs, f.name) for f in fields(costs)}
-        return ClusterCosts(**{**values, "topology": args.topology})  # the flag replaces a costs file's topology
+        return ClusterCosts.on(costs, args.topology)  # the flag replaces a costs file's topology
     return costs
 
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -306,6 +306,14 @@ class ClusterCosts(Costs):
             raise ShapeError("Costs.links and a topology both say how fast workers talk; drop links")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ShapeError(f"ClusterCosts.replicas must be an integer >= 1, got {self.replicas!r}")
+
+    @classmethod
+    def on(cls, costs: Costs, topology) -> "ClusterCosts":
+        """``costs`` on a cluster (a preset name, a topology file, a dict or a
+        Topology, read by :meth:`Topology.load`); it replaces a topology the
+        costs carry (what ``--topology`` means beside a costs file)."""
+        values = {f.name: getattr(costs, f.name) for f in fields(costs)}
+        return cls(**{**values, "topology": topology})
 
     def check(self, num_workers: int, num_stages: int) -> "ClusterCosts":
         super().check(num_workers, num_stages)

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -364,15 +363,7 @@ def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
         costs = base.with_times(**times)
     except ShapeError as error:
         raise PlanInputError(str(error)) from None
-    return (on_topology(costs, args.topology) if args.topology else costs), splits_backward(args)
-
-
-def on_topology(costs: Costs, topology) -> ClusterCosts:
-    """``costs`` on a cluster (a preset name, a topology file, a dict or a Topology), read and
-    checked by :meth:`unisched.topology.Topology.load` as ``unisched simulate --topology`` reads it;
-    it replaces a topology the costs carry."""
-    values = {f.name: getattr(costs, f.name) for f in fields(costs)}
-    return ClusterCosts(**{**values, "topology": topology})
+    return (ClusterCosts.on(costs, args.topology) if args.topology else costs), splits_backward(args)
 
 
 # ---------------------------------------------------------------------- your own strategy

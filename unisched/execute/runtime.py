@@ -264,10 +264,6 @@ class Trainer:
              if a.is_compute and a.stage == self._loss_stage and a.op == self._back.letter),
             default=-1,
         )
-        if self.device.type == "cuda" and self._last_loss_item >= 0:
-            # reading the losses waits for the GPU: post them at the step's end
-            # (in _finish), not while the host is ahead of the GPU
-            self._last_loss_item = math.inf
         self._last_use = self._last_uses()
         self._post_at = self._fetch_points(lookahead)
         self._forward_only = [i for i, a in enumerate(self._actions)
@@ -760,17 +756,27 @@ class Trainer:
             self._walk(st, self._forward_only)
             self._post_due(st, math.inf)
             self._await_transfers(st)
-            self._post_losses(st)
+            self._post_losses(st, at_end=True)
             self._collective(st.loss_work.wait, "the all-reduce of the losses")
         self._release_weights()
         return float(st.loss_sum.mean())
 
-    def _post_losses(self, st) -> None:
+    def _post_losses(self, st, at_end: bool = False) -> None:
         """Post the all-reduce of the per-micro-batch losses once this rank has
-        computed its last one, so that it overlaps the rest of the step."""
+        computed its last one, so that it overlaps the rest of the step.  On
+        a GPU, reading them then would make the host wait for the GPU: they
+        are copied to the host without waiting, and the all-reduce is posted
+        at the step's end (``at_end``), when the copy has long arrived."""
+        if st.loss_copy is None:
+            st.loss_copy = self._copy_losses(st)
+            if st.loss_copy[2] is not None and not at_end:
+                return
+        batches, values, copied = st.loss_copy
+        if copied is not None:
+            copied.synchronize()
         st.loss_sum = torch.zeros(self.program.num_batches, dtype=torch.float64)
-        if st.losses:  # one copy to the host, not one per micro-batch
-            st.loss_sum[list(st.losses)] = torch.stack(list(st.losses.values())).double().cpu()
+        if batches:
+            st.loss_sum[batches] = values
         if self.world_size == 1:
             st.loss_work = _DONE
             return
@@ -778,6 +784,21 @@ class Trainer:
             st.loss_work = dist.all_reduce(st.loss_sum, group=self._control, async_op=True)
         except Exception as error:
             raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({first_line(error)})") from error
+
+    def _copy_losses(self, st) -> tuple[list[int], torch.Tensor | None, Any]:
+        """This rank's per-micro-batch losses on their way to the host, in one
+        copy: (their micro-batches, the host tensor, the CUDA event that marks
+        the copy done; None on the CPU, where the copy is done at once)."""
+        if not st.losses:
+            return [], None, None
+        values = torch.stack(list(st.losses.values())).double()
+        if values.device.type != "cuda":
+            return list(st.losses), values, None
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return list(st.losses), host, copied
 
     def _item(self, index: int, action: Action) -> "_Item":
         """What running the compute ``action`` needs, found once (see :class:`_Item`)."""
@@ -1331,7 +1352,7 @@ class Trainer:
         self._await_transfers(st)
         self._await_reductions(st)
         if st.loss_work is None:
-            self._post_losses(st)
+            self._post_losses(st, at_end=True)
         self._collective(st.loss_work.wait, "the all-reduce of the losses")
         losses = st.loss_sum
         bad = [b for b, loss in enumerate(losses.tolist()) if not math.isfinite(loss)]
@@ -1650,6 +1671,7 @@ class _StepState:
         self.outgoing: list = []
         self.reductions: list = []
         self.loss_sum: torch.Tensor | None = None
+        self.loss_copy: tuple | None = None  # (micro-batches, losses on the host, the copy's event)
         self.loss_work = None
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = trainer._clock

@@ -41,9 +41,12 @@ class Problem:
     rank: np.ndarray
     items: Items
     stage_graph: StageGraph
-    edges: np.ndarray
-    """(4, E): src, dst, kind and moved-data code of every dependency
-    (:func:`unisched.dataflow.edges`, plus fixed-order edges)."""
+    data_edges: np.ndarray
+    """(4, E): src, dst, kind and moved-data code of every dependency the
+    scheme's dataflow gives (:func:`unisched.dataflow.edges`)."""
+    sequence_edges: np.ndarray
+    """(4, F): the fixed-order edges (kind ``EDGE_SEQUENCE``, moving
+    nothing), empty without fixed orders."""
     succ_ptr: np.ndarray
     succ_idx: np.ndarray
     succ_kind: np.ndarray
@@ -79,6 +82,11 @@ class Problem:
     books it on the gang's links."""
     release: np.ndarray | None = None
     """Per item: the earliest time it may start (a fixed strategy's ``release``), or None: any time."""
+
+    @cached_property
+    def edges(self) -> np.ndarray:
+        """(4, E + F): every dependency, the dataflow's then the fixed orders'."""
+        return np.concatenate([self.data_edges, self.sequence_edges], axis=1)
 
     @cached_property
     def _stash_lists(self) -> tuple:
@@ -233,15 +241,11 @@ def build(
         np.concatenate([direction, virtual[2]]),
     )
 
-    edges = dataflow.edges(items, stage_graph)
-    if strategy.worker_orders is not None:
-        fixed = sequence_edges(strategy.worker_orders, compute, shape, items, EDGE_SEQUENCE)
-        edges = np.concatenate([edges, fixed], axis=1)
-    kept = np.arange(edges.shape[1]) if costs.has_communication else np.flatnonzero(edges[2] != EDGE_STASH)
-    followed = edges[:, kept[np.argsort(edges[0, kept].astype(np.int32), kind="stable")]]  # by source, stably
-    succ_ptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(followed[0], minlength=n), out=succ_ptr[1:])
-    num_deps = np.bincount(followed[1], minlength=n)
+    data_edges = dataflow.edges(items, stage_graph)
+    fixed = np.zeros((4, 0), dtype=np.int64) if strategy.worker_orders is None else \
+        sequence_edges(strategy.worker_orders, compute, shape, items, EDGE_SEQUENCE)
+    succ_ptr, followed = followed_edges(data_edges, fixed, n, costs.has_communication)
+    num_deps = np.bincount(followed[0], minlength=n)
     first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
     sources = np.stack([first, n + batch[first]])
 
@@ -268,11 +272,12 @@ def build(
         weight_worker_array=weight,
         duration=duration,
         rank=rank,
-        edges=edges,
+        data_edges=data_edges,
+        sequence_edges=fixed,
         succ_ptr=succ_ptr,
-        succ_idx=followed[1],
-        succ_kind=followed[2],
-        succ_moved=followed[3],
+        succ_idx=followed[0],
+        succ_kind=followed[1],
+        succ_moved=followed[2],
         num_deps=num_deps,
         sources=sources,
         stashes=stashes,
@@ -289,6 +294,33 @@ def build(
         collective=collective_time,
         release=_release(strategy, n),
     )
+
+
+def followed_edges(data_edges: np.ndarray, fixed: np.ndarray, n: int, comm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The dependencies the engine follows as CSR by source: ``succ_ptr``
+    and a (3, E) array of destination, kind and moved-data code.
+
+    Per source: its data edges in their given order (without communication
+    costs, stash edges left out: see ``Problem.succ_ptr``), then its
+    fixed-order edge, as a stable sort of all edges by source would place
+    them.  Only the data edges are sorted; a source has one fixed-order
+    edge at most (an item appears once in the orders), so those are placed
+    at the end of their source's row, not sorted."""
+    kept = np.arange(data_edges.shape[1]) if comm else np.flatnonzero(data_edges[2] != EDGE_STASH)
+    by_source = kept[np.argsort(data_edges[0].take(kept).astype(np.int32), kind="stable")]
+    data_src = data_edges[0].take(by_source)
+    has_fixed = np.zeros(n, dtype=np.int64)
+    has_fixed[fixed[0]] = 1
+    succ_ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(data_src, minlength=n) + has_fixed, out=succ_ptr[1:])
+    if not fixed.shape[1]:
+        return succ_ptr, np.take(data_edges[1:], by_source, axis=1)
+    fixed_before = np.cumsum(has_fixed) - has_fixed  # per source: the fixed-order edges of the sources before it
+    column = np.empty(int(succ_ptr[-1]), dtype=np.int64)  # per followed edge: its column in data_edges | fixed
+    column[np.arange(len(by_source)) + fixed_before[data_src]] = by_source
+    E = data_edges.shape[1]
+    column[succ_ptr[fixed[0] + 1] - 1] = np.arange(E, E + fixed.shape[1])
+    return succ_ptr, np.take(np.concatenate([data_edges[1:], fixed[1:]], axis=1), column, axis=1)
 
 
 def _release(strategy: Strategy, n: int) -> np.ndarray | None:

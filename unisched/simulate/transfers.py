@@ -67,9 +67,10 @@ def _from_booked(p: Problem, rows: list) -> dict:
 
 def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> list[dict]:
     compute = p.worker_array
-    moved = (compute[p.edges[0]] != compute[p.edges[1]])
-    kinds, nbytes = moves(p, p.edges[:, moved])
-    src, dst = p.edges[0, moved], p.edges[1, moved]
+    edges = p.data_edges  # a fixed-order edge joins two items of one worker: it moves nothing
+    moved = (compute[edges[0]] != compute[edges[1]])
+    kinds, nbytes = moves(p, edges[:, moved])
+    src, dst = edges[0, moved], edges[1, moved]
     some = kinds >= 0
     kinds, nbytes, src, dst = kinds[some], nbytes[some], src[some], dst[some]
     data = _columns(kinds, compute[src], compute[dst], end[src], end[src], nbytes, dst, p)

@@ -39,6 +39,7 @@ class Clock:
         self._events: list = []
         self._used = 0
         self._stream = None
+        self._origin_event = None
         self._origin_host = 0.0
 
     def begin(self) -> float:

@@ -2,9 +2,9 @@
 
 It covers every step without a topology: any mapping, priority, per-stage
 costs and worker speeds (they are only the durations), fixed per-worker
-orders (they are only edges) and release times (an item's first ready
-time), split backwards, memory limits with parking,
-gangs (tensor parallelism) when communication is free, and transfers over
+orders (each item's successor in its worker's order, followed after its
+edges) and release times (an item's first ready time), split backwards,
+memory limits with parking, gangs (tensor parallelism) when communication is free, and transfers over
 links between pairs of workers (latency, bandwidth, weight fetches with
 prefetch and caching, gradient returns) when there are no gangs.  That is
 what makes a million work items take one to two seconds, 1F1B and zero
@@ -43,7 +43,7 @@ import numpy as np
 
 from unisched import network
 from unisched.dataflow import EDGE_PRIMARY, fetches_weights
-from unisched.simulate.problem import EDGE_SEQUENCE, moves
+from unisched.simulate.problem import moves
 from unisched.simulate.stashes import StashAccounts, region_starts
 from unisched.timeline import TRANSFER_KINDS
 
@@ -71,6 +71,9 @@ class Graph(NamedTuple):
     succ_idx: np.ndarray
     succ_primary: np.ndarray
     """Per edge: whether it triggers its target (its rank becomes the target's key)."""
+    next_fixed: np.ndarray
+    """Per item: the next item in its worker's fixed order (-1: none), followed
+    after the item's edges; it moves nothing and triggers nothing."""
     num_deps: np.ndarray
     source_items: np.ndarray
     source_keys: np.ndarray
@@ -95,8 +98,8 @@ class Links(NamedTuple):
 
     on: bool
     edge_kind: np.ndarray
-    """Per edge: the transfer kind it moves (a code of ``TRANSFER_KINDS``),
-    -1: nothing (both ends on one worker, or a fixed-order edge)."""
+    """Per edge of ``Graph``: the transfer kind it moves (a code of
+    ``TRANSFER_KINDS``), -1: nothing (both ends on one worker)."""
     edge_bytes: np.ndarray
     edge_link: np.ndarray
     fetch_link: np.ndarray
@@ -125,8 +128,9 @@ def graph_of(problem) -> Graph:
     members = problem.gang_members
     gang_ptr = np.zeros(len(members) + 1, np.int64)
     np.cumsum([len(m) for m in members], out=gang_ptr[1:])
-    return Graph(problem.worker_array, problem.duration, problem.rank, problem.succ_ptr, problem.succ_idx,
-                 problem.succ_kind == EDGE_PRIMARY, problem.num_deps,
+    followed = problem.data_followed
+    return Graph(problem.worker_array, problem.duration, problem.rank, followed.ptr, followed.idx,
+                 followed.kind == EDGE_PRIMARY, problem.next_fixed, problem.num_deps,
                  problem.sources[0], problem.rank[problem.sources[1]], problem.num_workers, problem.gang, gang_ptr,
                  np.array([m for group in members for m in group], dtype=np.int64),
                  problem.release if problem.release is not None else np.zeros(problem.num_items))
@@ -152,10 +156,11 @@ def links_of(problem) -> Links:
         return no_links()
     n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
     worker, holder = problem.worker_array, problem.weight_worker_array
-    src, dst = np.repeat(np.arange(n), np.diff(problem.succ_ptr)), problem.succ_idx
-    kinds, nbytes = moves(problem, np.stack([src, dst, problem.succ_kind, problem.succ_moved]))
+    followed = problem.data_followed  # a fixed-order successor moves nothing
+    src, dst = np.repeat(np.arange(n), np.diff(followed.ptr)), followed.idx
+    kinds, nbytes = moves(problem, np.stack([src, dst, followed.kind, followed.moved]))
     kinds = kinds.astype(np.int64)
-    kinds[(worker[src] == worker[dst]) | (problem.succ_kind == EDGE_SEQUENCE)] = -1
+    kinds[worker[src] == worker[dst]] = -1
     fetches = fetches_weights(worker, holder)
     returns = np.asarray(problem.returns_gradient, dtype=bool)
     pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + worker)[fetches],
@@ -217,7 +222,7 @@ def schedule(graph, stashes, links):
     bytes, item).  ``engine.run`` step for step."""
     worker, duration, rank, num_workers = graph.worker, graph.duration, graph.rank, graph.num_workers
     gang, gang_ptr, gang_member = graph.gang, graph.gang_ptr, graph.gang_member
-    succ_ptr, succ_idx, succ_primary = graph.succ_ptr, graph.succ_idx, graph.succ_primary
+    succ_ptr, succ_idx, succ_primary, next_fixed = graph.succ_ptr, graph.succ_idx, graph.succ_primary, graph.next_fixed
     n = worker.shape[0]
     remaining = graph.num_deps.copy()
     ready = graph.release.copy()  # "not before" times
@@ -360,15 +365,17 @@ def schedule(graph, stashes, links):
                               calendar_size, rows, booked)
 
         item_rank = rank[item]
-        for k in range(succ_ptr[item], succ_ptr[item + 1]):
-            nxt = succ_idx[k]
+        last = succ_ptr[item + 1]
+        for k in range(succ_ptr[item], last + 1 if next_fixed[item] >= 0 else last):  # then its fixed-order successor
+            fixed = k == last
+            nxt = next_fixed[item] if fixed else succ_idx[k]
             arrive = finish
-            if comm and links.edge_kind[k] >= 0:  # -1: same worker, or a fixed-order edge
+            if comm and not fixed and links.edge_kind[k] >= 0:  # -1: same worker
                 arrive, booked = _send(links.edge_link[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt, links,
                                        calendar_start, calendar_end, calendar_size, rows, booked)
             if arrive > ready[nxt]:
                 ready[nxt] = arrive
-            if succ_primary[k] and arrive > trigger_time[nxt]:
+            if not fixed and succ_primary[k] and arrive > trigger_time[nxt]:
                 trigger_time[nxt] = arrive
                 trigger_rank[nxt] = item_rank
             remaining[nxt] -= 1
@@ -389,8 +396,9 @@ def schedule(graph, stashes, links):
 
 def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr, gang_ptr):
     """The most entries one step pushes onto the main heap: a late worker
-    (twice, or once per member of a gang), a retry, the successors, and a
-    parked forward per compute worker for each claim and release."""
+    (twice, or once per member of a gang), a retry, the successors (and
+    a fixed-order one), and a parked forward per compute worker for each
+    claim and release."""
     most_pairs = 0
     for w in range(pair_ptr.shape[0] - 1):
         most_pairs = max(most_pairs, pair_ptr[w + 1] - pair_ptr[w])
@@ -401,7 +409,7 @@ def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr, gang_ptr):
     most_members = 1
     for g in range(gang_ptr.shape[0] - 1):
         most_members = max(most_members, gang_ptr[g + 1] - gang_ptr[g])
-    return 4 + most_members + most_out + most_memory * most_pairs
+    return 5 + most_members + most_out + most_memory * most_pairs
 
 
 def _latest_free(free, members, first, last):

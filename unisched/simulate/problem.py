@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from unisched import dataflow, network
 from unisched.costs import Costs
-from unisched.dataflow import EDGE_STASH, Items
+from unisched.dataflow import EDGE_STASH, MOVES_NOTHING, Items
 from unisched.errors import StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.simulate.sequences import sequence_edges
@@ -27,6 +27,16 @@ from unisched.work import FORWARD, Direction, Shape, StageGraph, Work
 
 EDGE_SEQUENCE = 2
 """A fixed per-worker order: the previous item on the same worker (moves nothing)."""
+
+
+class Followed(NamedTuple):
+    """Dependencies as CSR by source: item i's are ``ptr[i]:ptr[i + 1]`` of
+    their destination, kind and moved-data code."""
+
+    ptr: np.ndarray
+    idx: np.ndarray
+    kind: np.ndarray
+    moved: np.ndarray
 
 
 @dataclass(eq=False)
@@ -47,13 +57,13 @@ class Problem:
     sequence_edges: np.ndarray
     """(4, F): the fixed-order edges (kind ``EDGE_SEQUENCE``, moving
     nothing), empty without fixed orders."""
-    succ_ptr: np.ndarray
-    succ_idx: np.ndarray
-    succ_kind: np.ndarray
-    succ_moved: np.ndarray
-    """The dependencies the engine follows, by source (CSR).  Without
-    communication costs a stash edge never binds (the backward already waits
-    for it through the chain of backwards), so it is left out."""
+    data_followed: Followed
+    """The dataflow's dependencies the engine follows, by source (CSR).
+    Without communication costs a stash edge never binds (the backward
+    already waits for it through the chain of backwards), so it is left out."""
+    next_fixed: np.ndarray
+    """Per item: the item after it in its worker's fixed order (-1: none),
+    followed after its data dependencies."""
     num_deps: np.ndarray
     sources: np.ndarray
     """(2, K): the items ready at time 0, and the virtual items that trigger them."""
@@ -87,6 +97,28 @@ class Problem:
     def edges(self) -> np.ndarray:
         """(4, E + F): every dependency, the dataflow's then the fixed orders'."""
         return np.concatenate([self.data_edges, self.sequence_edges], axis=1)
+
+    @cached_property
+    def followed(self) -> Followed:
+        """Every dependency the engine follows, by source (CSR): per item its
+        data dependencies, then its fixed-order successor."""
+        return with_fixed_orders(self.data_followed, self.next_fixed)
+
+    @property
+    def succ_ptr(self) -> np.ndarray:
+        return self.followed.ptr
+
+    @property
+    def succ_idx(self) -> np.ndarray:
+        return self.followed.idx
+
+    @property
+    def succ_kind(self) -> np.ndarray:
+        return self.followed.kind
+
+    @property
+    def succ_moved(self) -> np.ndarray:
+        return self.followed.moved
 
     @cached_property
     def _stash_lists(self) -> tuple:
@@ -244,8 +276,11 @@ def build(
     data_edges = dataflow.edges(items, stage_graph)
     fixed = np.zeros((4, 0), dtype=np.int64) if strategy.worker_orders is None else \
         sequence_edges(strategy.worker_orders, compute, shape, items, EDGE_SEQUENCE)
-    succ_ptr, followed = followed_edges(data_edges, fixed, n, costs.has_communication)
-    num_deps = np.bincount(followed[0], minlength=n)
+    data_followed = followed_edges(data_edges, n, costs.has_communication)
+    next_fixed = np.full(n, -1, dtype=np.int64)
+    next_fixed[fixed[0]] = fixed[1]
+    num_deps = np.bincount(data_followed.idx, minlength=n)
+    num_deps[fixed[1]] += 1  # an item follows one item at most in its worker's order
     first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
     sources = np.stack([first, n + batch[first]])
 
@@ -274,10 +309,8 @@ def build(
         rank=rank,
         data_edges=data_edges,
         sequence_edges=fixed,
-        succ_ptr=succ_ptr,
-        succ_idx=followed[0],
-        succ_kind=followed[1],
-        succ_moved=followed[2],
+        data_followed=data_followed,
+        next_fixed=next_fixed,
         num_deps=num_deps,
         sources=sources,
         stashes=stashes,
@@ -296,31 +329,34 @@ def build(
     )
 
 
-def followed_edges(data_edges: np.ndarray, fixed: np.ndarray, n: int, comm: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The dependencies the engine follows as CSR by source: ``succ_ptr``
-    and a (3, E) array of destination, kind and moved-data code.
-
-    Per source: its data edges in their given order (without communication
-    costs, stash edges left out: see ``Problem.succ_ptr``), then its
-    fixed-order edge, as a stable sort of all edges by source would place
-    them.  Only the data edges are sorted; a source has one fixed-order
-    edge at most (an item appears once in the orders), so those are placed
-    at the end of their source's row, not sorted."""
+def followed_edges(data_edges: np.ndarray, n: int, comm: bool) -> Followed:
+    """The dataflow's dependencies the engine follows (without communication
+    costs, no stash edge: see ``Problem.data_followed``), stably by source."""
     kept = np.arange(data_edges.shape[1]) if comm else np.flatnonzero(data_edges[2] != EDGE_STASH)
     by_source = kept[np.argsort(data_edges[0].take(kept).astype(np.int32), kind="stable")]
-    data_src = data_edges[0].take(by_source)
-    has_fixed = np.zeros(n, dtype=np.int64)
-    has_fixed[fixed[0]] = 1
-    succ_ptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(data_src, minlength=n) + has_fixed, out=succ_ptr[1:])
-    if not fixed.shape[1]:
-        return succ_ptr, np.take(data_edges[1:], by_source, axis=1)
-    fixed_before = np.cumsum(has_fixed) - has_fixed  # per source: the fixed-order edges of the sources before it
-    column = np.empty(int(succ_ptr[-1]), dtype=np.int64)  # per followed edge: its column in data_edges | fixed
-    column[np.arange(len(by_source)) + fixed_before[data_src]] = by_source
-    E = data_edges.shape[1]
-    column[succ_ptr[fixed[0] + 1] - 1] = np.arange(E, E + fixed.shape[1])
-    return succ_ptr, np.take(np.concatenate([data_edges[1:], fixed[1:]], axis=1), column, axis=1)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(data_edges[0].take(by_source), minlength=n), out=ptr[1:])
+    return Followed(ptr, *np.take(data_edges[1:], by_source, axis=1))
+
+
+def with_fixed_orders(data: Followed, next_fixed: np.ndarray) -> Followed:
+    """``data`` with each item's fixed-order successor (kind
+    ``EDGE_SEQUENCE``, moving nothing) at the end of its row, where a
+    stable sort by source of the data edges then the fixed-order ones puts it."""
+    fixed = next_fixed >= 0
+    if not fixed.any():
+        return data
+    ptr = np.zeros(len(data.ptr), dtype=np.int64)
+    np.cumsum(np.diff(data.ptr) + fixed, out=ptr[1:])
+    from_data = np.ones(int(ptr[-1]), dtype=bool)
+    from_data[ptr[1:][fixed] - 1] = False
+    rows = []
+    for column, value in ((data.idx, next_fixed[fixed]), (data.kind, EDGE_SEQUENCE), (data.moved, MOVES_NOTHING)):
+        row = np.empty(len(from_data), dtype=np.int64)
+        row[from_data] = column
+        row[~from_data] = value
+        rows.append(row)
+    return Followed(ptr, *rows)
 
 
 def _release(strategy: Strategy, n: int) -> np.ndarray | None:

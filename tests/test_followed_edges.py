@@ -1,6 +1,7 @@
 """The dependencies the engines follow (``Problem.succ_*``, ``num_deps``,
 ``sources``) are those of a plain stable sort by source of every edge,
-the dataflow's then the fixed orders', on every named strategy, random
+the dataflow's then the fixed orders' (each item to the next in its
+worker's order), on every named strategy, random
 mappings with random fixed orders, branching stage graphs, and with and
 without communication costs."""
 
@@ -22,10 +23,20 @@ from unisched.work import FORWARD, Shape, as_stage_graph
 FREE, LINKS = Costs(), Costs(activation_bytes=1.0, latency=0.25, bandwidth=2.0)
 
 
-def reference_followed(p) -> dict[str, np.ndarray]:
+def reference_fixed(strategy, items: Items) -> np.ndarray:
+    """(4, F) fixed-order edges: each item to the next in its worker's order."""
+    pairs = []
+    for order in (strategy.worker_orders or {}).values():
+        ids = [items.id(w.batch, w.stage, int(w.direction)) for w in order]
+        pairs += zip(ids[:-1], ids[1:])
+    src, dst = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+    return np.stack([src, dst, np.full(len(src), EDGE_SEQUENCE), np.full(len(src), -1)])
+
+
+def reference_followed(p, strategy) -> dict[str, np.ndarray]:
     """The readable form: all edges laid end to end, stash edges dropped
     where communication is free, stably sorted by source."""
-    edges = np.concatenate([p.data_edges, p.sequence_edges], axis=1)
+    edges = np.concatenate([p.data_edges, reference_fixed(strategy, p.items)], axis=1)
     if not p.comm:
         edges = edges[:, edges[2] != EDGE_STASH]
     edges = edges[:, np.argsort(edges[0], kind="stable")]
@@ -37,12 +48,14 @@ def reference_followed(p) -> dict[str, np.ndarray]:
             "num_deps": num_deps, "sources": np.stack([first, n + p.batch[first]])}
 
 
-def assert_follows_reference(p) -> None:
-    for name, expected in reference_followed(p).items():
+def assert_follows_reference(p, strategy) -> None:
+    for name, expected in reference_followed(p, strategy).items():
         got = getattr(p, name)
         assert got.dtype == np.int64, name
         np.testing.assert_array_equal(got, expected, err_msg=name)
-    assert p.edges.shape[1] == p.data_edges.shape[1] + p.sequence_edges.shape[1]
+    fixed = reference_fixed(strategy, p.items)
+    np.testing.assert_array_equal(p.sequence_edges, fixed[:, np.argsort(fixed[0])])
+    np.testing.assert_array_equal(p.edges, np.concatenate([p.data_edges, p.sequence_edges], axis=1))
 
 
 def built(W, S, B, strategy, costs, graph=None):
@@ -66,10 +79,9 @@ def test_named_strategies_follow_the_sorted_edges(name, costs):
         except UniSchedError:
             continue  # a shape this strategy does not take
         p = built(W, S, B, strategy, costs)
-        assert_follows_reference(p)
+        assert_follows_reference(p, strategy)
         if strategy.worker_orders is not None:
-            assert p.sequence_edges.shape[1] == p.num_items - len(strategy.worker_orders)
-            assert (p.sequence_edges[2] == EDGE_SEQUENCE).all()
+            assert (p.next_fixed >= 0).sum() == p.num_items - len(strategy.worker_orders)
         checked += 1
     assert checked >= 2, f"{name}: too few shapes taken"
 
@@ -100,4 +112,4 @@ def test_random_orders_and_graphs_follow_the_sorted_edges(seed):
         for as_work in (False, True):
             strategy = random_ordered(rng, W, S, B, split, as_work)
             for costs in (FREE, LINKS):
-                assert_follows_reference(built(W, S, B, strategy, costs, graph))
+                assert_follows_reference(built(W, S, B, strategy, costs, graph), strategy)

@@ -19,7 +19,7 @@ from unisched.costs import Costs
 from unisched.dataflow import EDGE_STASH, MOVES_NOTHING, Items
 from unisched.errors import StrategyError
 from unisched.simulate.priorities import ranks
-from unisched.simulate.sequences import sequence_edges
+from unisched.simulate.sequences import fixed_successors
 from unisched.simulate.stashes import StashAccounts, stash_accounts
 from unisched.strategy import Gang, Strategy, release_times, works
 from unisched.timeline import TRANSFER_KINDS
@@ -54,9 +54,6 @@ class Problem:
     data_edges: np.ndarray
     """(4, E): src, dst, kind and moved-data code of every dependency the
     scheme's dataflow gives (:func:`unisched.dataflow.edges`)."""
-    sequence_edges: np.ndarray
-    """(4, F): the fixed-order edges (kind ``EDGE_SEQUENCE``, moving
-    nothing), empty without fixed orders."""
     data_followed: Followed
     """The dataflow's dependencies the engine follows, by source (CSR).
     Without communication costs a stash edge never binds (the backward
@@ -92,6 +89,12 @@ class Problem:
     books it on the gang's links."""
     release: np.ndarray | None = None
     """Per item: the earliest time it may start (a fixed strategy's ``release``), or None: any time."""
+
+    @property
+    def sequence_edges(self) -> np.ndarray:
+        """(4, F): the fixed-order edges (kind ``EDGE_SEQUENCE``, moving nothing), by source."""
+        src = np.flatnonzero(self.next_fixed >= 0)
+        return np.stack([src, self.next_fixed[src], np.full(len(src), EDGE_SEQUENCE), np.full(len(src), MOVES_NOTHING)])
 
     @cached_property
     def edges(self) -> np.ndarray:
@@ -274,13 +277,13 @@ def build(
     )
 
     data_edges = dataflow.edges(items, stage_graph)
-    fixed = np.zeros((4, 0), dtype=np.int64) if strategy.worker_orders is None else \
-        sequence_edges(strategy.worker_orders, compute, shape, items, EDGE_SEQUENCE)
     data_followed = followed_edges(data_edges, n, costs.has_communication)
-    next_fixed = np.full(n, -1, dtype=np.int64)
-    next_fixed[fixed[0]] = fixed[1]
     num_deps = np.bincount(data_followed.idx, minlength=n)
-    num_deps[fixed[1]] += 1  # an item follows one item at most in its worker's order
+    if strategy.worker_orders is None:
+        next_fixed = np.full(n, -1, dtype=np.int64)
+    else:
+        next_fixed = fixed_successors(strategy.worker_orders, compute, shape, items)
+        num_deps[next_fixed[next_fixed >= 0]] += 1  # an item follows one item at most in its worker's order
     first = np.flatnonzero((num_deps == 0) & (direction == FORWARD))
     sources = np.stack([first, n + batch[first]])
 
@@ -308,7 +311,6 @@ def build(
         duration=duration,
         rank=rank,
         data_edges=data_edges,
-        sequence_edges=fixed,
         data_followed=data_followed,
         next_fixed=next_fixed,
         num_deps=num_deps,

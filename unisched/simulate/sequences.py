@@ -1,10 +1,10 @@
-"""Fixed per-worker orders as dependency edges, on whole arrays.
+"""Fixed per-worker orders as each item's successor, on whole arrays.
 
 A strategy's ``worker_orders`` fixes the sequence each worker runs; the
-simulator follows it as edges from each item to the next one in its
-worker's order (:data:`unisched.simulate.problem.EDGE_SEQUENCE`), after
-checking that the orders name every item of the step once, each on the
-worker the mapping sends it to.  An order written for the other backward
+simulator follows it as an edge from each item to the next one in its
+worker's order (:data:`unisched.simulate.problem.EDGE_SEQUENCE`), kept as
+one successor per item, after checking that the orders name every item of
+the step once, each on the worker the mapping sends it to.  An order written for the other backward
 form is adapted: with a split backward each B becomes I then W in its
 place; without, I becomes B and W is dropped.
 
@@ -26,25 +26,51 @@ from unisched.strategy import WorkerOrders, order_ids
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Direction, Shape, Work
 
 
-def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind: int) -> np.ndarray:
-    """(4, E) edges src, dst, ``kind``, -1 that make each worker follow its
-    given order, after checking the orders."""
+def fixed_successors(orders, compute: np.ndarray, shape: Shape, items: Items) -> np.ndarray:
+    """Per item: the item after it in its worker's order (-1: it ends the
+    order), after checking the orders."""
     W, S, B = shape
     unknown = sorted(set(orders) - set(range(W)))
     if unknown:
         raise StrategyError(f"worker_orders names workers {unknown}, but workers are numbered 0..{W - 1}")
     given = order_ids(orders, items)
     if given is not None:
-        lengths, owner = _owners(orders, [len(given.ids[w]) for w in orders])
+        owner = _owners(orders, [len(given.ids[w]) for w in orders])
         ids = np.concatenate([given.ids[w] for w in orders]) if orders else np.zeros(0, np.int64)
         if not _each_once_on_its_worker(ids, owner, compute):
             ids = _checked_ids(owner, *items.columns(ids), compute, shape, items)
+            _none_left_out(ids, compute, items)
     else:
         columns = [_in_directions(order_columns(orders, w), items.split_backward) for w in orders]
-        lengths, owner = _owners(orders, [len(c[0]) for c in columns])
+        owner = _owners(orders, [len(c[0]) for c in columns])
         batch, stage, direction = (np.concatenate([c[i] for c in columns]) if columns else np.zeros(0, np.int64)
                                    for i in range(3))
         ids = _checked_ids(owner, batch, stage, direction, compute, shape, items)
+        _none_left_out(ids, compute, items)
+    follows = owner[1:] == owner[:-1]  # the next row is in the same worker's order
+    successor = np.full(len(compute), -1, dtype=np.int64)
+    successor[ids[:-1][follows]] = ids[1:][follows]
+    return successor
+
+
+def _owners(orders, lengths: list[int]) -> np.ndarray:
+    """Per row of the orders laid end to end: the worker whose order it is in."""
+    return np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), np.array(lengths, dtype=np.int64))
+
+
+def _each_once_on_its_worker(ids: np.ndarray, owner: np.ndarray, compute: np.ndarray) -> bool:
+    """Whether ``ids`` name every item once, each in the order of the worker
+    the mapping sends it to (the common case, checked without sorting: as
+    many ids as items, and none left out)."""
+    if len(ids) != len(compute) or not (compute[ids] == owner).all():
+        return False
+    seen = np.zeros(len(compute), dtype=bool)
+    seen[ids] = True
+    return bool(seen.all())
+
+
+def _none_left_out(ids: np.ndarray, compute: np.ndarray, items: Items) -> None:
+    """Every item must appear in its worker's order."""
     seen = np.zeros(len(compute), dtype=bool)
     seen[ids] = True
     if not seen.all():
@@ -53,28 +79,6 @@ def sequence_edges(orders, compute: np.ndarray, shape: Shape, items: Items, kind
             f"the fixed orders leave out {int((~seen).sum())} work item(s), e.g. {items.work(item)!r} on worker "
             f"{compute[item]}; every item must appear in its worker's order"
         )
-    follows = np.ones(len(ids), dtype=bool)  # an item follows the one before it, unless it opens its worker's order
-    opens = np.cumsum(lengths) - lengths
-    follows[opens[opens < len(ids)]] = False
-    table = np.empty((4, int(follows.sum())), dtype=np.int64)
-    table[0] = ids[np.flatnonzero(follows) - 1]
-    table[1] = ids[follows]
-    table[2], table[3] = kind, -1
-    return table
-
-
-def _owners(orders, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The orders' lengths as an array, and per row of the orders laid end
-    to end: the worker whose order it is in."""
-    lengths = np.array(lengths, dtype=np.int64)
-    return lengths, np.repeat(np.fromiter(orders, dtype=np.int64, count=len(orders)), lengths)
-
-
-def _each_once_on_its_worker(ids: np.ndarray, owner: np.ndarray, compute: np.ndarray) -> bool:
-    """Whether ``ids`` name every item once, each in the order of the worker
-    the mapping sends it to (the common case, checked without sorting)."""
-    return len(ids) == len(compute) and bool((np.bincount(ids, minlength=len(compute)) == 1).all()) \
-        and bool((compute[ids] == owner).all())
 
 
 def order_columns(orders, worker: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -72,8 +72,7 @@ def stash_accounts(num_workers: int, memory_limit, items: dataflow.Items, comput
     # the releases: every backward pass frees its share on the worker that runs it
     holders = [compute[forward + k] for k in range(1, D)]
     amounts = [amount[stage[forward]] * shares[d] for d in items.dirs[1:]]
-    release_ptr = np.zeros(n + 1, np.int64)
-    release_ptr[1:] = np.cumsum((np.arange(n) % D) > 0)
+    release_ptr = np.arange(n + 1) * (D - 1) // D  # ids below i that are backward passes: i - ceil(i / D)
     release_worker = np.stack(holders, axis=1).reshape(-1)
     release_amount = np.stack(amounts, axis=1).reshape(-1)
     release_owner = np.repeat(forward, D - 1)
@@ -87,7 +86,8 @@ def stash_accounts(num_workers: int, memory_limit, items: dataflow.Items, comput
     _check_one_stash_fits(claim_worker, claim_amount, claim_ptr, limit, stage, sizes is not None)
 
     claimant = np.repeat(compute, per_item)
-    pairs, _, claim_pair, per_pair = unique_codes(claim_worker * W + claimant, W * W)
+    pairs, claim_pair, per_pair = unique_codes(claim_worker * W + claimant, W * W, return_inverse=True,
+                                               return_counts=True)
     pair_ptr = np.zeros(W + 1, np.int64)
     np.cumsum(np.bincount(pairs // W, minlength=W), out=pair_ptr[1:])
     return StashAccounts(
@@ -158,21 +158,30 @@ def region_starts(sizes: np.ndarray) -> np.ndarray:
     return base
 
 
-def unique_codes(codes: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``np.unique(codes, return_index=True, return_inverse=True,
-    return_counts=True)`` of integer codes in ``0..span-1``, by counting
+def unique_codes(codes: np.ndarray, span: int, return_index: bool = False, return_inverse: bool = False,
+                 return_counts: bool = False) -> tuple[np.ndarray, ...]:
+    """``np.unique(codes, return_index=..., return_inverse=...,
+    return_counts=...)`` of integer codes in ``0..span-1``, by counting
     instead of sorting where ``span`` is not much larger than ``codes``."""
     codes = np.asarray(codes, dtype=np.int64)
     n = len(codes)
     if span > max(4 * n, 1 << 16):
-        values, first, inverse, counts = np.unique(codes, return_index=True, return_inverse=True, return_counts=True)
-        return values, first, inverse.reshape(-1), counts
+        found = np.unique(codes, return_index=return_index, return_inverse=return_inverse,
+                          return_counts=return_counts)
+        found = found if isinstance(found, tuple) else (found,)
+        return tuple(a.reshape(-1) for a in found)
     counts = np.bincount(codes, minlength=span)
     values = np.flatnonzero(counts)
-    position = np.cumsum(counts > 0) - 1
-    first = np.empty(span, np.int64)
-    first[codes[::-1]] = np.arange(n - 1, -1, -1)  # the earliest occurrence is written last
-    return values, first[values], position[codes], counts[values]
+    found = [values]
+    if return_index:
+        first = np.empty(span, np.int64)
+        first[codes[::-1]] = np.arange(n - 1, -1, -1)  # the earliest occurrence is written last
+        found.append(first[values])
+    if return_inverse:
+        found.append((np.cumsum(counts > 0) - 1)[codes])
+    if return_counts:
+        found.append(counts[values])
+    return tuple(found)
 
 
 def _per_item(ptr: np.ndarray, *columns: list) -> list:

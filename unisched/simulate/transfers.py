@@ -159,7 +159,7 @@ def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -
     stage = p.stage[item]
     S = p.shape.num_stages
     shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
-    held, first, _, _ = unique_codes((stage * shares + share) * holders + holder, S * shares * holders)
+    held, first = unique_codes((stage * shares + share) * holders + holder, S * shares * holders, return_index=True)
     group_of = held // holders  # stage * shares + share, one run per group
     opens = np.flatnonzero(np.append(True, group_of[1:] != group_of[:-1]))
     count = np.diff(np.append(opens, len(held)))

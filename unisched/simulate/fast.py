@@ -674,8 +674,9 @@ def compiled_schedule():
     except ImportError:  # pragma: no cover - numba is a dependency; this keeps the simulator usable without it
         return None
     jit = numba.njit(cache=True, nogil=True)
+    inline = numba.njit(cache=True, nogil=True, inline="always")
     for name in _HELPERS:
-        globals()[name] = jit(globals()[name])
+        globals()[name] = (inline if name in ("_admit", "_level", "_wake") else jit)(globals()[name])
     return globals()["schedule"]
 
 

@@ -687,6 +687,8 @@ def warm_up() -> None:
     if compiled_schedule() is None:
         return
     one, none = np.zeros(1, np.int64), np.zeros(0, np.int64)
-    graph = Graph(one, np.ones(1), one, np.zeros(2, np.int64), none, np.zeros(0, bool), one, one,
-                  one, 1, np.full(1, -1), np.zeros(1, np.int64), none, np.zeros(1))
+    graph = Graph(worker=one, duration=np.ones(1), rank=one, succ_ptr=np.zeros(2, np.int64), succ_idx=none,
+                  succ_primary=np.zeros(0, bool), next_fixed=np.full(1, -1), num_deps=one, source_items=one,
+                  source_keys=one, num_workers=1, gang=np.full(1, -1), gang_ptr=np.zeros(1, np.int64),
+                  gang_member=none, release=np.zeros(1))
     schedule(*(_contiguous(table) for table in (graph, no_stashes(1, 1), no_links())))

@@ -22,7 +22,7 @@ One process (NCCL, world size 1) runs 4 stages of ``--layers`` x
 Systems alternate in short rounds; each step is timed on the host clock
 from a synchronized GPU to a synchronized GPU.  A ratio is the median over
 rounds of that round's median step over the plain loop's.  The target
-(issue 11) is <= 1.05, recorded and unrecorded.  ``host ms`` is the time
+is <= 1.05, recorded and unrecorded.  ``host ms`` is the time
 until ``step`` returns before the final synchronization: when it is below
 the step time the GPU, not Python, sets the pace.
 

@@ -260,6 +260,13 @@ def test_simulate_priority_is_reported_as_run_and_refused_where_it_changes_nothi
     assert code == 2 and out == "" and "zb_h1 fixes every worker's order" in err and "drop --priority" in err
 
 
+def test_simulate_priority_is_reported_where_the_strategy_has_no_priority_of_its_own(capsys):
+    code, out, _ = run(capsys, "simulate", "--strategy", "fsdp", "-B", "4", "--json")
+    assert code == 0 and json.loads(out)["params"] == {}
+    code, out, _ = run(capsys, "simulate", "--strategy", "fsdp", "-B", "4", "--priority", "backward_first", "--json")
+    assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}
+
+
 def test_simulate_on_a_topology_takes_the_cost_flags(capsys):
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100", "--forward", "0.5",
                          "--backward", "1", "--json")

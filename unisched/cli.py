@@ -256,7 +256,7 @@ def cmd_simulate(args) -> int:
         sim.save(args.out, **options)
     cluster = _cluster_json(sim)
     if args.json:
-        print(_dumps({**_result_json(sim, args.priority), **({"plan": args.plan} if args.plan is not None else {}),
+        print(_dumps({**_result_json(sim), **({"plan": args.plan} if args.plan is not None else {}),
                       **cluster}))
         return 0
     print(sim.to_text(width=args.width, color=args.color, stats=True))
@@ -520,11 +520,16 @@ def _simulate(args, name: str, params: dict, options: dict):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
-    if options["priority_order"] is not None and strategy.worker_orders is not None:
-        raise UniSchedError(
-            f"--priority {args.priority} would change nothing: {label_of(name, params)} fixes every worker's order "
-            "of work, and a priority only breaks ties the simulator chooses; drop --priority"
-        )
+    if options["priority_order"] is not None:
+        if strategy.worker_orders is not None:
+            raise UniSchedError(
+                f"--priority {args.priority} would change nothing: {label_of(name, params)} fixes every worker's "
+                "order of work, and a priority only breaks ties the simulator chooses; drop --priority"
+            )
+        from unisched.simulate.priorities import priority_key
+
+        # the run breaks ties by --priority, so the strategy it reports says so
+        strategy = strategy.with_(params={**strategy.params, "priority": priority_key(args.priority)})
     return simulate(W, S, B, strategy, **options)
 
 
@@ -545,16 +550,11 @@ def _rho(sim) -> float:
     return S * sim.shape.num_batches / (L * sim.shape.num_workers) if L > 0 else math.inf
 
 
-def _result_json(sim, priority: str | None = None) -> dict:
-    """``simulate --json``'s object; ``priority`` (``--priority``) replaces the strategy's own, as it did in the run."""
-    params = dict(sim.strategy.params)
-    if priority is not None and "priority" in params:
-        from unisched.simulate.priorities import priority_key
-
-        params["priority"] = priority_key(priority)
+def _result_json(sim) -> dict:
+    """``simulate --json``'s object."""
     return {
         "strategy": sim.strategy.name,
-        "params": params,
+        "params": dict(sim.strategy.params),
         "shape": list(sim.shape),
         "latency": sim.latency,
         "throughput": sim.throughput,

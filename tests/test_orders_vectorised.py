@@ -13,7 +13,6 @@ from unisched.dataflow import Items
 from unisched.errors import StrategyError
 from unisched.policies import _orders as orders_module
 from unisched.policies._orders import fixed_orders, warmup_steady_order, warmup_steady_orders
-from unisched.strategy import WorkerOrders
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Shape
 
 
@@ -90,13 +89,16 @@ def test_the_schedules_warm_ups_and_lags_match_the_reference(p):
     ("zbv", (4, 8, 8)), ("ScheduleInterleaved1F1B", (4, 8, 8)), ("ScheduleInterleavedZeroBubble", (4, 8, 12)),
     ("Schedule1F1B", (4, 4, 6)),
 ])
-def test_named_schedules_number_their_orders_as_worker_by_worker(name, shape):
-    strategy = unisched.policies.get(name, num_workers=shape[0], num_stages=shape[1], num_batches=shape[2])
-    orders = strategy.worker_orders
+def test_named_schedules_number_their_orders_as_worker_by_worker(monkeypatch, name, shape):
+    def built():
+        return unisched.policies.get(name, num_workers=shape[0], num_stages=shape[1], num_batches=shape[2])
+
+    strategy = built()
+    together = strategy.worker_orders
+    monkeypatch.setattr(orders_module, "NUMBERED_TOGETHER", 0)
+    assert built().worker_orders == together
     items = Items(shape[1], shape[2], strategy.split_backward)
-    one_by_one = WorkerOrders.from_columns(items, {w: orders.columns(w) for w in orders})
-    assert orders == one_by_one
-    assert sorted(np.concatenate(list(orders.ids.values()))) == list(range(items.count))
+    assert sorted(np.concatenate(list(together.ids.values()))) == list(range(items.count))
 
 
 def test_fixed_orders_take_every_worker_at_once_or_worker_by_worker():

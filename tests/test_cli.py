@@ -272,6 +272,14 @@ def test_simulate_on_a_topology_takes_the_cost_flags(capsys):
                          "--backward", "1", "--json")
     result = json.loads(out)
     assert code == 0 and result["topology"]["name"] and result["lower_bounds"]["shape"] == pytest.approx(8 * 1.5)  # B (F + B)
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100")
+    assert code == 0 and "on dgx_h100: 1 node(s) x 4 devices, 8 NICs per node, all-reduces as rings" in out
+
+
+def test_plan_report_names_the_topology_as_simulate_does(capsys):
+    code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--topology", "dgx_h100", "--time-limit", "5")
+    assert code == 0, err
+    assert "on dgx_h100: 1 node(s) x 4 devices, 8 NICs per node, all-reduces as rings; latencies are replays" in out
 
 
 def test_simulate_topology_flag_replaces_the_costs_files_topology(capsys, tmp_path):

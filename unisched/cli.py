@@ -254,7 +254,9 @@ def cmd_simulate(args) -> int:
     if args.out:
         options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
         sim.save(args.out, **options)
-    cluster = _cluster_json(sim)
+    from unisched.topology import cluster_json, describe_cluster
+
+    cluster = cluster_json(sim.costs, sim.shape.num_workers)
     if args.json:
         print(_dumps({**_result_json(sim), **({"plan": args.plan} if args.plan is not None else {}),
                       **cluster}))
@@ -263,9 +265,7 @@ def cmd_simulate(args) -> int:
     print()
     print(sim.summary())
     if cluster:
-        topology = cluster["topology"]
-        print(f"  on {topology['name'] or 'the topology'}: {topology['nodes']} node(s) x {topology['devices_per_node']} "
-              f"devices, {topology['nics_per_node']} NICs per node, all-reduces as {topology['collective']}s")
+        print("  " + describe_cluster(cluster["topology"]))
     if args.out:
         print(f"\nwrote {args.out}")
     return 0
@@ -531,12 +531,6 @@ def _simulate(args, name: str, params: dict, options: dict):
         # the run breaks ties by --priority, so the strategy it reports says so
         strategy = strategy.with_(params={**strategy.params, "priority": priority_key(args.priority)})
     return simulate(W, S, B, strategy, **options)
-
-
-def _cluster_json(sim) -> dict:
-    """The topology a simulation ran on (sized to its workers), or nothing."""
-    cluster = getattr(sim.costs, "cluster", None)
-    return {"topology": cluster(sim.shape.num_workers).to_dict()} if cluster is not None else {}
 
 
 def _rho(sim) -> float:

@@ -344,6 +344,20 @@ class ClusterCosts(Costs):
         return data
 
 
+def cluster_json(costs: Costs, num_workers: int) -> dict:
+    """``{"topology": ...}``: the cluster ``costs`` run on, sized to
+    ``num_workers`` (as the commands' --json show it); ``{}`` without one."""
+    cluster = getattr(costs, "cluster", None)
+    return {"topology": cluster(num_workers).to_dict()} if cluster is not None else {}
+
+
+def describe_cluster(topology: Mapping) -> str:
+    """One line naming a topology given as :func:`cluster_json` writes it:
+    ``on NAME: N node(s) x D devices, K NICs per node, all-reduces as Cs``."""
+    return (f"on {topology['name'] or 'the topology'}: {topology['nodes']} node(s) x {topology['devices_per_node']} "
+            f"devices, {topology['nics_per_node']} NICs per node, all-reduces as {topology['collective']}s")
+
+
 # ---------------------------------------------------------------------- checks
 def _section(data: Mapping, name: str, where: str, required: tuple, optional: tuple) -> Mapping:
     section = data.get(name)

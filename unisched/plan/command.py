@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from unisched.render.text import add_color_arguments
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
-from unisched.topology import ClusterCosts, presets
+from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
 from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
                             add_shape_arguments, cost_values, numbers, splits_backward)
 from unisched.strategy import Strategy, as_strategy
@@ -219,13 +219,7 @@ def _strategy(text: str | None, params: list[str]) -> tuple[str, dict] | None:
 
 def summary(result: Plan) -> dict:
     """The --json object (with ``topology``, sized to the workers, when planned on a cluster)."""
-    return {**_summary(result), **_cluster(result)}
-
-
-def _cluster(result: Plan) -> dict:
-    """The topology a plan was made for, as ``unisched simulate --json`` shows it, or nothing."""
-    cluster = getattr(result.costs, "cluster", None)
-    return {"topology": cluster(result.shape[0]).to_dict()} if cluster is not None else {}
+    return {**_summary(result), **cluster_json(result.costs, result.shape[0])}
 
 
 def _summary(result: Plan) -> dict:
@@ -288,12 +282,10 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
 
 def _on_cluster(result: Plan) -> list[str]:
     """The report's line naming the topology a plan was made for (none without one)."""
-    topology = _cluster(result).get("topology")
+    topology = cluster_json(result.costs, result.shape[0]).get("topology")
     if topology is None:
         return []
-    return [f"on {topology['name'] or 'the topology'}: {topology['nodes']} node(s) x {topology['devices_per_node']} "
-            f"devices, {topology['nics_per_node']} NICs per node, all-reduces as {topology['collective']}s; "
-            "latencies are replays with link contention"]
+    return [describe_cluster(topology) + "; latencies are replays with link contention"]
 
 
 def _claim(result: Plan) -> str:

@@ -17,6 +17,7 @@ import pytest
 
 from unisched import Costs, policies, simulate
 from unisched.memory import MEMORY_KINDS, memory_curves
+from unisched.strategy import Gang, Strategy
 from unisched.errors import ShapeError
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWeightWorkers, Work
 
@@ -136,6 +137,20 @@ def test_the_pass_that_starts_a_fetched_stages_gradient_holds_it_in_place_of_a_w
     for work, expected in ((Work(0, 1, BACKWARD), 0.0), (Work(0, 0, BACKWARD), 7.0)):
         row = next(i for i in range(len(t)) if t.work(i) == work)
         assert t.worker[row] == 0 and workspace.at((t.start[row] + t.end[row]) / 2) == expected, work
+
+
+def test_a_gang_member_without_a_found_maker_leaves_the_other_workspaces_alone():
+    """Stage 1 run by a tensor-parallel gang of workers 1 and 0, its weights on
+    worker 2: member 0's returned gradient has no pass of its own in the
+    timeline (a gang's pass is recorded under its first member), and that must
+    not take the workspace from whichever row comes last."""
+    costs = Costs(activation_bytes=1, weight_bytes=[2.0, 3.0, 4.0], backward_workspace_bytes=[5.0, 7.0, 9.0])
+    strategy = Strategy(mapping=lambda w: ComputeAndWeightWorkers(w.stage, 2 if w.stage == 1 else w.stage),
+                        gang=lambda w: Gang((1, 0), collective=True) if w.stage == 1 else None)
+    t = simulate(3, 3, 2, strategy, costs=costs).timeline
+    workspace = memory_curves(t, "workspace")
+    for i in np.flatnonzero((t.direction == BACKWARD) & (t.stage != 1)):
+        assert workspace[t.worker[i]].at((t.start[i] + t.end[i]) / 2) == [5.0, 7.0, 9.0][t.stage[i]], t.work(i)
 
 
 def test_units_count_buffers_and_bytes_need_sizes():

@@ -153,7 +153,8 @@ def _workspace_holds(t: Timeline, in_bytes: bool):
     for a pass that starts a fetched stage's gradient (it writes the
     parameters' gradients in place, counted as that gradient from its start)."""
     backward = t.direction != FORWARD
-    backward[_makers(t)[1]] = False
+    makers = _makers(t)[1]
+    backward[makers[makers >= 0]] = False  # -1: a returned gradient whose maker was not found
     rows = np.flatnonzero(backward)
     return t.worker[rows], t.start[rows], t.end[rows], _per_stage(t, "backward_workspace_bytes", in_bytes)[t.stage[rows]]
 

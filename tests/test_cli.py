@@ -339,15 +339,16 @@ def test_compare_where_no_strategy_fits_is_an_error_with_every_reason(capsys):
 @pytest.mark.parametrize("flags, whole, halves", [
     (["--backward-input", "1", "--backward-weight", "2"], 3.0, (1.0, 2.0)),  # the whole is their sum
     (["--backward-input", "1.5"], 4.0, (1.5, 2.5)),  # one half: the other is what remains of the file's whole
-    (["--backward", "6"], 6.0, (3.0, 3.0)),  # the whole alone replaces the file's halves
+    (["--backward", "6"], 6.0, (None, None)),  # the whole alone replaces the file's halves
     (["--backward", "5", "--backward-input", "1"], 5.0, (1.0, 4.0)),
 ])
 def test_time_flags_put_into_a_costs_file_read_alike_in_every_verb(capsys, tmp_path, flags, whole, halves):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"forward": 2.0, "backward_input": 1.0, "backward_weight": 3.0}))
-    assert whole == sum(halves)
     expected = 8 * (2.0 + whole)
     for verb in (["simulate", "--strategy", "gpipe"], ["plan", "--strategy", "gpipe", "--time-limit", "2"]):
         assert main([*verb, "-W", "1", "-S", "1", "-B", "8", "--costs", str(costs), *flags, "--json"]) == 0
         result = json.loads(capsys.readouterr().out)
         assert result["latency"] == pytest.approx(expected), verb  # one worker: the step is all its work
+    planned = result["plan"]["costs"]  # the plan's own record of the costs it was made with
+    assert (planned["backward"], planned["backward_input"], planned["backward_weight"]) == (whole, *halves)  # exact

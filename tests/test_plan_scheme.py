@@ -72,6 +72,8 @@ def test_a_mapping_whose_greedy_replay_deadlocks_starts_from_a_list_schedule():
     orders give the searches a start, so a plan comes back."""
     costs = encode_costs(backward_input=1, backward_weight=1)
     result = plan(2, 3, 8, costs, memory_limit=2, time_limit=4)
+    assert any(row["source"] == "constructed" and row["strategy"].endswith(" + list schedule")
+               for row in result.candidates)
     assert result.simulate().latency == result.latency
     assert result.latency >= result.lower_bound >= 36  # the work bound: 72 units on 2 workers
     assert max(result.simulate().worker_stats()["max_activation_storage"]) <= 2

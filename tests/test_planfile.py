@@ -59,13 +59,19 @@ def as_version_1(data: dict) -> dict:
 
 
 def test_version_1_plan_files_are_still_read(tmp_path):
-    """Version 1 plans replayed from their orders alone; one that needs its start times is refused."""
+    """Version 1 plans replayed from their orders alone; one whose orders cannot run alone is refused,
+    the error pointing at the start times a version 2 file keeps."""
     result = plan(2, 2, 4, encode_costs(comm=1), strategy="one_f_one_b", time_limit=5)
     path = tmp_path / "plan.json"
     result.save(path)
     data = as_version_1(json.loads(path.read_text()))
     old = plan_from_dict(data, source="old")
     assert old.latency == result.latency and old.objective == "latency" and old.search == "cpsat"
+    stuck = json.loads(json.dumps(data))
+    first = stuck["orders"]["0"]
+    first.insert(0, first.pop(first.index("0B0")))  # its backward before the forward it needs: a deadlock
+    with pytest.raises(PlanFileError, match="cannot be replayed.*needs the start times a version 2 file keeps"):
+        plan_from_dict(stuck, source="old")
     data["version"] = 3
     with pytest.raises(PlanFileError, match="reads versions 1, 2"):
         plan_from_dict(data, source="future")

@@ -29,7 +29,12 @@ class FakeWork:
         return True
 
 
+def _waiting_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "unisched-transfer"}
+
+
 def test_a_blocked_transfer_holds_up_no_other_and_idle_threads_are_reused():
+    earlier = _waiting_threads()
     waiters = _Waiters()
     blocked, quick = FakeWork(), FakeWork()
     watched_blocked, watched_quick = waiters.watch(blocked), waiters.watch(quick)
@@ -46,5 +51,9 @@ def test_a_blocked_transfer_holds_up_no_other_and_idle_threads_are_reused():
     blocked.finish(RuntimeError("the peer went away"))
     with pytest.raises(RuntimeError, match="the peer went away"):
         watched_blocked.wait()
+    mine = _waiting_threads() - earlier
+    assert len(mine) == 2
     waiters.close()
-    assert waiters._threads == 0
+    for thread in mine:  # every thread ends once told to
+        thread.join(timeout=10)
+        assert not thread.is_alive()

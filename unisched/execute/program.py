@@ -499,7 +499,7 @@ class _Weights:
     def __init__(self, compute: dict[Work, int], weight: dict[Work, int], gangs: dict[Work, Gang], ranks: int,
                  num_stages: int):
         self.gangs = gangs
-        self.weight = {work: worker - ranks if worker >= ranks else worker for work, worker in weight.items()}
+        self.weight = {work: _as_rank(worker, ranks) for work, worker in weight.items()}
         self.tensor_parallel = {
             (compute[work], work.stage): tuple(gang.workers) for work, gang in gangs.items() if gang.collective
         }

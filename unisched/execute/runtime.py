@@ -1286,9 +1286,9 @@ class Trainer:
             for p, chunk in zip(self._params[s], _split(flat, self._params[s])):
                 p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
 
-    def _collective(self, run: Callable[[], Any], what: str) -> None:
+    def _collective(self, run: Callable[[], Any], what: str) -> Any:
         try:
-            run()
+            return run()
         except Exception as error:
             raise CommunicationError(
                 f"rank {self.rank} lost a peer in {what} ({first_line(error)})"
@@ -1499,13 +1499,11 @@ class Trainer:
         everyone = [mine]
         if self.world_size > 1:
             everyone = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-            gather = []
-            self._collective(lambda: gather.append(dist.gather(mine, everyone, dst=0, group=self._control,
-                                                               async_op=True)),
-                             "gathering the measured step on rank 0")
+            work = self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control, async_op=True),
+                                    "gathering the measured step on rank 0")
             # no rank waits for the others here: the gather completes in the background,
             # settled when the next step begins, last_timeline is read or the trainer closes
-            self._gathering = (gather[0], mine)
+            self._gathering = (work, mine)
         if self.rank == 0:
             self._notes = (everyone, self._meta)  # unpacked when last_timeline is read
             self._timeline = None

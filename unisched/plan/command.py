@@ -30,7 +30,7 @@ from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
 from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
-                            add_shape_arguments, cost_values, numbers, splits_backward)
+                            add_shape_arguments, cost_values, numbers)
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
-    costs, split = _costs(args)
-    split = split_from(costs, split)
+    costs = _costs(args)
+    split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
     optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)
     if optimizer is not None and budget is None:
@@ -334,13 +334,13 @@ def _is_demo(args: argparse.Namespace) -> bool:
     return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
 
 
-def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
+def _costs(args: argparse.Namespace) -> Costs:
     """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
-    (:meth:`Costs.with_times`, as ``simulate`` does); whether the flags split the backward.
+    (:meth:`Costs.with_times`, as ``simulate`` does).
     With ``--topology``: on that cluster, from the file (or the defaults) as ``simulate`` reads them."""
-    times = cost_values(args, COST_FLAGS, PlanInputError)
-    cost_values(args, ("comm", "fetch"), PlanInputError)
-    clashing = [flag for flag, value in (("--comm", args.comm), ("--fetch", args.fetch)) if value]
+    times = cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
+    links = {flag: times.pop(flag) for flag in ("comm", "fetch") if flag in times}
+    clashing = [f"--{flag}" for flag, value in links.items() if value]
     if clashing and args.topology:
         raise PlanInputError(f"--topology {args.topology} prices every transfer on the cluster; drop "
                              f"{', '.join(clashing)} and give the sizes moved in a --costs file (activation_bytes, "
@@ -355,7 +355,7 @@ def _costs(args: argparse.Namespace) -> tuple[Costs, bool]:
         costs = base.with_times(**times)
     except ShapeError as error:
         raise PlanInputError(str(error)) from None
-    return (ClusterCosts.on(costs, args.topology) if args.topology else costs), splits_backward(args)
+    return ClusterCosts.on(costs, args.topology) if args.topology else costs
 
 
 # ---------------------------------------------------------------------- your own strategy

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_unflatten
 
 from unisched.execute.program import loss_stage, topological_order
 from unisched.execute.runtime import _micro_batches, _step_scheduler, stage_arguments
-from unisched.execute.ties import Tie, align_copies, check_ties, counted_elsewhere, sum_tied_gradients
+from unisched.execute.ties import Tie, TiedGradients, check_ties
 from unisched.execute.training import (
     LOSS_SCALE_DEFAULTS,
     PRECISIONS,
@@ -82,13 +82,14 @@ def train_one_process(
     ties = check_ties(getattr(stages, "ties", ()) if ties is None else ties,
                       [{n: (p.shape, p.dtype) for n, p in stage.named_parameters()} for stage in stages])
     copy_of = lambda s, name: stages[s].get_parameter(name)  # noqa: E731
-    align_copies(ties, copy_of)
-    skipped = {id(copy_of(*c)) for c in counted_elsewhere(ties)}
+    device = params[0].device if params else torch.device("cpu")
+    tied = TiedGradients(ties, [[0]] * len(stages), 0, device, None)  # one rank holds every copy
+    tied.synchronize(copy_of)
+    skipped = {id(copy_of(*c)) for c in tied.counted_elsewhere}
     counted = [p for p in params if id(p) not in skipped]
     graph = as_stage_graph(len(stages), stage_graph)
     order, last = topological_order(graph), loss_stage(graph)
     dtype = PRECISIONS[precision]
-    device = params[0].device if params else torch.device("cpu")
     opt = optimizer(params)
     lr_scheduler = scheduler(opt) if scheduler is not None else None
     scaler = torch.amp.GradScaler(device.type, **{**LOSS_SCALE_DEFAULTS, **(loss_scale or {})},
@@ -115,7 +116,7 @@ def train_one_process(
             losses.append(total / micro_batches)
             if (step + 1) % accumulate:
                 continue
-            sum_tied_gradients(ties, copy_of)
+            tied.reduce(copy_of)
             scaler.unscale_(opt)
             if clip_grad_norm is not None:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in counted if p.grad is not None])

@@ -18,8 +18,8 @@ Equal weights, equal gradients and the same optimizer keep the copies (and
 their optimizer states) equal.  A :class:`Tie` names the copies by stage and
 parameter name; ``split_model`` records the ties it finds in
 ``ModelStages.ties``.  This module is the rule's one place: the Trainer
-(:class:`TiedGradients`) and the one-process reference
-(:func:`sum_tied_gradients`) call it.
+and the one-process reference (one rank holding every copy) both keep the
+ties with a :class:`TiedGradients`.
 """
 
 from __future__ import annotations
@@ -87,25 +87,6 @@ def check_ties(ties: Iterable, specs: Sequence[Mapping[str, tuple] | None]) -> t
 def counted_elsewhere(ties: Iterable[Tie]) -> set[tuple[int, str]]:
     """The copies a gradient norm leaves out: all but each weight's first."""
     return {copy for tie in ties for copy in tie.copies[1:]}
-
-
-def sum_tied_gradients(ties: Iterable[Tie], parameter: Callable[[int, str], torch.Tensor]) -> None:
-    """In one process: give every copy the sum of the copies' gradients
-    (``parameter(stage, name)`` is the copy)."""
-    for tie in ties:
-        params = [parameter(s, n) for s, n in tie.copies]
-        total = _sum([p.grad for p in params], params[0])
-        for p in params:
-            _set_grad(p, total)
-
-
-def align_copies(ties: Iterable[Tie], parameter: Callable[[int, str], torch.Tensor]) -> None:
-    """In one process: make every copy equal to the first."""
-    with torch.no_grad():
-        for tie in ties:
-            first = parameter(*tie.copies[0])
-            for s, n in tie.copies[1:]:
-                parameter(s, n).copy_(first)
 
 
 class TiedGradients:

@@ -22,7 +22,8 @@ from unisched.execute.training import (
     PRECISIONS,
     autocast,
     check_training_options,
-    micro_batch_seed,
+    generators,
+    micro_batch_seeds,
     scalar_loss,
     seed_rng,
     to_compute_dtype,
@@ -60,7 +61,7 @@ def train_one_process(
     The Trainer's options mean the same here: each batch is split into
     ``micro_batches`` along the first dimension (the loss is their mean, a
     step's loss the mean of theirs), stage s runs micro-batch b of step k
-    (from 0) under the RNG seed ``micro_batch_seed(seed, k, s, b)`` (so
+    (from 0) under the RNG seed ``micro_batch_seeds(seed, k, S, B)[s][b]`` (so
     dropout draws the Trainer's masks when ``micro_batches`` is the
     schedule's), under ``precision``'s autocast with the values between
     stages cast to the compute dtype; every ``accumulate`` batches the
@@ -95,15 +96,17 @@ def train_one_process(
     scaler = torch.amp.GradScaler(device.type, **{**LOSS_SCALE_DEFAULTS, **(loss_scale or {})},
                                   enabled=precision == "fp16")
     losses = []
+    rngs = generators(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for step, (inputs, targets) in enumerate(batches):
             micro_in, in_spec = _micro_batches("inputs", inputs, micro_batches, device)
             micro_t, t_spec = _micro_batches("targets", targets, micro_batches, device)
             total = 0.0
+            seeds = micro_batch_seeds(seed, step, len(stages), micro_batches)
             for b in range(micro_batches):
                 outputs: dict[int, Any] = {}
                 for s in order:
-                    seed_rng(device, micro_batch_seed(seed, step, s, b))
+                    seed_rng(rngs, seeds[s][b])
                     args = stage_arguments([outputs[p] for p in graph.predecessors[s]]
                                            or [tree_unflatten(list(micro_in[b]), in_spec)])
                     with autocast(device, dtype):

@@ -88,6 +88,7 @@ from unisched.execute.training import (
     generators,
     micro_batch_seeds,
     scalar_loss,
+    seed_rng,
     to_compute_dtype,
 )
 from unisched.dataflow import first_backward
@@ -884,9 +885,7 @@ class Trainer:
             if self._seeds[0] != self._step_no:
                 self._seeds = (self._step_no, micro_batch_seeds(self._seed, self._step_no - 1, self.program.num_stages,
                                                                 self.program.num_batches))
-            seed = self._seeds[1][s][batch]
-            for generator in self._generators:
-                generator.manual_seed(seed)
+            seed_rng(self._generators, self._seeds[1][s][batch])
         with autocast(self.device, self._dtype):
             out = self.stages[s](*args)
         if self._dtype is not None and self._graph.successors[s]:

@@ -10,7 +10,7 @@ and the one-process reference so that both compute the same thing.
   (skip the step and back off when a gradient is not finite, grow after a
   run of good steps), decided from a verdict every rank shares.
 - **Dropout.** The forward of stage s on micro-batch b in step k runs under
-  the RNG seed :func:`micro_batch_seed` ``(seed, k, s, b)``, which depends on
+  the RNG seed :func:`micro_batch_seeds` ``(seed, k, S, B)[s][b]``, which depends on
   nothing else (not the schedule, not the rank), so a forward recomputed on
   another rank draws the same masks, and one process can draw them too.
 - **Options** (:func:`check_options`): what the Trainer refuses before it
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from numbers import Real
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -68,23 +68,11 @@ def scalar_loss(loss: Any, batch: int) -> torch.Tensor:
 _MASK = (1 << 64) - 1
 
 
-def micro_batch_seed(seed: int, step: int, stage: int, batch: int) -> int:
-    """The RNG seed of stage ``stage``'s forward on micro-batch ``batch`` in
-    step ``step`` (counted from 0): a splitmix64 mix of the four numbers,
-    the same on every rank and in every schedule."""
-    state = 0
-    for part in (seed, step, stage, batch):
-        state = (state ^ (int(part) & _MASK)) * 0x9E3779B97F4A7C15 & _MASK
-        state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
-        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK
-        state ^= state >> 31
-    return state & ((1 << 63) - 1)
-
-
 def micro_batch_seeds(seed: int, step: int, num_stages: int, num_batches: int) -> list[list[int]]:
-    """:func:`micro_batch_seed` of every stage and micro-batch of step
-    ``step`` at once (``[stage][batch]``): the same mix, vectorised, as the
-    Trainer seeds every forward."""
+    """The RNG seed of stage s's forward on micro-batch b in step ``step``
+    (counted from 0), for every stage and micro-batch at once
+    (``[stage][batch]``): a splitmix64 mix of the four numbers, the same on
+    every rank and in every schedule."""
     import numpy as np
 
     parts = [np.full((num_stages, num_batches), int(seed) & _MASK, dtype=np.uint64),
@@ -110,12 +98,12 @@ def generators(device: torch.device) -> list[torch.Generator]:
     return [torch.default_generator, torch.cuda.default_generators[index]]
 
 
-def seed_rng(device: torch.device, seed: int) -> None:
-    """Seed :func:`generators` of ``device`` with ``seed``.  Not
-    ``torch.manual_seed`` nor ``torch.cuda.manual_seed``: before CUDA
+def seed_rng(generators: Sequence[torch.Generator], seed: int) -> None:
+    """Seed ``generators`` (:func:`generators` of a device) with ``seed``.
+    Not ``torch.manual_seed`` nor ``torch.cuda.manual_seed``: before CUDA
     starts, those queue a seeding with the caller's stack formatted (about a
     millisecond a call), and the Trainer seeds once per forward."""
-    for generator in generators(device):
+    for generator in generators:
         generator.manual_seed(seed)
 
 

@@ -89,10 +89,14 @@ def warmup_steady_orders(stages, num_batches: int, warmup, weight_lag=None, per_
     same number of passes, so the orders are one table: each pass's place
     in its worker's order follows from how many passes of each kind come
     before it (the k-th backward comes after the warm-up, the k earlier
-    backwards, the forwards and W passes their rounds let in)."""
+    backwards, the forwards and W passes their rounds let in).  A step too
+    large to simulate (W workers of v stages each) is refused first
+    (:func:`~unisched.simulate.simulation.check_size`), before the table
+    takes the memory."""
     stages = np.asarray(stages, dtype=np.int64)
     stages = stages[:, None] if stages.ndim == 1 else stages
     W, v = stages.shape
+    check_size(Shape(W, W * v, num_batches), weight_lag is not None)
     per_round = per_round or num_batches
     total = num_batches * v  # passes of each kind per worker
     split = weight_lag is not None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.policies._orders import fixed_orders, warmup_steady_order
+from unisched.policies._orders import fixed_orders, warmup_steady_orders
 from unisched.policies._registry import Entry, Param, require
 from unisched.simulate.priorities import priority_by_name
 from unisched.strategy import Strategy, WorkerOrders
@@ -48,7 +48,8 @@ def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy
     shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("one_f_one_b", shape)
     mapping, map_arrays = stage_modulo_workers(num_workers)
-    orders = fixed_orders(shape, False, lambda s: warmup_steady_order(s, num_batches, warmup=num_stages - s))
+    s = np.arange(num_workers)
+    orders = fixed_orders(shape, False, warmup_steady_orders(s, num_batches, warmup=num_stages - s))
     return Strategy(
         mapping,
         name="one_f_one_b",
@@ -97,12 +98,14 @@ def megatron_interleaved_orders(num_workers: int, virtual: int, num_batches: int
     alternates one forward and one backward, then drains its backwards.
     """
     p, v = num_workers, virtual
-    return fixed_orders(Shape(p, p * v, num_batches), False, lambda rank: warmup_steady_order(
-        range(rank, p * v, p), num_batches, 1 + _megatron_warmup(p, v, rank), per_round=p))
+    ranks = np.arange(p)
+    stages = ranks[:, None] + p * np.arange(v)  # rank r holds r, r + W, ...
+    return fixed_orders(Shape(p, p * v, num_batches), False, warmup_steady_orders(
+        stages, num_batches, 1 + _megatron_warmup(p, v, ranks), per_round=p))
 
 
-def _megatron_warmup(p: int, v: int, rank: int) -> int:
-    """Forwards rank ``rank`` runs before its first forward-backward pair."""
+def _megatron_warmup(p: int, v: int, rank):
+    """Forwards rank ``rank`` (or each of an array of ranks) runs before its first forward-backward pair."""
     return p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p
 
 

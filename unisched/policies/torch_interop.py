@@ -35,7 +35,7 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.errors import UniSchedError
-from unisched.policies._orders import Columns, fixed_orders, warmup_steady_order
+from unisched.policies._orders import Columns, fixed_orders, warmup_steady_order, warmup_steady_orders
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_columns, zbv_columns
@@ -78,7 +78,8 @@ def schedule_1f1b(num_workers: int, num_stages: int, num_batches: int) -> Strate
     shape = _pipeline_shape("Schedule1F1B", num_workers, num_stages, num_batches)
     require(num_batches >= num_stages, "Schedule1F1B",
             f"torch needs at least as many micro-batches as stages, got B={num_batches}, S={num_stages}")
-    return _torch_strategy(ONE_F_ONE_B, shape, lambda rank: warmup_steady_order(rank, num_batches, num_stages - rank),
+    ranks = np.arange(num_workers)
+    return _torch_strategy(ONE_F_ONE_B, shape, warmup_steady_orders(ranks, num_batches, num_stages - ranks),
                            stage_modulo_workers(num_workers))
 
 
@@ -171,10 +172,10 @@ def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, i
     return shape, S // W, B // rounds
 
 
-def _torch_strategy(entry: Entry, shape: Shape, order: Callable[[int], Columns], placement: tuple[Callable, Callable],
-                    *, split_backward: bool = False) -> Strategy:
-    """torch's orders (rank r's is ``order(r)``) on a placement of the policies
-    (``stage_modulo_workers`` or the V of ``zero_bubble``): its mapping and vectorised form."""
+def _torch_strategy(entry: Entry, shape: Shape, order: Callable[[int], Columns] | Columns,
+                    placement: tuple[Callable, Callable], *, split_backward: bool = False) -> Strategy:
+    """torch's orders (rank r's is ``order(r)``, or row r of every rank's at once) on a placement of
+    the policies (``stage_modulo_workers`` or the V of ``zero_bubble``): its mapping and vectorised form."""
     mapping, map_arrays = placement
     return Strategy(mapping, name=entry.name, description=entry.description, split_backward=split_backward,
                     worker_orders=fixed_orders(shape, split_backward, order), shape=shape, map_arrays=map_arrays)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from unisched.policies._orders import Columns, OrderWriter, fixed_orders, warmup_steady_order
+from unisched.policies._orders import Columns, OrderWriter, fixed_orders, warmup_steady_orders
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.strategy import Strategy, works
@@ -37,17 +37,17 @@ from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, ComputeAndWe
 def zb_h1(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """One stage per worker, 1F1B's warm-up, W passes s micro-batches late on worker s."""
     shape = _pipeline_shape("zb_h1", num_workers, num_stages, num_batches)
-    p = num_workers
+    p, s = num_workers, np.arange(num_workers)
     return _split_strategy("zb_h1", ZB_H1.description, shape, *stage_modulo_workers(p),
-                           lambda s: warmup_steady_order(s, num_batches, warmup=p - s, weight_lag=s))
+                           warmup_steady_orders(s, num_batches, warmup=p - s, weight_lag=s))
 
 
 def zb_h2(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """One stage per worker, 2(S - s) - 1 warm-up forwards, W passes 2s micro-batches late."""
     shape = _pipeline_shape("zb_h2", num_workers, num_stages, num_batches)
-    p = num_workers
+    p, s = num_workers, np.arange(num_workers)
     return _split_strategy("zb_h2", ZB_H2.description, shape, *stage_modulo_workers(p),
-                           lambda s: warmup_steady_order(s, num_batches, warmup=2 * (p - s) - 1, weight_lag=2 * s))
+                           warmup_steady_orders(s, num_batches, warmup=2 * (p - s) - 1, weight_lag=2 * s))
 
 
 def zbv(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
@@ -154,8 +154,10 @@ def dualpipe_v_columns(num_workers: int, rank: int, num_batches: int) -> Columns
 
 
 # ---------------------------------------------------------------------- helpers
-def _split_strategy(name, description, shape, mapping, map_arrays, order: Callable[[int], Columns]) -> Strategy:
-    """A strategy with a split backward in which worker w follows ``order(w)``."""
+def _split_strategy(name, description, shape, mapping, map_arrays,
+                    order: Callable[[int], Columns] | Columns) -> Strategy:
+    """A strategy with a split backward in which worker w follows ``order(w)``
+    (or row w of ``order``, every worker's at once)."""
     return Strategy(mapping, name=name, description=description, split_backward=True,
                     worker_orders=fixed_orders(shape, True, order), shape=shape, map_arrays=map_arrays)
 

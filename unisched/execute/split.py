@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from unisched.errors import UniSchedError
-from unisched.execute.ties import Tie
+from unisched.execute.ties import Tie, as_ties
 
 BALANCES = ("parameters", "uniform", "time")
 TIED = ("share", "untie", "refuse")
@@ -93,7 +93,7 @@ class ModelStages(list):
         self.weights = [float(w) for w in weights]
         self.block_names = list(block_names)
         self.untied = list(untied)
-        self.ties = [Tie(t.name, tuple(tuple(c) for c in t.copies)) for t in ties]
+        self.ties = list(as_ties(ties))
 
     def __call__(self, stage: int) -> nn.Module:
         if not 0 <= stage < len(self):
@@ -142,12 +142,12 @@ class ModelStages(list):
 
     def __reduce__(self):
         return (_rebuild, (list(self), self.kind, self.blocks, self.weights, self.block_names, self.untied,
-                           [tuple(t) for t in self.ties]))
+                           self.ties))
 
 
 def _rebuild(modules, kind, blocks, weights, block_names, untied, ties=()) -> ModelStages:
     return ModelStages(modules, kind=kind, blocks=blocks, weights=weights, block_names=block_names, untied=untied,
-                       ties=[Tie(*t) for t in ties])
+                       ties=ties)
 
 
 # ---------------------------------------------------------------------- the entry point

@@ -59,9 +59,14 @@ def _from_booked(p: Problem, rows: list) -> dict:
         return _columns([], [], [], [], [], [], [], p)
     kind, src, dst, begin, finish, nbytes, item = zip(*rows)
     table = _columns([_CODE[k] for k in kind], src, dst, begin, finish, nbytes, item, p)
-    collective = table["kind"] == _CODE["allreduce"]  # serves the whole step, not one item
-    table["batch"][collective] = -1
-    table["direction"][collective] = -1
+    return _serving_the_step(table, table["kind"] == _CODE["allreduce"])
+
+
+def _serving_the_step(table: dict, rows) -> dict:
+    """``table`` with its ``rows`` (all-reduces) marked as serving the whole
+    step, not one item: batch and direction -1."""
+    table["batch"][rows] = -1
+    table["direction"][rows] = -1
     return table
 
 
@@ -217,6 +222,4 @@ def _allreduce(p: Problem, end: np.ndarray, moved: list[dict]) -> dict:
     every = np.repeat(np.arange(len(count)), count)
     table = _columns(np.full(len(src), _CODE["allreduce"]), src, dst, t.ready[every],
                      (t.ready + duration)[every], nbytes, t.item[every], p)
-    table["batch"][:] = -1  # serves the whole step, not one item
-    table["direction"][:] = -1
-    return table
+    return _serving_the_step(table, slice(None))

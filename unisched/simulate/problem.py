@@ -327,7 +327,7 @@ def build(
         gang_moves=moves_in_gang,
         gang_weights=weights_in_gang,
         collective=collective_time,
-        release=_release(strategy, n),
+        release=release_times(strategy.release, n, strategy.name),
     )
 
 
@@ -359,11 +359,6 @@ def with_fixed_orders(data: Followed, next_fixed: np.ndarray) -> Followed:
         row[~from_data] = value
         rows.append(row)
     return Followed(ptr, *rows)
-
-
-def _release(strategy: Strategy, n: int) -> np.ndarray | None:
-    """The strategy's per-item release times, checked against the step's items."""
-    return release_times(strategy.release, n, strategy.name)
 
 
 # ---------------------------------------------------------------------- mapping

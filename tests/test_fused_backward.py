@@ -1,7 +1,7 @@
-"""Neighbouring stages on one rank whose backwards follow each other run
-them in one engine call (as a plain loop's one ``backward``): the same
-weights as one process, fewer autograd calls, and a recorded step that still
-gives each stage's backward its own span."""
+"""A rank's backwards that follow each other run in one engine call (as a
+plain loop's one ``backward``): the same weights as one process, fewer
+autograd calls, and a recorded step that still gives each stage's backward
+its own span."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from unisched import ComputeAndWeightWorkers, Direction, simulate
+from unisched import ComputeAndWeightWorkers, Direction, policies, simulate
 from unisched.execute import Trainer, train_one_process
 
 from test_execute import assert_every_rank_matches, run_ranks
@@ -65,41 +65,58 @@ def one_rank(work):
     return ComputeAndWeightWorkers(0, 0)
 
 
-LAYOUTS = {"blocked": (W, blocked), "one rank": (1, one_rank)}  # chains of 2 stages per rank, and of all 4
+def breadth_first(world: int):
+    """Every micro-batch through a stage before the next stage, forwards then backwards (gpipe's order on one rank)."""
+    return simulate(world, S, B, policies.get("looped_bfs", num_workers=world, num_stages=S, num_batches=B)).timeline
+
+
+# chains of 2 stages per rank, of all 4, and one run of every backward of the step
+LAYOUTS = {"blocked": (W, lambda: simulate(W, S, B, blocked).timeline),
+           "one rank": (1, lambda: simulate(1, S, B, one_rank).timeline),
+           "breadth first": (1, lambda: breadth_first(1))}
+CALLS_PER_STEP = {"blocked": B, "one rank": B, "breadth first": 1}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def fused(request):
-    world, mapping = LAYOUTS[request.param]
-    timeline = simulate(world, S, B, mapping).timeline
-    return run_ranks(_fused, world, timeline, timeout=120)
+    world, timeline = LAYOUTS[request.param]
+    return request.param, run_ranks(_fused, world, timeline(), timeout=120)
 
 
 def test_fused_backwards_train_as_one_process(fused):
+    name, results = fused
     losses, reference = train_one_process(make_stages(), nn.functional.mse_loss, sgd, (batch(s) for s in range(2)),
                                           micro_batches=B)
-    assert_every_rank_matches([r["state"] for r in fused], reference, "blocked stages")
-    for r in fused:
+    assert_every_rank_matches([r["state"] for r in results], reference, name)
+    for r in results:
         assert r["losses"] == pytest.approx(losses, abs=1e-6)
 
 
-def test_one_engine_call_runs_the_stages_of_a_rank(fused):
-    """Each rank: one call per micro-batch for all its stages (not one per stage)."""
-    assert [r["engine_calls_per_step"] for r in fused] == [B] * len(fused)
+def test_one_engine_call_runs_a_rank_s_consecutive_backwards(fused):
+    """Each rank: one call per run of consecutive backwards (not one per stage)."""
+    name, results = fused
+    assert [r["engine_calls_per_step"] for r in results] == [CALLS_PER_STEP[name]] * len(results)
 
 
 def test_each_fused_backward_keeps_its_own_span(fused):
-    spans = fused[0]["spans"]
-    per_rank = S // len(fused)
-    for rank in range(len(fused)):
+    name, results = fused
+    spans = results[0]["spans"]
+    for rank in range(len(results)):
         mine = sorted((start, end, work) for worker, work, start, end in spans if worker == rank)
-        assert len(mine) == 2 * per_rank * B and np.isfinite([s for s, _, _ in mine]).all()
+        assert len(mine) == 2 * S // len(results) * B and np.isfinite([s for s, _, _ in mine]).all()
         assert all(end >= start for start, end, _ in mine)
         assert all(b[0] >= a[1] - 1e-9 for a, b in zip(mine, mine[1:])), f"rank {rank}: spans overlap"
-        backward = {(w.batch, w.stage): (start, end) for start, end, w in mine if w.direction == Direction.BACKWARD}
-        chain = list(range(per_rank * (rank + 1) - 1, per_rank * rank - 1, -1))  # this rank's stages, last first
-        for b in range(B):
-            for later, earlier in zip(chain, chain[1:]):
-                # a later stage's backward ends where the earlier one's begins: one call, split where the gradient arrived
-                assert backward[(b, earlier)][0] == pytest.approx(backward[(b, later)][1], abs=1e-9)
-                assert backward[(b, earlier)][1] > backward[(b, earlier)][0]
+        backward = [(start, end) for start, end, w in mine if w.direction == Direction.BACKWARD]
+        # one call per run: its members' spans tile it, each a share of its own
+        runs = B if CALLS_PER_STEP[name] == B else 1
+        per_run = len(backward) // runs
+        for k in range(runs):
+            run = backward[k * per_run:(k + 1) * per_run]
+            assert all(b[0] == pytest.approx(a[1], abs=1e-9) for a, b in zip(run, run[1:])), f"rank {rank}: gaps in a call"
+            assert all(end > start for start, end in run)
+        if name == "blocked":  # a chain of one micro-batch: a later stage's backward ends where the earlier one's begins
+            by_item = {(w.batch, w.stage): (start, end) for start, end, w in mine if w.direction == Direction.BACKWARD}
+            chain = list(range(S // W * (rank + 1) - 1, S // W * rank - 1, -1))  # this rank's stages, last first
+            for b in range(B):
+                for later, earlier in zip(chain, chain[1:]):
+                    assert by_item[(b, earlier)][0] == pytest.approx(by_item[(b, later)][1], abs=1e-9)

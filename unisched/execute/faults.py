@@ -180,6 +180,7 @@ class Watchdog:
         self._mutex = threading.Lock()
         self._lock = threading.Condition(self._mutex)
         self._deadline: float | None = None
+        self._wakes_at: float | None = None  # when the thread's timed wait ends; None: it waits for a notify
         self._steps = 0
         self._armed: int | None = None
         self._stopped = False
@@ -196,7 +197,8 @@ class Watchdog:
             self._armed = self._steps
             self._deadline = time.monotonic() + self.timeout
             self.fired = False
-            self._lock.notify()
+            if self._wakes_at is None or self._wakes_at > self._deadline:
+                self._lock.notify()  # else the thread wakes before the deadline and sees it then
             return self._steps
 
     def disarm(self, step: int | None = None) -> None:
@@ -233,9 +235,11 @@ class Watchdog:
                 while self._deadline is None:
                     if self._stopped:
                         return
+                    self._wakes_at = None
                     self._lock.wait()
                 remaining = self._deadline - time.monotonic()
                 if remaining > 0:
+                    self._wakes_at = self._deadline
                     self._lock.wait(remaining)
                     continue
                 self._deadline = None

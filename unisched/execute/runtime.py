@@ -253,9 +253,9 @@ class Trainer:
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
-        self._fused = self._fused_edges()
-        self._fused_into = {(t, b): s for s, t, b in self._fused}
+        self._runs_with, self._fused = self._backward_runs()
         self._fused_from = {(s, b) for s, _, b in self._fused}
+        self._ran_before = {i for others in self._runs_with.values() for i in others}
         self._items = {i: self._item(i, a) for i, a in enumerate(self._actions) if a.is_compute}
         self._runs = {a.stage for a in self._actions if a.is_compute}
         self._first_forward = [program.compute_worker[Work(0, s, FORWARD)] for s in range(program.num_stages)]
@@ -770,14 +770,11 @@ class Trainer:
         at the step's end (``at_end``), when the copy has long arrived."""
         if st.loss_copy is None:
             st.loss_copy = self._copy_losses(st)
-            if st.loss_copy[2] is not None and not at_end:
+            if st.loss_copy[1] is not None and not at_end:
                 return
-        batches, values, copied = st.loss_copy
+        st.loss_sum, copied = st.loss_copy
         if copied is not None:
             copied.synchronize()
-        st.loss_sum = torch.zeros(self.program.num_batches, dtype=torch.float64)
-        if batches:
-            st.loss_sum[batches] = values
         if self.world_size == 1:
             st.loss_work = _DONE
             return
@@ -786,20 +783,27 @@ class Trainer:
         except Exception as error:
             raise CommunicationError(f"rank {self.rank} could not post the all-reduce of the losses ({first_line(error)})") from error
 
-    def _copy_losses(self, st) -> tuple[list[int], torch.Tensor | None, Any]:
-        """This rank's per-micro-batch losses on their way to the host, in one
-        copy: (their micro-batches, the host tensor, the CUDA event that marks
-        the copy done; None on the CPU, where the copy is done at once)."""
+    def _copy_losses(self, st) -> tuple[torch.Tensor, Any]:
+        """Every micro-batch's loss as this rank has it (zero where another
+        rank computes it), in float64, on its way to the host in one copy:
+        (the host tensor, the CUDA event that marks the copy done; None on
+        the CPU, where the copy is done at once)."""
+        B = self.program.num_batches
         if not st.losses:
-            return [], None, None
-        values = torch.stack(list(st.losses.values())).double()
+            return torch.zeros(B, dtype=torch.float64), None
+        if len(st.losses) == B:
+            values = torch.stack([st.losses[b] for b in range(B)])
+        else:
+            zero = next(iter(st.losses.values())).new_zeros(())
+            values = torch.stack([st.losses.get(b, zero) for b in range(B)])
+        values = values.double()
         if values.device.type != "cuda":
-            return list(st.losses), values, None
+            return values, None
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return list(st.losses), host, copied
+        return host, copied
 
     def _item(self, index: int, action: Action) -> "_Item":
         """What running the compute ``action`` needs, found once (see :class:`_Item`)."""
@@ -807,11 +811,6 @@ class Trainer:
         reads = program.reads(work, self.rank)
         gang = program.gangs.get(work)
         after = {"F": self._back, "I": BACKWARD_WEIGHT}.get(action.op)
-        ran_before = action.op == "B" and (work.stage, work.batch) in self._fused_from
-        runs_also, stage = [], work.stage
-        while action.op == "B" and not ran_before and (stage, work.batch) in self._fused_into:
-            stage = self._fused_into[(stage, work.batch)]
-            runs_also.append(stage)
         return _Item(
             index=index,
             reads=reads,
@@ -819,34 +818,61 @@ class Trainer:
             gang=gang,
             noted=gang is None or gang.workers[0] == self.rank,
             keeps=after is not None and program.compute_worker[Work(work.batch, work.stage, after)] == self.rank,
-            runs_also=tuple(runs_also),
-            ran_before=ran_before,
+            runs_also=self._runs_with.get(index, ()),
+            ran_before=index in self._ran_before,
         )
 
-    def _fused_edges(self) -> set[tuple[int, int, int]]:
-        """The edges ``(s, t, b)`` along which micro-batch ``b`` stays in one
-        autograd graph on this rank: stage t's forward takes stage s's output
-        as it is (not as the leaf of a new graph), and t's backward runs s's
-        too, in one engine call, as a plain loop's one ``backward`` runs
-        through every stage.  Where s feeds t alone, t takes s alone, all
-        four passes run here, none split or ganged, and s's backward is this
-        rank's next item after t's: the schedule is unchanged, and a GPU is
-        spared an engine call (its fixed cost, tens of microseconds, is most
-        of a small stage's host time)."""
+    def _backward_runs(self) -> tuple[dict[int, tuple[int, ...]], set[tuple[int, int, int]]]:
+        """This rank's backwards that go to the autograd engine in one call,
+        as a plain loop's ``backward`` runs through every stage:
+        ``{index of a run's first action: the indices of the others}``, and
+        the edges ``(s, t, b)`` along which micro-batch ``b`` stays in one
+        autograd graph (stage t's forward takes stage s's output as it is,
+        not as the leaf of a new graph, and t's backward flows into s's).
+
+        A run is consecutive full backwards of this rank's program, with no
+        send, reduction or forward between them (a receive may be posted
+        between them: it waits for nothing), none ganged, none but
+        the first waiting for a message or fetching weights: running them
+        together moves no transfer.  Each member's output gradient comes
+        from before the run, or from a member along a fused edge: s feeds t
+        alone, t takes s alone, and all four passes run here.  The engine
+        runs the members in an order of its own (their work is the same); a
+        GPU is spared an engine call per member, whose fixed cost, tens of
+        microseconds, is most of a small stage's host time."""
         program, graph = self.program, self._graph
         if program.split_backward:
-            return set()
-        works = [a.work for a in self._actions if a.is_compute]
-        fused = set()
-        for here, after in zip(works, works[1:]):
-            t, s, b = here.stage, after.stage, here.batch
-            if not (here.direction == after.direction == BACKWARD and after.batch == b
-                    and tuple(graph.predecessors[t]) == (s,) and tuple(graph.successors[s]) == (t,)):
-                continue
+            return {}, set()
+
+        def fusable(s: int, t: int, b: int) -> bool:
+            if not (tuple(graph.predecessors[t]) == (s,) and tuple(graph.successors[s]) == (t,)):
+                return False
             passes = [Work(b, stage, d) for stage in (s, t) for d in (FORWARD, BACKWARD)]
-            if all(program.compute_worker[w] == self.rank and program.gangs.get(w) is None for w in passes):
-                fused.add((s, t, b))
-        return fused
+            return all(program.compute_worker[w] == self.rank and program.gangs.get(w) is None for w in passes)
+
+        runs, fused = {}, set()
+        run, edges, members = [], set(), set()
+        for i, action in enumerate(self._actions + [None]):
+            if action is not None and action.is_recv:
+                continue  # posting a receive waits for nothing: it may come after the call
+            work = action.work if action is not None and action.op == "B" else None
+            if work is not None and program.gangs.get(work) is not None:
+                work = None  # a ganged backward runs alone
+            if work is not None:
+                s, b = work.stage, work.batch
+                inside = [t for t in graph.successors[s] if (t, b) in members]
+                joins = run and all(fusable(s, t, b) for t in inside) and s not in self._fetch and not any(
+                    k in self._inbound for k in program.reads(work, self.rank).keys)
+                if joins:
+                    run.append(i)
+                    members.add((s, b))
+                    edges.update((s, t, b) for t in inside)
+                    continue
+            if len(run) > 1:
+                runs[run[0]] = tuple(run[1:])
+                fused |= edges
+            run, edges, members = ([i], set(), {(work.stage, work.batch)}) if work is not None else ([], set(), set())
+        return runs, fused
 
     def _compute(self, st: "_StepState", action: Action, item: "_Item") -> None:
         """Wait for the item's inputs, then run it (only the run is timed)."""
@@ -870,11 +896,25 @@ class Trainer:
                 start, end = st.carried.pop((s, b))
             else:
                 end = st.clock.mark()
-            if item.runs_also:  # split the call's span where each fused stage's backward began
-                marks = [start, *(st.boundaries.pop((p, b), end) for p in item.runs_also), end]
-                start, end = marks[0], marks[1]
-                st.carried.update({(p, b): span for p, span in zip(item.runs_also, zip(marks[1:], marks[2:]))})
+                if item.runs_also:
+                    start, end = self._split_span(st, (s, b), item.runs_also, start, end)
             st.items.append((item.index, start, end))
+
+    def _split_span(self, st, head: tuple[int, int], others: tuple[int, ...], start, end) -> tuple:
+        """A run's one engine call spanned ``start``..``end``: each member's
+        span, from where the engine began its backward to where it began the
+        next one's (the first from ``start``, the last to ``end``).  The
+        head's span is returned, the others' kept for their own turn."""
+        keys = [head] + [(self._actions[i].stage, self._actions[i].batch) for i in others]
+        began = list(st.boundaries.items())  # this call's, in the order the engine reached them
+        st.boundaries.clear()
+        reached = {key for key, _ in began}
+        order = [key for key, _ in began] + [key for key in keys if key not in reached]
+        marks = [mark for _, mark in began[1:]]
+        begins = [start, *marks, *[end] * (len(keys) - 1 - len(marks))]
+        spans = dict(zip(order, zip(begins, begins[1:] + [end])))
+        st.carried.update({key: spans[key] for key in keys[1:]})
+        return spans[head]
 
     def _call(self, s: int, args: list, batch: int | None = None) -> Any:
         """Stage ``s`` on ``args`` under the precision's autocast, the floating
@@ -1022,17 +1062,22 @@ class Trainer:
 
     def _backward(self, st, s: int, b: int, reads: Reads, item: "_Item", input_only: bool) -> None:
         """The backward of stage ``s`` on micro-batch ``b`` (its input pass
-        only when ``input_only``, the graph kept when the weight pass runs here)."""
+        only when ``input_only``, the graph kept when the weight pass runs
+        here); at the head of a run, the whole run's, in one engine call."""
         xs, out, leaves = st.graphs.pop((s, b), (None, None, None))
-        if item.ran_before:  # the fused call of its successor's backward ran it
+        if item.ran_before:  # its run's engine call ran it
             self._put_input_gradients(st, s, b, xs)
             return
         if leaves is None:
             xs, out, leaves = self._recompute(st, s, b, reads.inputs, needs_input_grad=True)
         roots, grads = self._root(st, s, b, out, leaves, reads.gradients, record_loss=True)
         if not input_only:
-            if self._recording and item.runs_also:
-                self._note_boundaries(st, b, item.runs_also)
+            if item.runs_also:
+                roots, grads = self._run_roots(st, item.runs_also, roots, grads)
+                if self._recording:
+                    self._note_boundaries(st, [((s, b), leaves)] + [
+                        ((self._actions[i].stage, self._actions[i].batch),
+                         st.graphs[(self._actions[i].stage, self._actions[i].batch)][2]) for i in item.runs_also])
             _differentiate(roots, grads)
             self._put_input_gradients(st, s, b, xs)
             return
@@ -1046,6 +1091,25 @@ class Trainer:
         elif grads is not None:
             st.put(gradient(s, b), grads)
 
+    def _run_roots(self, st, others: tuple[int, ...], roots: tuple, grads) -> tuple[list, list]:
+        """What a run's one engine call differentiates: the head's ``roots``
+        (with ``grads``), and those of each other member whose output's
+        gradient does not flow in from a member along a fused edge (a member
+        that left no graph has its forward recomputed first).  A loss's
+        gradient is None."""
+        roots, grads = list(roots), [None] * len(roots) if grads is None else list(grads)
+        for index in others:
+            action, reads = self._actions[index], self._items[index].reads
+            p, c = action.stage, action.batch
+            xs, out, leaves = st.graphs.get((p, c), (None, None, None))
+            if leaves is None:
+                xs, out, leaves = st.graphs[(p, c)] = self._recompute(st, p, c, reads.inputs, needs_input_grad=True)
+            if (p, c) not in self._fused_from:
+                more, given = self._root(st, p, c, out, leaves, reads.gradients, record_loss=True)
+                roots += more
+                grads += [None] * len(more) if given is None else given
+        return roots, grads
+
     def _put_input_gradients(self, st, s: int, b: int, xs) -> None:
         """After stage ``s``'s backward on micro-batch ``b``: the gradients of
         its inputs, for the predecessors not fused with it (those took theirs
@@ -1054,19 +1118,19 @@ class Trainer:
             if (p, s, b) not in self._fused:
                 st.put(gradient(p, b, s), tuple(_or_zeros(x[i].grad, x[i]) for i in layout.grads))
 
-    def _note_boundaries(self, st, b: int, stages: tuple[int, ...]) -> None:
-        """Mark when each of ``stages``' backward begins inside one fused call:
-        when the gradient of its output arrives (a hook on the output)."""
-        def hook(stage):
-            def arrived(grad):
-                st.boundaries.setdefault((stage, b), st.clock.mark())
-            return arrived
+    def _note_boundaries(self, st, members: list[tuple[tuple[int, int], tuple]]) -> None:
+        """Mark when the engine begins each ``(stage, batch)``'s backward in
+        a run's one call: a hook on the node that made each tensor of its
+        output (``leaves``) runs before that node does."""
+        def hook(key):
+            def began(grad_outputs):
+                st.boundaries.setdefault(key, st.clock.mark())
+            return began
 
-        for p in stages:
-            _, _, leaves = st.graphs[(p, b)]
+        for key, leaves in members:
             for y in leaves:
-                if y.requires_grad:
-                    y.register_hook(hook(p))
+                if y.grad_fn is not None:
+                    y.grad_fn.register_prehook(hook(key))
 
     def _weight_pass(self, st, s: int, b: int, reads: Reads) -> None:
         roots, grads = st.weight_graphs.pop((s, b), (None, None))
@@ -1295,6 +1359,8 @@ class Trainer:
 
     def _load_host_weights(self) -> None:
         """Copy the offloaded weights of truth to the device (before a step)."""
+        if not self.host_weights:
+            return
         with torch.no_grad():
             for s, host in self.host_weights.items():
                 for p, h in zip(self._params[s], host):
@@ -1633,10 +1699,10 @@ class _Item(NamedTuple):
     this rank notes it in a recorded step (``noted``: the gang's first
     member does), whether it ``keeps`` its autograd graph (a forward
     whose backward, or an input pass whose weight pass, runs here next),
-    and for a backward fused with its neighbours' (see
-    :meth:`Trainer._fused_edges`): the stages whose backward its engine
-    call ``runs_also``, in the order it reaches them, or that its own
-    already ran in its successor's call (``ran_before``)."""
+    and for a run of backwards that go to the engine in one call (see
+    :meth:`Trainer._backward_runs`): at its head, the indices of the other
+    members it ``runs_also``; at those, that the head's call ran it
+    (``ran_before``)."""
 
     index: int
     reads: Reads
@@ -1668,11 +1734,11 @@ class _StepState:
         self.outgoing: list = []
         self.reductions: list = []
         self.loss_sum: torch.Tensor | None = None
-        self.loss_copy: tuple | None = None  # (micro-batches, losses on the host, the copy's event)
+        self.loss_copy: tuple | None = None  # (the losses on the host, the copy's event)
         self.loss_work = None
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = trainer._clock
-        self.boundaries: dict[tuple[int, int], Any] = {}  # where a fused call reached (stage, batch)'s backward
+        self.boundaries: dict[tuple[int, int], Any] = {}  # where a run's engine call began (stage, batch)'s backward
         self.carried: dict[tuple[int, int], tuple] = {}  # the span of a backward run in its successor's call
         self.items: list = []
         self.sends: dict[int, float] = {}

@@ -68,23 +68,34 @@ def scalar_loss(loss: Any, batch: int) -> torch.Tensor:
 _MASK = (1 << 64) - 1
 
 
+def _splitmix(state, part):
+    """One round of splitmix64: ``part`` mixed into ``state`` (Python ints or numpy uint64 arrays)."""
+    import numpy as np
+
+    if isinstance(state, int):
+        state = ((state ^ part) * 0x9E3779B97F4A7C15) & _MASK
+        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK
+        return state ^ (state >> 31)
+    state = (state ^ part) * np.uint64(0x9E3779B97F4A7C15)
+    state = (state ^ (state >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    state = (state ^ (state >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return state ^ (state >> np.uint64(31))
+
+
 def micro_batch_seeds(seed: int, step: int, num_stages: int, num_batches: int) -> list[list[int]]:
     """The RNG seed of stage s's forward on micro-batch b in step ``step``
     (counted from 0), for every stage and micro-batch at once
     (``[stage][batch]``): a splitmix64 mix of the four numbers, the same on
-    every rank and in every schedule."""
+    every rank and in every schedule.  (The Trainer draws them once a step:
+    the seed and step are mixed as Python ints, the stages and micro-batches
+    as one array.)"""
     import numpy as np
 
-    parts = [np.full((num_stages, num_batches), int(seed) & _MASK, dtype=np.uint64),
-             np.full((num_stages, num_batches), int(step) & _MASK, dtype=np.uint64),
-             *np.indices((num_stages, num_batches), dtype=np.uint64)]
-    state = np.zeros((num_stages, num_batches), dtype=np.uint64)
-    for part in parts:
-        state = (state ^ part) * np.uint64(0x9E3779B97F4A7C15)
-        state = (state ^ (state >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        state = (state ^ (state >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        state ^= state >> np.uint64(31)
-    return (state & np.uint64((1 << 63) - 1)).tolist()
+    state = _splitmix(_splitmix(0, int(seed) & _MASK), int(step) & _MASK)
+    per_stage = np.array([_splitmix(state, s) for s in range(num_stages)], dtype=np.uint64)[:, None]
+    seeds = _splitmix(per_stage, np.arange(num_batches, dtype=np.uint64)[None, :])
+    return (seeds & np.uint64((1 << 63) - 1)).tolist()
 
 
 def generators(device: torch.device) -> list[torch.Generator]:

@@ -728,12 +728,14 @@ class Trainer:
 
     def _walk(self, st: "_StepState", indices) -> None:
         """Carry out the actions at ``indices`` of this rank's program, in order."""
+        actions, items, last_use = self._actions, self._items, self._last_use
         for index in indices:
-            action = st.current = self._actions[index]
+            action = st.current = actions[index]
             if st.deferred:
                 self._post_due(st, index)
-            if action.is_compute:
-                self._compute(st, action, self._items[index])
+            item = items.get(index)
+            if item is not None:
+                self._compute(st, action, item)
                 if st.outgoing or st.pending:
                     self._reap(st)
                 if index == self._last_loss_item:
@@ -744,8 +746,8 @@ class Trainer:
                 self._post_send(st, action)
             elif action.op == "R":
                 self._post_reduce(st, action)
-            if index in self._last_use:
-                self._release_data(self._last_use[index])
+            if index in last_use:
+                self._release_data(last_use[index])
         st.current = None
 
     def _run_forwards(self, st: "_StepState") -> float:
@@ -926,11 +928,11 @@ class Trainer:
                 self._seeds = (self._step_no, micro_batch_seeds(self._seed, self._step_no - 1, self.program.num_stages,
                                                                 self.program.num_batches))
             seed_rng(self._generators, self._seeds[1][s][batch])
+        if self._dtype is None:
+            return self.stages[s](*args)
         with autocast(self.device, self._dtype):
             out = self.stages[s](*args)
-        if self._dtype is not None and self._graph.successors[s]:
-            return to_compute_dtype(out, self._dtype)
-        return out
+        return to_compute_dtype(out, self._dtype) if self._graph.successors[s] else out
 
     def _forward(self, st, s: int, b: int, reads: Reads, keep_graph: bool) -> None:
         """Stage ``s`` on micro-batch ``b``, its graph kept when the backward runs here next."""
@@ -954,6 +956,8 @@ class Trainer:
 
     def _loss(self, st, b: int, out: Any) -> torch.Tensor:
         """Micro-batch ``b``'s loss of the last stage's output ``out``, a scalar, under the precision's autocast."""
+        if self._dtype is None:
+            return scalar_loss(self.loss_fn(out, st.micro_t[b]), b)
         with autocast(self.device, self._dtype):
             return scalar_loss(self.loss_fn(out, st.micro_t[b]), b)
 
@@ -1915,6 +1919,8 @@ def stage_arguments(values: Sequence) -> list:
 def _arguments(layouts: Sequence[Layout], values: Sequence[Sequence[torch.Tensor]]) -> list:
     """The positional arguments of a stage that takes ``values`` (each the
     tensors of one value, in its ``layouts``), by :func:`stage_arguments`."""
+    if len(layouts) == 1 and layouts[0].single:
+        return [values[0][0]]
     return stage_arguments([layout.tree(leaves) for layout, leaves in zip(layouts, values)])
 
 

@@ -1,14 +1,17 @@
 """The greedy of :mod:`unisched.simulate.engine`, compiled by numba.
 
-It covers every step without a topology: any mapping, priority, per-stage
+It covers every step the engine runs: any mapping, priority, per-stage
 costs and worker speeds (they are only the durations), fixed per-worker
 orders (each item's successor in its worker's order, followed after its
 edges) and release times (an item's first ready time), split backwards,
-memory limits with parking, gangs (tensor parallelism) when communication is free, and transfers over
-links between pairs of workers (latency, bandwidth, weight fetches with
-prefetch and caching, gradient returns) when there are no gangs.  That is
-what makes a million work items take one to two seconds, 1F1B and zero
-bubble included (benchmarks/simulator.py).
+memory limits with parking, gangs (tensor parallelism, or gangs sharing
+the rows of a micro-batch), and transfers that take time: over links
+between pairs of workers, or over a cluster topology whose transfers share
+NVLink ports and NICs (latency, bandwidth, weight fetches with prefetch and
+caching, gradient returns, what a gang hands out and collects, its
+collective waiting for its links, and the end-of-step all-reduces booked on
+theirs).  That is what makes a million work items take one to two seconds,
+1F1B and zero bubble included (benchmarks/simulator.py).
 
 It is the same algorithm, step for step, as ``engine.run``; the tests check
 that both give identical timelines, item for item.  What differs is the
@@ -23,9 +26,15 @@ shape of the data, because that is what compiles to fast code:
   be there at once (each item is in at most one of them at a time);
 - what each item claims and releases is in flat arrays (CSR by item,
   :class:`~unisched.simulate.stashes.StashAccounts`);
-- every transfer that may happen has its link known before the run
-  (:class:`Links`), and each link's calendar (sorted busy intervals) is a
-  region with one slot per such transfer.
+- every transfer that may happen has its route known before the run
+  (:class:`Links`): a route books one calendar (a link between a pair of
+  workers) or, on a topology, each link it crosses (CSR lists of calendar
+  ids), in the first gap all of them share; each calendar (sorted busy
+  intervals) is a region with one slot per booking it may take, the
+  collectives of gangs and the end-of-step all-reduces included;
+- the end-of-step all-reduces on a topology need the step's end times:
+  they are booked after the run (:func:`book_in_order`) on the calendars
+  the step left, in the engine's order.
 
 Without numba installed the engine is used instead.  numba (and what it
 imports: about a second and 80 MiB) is loaded on the first step large
@@ -44,7 +53,8 @@ import numpy as np
 from unisched import network
 from unisched.dataflow import EDGE_PRIMARY, fetches_weights
 from unisched.simulate.problem import moves
-from unisched.simulate.stashes import StashAccounts, region_starts
+from unisched.simulate import transfers
+from unisched.simulate.stashes import StashAccounts
 from unisched.timeline import TRANSFER_KINDS
 
 COMPILED_FROM = 4096
@@ -56,9 +66,9 @@ _EPS = 1e-9
 
 def covers(problem) -> bool:
     """Whether the compiled greedy runs this problem (else the engine does):
-    no topology, and gangs only with free communication (what a gang hands
-    out and collects is the engine's alone)."""
-    return getattr(problem.costs, "topology", None) is None and not (problem.gang_members and problem.comm)
+    every problem :func:`unisched.simulate.problem.build` makes, with or
+    without a topology, gangs and communication costs."""
+    return True
 
 
 class Graph(NamedTuple):
@@ -88,35 +98,75 @@ class Graph(NamedTuple):
 
 
 class Links(NamedTuple):
-    """The network between pairs of workers (``engine._Communication``
-    without gangs or topology), or all empty when communication is free.
+    """The network (``engine._Communication``), or all empty when
+    communication is free.
 
-    Every transfer that may happen has its link (one per ordered pair of
-    workers, with its latency and bandwidth) known in advance: an edge's,
-    an item's weight fetch and its gradient's return.  A link's calendar
-    (busy intervals, sorted) has one slot per such transfer."""
+    Every transfer that may happen has its route known in advance: an
+    edge's, each weight fetch and gradient return of an item's workers, and
+    what a gang's first member hands out and collects.  A route (one per
+    ordered pair of workers, with its latency and bandwidth) books one or
+    more calendars: without a topology each pair is one link with a
+    calendar of its own; on a topology (``shared``) a route books every link
+    it crosses at once, as ``engine._Cluster`` does, and so do a gang's
+    tensor-parallel collectives and the end-of-step all-reduces.  A
+    calendar (busy intervals, sorted) has one slot per booking it may take."""
 
     on: bool
+    shared: bool
+    """On a topology: bookings take the first gap all their calendars share (``engine._Cluster._book``)."""
     edge_kind: np.ndarray
     """Per edge of ``Graph``: the transfer kind it moves (a code of
     ``TRANSFER_KINDS``), -1: nothing (both ends on one worker)."""
     edge_bytes: np.ndarray
-    edge_link: np.ndarray
-    fetch_link: np.ndarray
-    """Per item: the link its weights come over, -1 when its worker holds them."""
-    return_link: np.ndarray
-    """Per item: the link its weight gradient goes back over, -1: none."""
+    edge_route: np.ndarray
+    weight_ptr: np.ndarray
+    """The workers computing item i with weights (its own, or each member of
+    its gang) are rows ``weight_ptr[i]:weight_ptr[i + 1]`` of the columns below
+    (``Problem.weight_links``, by item)."""
+    weight_member: np.ndarray
     weight_bytes: np.ndarray
+    fetch_route: np.ndarray
+    """Per weight row: the route its weights come over, -1 when the member holds them."""
+    return_route: np.ndarray
+    """Per weight row: the route its weight gradient goes back over, -1: none."""
+    hand_ptr: np.ndarray
+    """What a gang item's first member hands out before the members compute:
+    rows ``hand_ptr[i]:hand_ptr[i + 1]`` (kind, route, bytes)."""
+    hand_kind: np.ndarray
+    hand_route: np.ndarray
+    hand_bytes: np.ndarray
+    collect_ptr: np.ndarray
+    """What it collects after (``Problem.gang_moves``), the same way."""
+    collect_kind: np.ndarray
+    collect_route: np.ndarray
+    collect_bytes: np.ndarray
+    collective: np.ndarray
+    """Per item: the part of its duration that is its gang's collective (``Problem.collective``)."""
+    gang_calendar_ptr: np.ndarray
+    """On a topology: the calendars gang g's collective books are
+    ``gang_calendar[gang_calendar_ptr[g]:gang_calendar_ptr[g + 1]]``."""
+    gang_calendar: np.ndarray
     stage: np.ndarray
     num_stages: int
     latency: np.ndarray
     bandwidth: np.ndarray
-    link_src: np.ndarray
-    link_dst: np.ndarray
+    route_src: np.ndarray
+    route_dst: np.ndarray
+    route_ptr: np.ndarray
+    """Route r books calendars ``route_calendar[route_ptr[r]:route_ptr[r + 1]]``."""
+    route_calendar: np.ndarray
     calendar_base: np.ndarray
+    """Where each calendar's region starts; the last entry is the room of all of them."""
+    allreduce_stage: np.ndarray
+    """On a topology, per end-of-step all-reduce (``transfers.allreduce_table``,
+    in its order): its stage and share, and the calendars it books,
+    ``allreduce_calendar[allreduce_ptr[g]:allreduce_ptr[g + 1]]``."""
+    allreduce_share: np.ndarray
+    allreduce_ptr: np.ndarray
+    allreduce_calendar: np.ndarray
     grads_per_stage: np.ndarray
-    """Per (worker, stage): how many of its items return a gradient of that
-    stage (``Problem.gradient_returns``, counted on arrays)."""
+    """Per (worker, stage): how many of its weight rows return a gradient of
+    that stage (``Problem.gradient_returns``, counted on arrays)."""
     prefetch_depth: int
     cache_weights: bool
     weights_kind: int
@@ -155,41 +205,135 @@ def links_of(problem) -> Links:
     if not problem.comm:
         return no_links()
     n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
-    worker, holder = problem.worker_array, problem.weight_worker_array
+    worker = problem.worker_array
     followed = problem.data_followed  # a fixed-order successor moves nothing
     src, dst = np.repeat(np.arange(n), np.diff(followed.ptr)), followed.idx
     kinds, nbytes = moves(problem, np.stack([src, dst, followed.kind, followed.moved]))
     kinds = kinds.astype(np.int64)
     kinds[worker[src] == worker[dst]] = -1
-    fetches = fetches_weights(worker, holder)
-    returns = np.asarray(problem.returns_gradient, dtype=bool)
-    pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + worker)[fetches],
-                           (worker * W + holder)[returns]])
-    pairs, link, per_link = np.unique(pair, return_inverse=True, return_counts=True)
-    link = link.reshape(-1)
-    edge_link, fetch_link, return_link = np.full(len(kinds), -1), np.full(n, -1), np.full(n, -1)
-    edges, fetched = int((kinds >= 0).sum()), int(fetches.sum())
-    edge_link[kinds >= 0] = link[:edges]
-    fetch_link[fetches] = link[edges:edges + fetched]
-    return_link[returns] = link[edges + fetched:]
+    item, member, holder, _, size = problem.weight_links
+    by_item = np.argsort(item, kind="stable")
+    item, member, holder, size = item[by_item], member[by_item], holder[by_item], size[by_item]
+    fetches, returns = fetches_weights(member, holder), problem.returning_links[by_item]
+    hand, collect = _gang_moves(problem, 0), _gang_moves(problem, 1)
+
+    pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + member)[fetches],
+                           (member * W + holder)[returns], hand[2] * W + hand[3], collect[2] * W + collect[3]])
+    pairs, route, per_route = np.unique(pair, return_inverse=True, return_counts=True)
+    edge_route, fetch_route, return_route = np.full(len(kinds), -1), np.full(len(item), -1), np.full(len(item), -1)
+    route = np.split(route.reshape(-1), np.cumsum([(kinds >= 0).sum(), fetches.sum(), returns.sum(), len(hand[2])]))
+    edge_route[kinds >= 0], fetch_route[fetches], return_route[returns] = route[:3]
     latency, bandwidth = network.pair_links(problem.costs, pairs // W, pairs % W)
-    grads = np.bincount((worker * S + problem.stage)[returns], minlength=W * S)
+    calendars = _calendars_of(problem, pairs // W, pairs % W, per_route)
     return Links(
-        on=True, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float), edge_link=edge_link,
-        fetch_link=fetch_link, return_link=return_link, weight_bytes=np.asarray(problem.weight_bytes, dtype=float),
-        stage=problem.stage, num_stages=S, latency=latency, bandwidth=bandwidth, link_src=pairs // W,
-        link_dst=pairs % W,
-        calendar_base=region_starts(per_link), grads_per_stage=grads, prefetch_depth=int(problem.prefetch_depth),
-        cache_weights=bool(problem.cache_weights), weights_kind=TRANSFER_KINDS.index("weights"),
-        gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
+        on=True, shared=calendars.shared, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float),
+        edge_route=edge_route, weight_ptr=_ptr(item, n), weight_member=member.astype(np.int64),
+        weight_bytes=size.astype(float), fetch_route=fetch_route, return_route=return_route,
+        hand_ptr=hand[0], hand_kind=hand[1], hand_route=route[3], hand_bytes=hand[4],
+        collect_ptr=collect[0], collect_kind=collect[1], collect_route=route[4], collect_bytes=collect[4],
+        collective=np.asarray(problem.collective if problem.collective is not None else np.zeros(n), dtype=float),
+        gang_calendar_ptr=calendars.gang_ptr, gang_calendar=calendars.gang_calendar,
+        stage=problem.stage, num_stages=S, latency=latency, bandwidth=bandwidth,
+        route_src=pairs // W, route_dst=pairs % W, route_ptr=calendars.route_ptr,
+        route_calendar=calendars.route_calendar, calendar_base=calendars.base,
+        allreduce_stage=calendars.allreduce_stage, allreduce_share=calendars.allreduce_share,
+        allreduce_ptr=calendars.allreduce_ptr, allreduce_calendar=calendars.allreduce_calendar,
+        grads_per_stage=np.bincount((member * S + problem.stage[item])[returns], minlength=W * S),
+        prefetch_depth=int(problem.prefetch_depth), cache_weights=bool(problem.cache_weights),
+        weights_kind=TRANSFER_KINDS.index("weights"), gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
     )
+
+
+def _ptr(owner: np.ndarray, count: int) -> np.ndarray:
+    """CSR pointers of rows sorted by ``owner`` (0..count-1)."""
+    ptr = np.zeros(count + 1, np.int64)
+    np.cumsum(np.bincount(owner, minlength=count), out=ptr[1:])
+    return ptr
+
+
+def _gang_moves(problem, after: int) -> tuple[np.ndarray, ...]:
+    """(ptr by item, kind, src, dst, bytes) of what gang items' first members
+    hand out (``after`` 0) or collect (1), as ``Problem.gang_moves`` lists them."""
+    rows = [(item, TRANSFER_KINDS.index(kind), src, dst, nbytes)
+            for item, phases in problem.gang_moves.items() for kind, src, dst, nbytes in phases[after]]
+    item, kind, src, dst, nbytes = (np.array(column, dtype=dtype) for column, dtype in
+                                    zip(zip(*rows) if rows else ((),) * 5, (np.int64,) * 4 + (float,)))
+    return _ptr(item, problem.num_items), kind, src, dst, nbytes
+
+
+class _Calendars(NamedTuple):
+    """Which calendars each route, gang collective and end-of-step all-reduce books, and each calendar's region."""
+
+    shared: bool
+    route_ptr: np.ndarray
+    route_calendar: np.ndarray
+    gang_ptr: np.ndarray
+    gang_calendar: np.ndarray
+    allreduce_stage: np.ndarray
+    allreduce_share: np.ndarray
+    allreduce_ptr: np.ndarray
+    allreduce_calendar: np.ndarray
+    base: np.ndarray
+
+
+def _calendars_of(problem, src: np.ndarray, dst: np.ndarray, per_route: np.ndarray) -> _Calendars:
+    """The calendars of routes src -> dst that carry ``per_route`` transfers
+    each: one per route without a topology; on one, a calendar per link of
+    the topology (``engine._Cluster``: a route's links, those of a gang's
+    collective and of each all-reduce among replica 0's workers)."""
+    topology = getattr(problem.costs, "topology", None)
+    none = np.zeros(0, np.int64)
+    if topology is None:
+        ptr = np.arange(len(src) + 1, dtype=np.int64)
+        return _Calendars(False, ptr, ptr[:-1], np.zeros(1, np.int64), none, none, none, np.zeros(1, np.int64), none,
+                          _bases(per_route))
+    index: dict[tuple, int] = {}
+    calendar = lambda links: [index.setdefault(link, len(index)) for link in links]  # noqa: E731
+    routes = [calendar(topology.route(a, b).links) for a, b in zip(src.tolist(), dst.tolist())]
+    W = problem.num_workers
+    gangs = [calendar(link for link in topology.group_route(members).links if topology.link_among(link, W))
+             for members in problem.gang_members]
+    table = transfers.allreduce_table(problem, np.zeros(problem.num_items), none, np.zeros(0))
+    allreduces = [calendar(link for link in topology.group_route(_everyone(problem, group.replicas)).links
+                           if topology.link_among(link, W)) for group in table.groups()]
+    route_ptr, route_calendar = _flat(routes)
+    gang_ptr, gang_calendar = _flat(gangs)
+    allreduce_ptr, allreduce_calendar = _flat(allreduces)
+    timed = np.bincount(problem.gang[problem.collective != 0], minlength=len(gangs)) if len(gangs) else none
+    room = (np.bincount(route_calendar, np.repeat(per_route, np.diff(route_ptr)), minlength=len(index))
+            + np.bincount(gang_calendar, np.repeat(timed, np.diff(gang_ptr)), minlength=len(index))
+            + np.bincount(allreduce_calendar, minlength=len(index)))
+    return _Calendars(True, route_ptr, route_calendar, gang_ptr, gang_calendar, table.stage.astype(np.int64),
+                      table.share.astype(np.int64), allreduce_ptr, allreduce_calendar, _bases(room.astype(np.int64)))
+
+
+def _flat(lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of integers as CSR (ptr, values)."""
+    ptr = np.zeros(len(lists) + 1, np.int64)
+    np.cumsum([len(values) for values in lists], out=ptr[1:])
+    return ptr, np.array([v for values in lists for v in values], dtype=np.int64)
+
+
+def _bases(room: np.ndarray) -> np.ndarray:
+    """Where each region of ``room`` slots starts, and (last) the room of them all."""
+    base = np.zeros(len(room) + 1, np.int64)
+    np.cumsum(room, out=base[1:])
+    return base
+
+
+def _everyone(problem, replicas) -> list[int]:
+    """``replicas`` and the same workers of every other data-parallel
+    replica the costs count (``engine._Cluster.everywhere``)."""
+    W = problem.num_workers
+    return [m + r * W for r in range(getattr(problem.costs, "replicas", 1)) for m in replicas]
 
 
 def no_links() -> Links:
     """Free communication."""
-    none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
-    return Links(False, none_i, none_f, none_i, none_i, none_i, none_f, none_i, 0, none_f, none_f, none_i, none_i,
-                 none_i, none_i, 0, False, 0, 0)
+    none_i, none_f, one = np.zeros(0, np.int64), np.zeros(0), np.zeros(1, np.int64)
+    return Links(False, False, none_i, none_f, none_i, one, none_i, none_f, none_i, none_i, one, none_i, none_i, none_f,
+                 one, none_i, none_i, none_f, none_f, one, none_i, none_i, 0, none_f, none_f, none_i, none_i, one,
+                 none_i, one, none_i, none_i, one, none_i, none_i, 0, False, 0, 0)
 
 
 def run(problem):
@@ -200,13 +344,35 @@ def run(problem):
     if kernel is None:
         return None
     links = links_of(problem)
-    start, end, rows = kernel(*(_contiguous(table) for table in (graph_of(problem), stash_accounts(problem), links)))
+    start, end, rows, calendars = kernel(*(_contiguous(table) for table in (graph_of(problem),
+                                                                             stash_accounts(problem), links)))
     if not links.on:
         return start, end, None
     kind, src, dst, begin, arrive, nbytes, item = rows
     names = [TRANSFER_KINDS[k] for k in kind.tolist()]
-    return start, end, list(zip(names, src.tolist(), dst.tolist(), begin.tolist(), arrive.tolist(), nbytes.tolist(),
-                                item.tolist()))
+    booked = list(zip(names, src.tolist(), dst.tolist(), begin.tolist(), arrive.tolist(), nbytes.tolist(),
+                      item.tolist()))
+    if links.shared and start.min(initial=0.0) >= 0:
+        booked += _allreduces(problem, links, calendars, end, rows)
+    return start, end, booked
+
+
+def _allreduces(problem, links: Links, calendars, end: np.ndarray, rows) -> list:
+    """The end-of-step all-reduces on a topology, each booked on the links
+    its workers use once its stage is ready, in that order, after the step's
+    transfers (``engine._Communication.finish_step``): their rows."""
+    kind, _, _, _, arrive, _, item = rows
+    returned = kind == links.gradient_kind
+    groups = transfers.allreduce_groups(problem, end, problem.stage[item[returned]], arrive[returned])
+    index = {key: g for g, key in enumerate(zip(links.allreduce_stage.tolist(), links.allreduce_share.tolist()))}
+    groups = sorted(groups, key=lambda g: (g.ready, g.stage, g.share))
+    everyone = [_everyone(problem, group.replicas) for group in groups]
+    duration = [float(network.allreduce_time(problem.costs, e, group.nbytes)) for group, e in zip(groups, everyone)]
+    begins = book_in_order(*calendars, links.calendar_base, links.allreduce_ptr, links.allreduce_calendar,
+                          np.array([index[(g.stage, g.share)] for g in groups], dtype=np.int64),
+                          np.array([g.ready for g in groups], dtype=float), np.array(duration, dtype=float))
+    return [row for group, e, begin, d in zip(groups, everyone, begins.tolist(), duration)
+            for row in transfers.ring_rows(group, e, begin, begin + d)]
 
 
 def _contiguous(table):
@@ -263,14 +429,15 @@ def schedule(graph, stashes, links):
     woken = np.empty(num_workers + 1, dtype=np.int64)
     parked = 0  # forwards parked for memory: while none is, no release needs to wake one
 
-    # the network: each link's calendar, each worker's start times (for
-    # prefetch), resident stages, gradients still to return, and the rows booked
+    # the network: the calendars, each worker's start times (for prefetch),
+    # resident stages, gradients still to return, and the rows booked
     comm = links.on
-    calendar_start, calendar_end, calendar_size = _calendars(links)
-    history, history_base, history_size = _histories(comm, worker, num_workers)
+    calendars = _calendars(links)
+    history, history_base, history_size = _histories(links, num_workers)
     resident = np.zeros(num_workers * links.num_stages if comm else 0, dtype=np.bool_)
     grads_left = links.grads_per_stage.copy()
-    rows = _rows(comm, links.edge_link.shape[0] + 2 * n)
+    rows = _rows(comm, links.edge_route.shape[0] + 2 * links.weight_member.shape[0] + links.hand_route.shape[0]
+                 + links.collect_route.shape[0])
     booked = n - n
 
     for i in range(graph.source_items.shape[0]):
@@ -317,15 +484,11 @@ def schedule(graph, stashes, links):
                     parked += 1
                 continue
 
-        begin = t
+        begin, finish = t, t + duration[item]
         if comm:
-            history[history_base[w] + history_size[w]] = t
-            history_size[w] += 1
-            link = links.fetch_link[item]
-            if link >= 0:
-                begin, booked = _fetch(item, w, t, link, links, history, history_base[w], history_size[w], resident,
-                                       calendar_start, calendar_end, calendar_size, rows, booked)
-        finish = begin + duration[item]
+            begin, booked = _begin(item, t, links, history, history_base, history_size, resident, calendars, rows,
+                                   booked)
+            finish, booked = _finish(item, begin + duration[item], gang[item], links, calendars, rows, booked)
         start[item] = begin
         end[item] = finish
         if gang[item] < 0:
@@ -359,10 +522,8 @@ def schedule(graph, stashes, links):
                 for j in range(count):
                     other = woken[j]
                     size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other], other)
-        if comm and links.return_link[item] >= 0 and _returns_now(item, links, grads_left):
-            _, booked = _send(links.return_link[item], links.gradient_kind, finish,
-                              links.weight_bytes[links.stage[item]], item, links, calendar_start, calendar_end,
-                              calendar_size, rows, booked)
+        if comm:
+            booked = _return_gradients(item, finish, links, grads_left, calendars, rows, booked)
 
         item_rank = rank[item]
         last = succ_ptr[item + 1]
@@ -371,8 +532,8 @@ def schedule(graph, stashes, links):
             nxt = next_fixed[item] if fixed else succ_idx[k]
             arrive = finish
             if comm and not fixed and links.edge_kind[k] >= 0:  # -1: same worker
-                arrive, booked = _send(links.edge_link[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt, links,
-                                       calendar_start, calendar_end, calendar_size, rows, booked)
+                arrive, booked = _send(links.edge_route[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt, links,
+                                       calendars, rows, booked)
             if arrive > ready[nxt]:
                 ready[nxt] = arrive
             if not fixed and succ_primary[k] and arrive > trigger_time[nxt]:
@@ -391,7 +552,7 @@ def schedule(graph, stashes, links):
                     size = _push(heap_t, heap_k, heap_e, size, ready[nxt], nxt_key, nxt)
     kind, src, dst, row_start, row_end, nbytes, row_item = rows
     return start, end, (kind[:booked], src[:booked], dst[:booked], row_start[:booked], row_end[:booked],
-                        nbytes[:booked], row_item[:booked])
+                        nbytes[:booked], row_item[:booked]), calendars
 
 
 def _slack(succ_ptr, claim_ptr, release_ptr, pair_ptr, gang_ptr):
@@ -488,14 +649,16 @@ def _wake(w, pair_ptr, pair_base, park_size, park_k, park_e, woken):
 
 # ---------------------------------------------------------------------- network (engine._Communication)
 def _calendars(links):
-    """Each link's busy intervals, sorted: one region per link, a slot per transfer it may carry."""
-    slots = links.edge_link.shape[0] + 2 * links.stage.shape[0]
-    return np.empty(slots), np.empty(slots), np.zeros(links.latency.shape[0], dtype=np.int64)
+    """Every calendar's busy intervals, sorted (starts, ends, and how many
+    each holds): one region per calendar, a slot per booking it may take."""
+    slots = links.calendar_base[links.calendar_base.shape[0] - 1]
+    return np.empty(slots), np.empty(slots), np.zeros(links.calendar_base.shape[0] - 1, dtype=np.int64)
 
 
-def _histories(comm, worker, num_workers):
-    """Each worker's start times (a region per worker, a slot per item)."""
-    return np.empty(worker.shape[0] if comm else 0), _regions(worker, num_workers), np.zeros(num_workers, np.int64)
+def _histories(links, num_workers):
+    """Each worker's start times (a region per worker, a slot per weight row it computes)."""
+    return (np.empty(links.weight_member.shape[0]), _regions(links.weight_member, num_workers),
+            np.zeros(num_workers, np.int64))
 
 
 def _rows(comm, slots):
@@ -505,31 +668,137 @@ def _rows(comm, slots):
             np.empty(slots), np.empty(slots), np.empty(slots), np.empty(slots, dtype=np.int64))
 
 
-def _send(link, kind, ready, nbytes, item, links, calendar_start, calendar_end, calendar_size, rows, booked):
-    """Book ``nbytes`` on ``link`` from ``ready``: when it arrives, and how many rows are booked."""
-    latency, occupy = links.latency[link], nbytes / links.bandwidth[link]
+def _begin(item, t, links, history, history_base, history_size, resident, calendars, rows, booked):
+    """When ``item``, taken at ``t``, begins computing: once each of its
+    workers has its weights (``engine._Communication.fetch_weights``, each
+    member of a gang its share) and what its gang's first member hands out
+    has arrived (``gang_start``); and how many rows are booked."""
+    ready = t
+    for r in range(links.weight_ptr[item], links.weight_ptr[item + 1]):
+        w = links.weight_member[r]
+        history[history_base[w] + history_size[w]] = t
+        history_size[w] += 1
+        if links.fetch_route[r] >= 0:
+            arrive, booked = _fetch(item, w, t, links.fetch_route[r], links.weight_bytes[r], links, history,
+                                    history_base[w], history_size[w], resident, calendars, rows, booked)
+            ready = max(ready, arrive)
     begin = ready
-    if occupy > 0:
-        begin = _book(calendar_start, calendar_end, links.calendar_base[link], calendar_size, link, ready, occupy)
+    for h in range(links.hand_ptr[item], links.hand_ptr[item + 1]):
+        arrive, booked = _send(links.hand_route[h], links.hand_kind[h], ready, links.hand_bytes[h], item, links,
+                               calendars, rows, booked)
+        begin = max(begin, arrive)
+    return begin, booked
+
+
+def _finish(item, computed, gang, links, calendars, rows, booked):
+    """When ``item``, done computing at ``computed``, ends: on a topology its
+    gang's collective (the last ``collective[item]`` of it) waits for the
+    links its members use (``gang_collective``), then the first member
+    collects the members' results (``collect``); and how many rows are booked."""
+    finish = computed
+    collective = links.collective[item]
+    if links.shared and collective != 0:
+        first, last = links.gang_calendar_ptr[gang], links.gang_calendar_ptr[gang + 1]
+        finish = _book_all(links.gang_calendar, first, last, calendars, links.calendar_base, computed - collective,
+                           collective) + collective
+    done = finish
+    for h in range(links.collect_ptr[item], links.collect_ptr[item + 1]):
+        arrive, booked = _send(links.collect_route[h], links.collect_kind[h], finish, links.collect_bytes[h], item,
+                               links, calendars, rows, booked)
+        done = max(done, arrive)
+    return done, booked
+
+
+def _return_gradients(item, finish, links, grads_left, calendars, rows, booked):
+    """Send ``item``'s weight gradients back to their holders (``on_finished``); how many rows are booked."""
+    for r in range(links.weight_ptr[item], links.weight_ptr[item + 1]):
+        if links.return_route[r] >= 0 and _returns_now(links.weight_member[r], links.stage[item], links, grads_left):
+            _, booked = _send(links.return_route[r], links.gradient_kind, finish, links.weight_bytes[r], item, links,
+                              calendars, rows, booked)
+    return booked
+
+
+def _send(route, kind, ready, nbytes, item, links, calendars, rows, booked):
+    """Book ``nbytes`` on ``route`` from ``ready``: when it arrives, and how many rows are booked."""
+    latency, occupy = links.latency[route], nbytes / links.bandwidth[route]
+    first, last = links.route_ptr[route], links.route_ptr[route + 1]
+    if links.shared:
+        begin = _book_all(links.route_calendar, first, last, calendars, links.calendar_base, ready, occupy)
+    elif occupy > 0:
+        begin = _book(calendars, links.calendar_base, links.route_calendar[first], ready, occupy)
+    else:
+        begin = ready
     arrive = begin + latency + occupy
-    rows[0][booked], rows[1][booked], rows[2][booked] = kind, links.link_src[link], links.link_dst[link]
+    rows[0][booked], rows[1][booked], rows[2][booked] = kind, links.route_src[route], links.route_dst[route]
     rows[3][booked], rows[4][booked], rows[5][booked], rows[6][booked] = begin, arrive, nbytes, item
     return arrive, booked + 1
 
 
-def _book(starts, ends, base, sizes, link, ready, occupy):
-    """Take the first gap of ``occupy`` at or after ``ready`` on the link (engine._Calendar.book)."""
-    size = sizes[link]
+def _book(calendars, bases, calendar, ready, occupy):
+    """Take the first gap of ``occupy`` at or after ``ready`` on one calendar (engine._Calendar.book)."""
+    starts, ends, sizes = calendars
+    base, size = bases[calendar], sizes[calendar]
     i = _bisect_right(ends, base, base + size, ready) - base
     begin = ready
     while i < size and starts[base + i] < begin + occupy:
         begin = max(begin, ends[base + i])
         i += 1
+    _insert(starts, ends, base, size, i, begin, occupy)
+    sizes[calendar] = size + 1
+    return begin
+
+
+def _book_all(ids, first, last, calendars, bases, ready, occupy):
+    """Take ``occupy`` on every calendar of ``ids[first:last]`` in the first
+    gap at or after ``ready`` that they all share; return its start
+    (engine._Cluster._book)."""
+    if occupy <= 0 or first == last:
+        return ready
+    starts, ends, sizes = calendars
+    begin = ready
+    while True:
+        moved = begin
+        for j in range(first, last):
+            c = ids[j]
+            moved = max(moved, _gap(starts, ends, bases[c], sizes[c], begin, occupy))
+        if moved == begin:
+            break
+        begin = moved
+    for j in range(first, last):
+        c = ids[j]
+        base, size = bases[c], sizes[c]
+        _insert(starts, ends, base, size, _bisect_right(ends, base, base + size, begin) - base, begin, occupy)
+        sizes[c] = size + 1
+    return begin
+
+
+def _gap(starts, ends, base, size, ready, occupy):
+    """The start of a calendar's first gap of ``occupy`` at or after ``ready`` (engine._Calendar.gap)."""
+    i = _bisect_right(ends, base, base + size, ready) - base
+    begin = ready
+    while i < size and starts[base + i] < begin + occupy:
+        begin = max(begin, ends[base + i])
+        i += 1
+    return begin
+
+
+def _insert(starts, ends, base, size, i, begin, occupy):
+    """Put [begin, begin + occupy) at position i of a calendar holding ``size`` intervals."""
     for j in range(size, i, -1):
         starts[base + j], ends[base + j] = starts[base + j - 1], ends[base + j - 1]
     starts[base + i], ends[base + i] = begin, begin + occupy
-    sizes[link] = size + 1
-    return begin
+
+
+def book_in_order(starts, ends, sizes, bases, ptr, ids, groups, ready, duration):
+    """Book collectives one after another on the calendars a step left:
+    collective j takes ``duration[j]`` from ``ready[j]`` on the calendars of
+    group ``groups[j]`` (``ids[ptr[g]:ptr[g + 1]]``); their starts."""
+    calendars = (starts, ends, sizes)
+    begins = np.empty(groups.shape[0])
+    for j in range(groups.shape[0]):
+        g = groups[j]
+        begins[j] = _book_all(ids, ptr[g], ptr[g + 1], calendars, bases, ready[j], duration[j])
+    return begins
 
 
 def _bisect_right(values, lo, hi, x):
@@ -543,11 +812,11 @@ def _bisect_right(values, lo, hi, x):
     return lo
 
 
-def _fetch(item, w, t, link, links, history, base, count, resident, calendar_start, calendar_end, calendar_size,
-           rows, booked):
-    """When ``item``'s weights, held by another worker, are on its worker w:
-    at once if w keeps them from an earlier fetch, else when the fetch
-    arrives, issued ``prefetch_depth`` items earlier (``engine._Communication._fetch``)."""
+def _fetch(item, w, t, route, nbytes, links, history, base, count, resident, calendars, rows, booked):
+    """When ``item``'s weights (``nbytes`` of them), held by another worker,
+    are on worker w: at once if w keeps them from an earlier fetch, else
+    when the fetch arrives, issued ``prefetch_depth`` items earlier
+    (``engine._Communication._fetch``)."""
     stage = links.stage[item]
     if links.cache_weights and resident[w * links.num_stages + stage]:
         return t, booked
@@ -555,8 +824,7 @@ def _fetch(item, w, t, link, links, history, base, count, resident, calendar_sta
     issue = t
     if depth > 0:
         issue = history[base + count - 1 - depth] if count > depth else 0.0
-    arrive, booked = _send(link, links.weights_kind, issue, links.weight_bytes[stage], item, links, calendar_start,
-                           calendar_end, calendar_size, rows, booked)
+    arrive, booked = _send(route, links.weights_kind, issue, nbytes, item, links, calendars, rows, booked)
     if links.cache_weights:
         resident[w * links.num_stages + stage] = True
     if arrive > t:
@@ -564,12 +832,12 @@ def _fetch(item, w, t, link, links, history, base, count, resident, calendar_sta
     return max(t, arrive), booked
 
 
-def _returns_now(item, links, grads_left):
-    """Whether ``item`` sends its weight gradient back now (with cached
-    weights: only the last of its worker's items of that stage does)."""
+def _returns_now(w, stage, links, grads_left):
+    """Whether worker w sends its weight gradient of ``stage`` back now (with
+    cached weights: only for the last of its items of that stage)."""
     if not links.cache_weights:
         return True
-    at = links.link_src[links.return_link[item]] * links.num_stages + links.stage[item]
+    at = w * links.num_stages + stage
     grads_left[at] -= 1
     return grads_left[at] == 0
 
@@ -662,7 +930,8 @@ def _heap_pop(lk, le, base, size):
 
 _HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_regions",
             "_slack", "_latest_free", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories", "_rows",
-            "_bisect_right", "_book", "_send", "_fetch", "_returns_now", "schedule")
+            "_bisect_right", "_gap", "_insert", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin",
+            "_finish", "_return_gradients", "book_in_order", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
 
@@ -692,3 +961,6 @@ def warm_up() -> None:
                   source_keys=one, num_workers=1, gang=np.full(1, -1), gang_ptr=np.zeros(1, np.int64),
                   gang_member=none, release=np.zeros(1))
     schedule(*(_contiguous(table) for table in (graph, no_stashes(1, 1), no_links())))
+    none = np.zeros(0, np.int64)
+    book_in_order(np.zeros(0), np.zeros(0), none, np.zeros(1, np.int64), np.zeros(1, np.int64), none, none,
+                  np.zeros(0), np.zeros(0))

@@ -97,66 +97,86 @@ class Graph(NamedTuple):
     """Per item: the earliest time it may start (zeros: any time)."""
 
 
-class Links(NamedTuple):
-    """The network (``engine._Communication``), or all empty when
-    communication is free.
+class Routes(NamedTuple):
+    """Where transfers go and what they book.  A route (one per ordered pair
+    of workers a transfer may use) has its ends, latency and bandwidth, and
+    books one or more calendars: without a topology each pair is one link
+    with a calendar of its own; on a topology (``shared``) a route books
+    every link it crosses at once, in the first gap they all share
+    (``engine._Cluster``).  A calendar (busy intervals, sorted) has one slot
+    per booking it may take."""
 
-    Every transfer that may happen has its route known in advance: an
-    edge's, each weight fetch and gradient return of an item's workers, and
-    what a gang's first member hands out and collects.  A route (one per
-    ordered pair of workers, with its latency and bandwidth) books one or
-    more calendars: without a topology each pair is one link with a
-    calendar of its own; on a topology (``shared``) a route books every link
-    it crosses at once, as ``engine._Cluster`` does, and so do a gang's
-    tensor-parallel collectives and the end-of-step all-reduces.  A
-    calendar (busy intervals, sorted) has one slot per booking it may take."""
-
-    on: bool
     shared: bool
-    """On a topology: bookings take the first gap all their calendars share (``engine._Cluster._book``)."""
-    edge_kind: np.ndarray
-    """Per edge of ``Graph``: the transfer kind it moves (a code of
-    ``TRANSFER_KINDS``), -1: nothing (both ends on one worker)."""
-    edge_bytes: np.ndarray
-    edge_route: np.ndarray
-    weight_ptr: np.ndarray
-    """The workers computing item i with weights (its own, or each member of
-    its gang) are rows ``weight_ptr[i]:weight_ptr[i + 1]`` of the columns below
-    (``Problem.weight_links``, by item)."""
-    weight_member: np.ndarray
-    weight_bytes: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    latency: np.ndarray
+    bandwidth: np.ndarray
+    ptr: np.ndarray
+    """Route r books calendars ``calendar[ptr[r]:ptr[r + 1]]``."""
+    calendar: np.ndarray
+    calendar_base: np.ndarray
+    """Where each calendar's region starts; the last entry is the room of all of them."""
+
+
+class Weights(NamedTuple):
+    """The weights each item computes with and how they move: the workers
+    computing item i (its own, or each member of its gang) are rows
+    ``ptr[i]:ptr[i + 1]`` (``Problem.weight_links``, by item)."""
+
+    ptr: np.ndarray
+    member: np.ndarray
+    nbytes: np.ndarray
     fetch_route: np.ndarray
-    """Per weight row: the route its weights come over, -1 when the member holds them."""
+    """Per row: the route its weights come over, -1 when the member holds them."""
     return_route: np.ndarray
-    """Per weight row: the route its weight gradient goes back over, -1: none."""
+    """Per row: the route its weight gradient goes back over, -1: none."""
+    stage: np.ndarray
+    """Per item: its stage."""
+    num_stages: int
+    prefetch_depth: int
+    cache: bool
+    grads_per_stage: np.ndarray
+    """Per (worker, stage): how many of its rows return a gradient of that
+    stage (``Problem.gradient_returns``, counted on arrays)."""
+    fetch_kind: int
+    return_kind: int
+
+
+class GangTraffic(NamedTuple):
+    """What a gang item's first member hands out before the members compute
+    (rows ``hand_ptr[i]:hand_ptr[i + 1]``: kind, route, bytes) and collects
+    after (``Problem.gang_moves``), and, on a topology, its collective."""
+
     hand_ptr: np.ndarray
-    """What a gang item's first member hands out before the members compute:
-    rows ``hand_ptr[i]:hand_ptr[i + 1]`` (kind, route, bytes)."""
     hand_kind: np.ndarray
     hand_route: np.ndarray
     hand_bytes: np.ndarray
     collect_ptr: np.ndarray
-    """What it collects after (``Problem.gang_moves``), the same way."""
     collect_kind: np.ndarray
     collect_route: np.ndarray
     collect_bytes: np.ndarray
     collective: np.ndarray
     """Per item: the part of its duration that is its gang's collective (``Problem.collective``)."""
-    gang_calendar_ptr: np.ndarray
-    """On a topology: the calendars gang g's collective books are
-    ``gang_calendar[gang_calendar_ptr[g]:gang_calendar_ptr[g + 1]]``."""
-    gang_calendar: np.ndarray
-    stage: np.ndarray
-    num_stages: int
-    latency: np.ndarray
-    bandwidth: np.ndarray
-    route_src: np.ndarray
-    route_dst: np.ndarray
-    route_ptr: np.ndarray
-    """Route r books calendars ``route_calendar[route_ptr[r]:route_ptr[r + 1]]``."""
-    route_calendar: np.ndarray
-    calendar_base: np.ndarray
-    """Where each calendar's region starts; the last entry is the room of all of them."""
+    calendar_ptr: np.ndarray
+    """On a topology: gang g's collective books calendars ``calendar[calendar_ptr[g]:calendar_ptr[g + 1]]``."""
+    calendar: np.ndarray
+
+
+class Links(NamedTuple):
+    """The network (``engine._Communication``), or all empty when
+    communication is free: every transfer that may happen (an edge's, each
+    weight fetch and gradient return, what a gang hands out and collects)
+    has its route known in advance."""
+
+    on: bool
+    routes: Routes
+    weights: Weights
+    gangs: GangTraffic
+    edge_kind: np.ndarray
+    """Per edge of ``Graph``: the transfer kind it moves (a code of
+    ``TRANSFER_KINDS``), -1: nothing (both ends on one worker)."""
+    edge_bytes: np.ndarray
+    edge_route: np.ndarray
     allreduce_stage: np.ndarray
     """On a topology, per end-of-step all-reduce (``transfers.allreduce_table``,
     in its order): its stage and share, and the calendars it books,
@@ -164,13 +184,6 @@ class Links(NamedTuple):
     allreduce_share: np.ndarray
     allreduce_ptr: np.ndarray
     allreduce_calendar: np.ndarray
-    grads_per_stage: np.ndarray
-    """Per (worker, stage): how many of its weight rows return a gradient of
-    that stage (``Problem.gradient_returns``, counted on arrays)."""
-    prefetch_depth: int
-    cache_weights: bool
-    weights_kind: int
-    gradient_kind: int
 
 
 def graph_of(problem) -> Graph:
@@ -225,23 +238,19 @@ def links_of(problem) -> Links:
     edge_route[kinds >= 0], fetch_route[fetches], return_route[returns] = route[:3]
     latency, bandwidth = network.pair_links(problem.costs, pairs // W, pairs % W)
     calendars = _calendars_of(problem, pairs // W, pairs % W, per_route)
-    return Links(
-        on=True, shared=calendars.shared, edge_kind=kinds, edge_bytes=np.asarray(nbytes, dtype=float),
-        edge_route=edge_route, weight_ptr=_ptr(item, n), weight_member=member.astype(np.int64),
-        weight_bytes=size.astype(float), fetch_route=fetch_route, return_route=return_route,
-        hand_ptr=hand[0], hand_kind=hand[1], hand_route=route[3], hand_bytes=hand[4],
-        collect_ptr=collect[0], collect_kind=collect[1], collect_route=route[4], collect_bytes=collect[4],
-        collective=np.asarray(problem.collective if problem.collective is not None else np.zeros(n), dtype=float),
-        gang_calendar_ptr=calendars.gang_ptr, gang_calendar=calendars.gang_calendar,
-        stage=problem.stage, num_stages=S, latency=latency, bandwidth=bandwidth,
-        route_src=pairs // W, route_dst=pairs % W, route_ptr=calendars.route_ptr,
-        route_calendar=calendars.route_calendar, calendar_base=calendars.base,
-        allreduce_stage=calendars.allreduce_stage, allreduce_share=calendars.allreduce_share,
-        allreduce_ptr=calendars.allreduce_ptr, allreduce_calendar=calendars.allreduce_calendar,
-        grads_per_stage=np.bincount((member * S + problem.stage[item])[returns], minlength=W * S),
-        prefetch_depth=int(problem.prefetch_depth), cache_weights=bool(problem.cache_weights),
-        weights_kind=TRANSFER_KINDS.index("weights"), gradient_kind=TRANSFER_KINDS.index("weight_gradient"),
-    )
+    routes = Routes(calendars.shared, pairs // W, pairs % W, latency, bandwidth, calendars.route_ptr,
+                    calendars.route_calendar, calendars.base)
+    weights = Weights(
+        _ptr(item, n), member.astype(np.int64), size.astype(float), fetch_route, return_route, problem.stage, S,
+        int(problem.prefetch_depth), bool(problem.cache_weights),
+        np.bincount((member * S + problem.stage[item])[returns], minlength=W * S),
+        TRANSFER_KINDS.index("weights"), TRANSFER_KINDS.index("weight_gradient"))
+    collective = problem.collective if problem.collective is not None else np.zeros(n)
+    gangs = GangTraffic(hand[0], hand[1], route[3], hand[4], collect[0], collect[1], route[4], collect[4],
+                        np.asarray(collective, dtype=float), calendars.gang_ptr, calendars.gang_calendar)
+    return Links(True, routes, weights, gangs, kinds, np.asarray(nbytes, dtype=float), edge_route,
+                 calendars.allreduce_stage, calendars.allreduce_share, calendars.allreduce_ptr,
+                 calendars.allreduce_calendar)
 
 
 def _ptr(owner: np.ndarray, count: int) -> np.ndarray:
@@ -331,9 +340,10 @@ def _everyone(problem, replicas) -> list[int]:
 def no_links() -> Links:
     """Free communication."""
     none_i, none_f, one = np.zeros(0, np.int64), np.zeros(0), np.zeros(1, np.int64)
-    return Links(False, False, none_i, none_f, none_i, one, none_i, none_f, none_i, none_i, one, none_i, none_i, none_f,
-                 one, none_i, none_i, none_f, none_f, one, none_i, none_i, 0, none_f, none_f, none_i, none_i, one,
-                 none_i, one, none_i, none_i, one, none_i, none_i, 0, False, 0, 0)
+    routes = Routes(False, none_i, none_i, none_f, none_f, one, none_i, one)
+    weights = Weights(one, none_i, none_f, none_i, none_i, none_i, 0, 0, False, none_i, 0, 0)
+    gangs = GangTraffic(one, none_i, none_i, none_f, one, none_i, none_i, none_f, none_f, one, none_i)
+    return Links(False, routes, weights, gangs, none_i, none_f, none_i, none_i, none_i, one, none_i)
 
 
 def run(problem):
@@ -352,7 +362,7 @@ def run(problem):
     names = [TRANSFER_KINDS[k] for k in kind.tolist()]
     booked = list(zip(names, src.tolist(), dst.tolist(), begin.tolist(), arrive.tolist(), nbytes.tolist(),
                       item.tolist()))
-    if links.shared and start.min(initial=0.0) >= 0:
+    if links.routes.shared and start.min(initial=0.0) >= 0:
         booked += _allreduces(problem, links, calendars, end, rows)
     return start, end, booked
 
@@ -362,13 +372,13 @@ def _allreduces(problem, links: Links, calendars, end: np.ndarray, rows) -> list
     its workers use once its stage is ready, in that order, after the step's
     transfers (``engine._Communication.finish_step``): their rows."""
     kind, _, _, _, arrive, _, item = rows
-    returned = kind == links.gradient_kind
+    returned = kind == links.weights.return_kind
     groups = transfers.allreduce_groups(problem, end, problem.stage[item[returned]], arrive[returned])
     index = {key: g for g, key in enumerate(zip(links.allreduce_stage.tolist(), links.allreduce_share.tolist()))}
     groups = sorted(groups, key=lambda g: (g.ready, g.stage, g.share))
     everyone = [_everyone(problem, group.replicas) for group in groups]
     duration = [float(network.allreduce_time(problem.costs, e, group.nbytes)) for group, e in zip(groups, everyone)]
-    begins = book_in_order(*calendars, links.calendar_base, links.allreduce_ptr, links.allreduce_calendar,
+    begins = book_in_order(*calendars, links.routes.calendar_base, links.allreduce_ptr, links.allreduce_calendar,
                           np.array([index[(g.stage, g.share)] for g in groups], dtype=np.int64),
                           np.array([g.ready for g in groups], dtype=float), np.array(duration, dtype=float))
     return [row for group, e, begin, d in zip(groups, everyone, begins.tolist(), duration)
@@ -376,9 +386,10 @@ def _allreduces(problem, links: Links, calendars, end: np.ndarray, rows) -> list
 
 
 def _contiguous(table):
-    """``table`` with every array contiguous, so that every call has the
-    one signature numba compiled."""
-    return type(table)(*(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for v in table))
+    """``table`` (and the tables in it) with every array contiguous, so that
+    every call has the one signature numba compiled."""
+    return type(table)(*(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else
+                         _contiguous(v) if isinstance(v, tuple) else v for v in table))
 
 
 # ---------------------------------------------------------------------- the greedy
@@ -431,13 +442,13 @@ def schedule(graph, stashes, links):
 
     # the network: the calendars, each worker's start times (for prefetch),
     # resident stages, gradients still to return, and the rows booked
-    comm = links.on
-    calendars = _calendars(links)
-    history, history_base, history_size = _histories(links, num_workers)
-    resident = np.zeros(num_workers * links.num_stages if comm else 0, dtype=np.bool_)
-    grads_left = links.grads_per_stage.copy()
-    rows = _rows(comm, links.edge_route.shape[0] + 2 * links.weight_member.shape[0] + links.hand_route.shape[0]
-                 + links.collect_route.shape[0])
+    comm, routes, weights, gangs = links.on, links.routes, links.weights, links.gangs
+    calendars = _calendars(routes)
+    history, history_base, history_size = _histories(weights, num_workers)
+    resident = np.zeros(num_workers * weights.num_stages if comm else 0, dtype=np.bool_)
+    grads_left = weights.grads_per_stage.copy()
+    rows = _rows(comm, links.edge_route.shape[0] + 2 * weights.member.shape[0] + gangs.hand_route.shape[0]
+                 + gangs.collect_route.shape[0])
     booked = n - n
 
     for i in range(graph.source_items.shape[0]):
@@ -486,9 +497,9 @@ def schedule(graph, stashes, links):
 
         begin, finish = t, t + duration[item]
         if comm:
-            begin, booked = _begin(item, t, links, history, history_base, history_size, resident, calendars, rows,
-                                   booked)
-            finish, booked = _finish(item, begin + duration[item], gang[item], links, calendars, rows, booked)
+            begin, booked = _begin(item, t, weights, gangs, routes, history, history_base, history_size, resident,
+                                   calendars, rows, booked)
+            finish, booked = _finish(item, begin + duration[item], gang[item], gangs, routes, calendars, rows, booked)
         start[item] = begin
         end[item] = finish
         if gang[item] < 0:
@@ -523,7 +534,7 @@ def schedule(graph, stashes, links):
                     other = woken[j]
                     size = _push(heap_t, heap_k, heap_e, size, max(finish, ready[other]), trigger_rank[other], other)
         if comm:
-            booked = _return_gradients(item, finish, links, grads_left, calendars, rows, booked)
+            booked = _return_gradients(item, finish, weights, routes, grads_left, calendars, rows, booked)
 
         item_rank = rank[item]
         last = succ_ptr[item + 1]
@@ -532,8 +543,8 @@ def schedule(graph, stashes, links):
             nxt = next_fixed[item] if fixed else succ_idx[k]
             arrive = finish
             if comm and not fixed and links.edge_kind[k] >= 0:  # -1: same worker
-                arrive, booked = _send(links.edge_route[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt, links,
-                                       calendars, rows, booked)
+                arrive, booked = _send(links.edge_route[k], links.edge_kind[k], finish, links.edge_bytes[k], nxt,
+                                       routes, calendars, rows, booked)
             if arrive > ready[nxt]:
                 ready[nxt] = arrive
             if not fixed and succ_primary[k] and arrive > trigger_time[nxt]:
@@ -648,16 +659,16 @@ def _wake(w, pair_ptr, pair_base, park_size, park_k, park_e, woken):
 
 
 # ---------------------------------------------------------------------- network (engine._Communication)
-def _calendars(links):
+def _calendars(routes):
     """Every calendar's busy intervals, sorted (starts, ends, and how many
     each holds): one region per calendar, a slot per booking it may take."""
-    slots = links.calendar_base[links.calendar_base.shape[0] - 1]
-    return np.empty(slots), np.empty(slots), np.zeros(links.calendar_base.shape[0] - 1, dtype=np.int64)
+    slots = routes.calendar_base[routes.calendar_base.shape[0] - 1]
+    return np.empty(slots), np.empty(slots), np.zeros(routes.calendar_base.shape[0] - 1, dtype=np.int64)
 
 
-def _histories(links, num_workers):
+def _histories(weights, num_workers):
     """Each worker's start times (a region per worker, a slot per weight row it computes)."""
-    return (np.empty(links.weight_member.shape[0]), _regions(links.weight_member, num_workers),
+    return (np.empty(weights.member.shape[0]), _regions(weights.member, num_workers),
             np.zeros(num_workers, np.int64))
 
 
@@ -668,68 +679,68 @@ def _rows(comm, slots):
             np.empty(slots), np.empty(slots), np.empty(slots), np.empty(slots, dtype=np.int64))
 
 
-def _begin(item, t, links, history, history_base, history_size, resident, calendars, rows, booked):
+def _begin(item, t, weights, gangs, routes, history, history_base, history_size, resident, calendars, rows, booked):
     """When ``item``, taken at ``t``, begins computing: once each of its
     workers has its weights (``engine._Communication.fetch_weights``, each
     member of a gang its share) and what its gang's first member hands out
     has arrived (``gang_start``); and how many rows are booked."""
     ready = t
-    for r in range(links.weight_ptr[item], links.weight_ptr[item + 1]):
-        w = links.weight_member[r]
+    for r in range(weights.ptr[item], weights.ptr[item + 1]):
+        w = weights.member[r]
         history[history_base[w] + history_size[w]] = t
         history_size[w] += 1
-        if links.fetch_route[r] >= 0:
-            arrive, booked = _fetch(item, w, t, links.fetch_route[r], links.weight_bytes[r], links, history,
-                                    history_base[w], history_size[w], resident, calendars, rows, booked)
+        if weights.fetch_route[r] >= 0:
+            arrive, booked = _fetch(item, w, t, r, weights, routes, history, history_base[w], history_size[w],
+                                    resident, calendars, rows, booked)
             ready = max(ready, arrive)
     begin = ready
-    for h in range(links.hand_ptr[item], links.hand_ptr[item + 1]):
-        arrive, booked = _send(links.hand_route[h], links.hand_kind[h], ready, links.hand_bytes[h], item, links,
+    for h in range(gangs.hand_ptr[item], gangs.hand_ptr[item + 1]):
+        arrive, booked = _send(gangs.hand_route[h], gangs.hand_kind[h], ready, gangs.hand_bytes[h], item, routes,
                                calendars, rows, booked)
         begin = max(begin, arrive)
     return begin, booked
 
 
-def _finish(item, computed, gang, links, calendars, rows, booked):
+def _finish(item, computed, gang, gangs, routes, calendars, rows, booked):
     """When ``item``, done computing at ``computed``, ends: on a topology its
     gang's collective (the last ``collective[item]`` of it) waits for the
     links its members use (``gang_collective``), then the first member
     collects the members' results (``collect``); and how many rows are booked."""
     finish = computed
-    collective = links.collective[item]
-    if links.shared and collective != 0:
-        first, last = links.gang_calendar_ptr[gang], links.gang_calendar_ptr[gang + 1]
-        finish = _book_all(links.gang_calendar, first, last, calendars, links.calendar_base, computed - collective,
+    collective = gangs.collective[item]
+    if routes.shared and collective != 0:
+        first, last = gangs.calendar_ptr[gang], gangs.calendar_ptr[gang + 1]
+        finish = _book_all(gangs.calendar, first, last, calendars, routes.calendar_base, computed - collective,
                            collective) + collective
     done = finish
-    for h in range(links.collect_ptr[item], links.collect_ptr[item + 1]):
-        arrive, booked = _send(links.collect_route[h], links.collect_kind[h], finish, links.collect_bytes[h], item,
-                               links, calendars, rows, booked)
+    for h in range(gangs.collect_ptr[item], gangs.collect_ptr[item + 1]):
+        arrive, booked = _send(gangs.collect_route[h], gangs.collect_kind[h], finish, gangs.collect_bytes[h], item,
+                               routes, calendars, rows, booked)
         done = max(done, arrive)
     return done, booked
 
 
-def _return_gradients(item, finish, links, grads_left, calendars, rows, booked):
+def _return_gradients(item, finish, weights, routes, grads_left, calendars, rows, booked):
     """Send ``item``'s weight gradients back to their holders (``on_finished``); how many rows are booked."""
-    for r in range(links.weight_ptr[item], links.weight_ptr[item + 1]):
-        if links.return_route[r] >= 0 and _returns_now(links.weight_member[r], links.stage[item], links, grads_left):
-            _, booked = _send(links.return_route[r], links.gradient_kind, finish, links.weight_bytes[r], item, links,
+    for r in range(weights.ptr[item], weights.ptr[item + 1]):
+        if weights.return_route[r] >= 0 and _returns_now(weights.member[r], weights.stage[item], weights, grads_left):
+            _, booked = _send(weights.return_route[r], weights.return_kind, finish, weights.nbytes[r], item, routes,
                               calendars, rows, booked)
     return booked
 
 
-def _send(route, kind, ready, nbytes, item, links, calendars, rows, booked):
+def _send(route, kind, ready, nbytes, item, routes, calendars, rows, booked):
     """Book ``nbytes`` on ``route`` from ``ready``: when it arrives, and how many rows are booked."""
-    latency, occupy = links.latency[route], nbytes / links.bandwidth[route]
-    first, last = links.route_ptr[route], links.route_ptr[route + 1]
-    if links.shared:
-        begin = _book_all(links.route_calendar, first, last, calendars, links.calendar_base, ready, occupy)
+    latency, occupy = routes.latency[route], nbytes / routes.bandwidth[route]
+    first, last = routes.ptr[route], routes.ptr[route + 1]
+    if routes.shared:
+        begin = _book_all(routes.calendar, first, last, calendars, routes.calendar_base, ready, occupy)
     elif occupy > 0:
-        begin = _book(calendars, links.calendar_base, links.route_calendar[first], ready, occupy)
+        begin = _book(calendars, routes.calendar_base, routes.calendar[first], ready, occupy)
     else:
         begin = ready
     arrive = begin + latency + occupy
-    rows[0][booked], rows[1][booked], rows[2][booked] = kind, links.route_src[route], links.route_dst[route]
+    rows[0][booked], rows[1][booked], rows[2][booked] = kind, routes.src[route], routes.dst[route]
     rows[3][booked], rows[4][booked], rows[5][booked], rows[6][booked] = begin, arrive, nbytes, item
     return arrive, booked + 1
 
@@ -812,32 +823,33 @@ def _bisect_right(values, lo, hi, x):
     return lo
 
 
-def _fetch(item, w, t, route, nbytes, links, history, base, count, resident, calendars, rows, booked):
-    """When ``item``'s weights (``nbytes`` of them), held by another worker,
-    are on worker w: at once if w keeps them from an earlier fetch, else
-    when the fetch arrives, issued ``prefetch_depth`` items earlier
+def _fetch(item, w, t, r, weights, routes, history, base, count, resident, calendars, rows, booked):
+    """When the weights of row r of ``item``, held by another worker, are
+    on worker w: at once if w keeps them from an earlier fetch, else when
+    the fetch arrives, issued ``prefetch_depth`` items earlier
     (``engine._Communication._fetch``)."""
-    stage = links.stage[item]
-    if links.cache_weights and resident[w * links.num_stages + stage]:
+    at = w * weights.num_stages + weights.stage[item]
+    if weights.cache and resident[at]:
         return t, booked
-    depth = links.prefetch_depth
+    depth = weights.prefetch_depth
     issue = t
     if depth > 0:
         issue = history[base + count - 1 - depth] if count > depth else 0.0
-    arrive, booked = _send(route, links.weights_kind, issue, nbytes, item, links, calendars, rows, booked)
-    if links.cache_weights:
-        resident[w * links.num_stages + stage] = True
+    arrive, booked = _send(weights.fetch_route[r], weights.fetch_kind, issue, weights.nbytes[r], item, routes,
+                           calendars, rows, booked)
+    if weights.cache:
+        resident[at] = True
     if arrive > t:
         history[base + count - 1] = arrive
     return max(t, arrive), booked
 
 
-def _returns_now(w, stage, links, grads_left):
+def _returns_now(w, stage, weights, grads_left):
     """Whether worker w sends its weight gradient of ``stage`` back now (with
     cached weights: only for the last of its items of that stage)."""
-    if not links.cache_weights:
+    if not weights.cache:
         return True
-    at = w * links.num_stages + stage
+    at = w * weights.num_stages + stage
     grads_left[at] -= 1
     return grads_left[at] == 0
 
@@ -934,6 +946,11 @@ _HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_r
             "_finish", "_return_gradients", "book_in_order", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
+_INLINED = ("_admit", "_level", "_wake", "_begin", "_finish", "_return_gradients")
+"""Helpers numba inlines where they are called: they run once per item and
+take tables a call copies (called, they made the compiled step with
+transfers take about twice as long)."""
+
 
 @cache
 def compiled_schedule():
@@ -945,7 +962,7 @@ def compiled_schedule():
     jit = numba.njit(cache=True, nogil=True)
     inline = numba.njit(cache=True, nogil=True, inline="always")
     for name in _HELPERS:
-        globals()[name] = (inline if name in ("_admit", "_level", "_wake") else jit)(globals()[name])
+        globals()[name] = (inline if name in _INLINED else jit)(globals()[name])
     return globals()["schedule"]
 
 

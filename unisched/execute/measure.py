@@ -70,6 +70,19 @@ class Clock:
             return self._origin_host + self._origin_event.elapsed_time(mark) / 1000.0
         return float(mark)
 
+    def resolve_spans(self, spans) -> list[tuple[int, float, float]]:
+        """``(index, start mark, end mark)`` as ``(index, seconds, seconds)``,
+        each mark resolved once (consecutive items share one)."""
+        seconds = {}
+
+        def resolved(mark):
+            found = seconds.get(id(mark))
+            if found is None:
+                found = seconds[id(mark)] = self.resolve(mark)
+            return found
+
+        return [(i, resolved(a), resolved(z)) for i, a, z in spans]
+
     def sync(self) -> None:
         if self.cuda:
             import torch

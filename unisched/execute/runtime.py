@@ -738,8 +738,10 @@ class Trainer:
                 self._compute(st, action, item)
                 if st.outgoing or st.pending:
                     self._reap(st)
+                    st.last_end = None
                 if index == self._last_loss_item:
                     self._post_losses(st)
+                    st.last_end = None
             elif action.is_recv:
                 self._post_or_defer(st, action, index)
             elif action.is_send:
@@ -884,7 +886,11 @@ class Trainer:
         for message in item.awaits:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._receive(st, message)
-        start = st.clock.mark() if self._recording and not item.ran_before else None
+        start = None
+        if self._recording and not item.ran_before:
+            last = st.last_end  # the item just before ended here, and nothing came between
+            follows = last is not None and last[0] == item.index - 1 and not item.awaits and s not in self._fetch
+            start = last[1] if follows else st.clock.mark()
         if item.gang is not None:
             self._gang_pass(st, s, b, reads, item.gang, forward=action.op == "F")
         elif action.op == "F":
@@ -896,8 +902,11 @@ class Trainer:
         if self._recording and item.noted:
             if item.ran_before:
                 start, end = st.carried.pop((s, b))
+                last = st.last_end  # the run's call ended there
+                st.last_end = (item.index, last[1]) if last is not None and last[0] == item.index - 1 else None
             else:
                 end = st.clock.mark()
+                st.last_end = (item.index, end)
                 if item.runs_also:
                     start, end = self._split_span(st, (s, b), item.runs_also, start, end)
             st.items.append((item.index, start, end))
@@ -1079,6 +1088,8 @@ class Trainer:
             if item.runs_also:
                 roots, grads = self._run_roots(st, item.runs_also, roots, grads)
                 if self._recording:
+                    if all((self._actions[i].stage, self._actions[i].batch) in self._fused_from for i in item.runs_also):
+                        st.boundaries[(s, b)] = None  # the one root's: the engine begins there, at the call's start
                     self._note_boundaries(st, [((s, b), leaves)] + [
                         ((self._actions[i].stage, self._actions[i].batch),
                          st.graphs[(self._actions[i].stage, self._actions[i].batch)][2]) for i in item.runs_also])
@@ -1128,10 +1139,13 @@ class Trainer:
         output (``leaves``) runs before that node does."""
         def hook(key):
             def began(grad_outputs):
-                st.boundaries.setdefault(key, st.clock.mark())
+                if key not in st.boundaries:  # a member's first node to run
+                    st.boundaries[key] = st.clock.mark()
             return began
 
         for key, leaves in members:
+            if key in st.boundaries:
+                continue
             for y in leaves:
                 if y.grad_fn is not None:
                     y.grad_fn.register_prehook(hook(key))
@@ -1563,7 +1577,7 @@ class Trainer:
         tensor each (:class:`NotesLayout`: no pickling); the Timeline is
         assembled when :attr:`last_timeline` is first read."""
         mine = torch.from_numpy(self._notes_layout.pack(
-            st.begin, st.end, [(i, st.clock.resolve(a), st.clock.resolve(z)) for i, a, z in st.items],
+            st.begin, st.end, st.clock.resolve_spans(st.items),
             st.sends, st.receives, st.reduces))
         everyone = [mine]
         if self.world_size > 1:
@@ -1743,7 +1757,8 @@ class _StepState:
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = trainer._clock
         self.boundaries: dict[tuple[int, int], Any] = {}  # where a run's engine call began (stage, batch)'s backward
-        self.carried: dict[tuple[int, int], tuple] = {}  # the span of a backward run in its successor's call
+        self.carried: dict[tuple[int, int], tuple] = {}  # the span of a backward run in its run's call
+        self.last_end: tuple[int, Any] | None = None  # (action index, mark) where the last compute item ended
         self.items: list = []
         self.sends: dict[int, float] = {}
         self.receives: dict[int, tuple[float, float]] = {}

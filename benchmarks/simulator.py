@@ -15,6 +15,14 @@ about one million work items for every named strategy and torch's schedule
 classes: building the strategy (its fixed orders) and simulating it, timed
 apart (wall clock), and the CPU time of both together (the process's own,
 which a machine shared with other jobs slows less than the wall clock).
+
+The network cases (``--only network``, or all of them by default) put
+strategies on cluster topologies (transfers sharing NVLink ports and
+NICs, all-reduces across replicas, tensor-parallel gangs whose collectives
+wait for their links) and gangs that share rows over links between pairs
+of workers, and time the compiled greedy and the Python engine on the same
+steps, side by side, after checking that their timelines and transfers
+are identical.
 """
 
 from __future__ import annotations
@@ -29,8 +37,14 @@ import time
 import numpy as np
 
 import unisched
-from unisched import BACKWARD, FORWARD, ComputeAndWeightWorkers, Strategy, Work
+from unisched import BACKWARD, FORWARD, ComputeAndWeightWorkers, Costs, Strategy, Work
 from unisched.simulate import engine, fast
+from unisched.simulate.layout import tensor_parallel
+from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.problem import build as build_problem
+from unisched.strategy import Gang
+from unisched.topology import ClusterCosts
+from unisched.work import Shape, as_stage_graph
 
 
 # ---------------------------------------------------------------------- the cases
@@ -173,6 +187,58 @@ def compare(repeat: int, only: list[str]) -> tuple[dict, list[dict]]:
     return baseline, rows
 
 
+# ---------------------------------------------------------------------- networks: compiled against the engine
+def network_cases() -> dict:
+    """name -> (shape, strategy, costs): steps with transfers that take time,
+    of about 65,000 items each."""
+    B = 2048
+    seconds = dict(forward=1e-3, backward=2e-3, activation_bytes=2e7, weight_bytes=4e8)
+    one_f_one_b = unisched.policies.get("one_f_one_b", num_workers=16, num_stages=16, num_batches=B)
+    zb_h1 = unisched.policies.get("zb_h1", num_workers=16, num_stages=16, num_batches=B // 2)
+    pipeline = unisched.policies.get("one_f_one_b", num_workers=8, num_stages=8, num_batches=2 * B)
+    gangs = tensor_parallel(pipeline, 2)
+    shared_rows = gangs.with_(gang=lambda w: Gang(gangs.gang(w).workers, False), name="1F1B, gangs of 2 sharing rows")
+    return {
+        "1F1B on dgx_h100, 2 replicas": ((16, 16, B), one_f_one_b,
+                                         ClusterCosts(**seconds, topology="dgx_h100", replicas=2)),
+        "ZB-H1 on p4d (shared NICs)": ((16, 16, B // 2), zb_h1,
+                                       ClusterCosts(**seconds, prefetch_depth=1, topology="p4d_24xlarge")),
+        "1F1B x TP 2 on dgx_h100": ((16, 8, 2 * B), tensor_parallel(pipeline, 2),
+                                    ClusterCosts(**seconds, topology="dgx_h100", replicas=2)),
+        "1F1B x 2 sharing rows, pair links": ((16, 8, 2 * B), shared_rows,
+                                              Costs(**seconds, bandwidth=5e10, latency=5e-6)),
+    }
+
+
+def compiled_against_engine(repeat: int) -> list[dict]:
+    """Each network case's items per second on the compiled greedy and on
+    the Python engine (best of ``repeat``, the two taking turns on the same
+    step), after checking that both give the same timeline and transfers."""
+    rows = []
+    for name, ((W, S, B), strategy, costs) in network_cases().items():
+        priority = strategy.priority or OldestBatchFirst(S, B)
+        problem = build_problem(Shape(W, S, B), strategy, priority, costs, strategy.memory_limit,
+                                strategy.split_backward, as_stage_graph(S, None), False)  # its own limit counts stashes
+        assert fast.covers(problem)
+        best = {"compiled": float("inf"), "python engine": float("inf")}
+        for _ in range(repeat):
+            for path, run in (("compiled", fast.run), ("python engine", engine.run)):
+                began = time.perf_counter()
+                result = run(problem)
+                best[path] = min(best[path], time.perf_counter() - began)
+                if path == "compiled":
+                    compiled = result
+                else:
+                    python = result
+        same = (np.array_equal(compiled[0], python[0]) and np.array_equal(compiled[1], python[1])
+                and compiled[2] == python[2])
+        rows.append({"case": name, "shape": [W, S, B], "items": problem.num_items, "transfers": len(python[2]),
+                     "compiled_items_per_s": problem.num_items / best["compiled"],
+                     "engine_items_per_s": problem.num_items / best["python engine"],
+                     "speedup": best["python engine"] / best["compiled"], "same_timeline": same})
+    return rows
+
+
 def million(name: str) -> dict:
     """About one million work items of ``name``, in this process (run it in a fresh one)."""
     fast.warm_up()  # load the compiled greedy from its cache first (numba loads on first use)
@@ -190,7 +256,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="runs of unisched per case; the best counts")
     parser.add_argument("--skip-million", action="store_true", help="leave out the one-million-item runs")
-    parser.add_argument("--only", nargs="+", choices=names() + aliases(), metavar="NAME", help="only these cases")
+    parser.add_argument("--only", nargs="+", choices=names() + aliases() + ["network"], metavar="NAME",
+                        help="only these cases (network: the network cases)")
     parser.add_argument("--million", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.million:
@@ -200,6 +267,10 @@ def main() -> None:
     table = [name for name in only if name in names()]
 
     fast.warm_up()  # compile (or load) the greedy before timing (numba loads on first use)
+    if not args.only or "network" in args.only:
+        print_network(args.repeat)
+    if not table:
+        return
     baseline, rows = compare(args.repeat, table)
     print(f"W = S = 64, B = 128 or as noted, default costs; unisched best of {args.repeat} (strategies taking turns); frontier scan on GPipe's "
           f"mapping at W = S = 64, B = 128: {baseline['seconds']:.2f} s, {baseline['items_per_s']:,.0f} items/s, "
@@ -219,6 +290,18 @@ def main() -> None:
         row = json.loads(out)
         print(f"{row['strategy']:<30}{','.join(map(str, row['shape'])):>14}{row['items']:>11,}{row['build_s']:>9.2f}"
               f"{row['simulate_s']:>12.2f}{row['cpu_s']:>7.2f}{row['peak_rss_mb']:>9,.0f}  {row['engine']}")
+
+
+def print_network(repeat: int) -> None:
+    print(f"steps with transfers, the compiled greedy against the Python engine on the same step, best of {repeat} "
+          "(taking turns):")
+    print(f"{'case':<36}{'W,S,B':>12}{'items':>8}{'transfers':>11}{'compiled/s':>12}{'engine/s':>10}{'speedup':>9}"
+          "  same timeline")
+    for row in compiled_against_engine(repeat):
+        print(f"{row['case']:<36}{','.join(map(str, row['shape'])):>12}{row['items']:>8,}{row['transfers']:>11,}"
+              f"{row['compiled_items_per_s']:>12,.0f}{row['engine_items_per_s']:>10,.0f}{row['speedup']:>8.1f}x"
+              f"  {row['same_timeline']}")
+    print()
 
 
 if __name__ == "__main__":

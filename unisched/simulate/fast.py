@@ -54,7 +54,7 @@ from unisched import network
 from unisched.dataflow import EDGE_PRIMARY, fetches_weights
 from unisched.simulate.problem import moves
 from unisched.simulate import transfers
-from unisched.simulate.stashes import StashAccounts
+from unisched.simulate.stashes import StashAccounts, unique_codes
 from unisched.timeline import TRANSFER_KINDS
 
 COMPILED_FROM = 4096
@@ -232,7 +232,7 @@ def links_of(problem) -> Links:
 
     pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + member)[fetches],
                            (member * W + holder)[returns], hand[2] * W + hand[3], collect[2] * W + collect[3]])
-    pairs, route, per_route = np.unique(pair, return_inverse=True, return_counts=True)
+    pairs, route, per_route = unique_codes(pair, W * W, return_inverse=True, return_counts=True)
     edge_route, fetch_route, return_route = np.full(len(kinds), -1), np.full(len(item), -1), np.full(len(item), -1)
     route = np.split(route.reshape(-1), np.cumsum([(kinds >= 0).sum(), fetches.sum(), returns.sum(), len(hand[2])]))
     edge_route[kinds >= 0], fetch_route[fetches], return_route[returns] = route[:3]
@@ -263,11 +263,15 @@ def _ptr(owner: np.ndarray, count: int) -> np.ndarray:
 def _gang_moves(problem, after: int) -> tuple[np.ndarray, ...]:
     """(ptr by item, kind, src, dst, bytes) of what gang items' first members
     hand out (``after`` 0) or collect (1), as ``Problem.gang_moves`` lists them."""
-    rows = [(item, TRANSFER_KINDS.index(kind), src, dst, nbytes)
-            for item, phases in problem.gang_moves.items() for kind, src, dst, nbytes in phases[after]]
-    item, kind, src, dst, nbytes = (np.array(column, dtype=dtype) for column, dtype in
-                                    zip(zip(*rows) if rows else ((),) * 5, (np.int64,) * 4 + (float,)))
-    return _ptr(item, problem.num_items), kind, src, dst, nbytes
+    items = np.fromiter(problem.gang_moves, np.int64, len(problem.gang_moves))
+    phases = [phases[after] for phases in problem.gang_moves.values()]
+    moves = [move for phase in phases for move in phase]
+    code = {kind: TRANSFER_KINDS.index(kind) for kind in TRANSFER_KINDS}
+    kind, src, dst = (np.fromiter((move[j] if j else code[move[0]] for move in moves), np.int64, len(moves))
+                      for j in range(3))
+    nbytes = np.fromiter((move[3] for move in moves), float, len(moves))
+    count = np.fromiter(map(len, phases), np.int64, len(phases))
+    return _ptr(np.repeat(items, count), problem.num_items), kind, src, dst, nbytes
 
 
 class _Calendars(NamedTuple):

@@ -300,15 +300,21 @@ def _calendars_of(problem, src: np.ndarray, dst: np.ndarray, per_route: np.ndarr
         ptr = np.arange(len(src) + 1, dtype=np.int64)
         return _Calendars(False, ptr, ptr[:-1], np.zeros(1, np.int64), none, none, none, np.zeros(1, np.int64), none,
                           _bases(per_route))
-    index: dict[tuple, int] = {}
-    calendar = lambda links: [index.setdefault(link, len(index)) for link in links]  # noqa: E731
+    index: dict[tuple, int] = {}  # a link of the topology -> its calendar
+
+    def calendar(links) -> list[int]:
+        return [index.setdefault(link, len(index)) for link in links]
+
+    def collective(members) -> list[int]:
+        """The calendars of a collective among ``members``: replica 0's links (``_Cluster.collective``)."""
+        return calendar(link for link in topology.group_route(members).links
+                        if topology.link_among(link, problem.num_workers))
+
     routes = [calendar(topology.route(a, b).links) for a, b in zip(src.tolist(), dst.tolist())]
-    W = problem.num_workers
-    gangs = [calendar(link for link in topology.group_route(members).links if topology.link_among(link, W))
-             for members in problem.gang_members]
+    gangs = [collective(members) for members in problem.gang_members]
+    # which all-reduces a step has does not depend on its times, only when they are ready does
     table = transfers.allreduce_table(problem, np.zeros(problem.num_items), none, np.zeros(0))
-    allreduces = [calendar(link for link in topology.group_route(_everyone(problem, group.replicas)).links
-                           if topology.link_among(link, W)) for group in table.groups()]
+    allreduces = [collective(_everyone(problem, group.replicas)) for group in table.groups()]
     route_ptr, route_calendar = _flat(routes)
     gang_ptr, gang_calendar = _flat(gangs)
     allreduce_ptr, allreduce_calendar = _flat(allreduces)

@@ -99,9 +99,10 @@ def _time_recording_calls(trainer: Trainer) -> dict[str, list[float]]:
 
     def timed_collective(run, what):
         start = time.perf_counter()
-        collective(run, what)
+        value = collective(run, what)
         if what.startswith("the barrier"):
             spent["barrier"].append(time.perf_counter() - start)
+        return value
 
     def timed_gather(st):
         start = time.perf_counter()

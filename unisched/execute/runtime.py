@@ -916,7 +916,7 @@ class Trainer:
         span, from where the engine began its backward to where it began the
         next one's (the first from ``start``, the last to ``end``).  The
         head's span is returned, the others' kept for their own turn."""
-        keys = [head] + [(self._actions[i].stage, self._actions[i].batch) for i in others]
+        keys = [head] + self._members(others)
         began = list(st.boundaries.items())  # this call's, in the order the engine reached them
         st.boundaries.clear()
         reached = {key for key, _ in began}
@@ -1088,11 +1088,10 @@ class Trainer:
             if item.runs_also:
                 roots, grads = self._run_roots(st, item.runs_also, roots, grads)
                 if self._recording:
-                    if all((self._actions[i].stage, self._actions[i].batch) in self._fused_from for i in item.runs_also):
+                    others = self._members(item.runs_also)
+                    if all(key in self._fused_from for key in others):
                         st.boundaries[(s, b)] = None  # the one root's: the engine begins there, at the call's start
-                    self._note_boundaries(st, [((s, b), leaves)] + [
-                        ((self._actions[i].stage, self._actions[i].batch),
-                         st.graphs[(self._actions[i].stage, self._actions[i].batch)][2]) for i in item.runs_also])
+                    self._note_boundaries(st, [((s, b), leaves)] + [(key, st.graphs[key][2]) for key in others])
             _differentiate(roots, grads)
             self._put_input_gradients(st, s, b, xs)
             return
@@ -1106,21 +1105,21 @@ class Trainer:
         elif grads is not None:
             st.put(gradient(s, b), grads)
 
+    def _members(self, indices: tuple[int, ...]) -> list[tuple[int, int]]:
+        """The (stage, batch) of the actions at ``indices`` (a run's members)."""
+        return [(self._actions[i].stage, self._actions[i].batch) for i in indices]
+
     def _run_roots(self, st, others: tuple[int, ...], roots: tuple, grads) -> tuple[list, list]:
         """What a run's one engine call differentiates: the head's ``roots``
-        (with ``grads``), and those of each other member whose output's
-        gradient does not flow in from a member along a fused edge (a member
-        that left no graph has its forward recomputed first).  A loss's
-        gradient is None."""
+        (with ``grads``), and those of each other member (the actions at
+        ``others``, whose forwards ran here and kept their graphs) whose
+        output's gradient does not flow in from a member along a fused edge.
+        A loss's gradient is None."""
         roots, grads = list(roots), [None] * len(roots) if grads is None else list(grads)
-        for index in others:
-            action, reads = self._actions[index], self._items[index].reads
-            p, c = action.stage, action.batch
-            xs, out, leaves = st.graphs.get((p, c), (None, None, None))
-            if leaves is None:
-                xs, out, leaves = st.graphs[(p, c)] = self._recompute(st, p, c, reads.inputs, needs_input_grad=True)
+        for index, (p, c) in zip(others, self._members(others)):
             if (p, c) not in self._fused_from:
-                more, given = self._root(st, p, c, out, leaves, reads.gradients, record_loss=True)
+                _, out, leaves = st.graphs[(p, c)]
+                more, given = self._root(st, p, c, out, leaves, self._items[index].reads.gradients, record_loss=True)
                 roots += more
                 grads += [None] * len(more) if given is None else given
         return roots, grads

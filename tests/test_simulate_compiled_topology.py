@@ -155,3 +155,24 @@ def test_simulate_takes_the_compiled_path_on_a_topology(monkeypatch):
     got = t.transfers
     assert sorted((r[1], r[2], r[3], r[4], r[5]) for r in rows) == sorted(zip(
         got.src.tolist(), got.dst.tolist(), got.start.tolist(), got.end.tolist(), got.nbytes.tolist()))
+
+
+@pytest.mark.parametrize("topology, gangs", [("dgx_h100", "tensor"), ("p4d_24xlarge", "rows"), (None, "mixed")])
+def test_simulate_gives_the_engines_transfer_table(monkeypatch, topology, gangs):
+    """The Timeline's transfers from the compiled greedy's columns are the
+    engine's rows, column for column and in the same order: kinds, workers,
+    times, bytes, and the item each serves (-1 for an all-reduce)."""
+    rng = np.random.default_rng(7)
+    W, S = 4, 4
+    B = fast.COMPILED_FROM // (2 * S) + 1
+    strategy = with_gangs(rng, W, S, B, False, gangs)
+    costs = network_costs(rng, W, S, False, 1) if topology is None else ClusterCosts(
+        forward=1e-3, backward=2e-3, activation_bytes=2e7, weight_bytes=4e8, prefetch_depth=1, topology=topology,
+        replicas=2)
+    compiled = unisched.simulate(W, S, B, strategy, costs=costs).timeline.transfers
+    monkeypatch.setattr(fast, "COMPILED_FROM", 10 * B * S)  # the engine runs it
+    expected = unisched.simulate(W, S, B, strategy, costs=costs).timeline.transfers
+    assert len(expected) > 0
+    for column in ("kind", "src", "dst", "start", "end", "nbytes", "batch", "stage", "direction"):
+        assert getattr(compiled, column).dtype == getattr(expected, column).dtype, column
+        assert np.array_equal(getattr(compiled, column), getattr(expected, column)), column

@@ -358,8 +358,18 @@ def no_links() -> Links:
 
 def run(problem):
     """Start and end time of every item of ``problem``, and the transfers
-    booked (the engine's rows, None with free communication); or None
+    booked as the engine's rows (None with free communication); or None
     without numba.  Items never scheduled (a deadlock) keep start -1."""
+    result = run_columns(problem)
+    if result is None or result[2] is None:
+        return result
+    start, end, booked = result
+    return start, end, booked.rows()
+
+
+def run_columns(problem):
+    """:func:`run` with the transfers booked as columns
+    (:class:`~unisched.simulate.transfers.Booked`), as the Timeline takes them."""
     kernel = compiled_schedule()
     if kernel is None:
         return None
@@ -368,31 +378,37 @@ def run(problem):
                                                                              stash_accounts(problem), links)))
     if not links.on:
         return start, end, None
-    kind, src, dst, begin, arrive, nbytes, item = rows
-    names = [TRANSFER_KINDS[k] for k in kind.tolist()]
-    booked = list(zip(names, src.tolist(), dst.tolist(), begin.tolist(), arrive.tolist(), nbytes.tolist(),
-                      item.tolist()))
+    booked = transfers.Booked(*rows)
     if links.routes.shared and start.min(initial=0.0) >= 0:
-        booked += _allreduces(problem, links, calendars, end, rows)
+        booked = transfers.Booked.joined(booked, _allreduces(problem, links, calendars, end, booked))
     return start, end, booked
 
 
-def _allreduces(problem, links: Links, calendars, end: np.ndarray, rows) -> list:
+def _allreduces(problem, links: Links, calendars, end: np.ndarray, booked) -> "transfers.Booked":
     """The end-of-step all-reduces on a topology, each booked on the links
     its workers use once its stage is ready, in that order, after the step's
     transfers (``engine._Communication.finish_step``): their rows."""
-    kind, _, _, _, arrive, _, item = rows
-    returned = kind == links.weights.return_kind
-    groups = transfers.allreduce_groups(problem, end, problem.stage[item[returned]], arrive[returned])
+    returned = booked.kind == links.weights.return_kind
+    table = transfers.allreduce_table(problem, end, problem.stage[booked.item[returned]], booked.end[returned])
     index = {key: g for g, key in enumerate(zip(links.allreduce_stage.tolist(), links.allreduce_share.tolist()))}
-    groups = sorted(groups, key=lambda g: (g.ready, g.stage, g.share))
-    everyone = [_everyone(problem, group.replicas) for group in groups]
-    duration = [float(network.allreduce_time(problem.costs, e, group.nbytes)) for group, e in zip(groups, everyone)]
+    order = np.lexsort((table.share, table.stage, table.ready))  # by (ready, stage, share), as the engine sorts
+    count = np.diff(table.ptr)[order]
+    replicas = np.concatenate([table.replicas[table.ptr[g]:table.ptr[g + 1]] for g in order.tolist()] or
+                              [np.zeros(0, np.int64)])
+    ptr = np.zeros(len(order) + 1, np.int64)
+    np.cumsum(count, out=ptr[1:])
+    everyone = [_everyone(problem, replicas[a:b].tolist()) for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist())]
+    nbytes = table.nbytes[order]
+    duration = np.array([float(network.allreduce_time(problem.costs, e, b)) for e, b in zip(everyone, nbytes.tolist())],
+                        dtype=float)
+    groups = np.array([index[(s, k)] for s, k in zip(table.stage[order].tolist(), table.share[order].tolist())],
+                      dtype=np.int64)
     begins = book_in_order(*calendars, links.routes.calendar_base, links.allreduce_ptr, links.allreduce_calendar,
-                          np.array([index[(g.stage, g.share)] for g in groups], dtype=np.int64),
-                          np.array([g.ready for g in groups], dtype=float), np.array(duration, dtype=float))
-    return [row for group, e, begin, d in zip(groups, everyone, begins.tolist(), duration)
-            for row in transfers.ring_rows(group, e, begin, begin + d)]
+                           groups, table.ready[order].astype(float), duration)
+    src, dst, hop_bytes = transfers.ring_hops(ptr, replicas, np.array([len(e) for e in everyone]), nbytes)
+    every = np.repeat(np.arange(len(order)), count)
+    return transfers.Booked(np.full(len(src), TRANSFER_KINDS.index("allreduce"), np.int64), src, dst,
+                            begins[every], (begins + duration)[every], hop_bytes, table.item[order][every])
 
 
 def _contiguous(table):

@@ -119,9 +119,10 @@ def _run(problem):
     general engine.
 
     The general engine also runs when the compiled one leaves items
-    unscheduled, to explain the deadlock."""
+    unscheduled, to explain the deadlock.  The transfers booked come as
+    columns from the compiled greedy, as rows from the engine."""
     if problem.num_items >= fast.COMPILED_FROM and fast.covers(problem):
-        compiled = fast.run(problem)
+        compiled = fast.run_columns(problem)
         if compiled is not None and compiled[0].min(initial=0.0) >= 0:
             return compiled
     start, end, booked = engine.run(problem)

@@ -28,7 +28,49 @@ from unisched.timeline import TRANSFER_KINDS, Transfers
 _CODE = {kind: code for code, kind in enumerate(TRANSFER_KINDS)}
 
 
-def transfers(p: Problem, start: np.ndarray, end: np.ndarray, booked: list | None) -> Transfers:
+class Booked(NamedTuple):
+    """Transfer rows booked as a run schedules, as columns: kind (a code of
+    ``TRANSFER_KINDS``), src, dst, start, end, bytes and the item served
+    (the compiled greedy's form; the engine books a list of tuples)."""
+
+    kind: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    nbytes: np.ndarray
+    item: np.ndarray
+
+    @classmethod
+    def of_rows(cls, rows: list) -> "Booked":
+        """The engine's rows ``(kind name, src, dst, start, end, bytes, item)`` as columns."""
+        if not rows:
+            return cls.joined()
+        kind, src, dst, begin, finish, nbytes, item = zip(*rows)
+        return cls(np.array([_CODE[k] for k in kind], dtype=np.int64), np.array(src, dtype=np.int64),
+                   np.array(dst, dtype=np.int64), np.array(begin, dtype=float), np.array(finish, dtype=float),
+                   np.array(nbytes, dtype=float), np.array(item, dtype=np.int64))
+
+    @classmethod
+    def joined(cls, *parts: "Booked") -> "Booked":
+        """``parts`` one after another (none: no rows)."""
+        if not parts:
+            none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+            return cls(none_i, none_i, none_i, none_f, none_f, none_f, none_i)
+        return cls(*(np.concatenate(column) for column in zip(*parts)))
+
+    def rows(self) -> list[tuple]:
+        """The engine's form: a tuple per row, its kind by name."""
+        return list(zip([TRANSFER_KINDS[k] for k in self.kind.tolist()], self.src.tolist(), self.dst.tolist(),
+                        self.start.tolist(), self.end.tolist(), self.nbytes.tolist(), self.item.tolist()))
+
+
+def transfers(p: Problem, start: np.ndarray, end: np.ndarray, booked: Booked | list | None) -> Transfers:
+    """Every transfer of a step: those ``booked`` (the compiled greedy's
+    columns or the engine's rows), or with free communication those derived
+    from the timeline; then, off a topology, the end-of-step all-reduces."""
+    if isinstance(booked, list):
+        booked = Booked.of_rows(booked)
     tables = [_from_booked(p, booked)] if booked is not None else _derived(p, start, end)
     if getattr(p.costs, "topology", None) is None:  # on a topology the engine booked the all-reduces
         tables.append(_allreduce(p, end, tables))
@@ -54,11 +96,8 @@ def _concat(*tables: dict) -> dict:
     return {name: np.concatenate([t[name] for t in tables]) for name in tables[0]}
 
 
-def _from_booked(p: Problem, rows: list) -> dict:
-    if not rows:
-        return _columns([], [], [], [], [], [], [], p)
-    kind, src, dst, begin, finish, nbytes, item = zip(*rows)
-    table = _columns([_CODE[k] for k in kind], src, dst, begin, finish, nbytes, item, p)
+def _from_booked(p: Problem, booked: Booked) -> dict:
+    table = _columns(*booked, p)
     return _serving_the_step(table, table["kind"] == _CODE["allreduce"])
 
 

@@ -584,7 +584,7 @@ def _scorer(timed: TimedProblem):
 
 def _start_ticks(timed: TimedProblem, t) -> np.ndarray:
     """A replay's start times in CP-SAT's ticks, by item id (a hint or warm start)."""
-    return np.array([timed.ticks(x) for x in t.start[rows_of(timed.problem, t)]], dtype=np.int64)
+    return timed.ticks.table(t.start[rows_of(timed.problem, t)])
 
 
 def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: bool):

@@ -424,14 +424,17 @@ class Ticks:
 
     The scale is the smallest that makes every given time a whole number (up
     to a resolution of 1/1000 of the shortest time); plans always report the
-    simulator's replay in the original unit.
+    simulator's replay in the original unit.  The planner's tables (W x W x S
+    transfer times: 98,304 values for W = S = 32) repeat a few distinct times,
+    so both the scale and a table's ticks are worked out once per distinct time.
     """
 
     scale: int
 
     @classmethod
     def for_times(cls, times: Sequence[float]) -> "Ticks":
-        values = np.unique(np.asarray(times, dtype=float).ravel())  # tables repeat a few times many times over
+        """The scale for every time in ``times`` (any shape), reading each distinct time once."""
+        values = np.unique(np.asarray(times, dtype=float).ravel())
         positive = [float(t) for t in values if t > 0]
         if not positive:
             return cls(1)
@@ -445,6 +448,14 @@ class Ticks:
 
     def __call__(self, time: float) -> int:
         return int(round(float(time) * self.scale))
+
+    def table(self, times) -> np.ndarray:
+        """Ticks of every time of an array, as an int64 array of its shape: each distinct
+        time converted once (as :meth:`__call__` converts it) and mapped back."""
+        times = np.asarray(times, dtype=float)
+        values, back = np.unique(times, return_inverse=True)
+        ticks = np.array([self(t) for t in values], dtype=np.int64)
+        return ticks[back].reshape(times.shape)
 
     def time(self, ticks: float) -> float:
         return float(ticks) / self.scale
@@ -496,11 +507,10 @@ class TimedProblem:
         stash = transfer_matrix(costs, W, dataflow.input_bytes(costs.per_stage("activation_bytes", S), problem.stage_graph))
         try:
             ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel(), stash.ravel()]))
-            to_ticks = np.vectorize(ticks, otypes=[np.int64])
             row = np.empty(problem.num_items, dtype=np.int64)
             row[first] = np.arange(len(first))
-            duration = to_ticks(seconds)[row[problem.items.id(0, stage, direction)]]
-            return cls(problem, ticks, duration, to_ticks(comm), to_ticks(fetch), to_ticks(stash),
+            duration = ticks.table(seconds)[row[problem.items.id(0, stage, direction)]]
+            return cls(problem, ticks, duration, ticks.table(comm), ticks.table(fetch), ticks.table(stash),
                        batch, stage, direction)
         except (OverflowError, ValueError) as error:
             raise PlanInputError(

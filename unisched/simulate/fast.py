@@ -145,7 +145,7 @@ class Weights(NamedTuple):
 class GangTraffic(NamedTuple):
     """What a gang item's first member hands out before the members compute
     (rows ``hand_ptr[i]:hand_ptr[i + 1]``: kind, route, bytes) and collects
-    after (``Problem.gang_moves``), and, on a topology, its collective."""
+    after (``Problem.gang_move_table``), and, on a topology, its collective."""
 
     hand_ptr: np.ndarray
     hand_kind: np.ndarray
@@ -262,16 +262,11 @@ def _ptr(owner: np.ndarray, count: int) -> np.ndarray:
 
 def _gang_moves(problem, after: int) -> tuple[np.ndarray, ...]:
     """(ptr by item, kind, src, dst, bytes) of what gang items' first members
-    hand out (``after`` 0) or collect (1), as ``Problem.gang_moves`` lists them."""
-    items = np.fromiter(problem.gang_moves, np.int64, len(problem.gang_moves))
-    phases = [phases[after] for phases in problem.gang_moves.values()]
-    moves = [move for phase in phases for move in phase]
-    code = {kind: TRANSFER_KINDS.index(kind) for kind in TRANSFER_KINDS}
-    kind, src, dst = (np.fromiter((move[j] if j else code[move[0]] for move in moves), np.int64, len(moves))
-                      for j in range(3))
-    nbytes = np.fromiter((move[3] for move in moves), float, len(moves))
-    count = np.fromiter(map(len, phases), np.int64, len(phases))
-    return _ptr(np.repeat(items, count), problem.num_items), kind, src, dst, nbytes
+    hand out (``after`` 0) or collect (1): the rows of ``Problem.gang_move_table``."""
+    t = problem.gang_move_table
+    rows = t.after == bool(after)
+    return (_ptr(t.item[rows], problem.num_items), t.kind[rows].astype(np.int64), t.src[rows].astype(np.int64),
+            t.dst[rows].astype(np.int64), t.nbytes[rows].astype(float))
 
 
 class _Calendars(NamedTuple):

@@ -39,6 +39,32 @@ class Followed(NamedTuple):
     moved: np.ndarray
 
 
+class GangMoves(NamedTuple):
+    """What the first members of gang items hand out before the members
+    compute and collect after (:func:`unisched.dataflow.gang_moves`): a row
+    per move, by item, those handed out first."""
+
+    item: np.ndarray
+    after: np.ndarray
+    """False: handed out before the members compute; True: collected after."""
+    kind: np.ndarray
+    """A code of ``TRANSFER_KINDS``."""
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+
+
+class GangWeights(NamedTuple):
+    """The weights each member of a gang item computes with
+    (:func:`unisched.dataflow.gang_weights`): a row per member, by item."""
+
+    item: np.ndarray
+    member: np.ndarray
+    holder: np.ndarray
+    share: np.ndarray
+    nbytes: np.ndarray
+
+
 @dataclass(eq=False)
 class Problem:
     shape: Shape
@@ -75,20 +101,37 @@ class Problem:
     """Per item: index into ``gang_members``, or -1 for an item run by one worker."""
     gang_members: tuple[tuple[int, ...], ...]
     gang_collective: tuple[bool, ...]
-    gang_moves: dict
-    """Per gang item: (kind, src, dst, bytes) of what its first member hands
-    out before the members compute, and of what it collects after
-    (:func:`unisched.dataflow.gang_moves`)."""
-    gang_weights: dict
-    """Per gang item: (member, holder, share, bytes) of the weights each
-    member computes with (:func:`unisched.dataflow.gang_weights`); an item
-    run by one worker computes with the whole stage from its weight worker."""
+    gang_move_table: GangMoves
+    """What the first members of gang items hand out and collect."""
+    gang_weight_table: GangWeights
+    """The weights each member of a gang item computes with; an item run by
+    one worker computes with the whole stage from its weight worker."""
     collective: np.ndarray | None = None
     """Per item: the part of its duration that is its gang's tensor-parallel
     collective (0 for an item run by one worker); on a topology the engine
     books it on the gang's links."""
     release: np.ndarray | None = None
     """Per item: the earliest time it may start (a fixed strategy's ``release``), or None: any time."""
+
+    @cached_property
+    def gang_moves(self) -> dict:
+        """Per gang item: (kind, src, dst, bytes) of what its first member
+        hands out before the members compute, and of what it collects after
+        (the engine's form of :attr:`gang_move_table`)."""
+        t = self.gang_move_table
+        moves = {item: ([], []) for item in np.flatnonzero(self.gang >= 0).tolist()}
+        for item, after, kind, src, dst, nbytes in zip(*(column.tolist() for column in t)):
+            moves[item][after].append((TRANSFER_KINDS[kind], src, dst, nbytes))
+        return {item: (tuple(before), tuple(after)) for item, (before, after) in moves.items()}
+
+    @cached_property
+    def gang_weights(self) -> dict:
+        """Per gang item: (member, holder, share, bytes) of the weights each
+        member computes with (the engine's form of :attr:`gang_weight_table`)."""
+        weights: dict = {}
+        for item, *link in zip(*(column.tolist() for column in self.gang_weight_table)):
+            weights.setdefault(item, []).append(tuple(link))
+        return {item: tuple(links) for item, links in weights.items()}
 
     @property
     def sequence_edges(self) -> np.ndarray:
@@ -197,13 +240,11 @@ class Problem:
         n = self.num_items
         rows = [np.arange(n), self.worker_array, self.weight_worker_array, np.zeros(n, np.int64),
                 np.asarray(self.weight_bytes, dtype=float)[self.stage]]
-        if not self.gang_weights:
+        if not len(self.gang_weight_table.item):
             return tuple(rows)
-        alone = np.ones(n, dtype=bool)
-        alone[list(self.gang_weights)] = False
-        ganged = [(item, *link) for item, links in self.gang_weights.items() for link in links]
-        return tuple(np.concatenate([column[alone], np.array(extra, dtype=column.dtype)])
-                     for column, extra in zip(rows, zip(*ganged)))
+        alone = self.gang < 0
+        return tuple(np.concatenate([column[alone], extra.astype(column.dtype)])
+                     for column, extra in zip(rows, self.gang_weight_table))
 
     @cached_property
     def returning_links(self) -> np.ndarray:
@@ -295,10 +336,11 @@ def build(
         costs.input_grad_frees,
     )
 
-    moves_in_gang, weights_in_gang = _gang_traffic(
-        gang, gang_members, gang_collective, compute, weight, stage, direction,
-        dataflow.input_bytes(act_bytes, stage_graph), dataflow.output_bytes(act_bytes, stage_graph), weight_bytes,
-    )
+    moves_in_gang = _moves_in_gangs(gang, gang_members, gang_collective, stage, direction,
+                                    dataflow.input_bytes(act_bytes, stage_graph),
+                                    dataflow.output_bytes(act_bytes, stage_graph))
+    weights_in_gang = _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, W, S,
+                                        weight_bytes)
     return Problem(
         shape=shape,
         items=items,
@@ -324,8 +366,8 @@ def build(
         gang=gang,
         gang_members=gang_members,
         gang_collective=gang_collective,
-        gang_moves=moves_in_gang,
-        gang_weights=weights_in_gang,
+        gang_move_table=moves_in_gang,
+        gang_weight_table=weights_in_gang,
         collective=collective_time,
         release=release_times(strategy.release, n, strategy.name),
     )
@@ -461,51 +503,111 @@ def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int)
 
 
 def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
-    """Which items run on a group of workers jointly (tensor parallelism)."""
-    gang = np.full(len(batch), -1, dtype=np.int64)
-    members: dict[tuple[tuple[int, ...], bool], int] = {}
+    """Which items run on a group of workers jointly (tensor parallelism).
+
+    The strategy's ``gang`` is called per item; each distinct answer is
+    checked and numbered once."""
     if strategy.gang is None:
-        return gang, (), ()
+        return np.full(len(batch), -1, dtype=np.int64), (), ()
     W = shape.num_workers
-    for i, (b, s, d) in enumerate(zip(batch.tolist(), stage.tolist(), direction.tolist())):
-        work = Work(b, s, Direction(d))
+    members: dict[tuple[tuple[int, ...], bool], int] = {}
+    known: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (workers, their types, collective) -> (group, gang)
+    gang = [-1] * len(batch)
+    for i, (work, worker) in enumerate(zip(works(batch, stage, direction), compute.tolist())):
         found = Gang.of(strategy.gang(work))
-        if found is None or len(found.workers) <= 1:
+        if found is None:
             continue
-        group = tuple(sorted({_worker_id(m, work, "gang", strategy, W) for m in found.workers}))
-        if any(not 0 <= m < W for m in group) or compute[i] not in group:
+        workers = tuple(found.workers)
+        answer = (workers, tuple(map(type, workers)), bool(found.collective))
+        seen = known.get(answer)
+        if seen is None:
+            seen = known[answer] = _numbered(answer, members, work, strategy, W)
+        group, gang[i] = seen
+        if gang[i] >= 0 and worker not in group:
             raise StrategyError(
                 f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
-                f"compute worker {compute[i]} and only workers 0..{W - 1}"
+                f"compute worker {worker} and only workers 0..{W - 1}"
             )
-        gang[i] = members.setdefault((group, bool(found.collective)), len(members))
-    return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
+    return np.array(gang, dtype=np.int64), tuple(g for g, _ in members), tuple(c for _, c in members)
 
 
-def _gang_traffic(gang, gang_members, gang_collective, compute, weight, stage, direction,
-                  input_bytes, output_bytes, weight_bytes) -> tuple[dict, dict]:
-    """Per gang item: what moves among its members (``Problem.gang_moves``)
-    and which weights each computes with (``Problem.gang_weights``)."""
-    tensor_parallel = {}  # (worker, stage) -> the gang that worker computes the stage with
-    for item in np.flatnonzero(gang >= 0).tolist():
-        if gang_collective[gang[item]]:
-            tensor_parallel[(int(compute[item]), int(stage[item]))] = gang_members[gang[item]]
-    sizes = {"input": input_bytes, "output": output_bytes}
-    moves, weights = {}, {}
-    for item in np.flatnonzero(gang >= 0).tolist():
-        members, collective, s = gang_members[gang[item]], gang_collective[gang[item]], int(stage[item])
-        planned = dataflow.gang_moves(Direction(int(direction[item])), members, collective)
-        moved = [(m, float(sizes[m.data][s] * m.share)) for m in planned]
-        moves[item] = tuple(
-            tuple((m.kind, m.src, m.dst, nbytes) for m, nbytes in moved if m.after is after and nbytes > 0)
-            for after in (False, True)
-        )
-        weight_gang = tensor_parallel.get((int(weight[item]), s)) if collective else None
-        weights[item] = tuple(
-            (member, holder, share, float(weight_bytes[s] * fraction))
-            for member, holder, share, fraction in dataflow.gang_weights(members, collective, int(weight[item]), weight_gang)
-        )
-    return moves, weights
+def _numbered(answer: tuple, members: dict, work: Work, strategy: Strategy, num_workers: int):
+    """A gang answer's workers, checked and sorted, and its number in
+    ``members`` (-1 for one worker: no gang)."""
+    workers, _, collective = answer
+    if len(workers) <= 1:
+        return (), -1
+    group = tuple(sorted({_worker_id(m, work, "gang", strategy, num_workers) for m in workers}))
+    return group, members.setdefault((group, collective), len(members))
+
+
+def _moves_in_gangs(gang, gang_members, gang_collective, stage, direction, input_bytes, output_bytes) -> GangMoves:
+    """What moves among the members of each gang item (``Problem.gang_move_table``):
+    :func:`unisched.dataflow.gang_moves` once per gang and direction, its
+    bytes per item's stage."""
+    ganged = np.flatnonzero(gang >= 0)
+    directions = int(direction.max(initial=0)) + 1
+    combos, which = np.unique(gang[ganged] * directions + direction[ganged], return_inverse=True)
+    data = {"input": 0, "output": 1}
+    template = []  # per combo: (after, kind, src, dst, data, share) of its moves, those handed out first
+    for combo in combos.tolist():
+        g, d = divmod(combo, directions)
+        planned = dataflow.gang_moves(Direction(d), gang_members[g], gang_collective[g])
+        template.append([(m.after, TRANSFER_KINDS.index(m.kind), m.src, m.dst, data[m.data], m.share)
+                         for after in (False, True) for m in planned if m.after is after])
+    owner, row = _expanded(which.reshape(-1), template)
+    after, kind, src, dst, datum, share = _template_columns(template, (bool, np.int64, np.int64, np.int64, np.int64,
+                                                                       float))
+    sizes = np.stack([np.asarray(input_bytes, dtype=float), np.asarray(output_bytes, dtype=float)])
+    nbytes = sizes[datum[row], stage[ganged][owner]] * share[row]
+    moved = nbytes > 0
+    return GangMoves(ganged[owner][moved], after[row][moved], kind[row][moved], src[row][moved], dst[row][moved],
+                     nbytes[moved])
+
+
+def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
+                      num_stages: int, weight_bytes) -> GangWeights:
+    """The weights each member of each gang item computes with
+    (``Problem.gang_weight_table``): :func:`unisched.dataflow.gang_weights`
+    once per gang, weight worker and the tensor-parallel gang that worker
+    computes the stage with, its bytes per item's stage."""
+    ganged = np.flatnonzero(gang >= 0)
+    g, s = gang[ganged], stage[ganged]
+    collective = np.asarray(gang_collective, dtype=bool)[g] if len(ganged) else np.zeros(0, bool)
+    # (worker, stage) -> the tensor-parallel gang that worker computes the stage with (the last item's)
+    tensor_parallel = np.full(num_workers * num_stages, -1, np.int64)
+    at = (compute[ganged] * num_stages + s)[collective]
+    last = len(at) - 1 - np.unique(at[::-1], return_index=True)[1]
+    tensor_parallel[at[last]] = g[collective][last]
+    weight_gang = np.where(collective, tensor_parallel[weight[ganged] * num_stages + s], -1)
+    G = len(gang_members)
+    combos, which = np.unique((g * num_workers + weight[ganged]) * (G + 1) + weight_gang + 1, return_inverse=True)
+    template = []  # per combo: (member, holder, share, fraction) per member
+    for combo in combos.tolist():
+        rest, wg = divmod(combo, G + 1)
+        gi, w = divmod(rest, num_workers)
+        template.append(dataflow.gang_weights(gang_members[gi], gang_collective[gi], w,
+                                              gang_members[wg - 1] if wg else None))
+    owner, row = _expanded(which.reshape(-1), template)
+    member, holder, share, fraction = _template_columns(template, (np.int64, np.int64, np.int64, float))
+    nbytes = np.asarray(weight_bytes, dtype=float)[s[owner]] * fraction[row]
+    return GangWeights(ganged[owner], member[row], holder[row], share[row], nbytes)
+
+
+def _expanded(which: np.ndarray, template: list) -> tuple[np.ndarray, np.ndarray]:
+    """Rows for items that each take the rows of template ``which[i]``, in
+    item order: the item (an index into ``which``) and template row of each."""
+    ptr = np.zeros(len(template) + 1, np.int64)
+    np.cumsum([len(rows) for rows in template], out=ptr[1:])
+    count = np.diff(ptr)[which]
+    owner = np.repeat(np.arange(len(which)), count)
+    return owner, np.repeat(ptr[which], count) + np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+
+
+def _template_columns(template: list, dtypes: tuple) -> list[np.ndarray]:
+    """The rows of every template (in order) as columns of ``dtypes``."""
+    rows = [row for rows in template for row in rows]
+    return [np.array([row[j] for row in rows], dtype=dtype) for j, dtype in enumerate(dtypes)]
 
 
 def _worker_id(value, work: Work, role: str, strategy: Strategy, num_workers: int) -> int:

@@ -133,14 +133,9 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> list[dict]:
         np.full(len(returning), _CODE["weight_gradient"]), member[returning], holder[returning],
         end[item[returning]], end[item[returning]], size[returning], item[returning], p,
     )
-    handed = [(_CODE[kind], src, dst, start[i] if not after else end[i], nbytes, i)
-              for i, phases in p.gang_moves.items() for after, phase in enumerate(phases)
-              for kind, src, dst, nbytes in phase]
-    if handed:
-        code, src, dst, at, nbytes, items = zip(*handed)
-        gangs = _columns(code, src, dst, at, at, nbytes, items, p)
-    else:
-        gangs = _columns([], [], [], [], [], [], [], p)
+    moved = p.gang_move_table
+    at = np.where(moved.after, end[moved.item], start[moved.item])
+    gangs = _columns(moved.kind, moved.src, moved.dst, at, at, moved.nbytes, moved.item, p)
     return [data, fetches, returns, gangs]
 
 

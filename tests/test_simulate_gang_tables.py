@@ -1,0 +1,94 @@
+"""The gang tables a Problem is built with (what each gang item's first
+member hands out and collects, the weights each member computes with) are,
+item by item, what the dataflow's rules give when applied to that item
+alone: the per-item reading the tables are computed in bulk from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unisched
+from unisched import Costs, dataflow
+from unisched.errors import StrategyError
+from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.problem import build
+from unisched.strategy import Gang
+from unisched.work import Direction, Shape, as_stage_graph
+
+
+def random_gangs(rng, W: int, S: int, B: int, split: bool):
+    """Random workers per item, and per item a random gang holding its
+    compute worker (tensor-parallel or sharing rows), of one size per stage
+    (a stage's shards are alike): a (worker, stage) computes with different
+    gangs in different micro-batches."""
+    table = {}
+    sizes = rng.integers(1, W + 1, S)
+    for work in unisched.all_work(S, B, split_backward=split):
+        compute = int(rng.integers(W))
+        size = int(sizes[work.stage])
+        others = [o for o in range(W) if o != compute]
+        members = [compute, *rng.choice(others, size - 1, replace=False).tolist()] if size > 1 else [compute]
+        table[work] = (compute, int(rng.integers(W)), tuple(rng.permutation(members).tolist()),
+                       bool(rng.integers(2)))
+    strategy = unisched.as_strategy(lambda work: unisched.ComputeAndWeightWorkers(*table[work][:2]))
+    return strategy.with_(gang=lambda work: Gang(table[work][2], table[work][3]))
+
+
+def per_item(p, costs, S):
+    """The gang moves and weights of every gang item, the dataflow's rules applied to each item alone."""
+    act = costs.per_stage("activation_bytes", S)
+    sizes = {"input": dataflow.input_bytes(act, p.stage_graph), "output": dataflow.output_bytes(act, p.stage_graph)}
+    weight_bytes = costs.per_stage("weight_bytes", S)
+    tensor_parallel = {}
+    for item in np.flatnonzero(p.gang >= 0).tolist():
+        if p.gang_collective[p.gang[item]]:
+            tensor_parallel[(int(p.worker_array[item]), int(p.stage[item]))] = p.gang_members[p.gang[item]]
+    moves, weights = {}, {}
+    for item in np.flatnonzero(p.gang >= 0).tolist():
+        members, collective, s = p.gang_members[p.gang[item]], p.gang_collective[p.gang[item]], int(p.stage[item])
+        planned = dataflow.gang_moves(Direction(int(p.direction[item])), members, collective)
+        moved = [(m, float(sizes[m.data][s] * m.share)) for m in planned]
+        moves[item] = tuple(tuple((m.kind, m.src, m.dst, nbytes) for m, nbytes in moved
+                                  if m.after is after and nbytes > 0) for after in (False, True))
+        holder_gang = tensor_parallel.get((int(p.weight_worker_array[item]), s)) if collective else None
+        links = dataflow.gang_weights(members, collective, int(p.weight_worker_array[item]), holder_gang)
+        weights[item] = tuple((member, holder, share, float(weight_bytes[s] * fraction))
+                              for member, holder, share, fraction in links)
+    return moves, weights
+
+
+@settings(max_examples=60, deadline=None)
+@given(W=st.integers(1, 5), S=st.integers(1, 4), B=st.integers(1, 6), split=st.booleans(), seed=st.integers(0, 2**31))
+def test_gang_tables_are_the_rules_applied_per_item(W, S, B, split, seed):
+    rng = np.random.default_rng(seed)
+    strategy = random_gangs(rng, W, S, B, split)
+    costs = Costs(forward=list(rng.choice([0.5, 1.0], S)), backward=2.0,
+                  activation_bytes=list(rng.choice([0.0, 1.0, 3.0], S)), weight_bytes=list(rng.choice([0.0, 1.0, 4.0], S)), bandwidth=1.0)
+    p = build(Shape(W, S, B), strategy, OldestBatchFirst(S, B), costs, None, split, as_stage_graph(S, None))
+    moves, weights = per_item(p, costs, S)
+    assert p.gang_moves == moves
+    assert p.gang_weights == weights
+    for item, links in weights.items():  # the weight links list each gang item's members in that order
+        rows = np.flatnonzero(p.weight_links[0] == item)
+        assert [tuple(column[rows].tolist()) for column in p.weight_links[1:]] == [tuple(c) for c in zip(*links)]
+
+
+def test_a_gang_without_its_compute_worker_is_named():
+    """The first item whose gang leaves out its compute worker is named, even
+    when the same gang was accepted for an item it holds."""
+    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(w.batch % 2, 0))
+    strategy = strategy.with_(gang=lambda w: (0, 2))
+    with pytest.raises(StrategyError, match=r"Work\(batch=1, stage=0.*gang \[0, 2\].*compute worker 1"):
+        build(Shape(3, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))
+
+
+def test_a_bad_gang_worker_is_named_once_per_answer_type():
+    """An answer equal to an accepted one but of other types (a bool for a
+    worker) is still checked."""
+    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(1, 1))
+    strategy = strategy.with_(gang=lambda w: (1, 2) if w.batch == 0 else (True, 2))
+    with pytest.raises(StrategyError, match=r"gang worker True \(bool\)"):
+        build(Shape(3, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))

@@ -219,18 +219,21 @@ def links_of(problem) -> Links:
         return no_links()
     n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
     worker = problem.worker_array
-    followed = problem.data_followed  # a fixed-order successor moves nothing
-    src, dst = np.repeat(np.arange(n), np.diff(followed.ptr)), followed.idx
-    kinds, nbytes = moves(problem, np.stack([src, dst, followed.kind, followed.moved]))
+    table = problem.data_followed.as_table()  # a fixed-order successor moves nothing
+    kinds, nbytes = moves(problem, table)
     kinds = kinds.astype(np.int64)
-    kinds[worker[src] == worker[dst]] = -1
+    src_worker, dst_worker = worker[table[0]], worker[table[1]]
+    kinds[src_worker == dst_worker] = -1
     item, member, holder, _, size = problem.weight_links
-    by_item = np.argsort(item, kind="stable")
-    item, member, holder, size = item[by_item], member[by_item], holder[by_item], size[by_item]
-    fetches, returns = fetches_weights(member, holder), problem.returning_links[by_item]
+    returns = problem.returning_links
+    if len(problem.gang_weight_table.item):  # rows of gang items come after the others': put them by item
+        by_item = np.argsort(item, kind="stable")
+        item, member, holder, size, returns = item[by_item], member[by_item], holder[by_item], size[by_item], \
+            returns[by_item]
+    fetches = fetches_weights(member, holder)
     hand, collect = _gang_moves(problem, 0), _gang_moves(problem, 1)
 
-    pair = np.concatenate([(worker[src] * W + worker[dst])[kinds >= 0], (holder * W + member)[fetches],
+    pair = np.concatenate([(src_worker * W + dst_worker)[kinds >= 0], (holder * W + member)[fetches],
                            (member * W + holder)[returns], hand[2] * W + hand[3], collect[2] * W + collect[3]])
     pairs, route, per_route = unique_codes(pair, W * W, return_inverse=True, return_counts=True)
     edge_route, fetch_route, return_route = np.full(len(kinds), -1), np.full(len(item), -1), np.full(len(item), -1)

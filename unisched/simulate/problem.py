@@ -37,6 +37,16 @@ class Followed(NamedTuple):
     idx: np.ndarray
     kind: np.ndarray
     moved: np.ndarray
+    table: np.ndarray | None = None
+    """(4, E): the same edges as rows src, idx, kind, moved (the form
+    :func:`moves` takes), or None."""
+
+    def as_table(self) -> np.ndarray:
+        """(4, E): src, dst, kind and moved-data code of every edge, by source."""
+        if self.table is not None:
+            return self.table
+        src = np.repeat(np.arange(len(self.ptr) - 1), np.diff(self.ptr))
+        return np.stack([src, self.idx, self.kind, self.moved])
 
 
 class GangMoves(NamedTuple):
@@ -380,7 +390,8 @@ def followed_edges(data_edges: np.ndarray, n: int, comm: bool) -> Followed:
     by_source = kept[np.argsort(data_edges[0].take(kept).astype(np.int32), kind="stable")]
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(data_edges[0].take(by_source), minlength=n), out=ptr[1:])
-    return Followed(ptr, *np.take(data_edges[1:], by_source, axis=1))
+    table = np.take(data_edges, by_source, axis=1)
+    return Followed(ptr, *table[1:], table=table)
 
 
 def with_fixed_orders(data: Followed, next_fixed: np.ndarray) -> Followed:

@@ -970,10 +970,19 @@ _HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_r
             "_finish", "_return_gradients", "book_in_order", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
-_INLINED = ("_admit", "_level", "_wake", "_begin", "_finish", "_return_gradients")
+_INLINED = ("_admit", "_level", "_wake")
 """Helpers numba inlines where they are called: they run once per item and
-take tables a call copies (called, they made the compiled step with
-transfers take about twice as long)."""
+take tables a call copies (called, they made the compiled step with a
+memory limit take about twice as long)."""
+
+_UNCOUNTED = ("_before", "_push", "_pop", "_heap_push", "_heap_pop", "_latest_free", "_when_freed", "_bisect_right",
+              "_gap", "_insert", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin", "_finish",
+              "_return_gradients")
+"""Helpers compiled without numba's reference counting (``_nrt=False``):
+they allocate nothing and only read and write arrays their caller holds.
+Counted, every array a call takes or takes from a table (the routes, the
+rows booked, the calendars) cost an atomic increment and decrement: on a
+network most of the compiled step's time, without one about a fifth."""
 
 
 @cache
@@ -985,8 +994,9 @@ def compiled_schedule():
         return None
     jit = numba.njit(cache=True, nogil=True)
     inline = numba.njit(cache=True, nogil=True, inline="always")
+    uncounted = numba.njit(cache=True, nogil=True, _nrt=False)
     for name in _HELPERS:
-        globals()[name] = (inline if name in _INLINED else jit)(globals()[name])
+        globals()[name] = (inline if name in _INLINED else uncounted if name in _UNCOUNTED else jit)(globals()[name])
     return globals()["schedule"]
 
 

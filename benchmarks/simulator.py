@@ -22,7 +22,9 @@ NICs, all-reduces across replicas, tensor-parallel gangs whose collectives
 wait for their links) and gangs that share rows over links between pairs
 of workers, and time the compiled greedy and the Python engine on the same
 steps, side by side, after checking that their timelines and transfers
-are identical.
+are identical; then (unless ``--skip-million``) simulate each of them at
+about a million work items (16 times the micro-batches) in a fresh
+process: the time of ``simulate()``, the CPU time and the peak memory.
 """
 
 from __future__ import annotations
@@ -188,10 +190,9 @@ def compare(repeat: int, only: list[str]) -> tuple[dict, list[dict]]:
 
 
 # ---------------------------------------------------------------------- networks: compiled against the engine
-def network_cases() -> dict:
+def network_cases(B: int = 2048) -> dict:
     """name -> (shape, strategy, costs): steps with transfers that take time,
-    of about 65,000 items each."""
-    B = 2048
+    of about 65,000 items each (``B`` = 2048; 16 times more with 32768)."""
     seconds = dict(forward=1e-3, backward=2e-3, activation_bytes=2e7, weight_bytes=4e8)
     one_f_one_b = unisched.policies.get("one_f_one_b", num_workers=16, num_stages=16, num_batches=B)
     zb_h1 = unisched.policies.get("zb_h1", num_workers=16, num_stages=16, num_batches=B // 2)
@@ -239,6 +240,24 @@ def compiled_against_engine(repeat: int) -> list[dict]:
     return rows
 
 
+def million_network(name: str) -> dict:
+    """Network case ``name`` at about a million work items, simulated in this process (run it in a fresh one)."""
+    fast.warm_up()
+    began, began_cpu = time.perf_counter(), time.process_time()
+    (W, S, B), strategy, costs = network_cases(MILLION_B)[name]
+    built = time.perf_counter()
+    sim, path = engine_used(lambda: unisched.simulate(W, S, B, strategy, costs=costs))
+    done, done_cpu = time.perf_counter(), time.process_time()
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"strategy": name, "shape": [W, S, B], "items": len(sim.timeline), "transfers": len(sim.transfers),
+            "build_s": built - began, "simulate_s": done - built, "cpu_s": done_cpu - began_cpu,
+            "peak_rss_mb": peak_mb, "engine": path}
+
+
+MILLION_B = 32768
+"""``network_cases``' B for about a million items (16 x 16 x 32768 x 2 for 1F1B)."""
+
+
 def million(name: str) -> dict:
     """About one million work items of ``name``, in this process (run it in a fresh one)."""
     fast.warm_up()  # load the compiled greedy from its cache first (numba loads on first use)
@@ -259,9 +278,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=names() + aliases() + ["network"], metavar="NAME",
                         help="only these cases (network: the network cases)")
     parser.add_argument("--million", help=argparse.SUPPRESS)
+    parser.add_argument("--million-network", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.million:
         print(json.dumps(million(args.million)))
+        return
+    if args.million_network:
+        print(json.dumps(million_network(args.million_network)))
         return
     only = args.only or names()
     table = [name for name in only if name in names()]
@@ -269,6 +292,8 @@ def main() -> None:
     fast.warm_up()  # compile (or load) the greedy before timing (numba loads on first use)
     if not args.only or "network" in args.only:
         print_network(args.repeat)
+        if not args.skip_million:
+            print_million_network()
     if not table:
         return
     baseline, rows = compare(args.repeat, table)
@@ -290,6 +315,20 @@ def main() -> None:
         row = json.loads(out)
         print(f"{row['strategy']:<30}{','.join(map(str, row['shape'])):>14}{row['items']:>11,}{row['build_s']:>9.2f}"
               f"{row['simulate_s']:>12.2f}{row['cpu_s']:>7.2f}{row['peak_rss_mb']:>9,.0f}  {row['engine']}")
+
+
+def print_million_network() -> None:
+    print("the network cases at about a million work items (B x 16), each in a fresh process (peak RSS: whole "
+          "process):")
+    print(f"{'case':<36}{'W,S,B':>14}{'items':>11}{'transfers':>11}{'simulate s':>12}{'cpu s':>7}{'peak MB':>9}"
+          "  engine")
+    for name in network_cases():
+        out = subprocess.run([sys.executable, __file__, "--million-network", name], check=True, capture_output=True,
+                             text=True).stdout
+        row = json.loads(out)
+        print(f"{row['strategy']:<36}{','.join(map(str, row['shape'])):>14}{row['items']:>11,}{row['transfers']:>11,}"
+              f"{row['simulate_s']:>12.2f}{row['cpu_s']:>7.2f}{row['peak_rss_mb']:>9,.0f}  {row['engine']}")
+    print()
 
 
 def print_network(repeat: int) -> None:

@@ -214,28 +214,32 @@ def network_cases(B: int = 2048) -> dict:
 def compiled_against_engine(repeat: int) -> list[dict]:
     """Each network case's items per second on the compiled greedy and on
     the Python engine (best of ``repeat``, the two taking turns on the same
-    step), after checking that both give the same timeline and transfers."""
+    step), after checking that both give the same timeline and transfers;
+    and of the whole ``simulate()`` (building the step, the compiled greedy,
+    the Timeline and its transfers)."""
     rows = []
     for name, ((W, S, B), strategy, costs) in network_cases().items():
         priority = strategy.priority or OldestBatchFirst(S, B)
         problem = build_problem(Shape(W, S, B), strategy, priority, costs, strategy.memory_limit,
                                 strategy.split_backward, as_stage_graph(S, None), False)  # its own limit counts stashes
         assert fast.covers(problem)
-        best = {"compiled": float("inf"), "python engine": float("inf")}
+        best = {"compiled": float("inf"), "python engine": float("inf"), "simulate": float("inf")}
+        whole = lambda: unisched.simulate(W, S, B, strategy, costs=costs)  # noqa: E731
         for _ in range(repeat):
-            for path, run in (("compiled", fast.run_columns), ("python engine", engine.run)):
+            for path, run in (("compiled", fast.run_columns), ("python engine", engine.run), ("simulate", None)):
                 began = time.perf_counter()
-                result = run(problem)
+                result = run(problem) if run is not None else whole()
                 best[path] = min(best[path], time.perf_counter() - began)
                 if path == "compiled":
                     compiled = result
-                else:
+                elif path == "python engine":
                     python = result
         same = (np.array_equal(compiled[0], python[0]) and np.array_equal(compiled[1], python[1])
                 and compiled[2].rows() == python[2])
         rows.append({"case": name, "shape": [W, S, B], "items": problem.num_items, "transfers": len(python[2]),
                      "compiled_items_per_s": problem.num_items / best["compiled"],
                      "engine_items_per_s": problem.num_items / best["python engine"],
+                     "simulate_items_per_s": problem.num_items / best["simulate"],
                      "speedup": best["python engine"] / best["compiled"], "same_timeline": same})
     return rows
 
@@ -309,7 +313,7 @@ def main() -> None:
     print("\nabout 1,048,576 work items, each in a fresh process (peak RSS: whole process, Python and libraries):")
     print(f"{'strategy':<30}{'W,S,B':>14}{'items':>11}{'build s':>9}{'simulate s':>12}{'cpu s':>7}{'peak MB':>9}"
           "  engine")
-    for name in only + ([] if args.only else aliases()):
+    for name in [n for n in only if n != "network"] + ([] if args.only else aliases()):
         out = subprocess.run([sys.executable, __file__, "--million", name], check=True, capture_output=True,
                              text=True).stdout
         row = json.loads(out)
@@ -332,14 +336,14 @@ def print_million_network() -> None:
 
 
 def print_network(repeat: int) -> None:
-    print(f"steps with transfers, the compiled greedy against the Python engine on the same step, best of {repeat} "
-          "(taking turns):")
+    print(f"steps with transfers, the compiled greedy against the Python engine on the same step, and the whole "
+          f"simulate(), best of {repeat} (taking turns):")
     print(f"{'case':<36}{'W,S,B':>12}{'items':>8}{'transfers':>11}{'compiled/s':>12}{'engine/s':>10}{'speedup':>9}"
-          "  same timeline")
+          f"{'simulate()/s':>14}  same timeline")
     for row in compiled_against_engine(repeat):
         print(f"{row['case']:<36}{','.join(map(str, row['shape'])):>12}{row['items']:>8,}{row['transfers']:>11,}"
               f"{row['compiled_items_per_s']:>12,.0f}{row['engine_items_per_s']:>10,.0f}{row['speedup']:>8.1f}x"
-              f"  {row['same_timeline']}")
+              f"{row['simulate_items_per_s']:>14,.0f}  {row['same_timeline']}")
     print()
 
 

@@ -471,8 +471,8 @@ def schedule(graph, stashes, links):
     history, history_base, history_size = _histories(weights, num_workers)
     resident = np.zeros(num_workers * weights.num_stages if comm else 0, dtype=np.bool_)
     grads_left = weights.grads_per_stage.copy()
-    rows = _rows(comm, links.edge_route.shape[0] + 2 * weights.member.shape[0] + gangs.hand_route.shape[0]
-                 + gangs.collect_route.shape[0])
+    rows = _rows(comm, _routed(links.edge_route) + _routed(weights.fetch_route) + _routed(weights.return_route)
+                 + gangs.hand_route.shape[0] + gangs.collect_route.shape[0])
     booked = n - n
 
     for i in range(graph.source_items.shape[0]):
@@ -694,6 +694,14 @@ def _histories(weights, num_workers):
     """Each worker's start times (a region per worker, a slot per weight row it computes)."""
     return (np.empty(weights.member.shape[0]), _regions(weights.member, num_workers),
             np.zeros(num_workers, np.int64))
+
+
+def _routed(route):
+    """How many transfers have a route (-1: none): each is booked once at most."""
+    count = 0
+    for r in route:
+        count += r >= 0
+    return count
 
 
 def _rows(comm, slots):
@@ -965,7 +973,8 @@ def _heap_pop(lk, le, base, size):
 
 
 _HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_regions",
-            "_slack", "_latest_free", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories", "_rows",
+            "_slack", "_latest_free", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories",
+            "_routed", "_rows",
             "_bisect_right", "_gap", "_insert", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin",
             "_finish", "_return_gradients", "book_in_order", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""

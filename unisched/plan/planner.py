@@ -64,8 +64,10 @@ CONSTRUCTED_RULES = 8
 """How many rules of the list scheduler build orders for a mapping whose greedy replay deadlocks."""
 REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
-PAIRED_SHARE = 0.5
-"""Share of the mapping search's time for the paired model, when the whole scheme is searched after it."""
+PAIRED_SHARE = 0.25
+"""Share of the mapping search's time for the paired model, when the whole scheme is searched after it
+(W = 3, S = 4, B = 8, memory 2, comm 1 at 10 s: 59 to 62 over six plans, where a share of 0.5 gave 62
+six times; docs/planning.md, "Small problems")."""
 UNLIMITED_PAIRED_SHARE = 0.2
 """The same without memory limits, where the whole-scheme model finds and proves good schedules by
 itself (W = 2, S = 4, B = 8, comm 1: 49 proven in 2.3 s instead of 5.4 s at a share of 0.5)."""

@@ -244,8 +244,8 @@ def links_of(problem) -> Links:
     routes = Routes(calendars.shared, pairs // W, pairs % W, latency, bandwidth, calendars.route_ptr,
                     calendars.route_calendar, calendars.base)
     weights = Weights(
-        _ptr(item, n), member.astype(np.int64), size.astype(float), fetch_route, return_route, problem.stage, S,
-        int(problem.prefetch_depth), bool(problem.cache_weights),
+        _ptr(item, n), member.astype(np.int64, copy=False), size.astype(float, copy=False), fetch_route, return_route,
+        problem.stage, S, int(problem.prefetch_depth), bool(problem.cache_weights),
         np.bincount((member * S + problem.stage[item])[returns], minlength=W * S),
         TRANSFER_KINDS.index("weights"), TRANSFER_KINDS.index("weight_gradient"))
     collective = problem.collective if problem.collective is not None else np.zeros(n)

@@ -981,8 +981,7 @@ _HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_r
 
 _INLINED = ("_admit", "_level", "_wake")
 """Helpers numba inlines where they are called: they run once per item and
-take tables a call copies (called, they made the compiled step with a
-memory limit take about twice as long)."""
+take tables a call copies."""
 
 _UNCOUNTED = ("_before", "_push", "_pop", "_heap_push", "_heap_pop", "_latest_free", "_when_freed", "_bisect_right",
               "_gap", "_insert", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin", "_finish",

@@ -66,7 +66,8 @@ def test_gang_tables_are_the_rules_applied_per_item(W, S, B, split, seed):
     rng = np.random.default_rng(seed)
     strategy = random_gangs(rng, W, S, B, split)
     costs = Costs(forward=list(rng.choice([0.5, 1.0], S)), backward=2.0,
-                  activation_bytes=list(rng.choice([0.0, 1.0, 3.0], S)), weight_bytes=list(rng.choice([0.0, 1.0, 4.0], S)), bandwidth=1.0)
+                  activation_bytes=list(rng.choice([0.0, 1.0, 3.0], S)),
+                  weight_bytes=list(rng.choice([0.0, 1.0, 4.0], S)), bandwidth=1.0)
     p = build(Shape(W, S, B), strategy, OldestBatchFirst(S, B), costs, None, split, as_stage_graph(S, None))
     moves, weights = per_item(p, costs, S)
     assert p.gang_moves == moves
@@ -92,3 +93,16 @@ def test_a_bad_gang_worker_is_named_once_per_answer_type():
     strategy = strategy.with_(gang=lambda w: (1, 2) if w.batch == 0 else (True, 2))
     with pytest.raises(StrategyError, match=r"gang worker True \(bool\)"):
         build(Shape(3, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))
+
+
+def test_a_gang_with_more_shards_than_its_weight_holders_is_named():
+    """A tensor-parallel gang of 3 whose weight worker computes the stage in
+    a gang of 2: the third shard has no holder, and the error says so."""
+    def gang(work):
+        return (0, 1) if work.batch == 0 else (2, 3, 4)
+
+    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(0 if w.batch == 0 else 2, 0))
+    strategy = strategy.with_(gang=gang)
+    with pytest.raises(StrategyError, match=r"Work\(batch=1.*gang \[2, 3, 4\] \(3 shards\).*weight worker 0 holds "
+                                            r"the stage in 2 shards"):
+        build(Shape(5, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))

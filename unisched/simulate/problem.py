@@ -350,7 +350,7 @@ def build(
                                     dataflow.input_bytes(act_bytes, stage_graph),
                                     dataflow.output_bytes(act_bytes, stage_graph))
     weights_in_gang = _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, W, S,
-                                        weight_bytes)
+                                        weight_bytes, items, strategy.name)
     return Problem(
         shape=shape,
         items=items,
@@ -577,7 +577,7 @@ def _moves_in_gangs(gang, gang_members, gang_collective, stage, direction, input
 
 
 def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
-                      num_stages: int, weight_bytes) -> GangWeights:
+                      num_stages: int, weight_bytes, items: Items, name: str) -> GangWeights:
     """The weights each member of each gang item computes with
     (``Problem.gang_weight_table``): :func:`unisched.dataflow.gang_weights`
     once per gang, weight worker and the tensor-parallel gang that worker
@@ -591,6 +591,7 @@ def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stag
     last = len(at) - 1 - np.unique(at[::-1], return_index=True)[1]
     tensor_parallel[at[last]] = g[collective][last]
     weight_gang = np.where(collective, tensor_parallel[weight[ganged] * num_stages + s], -1)
+    _check_shards(ganged, g, weight_gang, gang_members, weight, items, name)
     G = len(gang_members)
     combos, which = np.unique((g * num_workers + weight[ganged]) * (G + 1) + weight_gang + 1, return_inverse=True)
     template = []  # per combo: (member, holder, share, fraction) per member
@@ -603,6 +604,21 @@ def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stag
     member, holder, share, fraction = _template_columns(template, (np.int64, np.int64, np.int64, float))
     nbytes = np.asarray(weight_bytes, dtype=float)[s[owner]] * fraction[row]
     return GangWeights(ganged[owner], member[row], holder[row], share[row], nbytes)
+
+
+def _check_shards(ganged, gang, weight_gang, gang_members, weight, items: Items, name: str) -> None:
+    """Refuse a tensor-parallel gang item with more shards than the gang its
+    weight worker holds the stage with: some member's shard would have no holder."""
+    sizes = np.array([len(m) for m in gang_members] + [0], dtype=np.int64)  # the last: no weight gang
+    bad = np.flatnonzero((weight_gang >= 0) & (sizes[gang] > sizes[weight_gang]))
+    if len(bad):
+        i = int(bad[0])
+        members, holders = gang_members[gang[i]], gang_members[weight_gang[i]]
+        raise StrategyError(
+            f"strategy {name!r} runs {items.work(int(ganged[i]))!r} on the tensor-parallel gang {list(members)} "
+            f"({len(members)} shards), but its weight worker {int(weight[ganged[i]])} holds the stage in "
+            f"{len(holders)} shards (gang {list(holders)}); give a stage's tensor-parallel gangs one size"
+        )
 
 
 def _expanded(which: np.ndarray, template: list) -> tuple[np.ndarray, np.ndarray]:

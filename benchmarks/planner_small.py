@@ -12,7 +12,7 @@ schedule known: where the long run proves its schedule optimal, the reference
 is the optimum of the class it names.
 
 Run: ``python benchmarks/planner_small.py`` (``--quick``: the first cases only;
-``--cases 0,3``: those rows; ``--time-limit``: another search time).
+``--cases 0,3``: those rows, a row given twice planned twice; ``--time-limit``: another search time).
 """
 
 from __future__ import annotations

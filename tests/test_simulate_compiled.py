@@ -52,7 +52,6 @@ class RandomPriority:
 def both_runs(shape, strategy, priority, costs, limit, split, graph, in_bytes):
     """The engine's (start, end) or its DeadlockError, and the compiled greedy's (start, end)."""
     p = build(shape, strategy, priority, costs, limit, split, graph, in_bytes)
-    assert fast.covers(p)
     try:
         start, end, rows = engine.run(p)
         expected = (np.asarray(start), np.asarray(end), rows)
@@ -69,7 +68,7 @@ def assert_same(expected, got):
         assert start.min() < 0, "the engine deadlocks, so the compiled greedy must leave items unscheduled"
     else:
         assert np.array_equal(start, expected[0]) and np.array_equal(end, expected[1])
-        assert rows == expected[2]
+        assert (None if rows is None else rows.rows()) == expected[2]
 
 
 def diamond_or_chain(S, diamond):

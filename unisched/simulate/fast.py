@@ -11,7 +11,8 @@ NVLink ports and NICs (latency, bandwidth, weight fetches with prefetch and
 caching, gradient returns, what a gang hands out and collects, its
 collective waiting for its links, and the end-of-step all-reduces booked on
 theirs).  That is what makes a million work items take one to two seconds,
-1F1B and zero bubble included (benchmarks/simulator.py).
+1F1B and zero bubble included, on a topology too; with tensor-parallel
+gangs about six (benchmarks/simulator.py, docs/topology.md).
 
 It is the same algorithm, step for step, as ``engine.run``; the tests check
 that both give identical timelines, item for item.  What differs is the
@@ -62,13 +63,6 @@ COMPILED_FROM = 4096
 
 _EPS = 1e-9
 """The engine's tolerance on memory levels and release times."""
-
-
-def covers(problem) -> bool:
-    """Whether the compiled greedy runs this problem (else the engine does):
-    every problem :func:`unisched.simulate.problem.build` makes, with or
-    without a topology, gangs and communication costs."""
-    return True
 
 
 class Graph(NamedTuple):
@@ -177,12 +171,10 @@ class Links(NamedTuple):
     ``TRANSFER_KINDS``), -1: nothing (both ends on one worker)."""
     edge_bytes: np.ndarray
     edge_route: np.ndarray
-    allreduce_stage: np.ndarray
-    """On a topology, per end-of-step all-reduce (``transfers.allreduce_table``,
-    in its order): its stage and share, and the calendars it books,
-    ``allreduce_calendar[allreduce_ptr[g]:allreduce_ptr[g + 1]]``."""
-    allreduce_share: np.ndarray
     allreduce_ptr: np.ndarray
+    """On a topology, per end-of-step all-reduce (``transfers.allreduce_table``,
+    in its order, which is the stages' and shares' whatever the times): the
+    calendars it books, ``allreduce_calendar[allreduce_ptr[g]:allreduce_ptr[g + 1]]``."""
     allreduce_calendar: np.ndarray
 
 
@@ -248,11 +240,10 @@ def links_of(problem) -> Links:
         problem.stage, S, int(problem.prefetch_depth), bool(problem.cache_weights),
         np.bincount((member * S + problem.stage[item])[returns], minlength=W * S),
         TRANSFER_KINDS.index("weights"), TRANSFER_KINDS.index("weight_gradient"))
-    collective = problem.collective if problem.collective is not None else np.zeros(n)
     gangs = GangTraffic(hand[0], hand[1], route[3], hand[4], collect[0], collect[1], route[4], collect[4],
-                        np.asarray(collective, dtype=float), calendars.gang_ptr, calendars.gang_calendar)
+                        np.asarray(problem.collective, dtype=float), calendars.gang_ptr, calendars.gang_calendar)
     return Links(True, routes, weights, gangs, kinds, np.asarray(nbytes, dtype=float), edge_route,
-                 calendars.allreduce_stage, calendars.allreduce_share, calendars.allreduce_ptr,
+                 calendars.allreduce_ptr,
                  calendars.allreduce_calendar)
 
 
@@ -280,8 +271,6 @@ class _Calendars(NamedTuple):
     route_calendar: np.ndarray
     gang_ptr: np.ndarray
     gang_calendar: np.ndarray
-    allreduce_stage: np.ndarray
-    allreduce_share: np.ndarray
     allreduce_ptr: np.ndarray
     allreduce_calendar: np.ndarray
     base: np.ndarray
@@ -296,7 +285,7 @@ def _calendars_of(problem, src: np.ndarray, dst: np.ndarray, per_route: np.ndarr
     none = np.zeros(0, np.int64)
     if topology is None:
         ptr = np.arange(len(src) + 1, dtype=np.int64)
-        return _Calendars(False, ptr, ptr[:-1], np.zeros(1, np.int64), none, none, none, np.zeros(1, np.int64), none,
+        return _Calendars(False, ptr, ptr[:-1], np.zeros(1, np.int64), none, np.zeros(1, np.int64), none,
                           _bases(per_route))
     index: dict[tuple, int] = {}  # a link of the topology -> its calendar
 
@@ -320,8 +309,8 @@ def _calendars_of(problem, src: np.ndarray, dst: np.ndarray, per_route: np.ndarr
     room = (np.bincount(route_calendar, np.repeat(per_route, np.diff(route_ptr)), minlength=len(index))
             + np.bincount(gang_calendar, np.repeat(timed, np.diff(gang_ptr)), minlength=len(index))
             + np.bincount(allreduce_calendar, minlength=len(index)))
-    return _Calendars(True, route_ptr, route_calendar, gang_ptr, gang_calendar, table.stage.astype(np.int64),
-                      table.share.astype(np.int64), allreduce_ptr, allreduce_calendar, _bases(room.astype(np.int64)))
+    return _Calendars(True, route_ptr, route_calendar, gang_ptr, gang_calendar, allreduce_ptr, allreduce_calendar,
+                      _bases(room.astype(np.int64)))
 
 
 def _flat(lists: list) -> tuple[np.ndarray, np.ndarray]:
@@ -351,23 +340,14 @@ def no_links() -> Links:
     routes = Routes(False, none_i, none_i, none_f, none_f, one, none_i, one)
     weights = Weights(one, none_i, none_f, none_i, none_i, none_i, 0, 0, False, none_i, 0, 0)
     gangs = GangTraffic(one, none_i, none_i, none_f, one, none_i, none_i, none_f, none_f, one, none_i)
-    return Links(False, routes, weights, gangs, none_i, none_f, none_i, none_i, none_i, one, none_i)
+    return Links(False, routes, weights, gangs, none_i, none_f, none_i, one, none_i)
 
 
 def run(problem):
     """Start and end time of every item of ``problem``, and the transfers
-    booked as the engine's rows (None with free communication); or None
-    without numba.  Items never scheduled (a deadlock) keep start -1."""
-    result = run_columns(problem)
-    if result is None or result[2] is None:
-        return result
-    start, end, booked = result
-    return start, end, booked.rows()
-
-
-def run_columns(problem):
-    """:func:`run` with the transfers booked as columns
-    (:class:`~unisched.simulate.transfers.Booked`), as the Timeline takes them."""
+    booked as columns (:class:`~unisched.simulate.transfers.Booked`, as the
+    Timeline takes them; None with free communication); or None without
+    numba.  Items never scheduled (a deadlock) keep start -1."""
     kernel = compiled_schedule()
     if kernel is None:
         return None
@@ -388,7 +368,6 @@ def _allreduces(problem, links: Links, calendars, end: np.ndarray, booked) -> "t
     transfers (``engine._Communication.finish_step``): their rows."""
     returned = booked.kind == links.weights.return_kind
     table = transfers.allreduce_table(problem, end, problem.stage[booked.item[returned]], booked.end[returned])
-    index = {key: g for g, key in enumerate(zip(links.allreduce_stage.tolist(), links.allreduce_share.tolist()))}
     order = np.lexsort((table.share, table.stage, table.ready))  # by (ready, stage, share), as the engine sorts
     count = np.diff(table.ptr)[order]
     replicas = np.concatenate([table.replicas[table.ptr[g]:table.ptr[g + 1]] for g in order.tolist()] or
@@ -399,8 +378,7 @@ def _allreduces(problem, links: Links, calendars, end: np.ndarray, booked) -> "t
     nbytes = table.nbytes[order]
     duration = np.array([float(network.allreduce_time(problem.costs, e, b)) for e, b in zip(everyone, nbytes.tolist())],
                         dtype=float)
-    groups = np.array([index[(s, k)] for s, k in zip(table.stage[order].tolist(), table.share[order].tolist())],
-                      dtype=np.int64)
+    groups = order.astype(np.int64)  # the table's groups are the calendars' (``_calendars_of``), in one order
     begins = book_in_order(*calendars, links.routes.calendar_base, links.allreduce_ptr, links.allreduce_calendar,
                            groups, table.ready[order].astype(float), duration)
     src, dst, hop_bytes = transfers.ring_hops(ptr, replicas, np.array([len(e) for e in everyone]), nbytes)

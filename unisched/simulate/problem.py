@@ -238,8 +238,7 @@ class Problem:
     @cached_property
     def succ_moves(self) -> tuple[list, list]:
         """For each followed edge (CSR order): what it moves (None: nothing) and how many bytes."""
-        src = np.repeat(np.arange(self.num_items), np.diff(self.succ_ptr))
-        kinds, nbytes = moves(self, np.stack([src, self.succ_idx, self.succ_kind, self.succ_moved]))
+        kinds, nbytes = moves(self, self.followed.as_table())
         return [TRANSFER_KINDS[k] if k >= 0 else None for k in kinds.tolist()], nbytes.tolist()
 
     @cached_property

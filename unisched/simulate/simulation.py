@@ -115,14 +115,14 @@ def check_size(shape: Shape, split_backward: bool = False) -> None:
 
 
 def _run(problem):
-    """The compiled greedy where it applies (:func:`fast.covers`), else the
-    general engine.
+    """The compiled greedy from :data:`fast.COMPILED_FROM` items on (and
+    where numba is installed), else the general engine.
 
     The general engine also runs when the compiled one leaves items
     unscheduled, to explain the deadlock.  The transfers booked come as
     columns from the compiled greedy, as rows from the engine."""
-    if problem.num_items >= fast.COMPILED_FROM and fast.covers(problem):
-        compiled = fast.run_columns(problem)
+    if problem.num_items >= fast.COMPILED_FROM:
+        compiled = fast.run(problem)
         if compiled is not None and compiled[0].min(initial=0.0) >= 0:
             return compiled
     start, end, booked = engine.run(problem)

@@ -1,7 +1,7 @@
 """The transfers a schedule implies.
 
-With costs that make communication take time, the engine books every
-transfer as it schedules (links serialise).  With free communication (the
+With costs that make communication take time, the run (the compiled greedy
+or the engine) books every transfer as it schedules (links serialise).  With free communication (the
 paper's model) nothing a transfer does can change the schedule, so they are
 derived here afterwards, in bulk, by the same rules: a data dependency whose
 ends run on different workers moves an activation, gradient or stash; an item
@@ -11,7 +11,7 @@ member hands out and collects (:func:`unisched.dataflow.gang_moves`), and
 each member fetches the share of the weights it computes with.  The
 end-of-step all-reduce among the holders of each share of a stage
 (:func:`allreduce_groups`) is added here, timed by the network model; on a
-topology the engine books it on the links its members use instead.
+topology the run books it on the links its members use instead.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ alone: the per-item reading the tables are computed in bulk from."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -95,14 +97,17 @@ def test_a_bad_gang_worker_is_named_once_per_answer_type():
         build(Shape(3, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))
 
 
-def test_a_gang_with_more_shards_than_its_weight_holders_is_named():
+@pytest.mark.parametrize("holders, gang_of_batch_1", [((0, 1), (2, 3, 4)), ((0, 1, 2), (3, 4))])
+def test_a_gang_whose_shards_its_weight_holders_do_not_hold_is_named(holders, gang_of_batch_1):
     """A tensor-parallel gang of 3 whose weight worker computes the stage in
-    a gang of 2: the third shard has no holder, and the error says so."""
+    a gang of 2 (the third shard has no holder), or of 2 whose holders hold
+    thirds of the stage, not halves: the error names the item and both gangs."""
     def gang(work):
-        return (0, 1) if work.batch == 0 else (2, 3, 4)
+        return holders if work.batch == 0 else gang_of_batch_1
 
-    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(0 if w.batch == 0 else 2, 0))
+    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(0 if w.batch == 0 else gang_of_batch_1[0], 0))
     strategy = strategy.with_(gang=gang)
-    with pytest.raises(StrategyError, match=r"Work\(batch=1.*gang \[2, 3, 4\] \(3 shards\).*weight worker 0 holds "
-                                            r"the stage in 2 shards"):
+    pattern = (r"Work\(batch=1.*" + re.escape(f"gang {list(gang_of_batch_1)} ({len(gang_of_batch_1)} shards)")
+               + f".*weight worker 0 holds the stage in {len(holders)} shards")
+    with pytest.raises(StrategyError, match=pattern):
         build(Shape(5, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))

@@ -426,6 +426,17 @@ def share_holder(weight_worker: int, share: int, weight_gang: Sequence[int] | No
     return weight_worker if weight_gang is None else int(weight_gang[share])
 
 
+def shards_held(gang_size, weight_gang_size):
+    """Whether every shard of a tensor-parallel gang of ``gang_size``
+    members has a holder: the member at its position in the gang of
+    ``weight_gang_size`` its weight worker computes the stage with, which
+    must have as many members (their shares are the same slices of the
+    stage); or, with no such gang (-1), the weight worker itself, which
+    holds the whole stage.  Scalars or arrays alike."""
+    weight_gang_size = np.asarray(weight_gang_size)
+    return (weight_gang_size < 0) | (weight_gang_size == gang_size)
+
+
 def gang_weights(members: Sequence[int], collective: bool, weight_worker: int,
                  weight_gang: Sequence[int] | None) -> tuple[tuple[int, int, int, float], ...]:
     """Per member of a gang: (member, the worker holding the share it computes
@@ -461,6 +472,7 @@ __all__ = [
     "replicas",
     "returns_gradient",
     "share_holder",
+    "shards_held",
     "stash_share_array",
     "stash_needs",
     "stash_shares",

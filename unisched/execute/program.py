@@ -69,6 +69,7 @@ from unisched.dataflow import (
     gradient_pass,
     returns_gradient,
     share_holder,
+    shards_held,
     stash_needs,
     weight_share,
 )
@@ -537,7 +538,9 @@ class _Weights:
         collective = gang is not None and gang.collective
         share = weight_share(gang.workers if gang is not None else (rank,), collective, rank)
         weight_gang = self.tensor_parallel.get((worker, work.stage)) if collective else None
-        if collective and (weight_gang is None or len(weight_gang) != len(gang.workers)):
+        # a weight worker holding the whole stage (no gang) could serve the shards in a simulation;
+        # here each rank holds one share of a stage, so the shards need a gang of holders
+        if collective and (weight_gang is None or not shards_held(len(gang.workers), len(weight_gang))):
             raise ProgramError(
                 f"work item {work} runs tensor-parallel on the gang {list(gang.workers)}, but its weight worker "
                 f"{worker} runs stage {work.stage} on no gang of {len(gang.workers)}, so no rank holds shard {share} "

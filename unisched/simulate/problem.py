@@ -606,10 +606,10 @@ def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stag
 
 
 def _check_shards(ganged, gang, weight_gang, gang_members, weight, items: Items, name: str) -> None:
-    """Refuse a tensor-parallel gang item with more shards than the gang its
-    weight worker holds the stage with: some member's shard would have no holder."""
-    sizes = np.array([len(m) for m in gang_members] + [0], dtype=np.int64)  # the last: no weight gang
-    bad = np.flatnonzero((weight_gang >= 0) & (sizes[gang] > sizes[weight_gang]))
+    """Refuse a tensor-parallel gang item whose shards the gang its weight
+    worker holds the stage with does not hold (:func:`unisched.dataflow.shards_held`)."""
+    sizes = np.array([len(m) for m in gang_members] + [-1], dtype=np.int64)  # the last: no weight gang
+    bad = np.flatnonzero(~dataflow.shards_held(sizes[gang], sizes[weight_gang]))
     if len(bad):
         i = int(bad[0])
         members, holders = gang_members[gang[i]], gang_members[weight_gang[i]]

@@ -245,6 +245,11 @@ class Topology:
         latency = np.where(same_node, self.intra_node.latency, self.inter_node_latency)
         return latency.astype(float), bandwidth.astype(float)
 
+    def collective_links(self, members: Sequence[int], num_devices: int) -> tuple:
+        """The links a collective among ``members`` books that serve devices
+        0..num_devices-1 (replica 0's, where replicas repeat it on links of their own)."""
+        return tuple(link for link in self.group_route(members).links if self.link_among(link, num_devices))
+
     def group_route(self, members: Sequence[int]) -> Route:
         """The links a collective among ``members`` uses, the bus bandwidth it
         gets and the latency of one of its steps, as NCCL lays it out: inside
@@ -324,6 +329,10 @@ class ClusterCosts(Costs):
         """Per stage: the bytes a gang all-reduces per pass."""
         name = "activation_bytes" if self.tensor_parallel_bytes is None else "tensor_parallel_bytes"
         return self.per_stage(name, num_stages)
+
+    def everywhere(self, members: Sequence[int], num_workers: int) -> list[int]:
+        """``members`` (of replica 0's ``num_workers``) and the same workers of every other replica."""
+        return [m + r * num_workers for r in range(self.replicas) for m in members]
 
     def cluster(self, num_workers: int) -> Topology:
         """The topology sized for ``num_workers`` workers times the replicas."""

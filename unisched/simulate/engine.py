@@ -327,7 +327,7 @@ class _Communication:
         stage, arrival = zip(*returned) if returned else ((), ())
         groups = transfers.allreduce_groups(p, np.asarray(end), stage, arrival)
         for group in sorted(groups, key=lambda g: (g.ready, g.stage, g.share)):
-            everyone = self.cluster.everywhere(group.replicas)
+            everyone = p.costs.everywhere(group.replicas, p.num_workers)
             duration = float(network.allreduce_time(p.costs, everyone, group.nbytes))
             begin = self.cluster.collective(everyone, group.ready, duration)
             self.rows += transfers.ring_rows(group, everyone, begin, begin + duration)
@@ -361,7 +361,6 @@ class _Cluster:
     def __init__(self, p: Problem, topology):
         self.topology = topology
         self.num_workers = p.num_workers
-        self.replicas = getattr(p.costs, "replicas", 1)
         self.calendars: dict[tuple, _Calendar] = {}
         self.routes: dict[tuple[int, int], tuple] = {}
         self.groups: dict[tuple[int, ...], tuple] = {}
@@ -381,14 +380,8 @@ class _Cluster:
         key = tuple(members)
         links = self.groups.get(key)
         if links is None:
-            links = self.groups[key] = tuple(
-                link for link in self.topology.group_route(members).links
-                if self.topology.link_among(link, self.num_workers))
+            links = self.groups[key] = self.topology.collective_links(members, self.num_workers)
         return self._book(links, ready, duration)
-
-    def everywhere(self, members) -> list[int]:
-        """``members`` and the same workers of every other replica."""
-        return [m + r * self.num_workers for r in range(self.replicas) for m in members]
 
     def _book(self, links, ready: float, occupy: float) -> float:
         """Book ``occupy`` on every one of ``links`` in the first gap at or

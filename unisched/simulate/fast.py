@@ -293,15 +293,15 @@ def _calendars_of(problem, src: np.ndarray, dst: np.ndarray, per_route: np.ndarr
         return [index.setdefault(link, len(index)) for link in links]
 
     def collective(members) -> list[int]:
-        """The calendars of a collective among ``members``: replica 0's links (``_Cluster.collective``)."""
-        return calendar(link for link in topology.group_route(members).links
-                        if topology.link_among(link, problem.num_workers))
+        """The calendars of a collective among ``members``: replica 0's links."""
+        return calendar(topology.collective_links(members, problem.num_workers))
 
     routes = [calendar(topology.route(a, b).links) for a, b in zip(src.tolist(), dst.tolist())]
     gangs = [collective(members) for members in problem.gang_members]
     # which all-reduces a step has does not depend on its times, only when they are ready does
     table = transfers.allreduce_table(problem, np.zeros(problem.num_items), none, np.zeros(0))
-    allreduces = [collective(_everyone(problem, group.replicas)) for group in table.groups()]
+    allreduces = [collective(problem.costs.everywhere(group.replicas, problem.num_workers))
+                  for group in table.groups()]
     route_ptr, route_calendar = _flat(routes)
     gang_ptr, gang_calendar = _flat(gangs)
     allreduce_ptr, allreduce_calendar = _flat(allreduces)
@@ -325,13 +325,6 @@ def _bases(room: np.ndarray) -> np.ndarray:
     base = np.zeros(len(room) + 1, np.int64)
     np.cumsum(room, out=base[1:])
     return base
-
-
-def _everyone(problem, replicas) -> list[int]:
-    """``replicas`` and the same workers of every other data-parallel
-    replica the costs count (``engine._Cluster.everywhere``)."""
-    W = problem.num_workers
-    return [m + r * W for r in range(getattr(problem.costs, "replicas", 1)) for m in replicas]
 
 
 def no_links() -> Links:
@@ -374,7 +367,8 @@ def _allreduces(problem, links: Links, calendars, end: np.ndarray, booked) -> "t
                               [np.zeros(0, np.int64)])
     ptr = np.zeros(len(order) + 1, np.int64)
     np.cumsum(count, out=ptr[1:])
-    everyone = [_everyone(problem, replicas[a:b].tolist()) for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist())]
+    everyone = [problem.costs.everywhere(replicas[a:b].tolist(), problem.num_workers)
+                for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist())]
     nbytes = table.nbytes[order]
     duration = np.array([float(network.allreduce_time(problem.costs, e, b)) for e, b in zip(everyone, nbytes.tolist())],
                         dtype=float)

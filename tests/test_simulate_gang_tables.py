@@ -16,6 +16,7 @@ import unisched
 from unisched import Costs, dataflow
 from unisched.errors import StrategyError
 from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.layout import replicated, tensor_parallel
 from unisched.simulate.problem import build
 from unisched.strategy import Gang
 from unisched.work import Direction, Shape, as_stage_graph
@@ -111,3 +112,30 @@ def test_a_gang_whose_shards_its_weight_holders_do_not_hold_is_named(holders, ga
                + f".*weight worker 0 holds the stage in {len(holders)} shards")
     with pytest.raises(StrategyError, match=pattern):
         build(Shape(5, 1, 2), strategy, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))
+
+
+@pytest.mark.parametrize("name, W, S, B, T, D", [("one_f_one_b", 4, 4, 8, 2, 1), ("interleaved", 2, 4, 4, 4, 1),
+                                                 ("zb_h1", 3, 3, 4, 2, 1), ("fsdp", 4, 2, 4, 2, 1),
+                                                 ("one_f_one_b", 2, 2, 4, 2, 3)])
+def test_gangs_from_arrays_are_the_per_item_gangs(name, W, S, B, T, D):
+    """A tensor-parallel layout's ``gang_arrays`` (of D replicas) gives the
+    gangs (numbered alike) that calling its ``gang`` per item gives."""
+    strategy = tensor_parallel(unisched.policies.get(name, num_workers=W, num_stages=S, num_batches=B), T)
+    if D > 1:
+        strategy = replicated(strategy, D)
+    assert strategy.gang_arrays is not None
+    shape = Shape(W * T * D, S, B * D)
+    priority = strategy.priority or OldestBatchFirst(S, B * D)
+    split = strategy.split_backward
+    on_arrays = build(shape, strategy, priority, Costs(), None, split, as_stage_graph(S, None))
+    per_item = build(shape, strategy.with_(gang_arrays=None), priority, Costs(), None, split, as_stage_graph(S, None))
+    assert np.array_equal(on_arrays.gang, per_item.gang) and (on_arrays.gang >= 0).all()
+    assert on_arrays.gang_members == per_item.gang_members
+    assert on_arrays.gang_collective == per_item.gang_collective
+
+
+def test_gang_arrays_that_disagree_with_gang_are_named():
+    strategy = tensor_parallel(unisched.policies.get("gpipe", num_workers=2, num_stages=2, num_batches=4), 2)
+    wrong = strategy.with_(gang_arrays=lambda b, s, d: (np.zeros(len(b), np.int64), ((0, 1),), (True,)))
+    with pytest.raises(StrategyError, match="gang_arrays gives Work.*gang gives"):
+        build(Shape(4, 2, 4), wrong, OldestBatchFirst(2, 4), Costs(), None, False, as_stage_graph(2, None))

@@ -142,7 +142,10 @@ class Strategy:
     times rather than each item as early as its order allows.
     ``map_arrays(batch, stage, direction) -> (compute, weight)`` is an
     optional vectorised form of ``mapping`` used to simulate large shapes fast;
-    it must agree with ``mapping``.
+    it must agree with ``mapping``.  ``gang_arrays(batch, stage, direction)
+    -> (index, members, collective)`` is the same for ``gang``: per item an
+    index into ``members`` (tuples of workers) and ``collective`` (whether
+    that gang all-reduces), or -1 for one worker.
     """
 
     mapping: Mapping_
@@ -162,6 +165,7 @@ class Strategy:
     they all-reduce), or None for one worker.  A gang item starts when all of
     them are free and keeps all of them busy."""
     release: np.ndarray | None = None
+    gang_arrays: Callable[..., tuple] | None = None
 
     def __call__(self, work: Work) -> ComputeAndWeightWorkers:
         return self.mapping(work)

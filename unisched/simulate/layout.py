@@ -213,12 +213,18 @@ def tensor_parallel(pipeline: Strategy, tensor: int) -> Strategy:
         first = int(pipeline.mapping(work)[0]) * T
         return Gang(tuple(range(first, first + T)), True)
 
+    def gang_arrays(batch, stage, direction):
+        workers, index = np.unique(np.asarray(pipeline.map_arrays(batch, stage, direction)[0]), return_inverse=True)
+        members = tuple(tuple(range(w * T, w * T + T)) for w in workers.tolist())
+        return index.reshape(-1), members, (True,) * len(members)
+
     limit = pipeline.memory_limit
     if limit is not None and np.ndim(limit):
         limit = [float(v) for v in np.repeat(np.asarray(limit, dtype=float), T)]
     orders = pipeline.worker_orders
     return replace(
         pipeline, mapping=mapping, map_arrays=map_arrays if pipeline.map_arrays is not None else None, gang=gang,
+        gang_arrays=gang_arrays if pipeline.map_arrays is not None else None,
         memory_limit=limit, shape=None if shape is None else Shape(W * T, shape[1], shape[2]),
         worker_orders=None if orders is None else _renumbered(orders, lambda w: w * T),
         name=f"{pipeline.name}, TP {T}",
@@ -250,6 +256,12 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
             return None
         return Gang(tuple(int(m) + d * W for m in group.workers), group.collective)
 
+    def gang_arrays(batch, stage, direction):
+        index, members, collective = strategy.gang_arrays(batch % B, stage, direction)
+        index = np.asarray(index)
+        shifted = tuple(tuple(int(m) + d * W for m in group) for d in range(replicas) for group in members)
+        return np.where(index >= 0, batch // B * len(members) + index, -1), shifted, tuple(collective) * replicas
+
     limit = strategy.memory_limit
     if limit is not None and np.ndim(limit):
         limit = [float(v) for v in np.tile(np.asarray(limit, dtype=float), replicas)]
@@ -263,6 +275,7 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
     return replace(
         strategy, mapping=mapping, map_arrays=map_arrays if strategy.map_arrays is not None else None,
         gang=gang if strategy.gang is not None else None, memory_limit=limit, worker_orders=orders,
+        gang_arrays=gang_arrays if strategy.gang_arrays is not None else None,
         priority=_PerReplica(strategy.priority or OldestBatchFirst(S, B), B),
         shape=Shape(W * replicas, S, B * replicas), name=f"{strategy.name}, DP {replicas}",
     )

@@ -515,30 +515,82 @@ def _map_per_item(strategy: Strategy, batch, stage, direction, num_workers: int)
 def _gangs(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
     """Which items run on a group of workers jointly (tensor parallelism).
 
-    The strategy's ``gang`` is called per item; each distinct answer is
-    checked and numbered once."""
+    The strategy's ``gang_arrays`` if it has one (checked against ``gang``
+    on a sample of items), else its ``gang`` called per item; each distinct
+    answer is checked and numbered once, in the order items first give it."""
     if strategy.gang is None:
         return np.full(len(batch), -1, dtype=np.int64), (), ()
+    if strategy.gang_arrays is not None:
+        return _gangs_on_arrays(strategy, shape, batch, stage, direction, compute)
     W = shape.num_workers
     members: dict[tuple[tuple[int, ...], bool], int] = {}
     known: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (workers, their types, collective) -> (group, gang)
     gang = [-1] * len(batch)
     for i, (work, worker) in enumerate(zip(works(batch, stage, direction), compute.tolist())):
-        found = Gang.of(strategy.gang(work))
-        if found is None:
+        answer = _answer(strategy.gang(work))
+        if answer is None:
             continue
-        workers = tuple(found.workers)
-        answer = (workers, tuple(map(type, workers)), bool(found.collective))
         seen = known.get(answer)
         if seen is None:
             seen = known[answer] = _numbered(answer, members, work, strategy, W)
         group, gang[i] = seen
         if gang[i] >= 0 and worker not in group:
-            raise StrategyError(
-                f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
-                f"compute worker {worker} and only workers 0..{W - 1}"
-            )
+            raise _off_gang(strategy, work, group, worker, W)
     return np.array(gang, dtype=np.int64), tuple(g for g, _ in members), tuple(c for _, c in members)
+
+
+def _answer(found) -> tuple | None:
+    """What ``gang(work)`` returned, as (workers, their types, collective), or None."""
+    found = Gang.of(found)
+    if found is None:
+        return None
+    workers = tuple(found.workers)
+    return workers, tuple(map(type, workers)), bool(found.collective)
+
+
+def _off_gang(strategy: Strategy, work: Work, group: tuple, worker: int, num_workers: int) -> StrategyError:
+    return StrategyError(
+        f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
+        f"compute worker {worker} and only workers 0..{num_workers - 1}"
+    )
+
+
+def _gangs_on_arrays(strategy: Strategy, shape: Shape, batch, stage, direction, compute):
+    """:func:`_gangs` from the strategy's ``gang_arrays``: the same gangs,
+    numbered the same way, each distinct answer checked once and the items'
+    compute workers checked on arrays."""
+    W, n = shape.num_workers, len(batch)
+    index, answers, collective = strategy.gang_arrays(batch, stage, direction)
+    index = np.broadcast_to(np.asarray(index), (n,)).astype(np.int64)
+    answers = [(tuple(m), tuple(map(type, m)), bool(c)) for m, c in zip(answers, collective)]
+    if n and not -1 <= index.min() <= index.max() < len(answers):
+        raise StrategyError(f"strategy {strategy.name!r}: gang_arrays gives indices from {index.min()} to "
+                            f"{index.max()} into {len(answers)} gangs; give -1 or a gang's index")
+    rng = np.random.default_rng(0)
+    sample = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, size=min(SAMPLE, n))])) if n else []
+    for i, work in zip(sample, works(batch[sample], stage[sample], direction[sample])):
+        given = answers[index[i]] if index[i] >= 0 else None
+        if _answer(strategy.gang(work)) != given:
+            raise StrategyError(f"strategy {strategy.name!r}: gang_arrays gives {work!r} the gang "
+                                f"{given and list(given[0])} but gang gives {strategy.gang(work)!r}; make the two agree")
+    members: dict[tuple[tuple[int, ...], bool], int] = {}
+    number = np.full(len(answers) + 1, -1, np.int64)  # the last: one worker
+    used, first = np.unique(index, return_index=True)
+    for a, i in sorted(zip(used.tolist(), first.tolist()), key=lambda pair: pair[1]):
+        if a >= 0:
+            number[a] = _numbered(answers[a], members, Work(int(batch[i]), int(stage[i]), Direction(int(direction[i]))),
+                                  strategy, W)[1]
+    gang = number[index]
+    holds = np.zeros((len(members) + 1, W), bool)
+    for (group, _), g in members.items():
+        holds[g, list(group)] = True
+    bad = np.flatnonzero((gang >= 0) & ~holds[gang, compute])
+    if len(bad):
+        i = int(bad[0])
+        group = next(group for (group, _), g in members.items() if g == gang[i])
+        raise _off_gang(strategy, Work(int(batch[i]), int(stage[i]), Direction(int(direction[i]))), group,
+                        int(compute[i]), W)
+    return gang, tuple(g for g, _ in members), tuple(c for _, c in members)
 
 
 def _numbered(answer: tuple, members: dict, work: Work, strategy: Strategy, num_workers: int):

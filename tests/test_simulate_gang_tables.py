@@ -139,3 +139,14 @@ def test_gang_arrays_that_disagree_with_gang_are_named():
     wrong = strategy.with_(gang_arrays=lambda b, s, d: (np.zeros(len(b), np.int64), ((0, 1),), (True,)))
     with pytest.raises(StrategyError, match="gang_arrays gives Work.*gang gives"):
         build(Shape(4, 2, 4), wrong, OldestBatchFirst(2, 4), Costs(), None, False, as_stage_graph(2, None))
+
+
+def test_a_new_gang_drops_the_old_gangs_arrays():
+    """``with_(gang=...)`` without new arrays: the old ``gang_arrays`` would
+    disagree with it, so they go (the mapping's ``map_arrays`` likewise)."""
+    strategy = tensor_parallel(unisched.policies.get("gpipe", num_workers=2, num_stages=2, num_batches=4), 2)
+    sharing = strategy.with_(gang=lambda w: Gang(strategy.gang(w).workers, False))
+    assert sharing.gang_arrays is None and sharing.map_arrays is not None
+    assert strategy.with_(mapping=strategy.mapping).map_arrays is None
+    problem = build(Shape(4, 2, 4), sharing, OldestBatchFirst(2, 4), Costs(), None, False, as_stage_graph(2, None))
+    assert problem.gang_collective == (False, False)

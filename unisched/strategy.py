@@ -175,7 +175,12 @@ class Strategy:
             object.__setattr__(self, "name", getattr(self.mapping, "__name__", type(self.mapping).__name__))
 
     def with_(self, **changes) -> "Strategy":
-        """A copy with some fields changed (e.g. another memory limit)."""
+        """A copy with some fields changed (e.g. another memory limit).  A new
+        ``mapping`` or ``gang`` drops the vectorised form of the old one
+        (``map_arrays``, ``gang_arrays``) unless the changes give one too."""
+        for field_, vectorised in (("mapping", "map_arrays"), ("gang", "gang_arrays")):
+            if field_ in changes:
+                changes.setdefault(vectorised, None)
         return replace(self, **changes)
 
     def __repr__(self) -> str:

@@ -120,3 +120,28 @@ def test_each_fused_backward_keeps_its_own_span(fused):
             for b in range(B):
                 for later, earlier in zip(chain, chain[1:]):
                     assert by_item[(b, earlier)][0] == pytest.approx(by_item[(b, later)][1], abs=1e-9)
+
+
+def forwards_away(work):
+    """Every forward on rank 1, every backward on rank 0 (which recomputes
+    each forward from its stash; stage 0's takes the micro-batch itself)."""
+    return ComputeAndWeightWorkers(1 if work.direction == Direction.FORWARD else 0, 0)
+
+
+def _one_stage(rank: int, world: int, timeline) -> dict:
+    trainer = Trainer(make_stages()[:1], timeline, nn.functional.mse_loss, sgd, timeout=60)
+    out = {"losses": [trainer.step(*batch(step)) for step in range(2)],
+           "state": {k: v.numpy() for k, v in trainer.gather_state_dict().items()}}
+    trainer.close()
+    return out
+
+
+def test_backwards_whose_forwards_ran_elsewhere_train_as_one_process():
+    """A backward whose forward ran on another rank left no graph here: it
+    recomputes the forward in its own call and joins no run (one stage: rank
+    0's backwards follow each other, none waiting for a message)."""
+    results = run_ranks(_one_stage, W, simulate(W, 1, B, forwards_away).timeline, timeout=120)
+    losses, reference = train_one_process(make_stages()[:1], nn.functional.mse_loss, sgd,
+                                          (batch(s) for s in range(2)), micro_batches=B)
+    assert_every_rank_matches([r["state"] for r in results], reference, "forwards away")
+    assert results[0]["losses"] == pytest.approx(losses, abs=1e-6)

@@ -733,6 +733,7 @@ class Trainer:
             action = st.current = actions[index]
             if st.deferred:
                 self._post_due(st, index)
+                st.last_end = None
             item = items.get(index)
             if item is not None:
                 self._compute(st, action, item)
@@ -835,10 +836,12 @@ class Trainer:
         not as the leaf of a new graph, and t's backward flows into s's).
 
         A run is consecutive full backwards of this rank's program, with no
-        send, reduction or forward between them (a receive may be posted
-        between them: it waits for nothing), none ganged, none but
-        the first waiting for a message or fetching weights: running them
-        together moves no transfer.  Each member's output gradient comes
+        send, reduction or forward between them (a receive listed between
+        them is posted after the call: posting waits for nothing), none
+        ganged, none but the first waiting for a message or fetching weights,
+        and each but the first the backward of a forward that ran here and
+        kept its graph: running them together moves no send and no wait.
+        Each member's output gradient comes
         from before the run, or from a member along a fused edge: s feeds t
         alone, t takes s alone, and all four passes run here.  The engine
         runs the members in an order of its own (their work is the same); a
@@ -865,8 +868,10 @@ class Trainer:
             if work is not None:
                 s, b = work.stage, work.batch
                 inside = [t for t in graph.successors[s] if (t, b) in members]
-                joins = run and all(fusable(s, t, b) for t in inside) and s not in self._fetch and not any(
-                    k in self._inbound for k in program.reads(work, self.rank).keys)
+                forward = Work(b, s, FORWARD)
+                joins = (run and all(fusable(s, t, b) for t in inside) and s not in self._fetch
+                         and program.compute_worker[forward] == self.rank and program.gangs.get(forward) is None
+                         and not any(k in self._inbound for k in program.reads(work, self.rank).keys))
                 if joins:
                     run.append(i)
                     members.add((s, b))
@@ -887,8 +892,8 @@ class Trainer:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._receive(st, message)
         start = None
-        if self._recording and not item.ran_before:
-            last = st.last_end  # the item just before ended here, and nothing came between
+        if self._recording and item.noted and not item.ran_before:
+            last = st.last_end  # on a GPU, where the compute item just before ended, nothing having come between
             follows = last is not None and last[0] == item.index - 1 and not item.awaits and s not in self._fetch
             start = last[1] if follows else st.clock.mark()
         if item.gang is not None:
@@ -902,11 +907,10 @@ class Trainer:
         if self._recording and item.noted:
             if item.ran_before:
                 start, end = st.carried.pop((s, b))
-                last = st.last_end  # the run's call ended there
-                st.last_end = (item.index, last[1]) if last is not None and last[0] == item.index - 1 else None
+                st.last_end = None  # its input gradients may have launched kernels since the call
             else:
                 end = st.clock.mark()
-                st.last_end = (item.index, end)
+                st.last_end = (item.index, end) if st.clock.cuda else None
                 if item.runs_also:
                     start, end = self._split_span(st, (s, b), item.runs_also, start, end)
             st.items.append((item.index, start, end))
@@ -1089,8 +1093,6 @@ class Trainer:
                 roots, grads = self._run_roots(st, item.runs_also, roots, grads)
                 if self._recording:
                     others = self._members(item.runs_also)
-                    if all(key in self._fused_from for key in others):
-                        st.boundaries[(s, b)] = None  # the one root's: the engine begins there, at the call's start
                     self._note_boundaries(st, [((s, b), leaves)] + [(key, st.graphs[key][2]) for key in others])
             _differentiate(roots, grads)
             self._put_input_gradients(st, s, b, xs)
@@ -1138,13 +1140,11 @@ class Trainer:
         output (``leaves``) runs before that node does."""
         def hook(key):
             def began(grad_outputs):
-                if key not in st.boundaries:  # a member's first node to run
-                    st.boundaries[key] = st.clock.mark()
+                if key not in st.boundaries:  # a member's first node to run; the first member's span starts with the call
+                    st.boundaries[key] = st.clock.mark() if st.boundaries else None
             return began
 
         for key, leaves in members:
-            if key in st.boundaries:
-                continue
             for y in leaves:
                 if y.grad_fn is not None:
                     y.grad_fn.register_prehook(hook(key))

@@ -404,3 +404,23 @@ def test_plan_file_with_a_list_for_its_shape_is_malformed(tmp_path):
                                 "costs": {}, "mapping": {}, "orders": {}}))
     with pytest.raises(unisched.PlanFileError, match="'shape' must be a JSON object"):
         unisched.load_plan(path)
+
+
+def test_the_mapping_models_search_order_is_set_under_memory_limits_only():
+    """Earliest start first, lower half first, where a memory limit or budget
+    applies; CP-SAT's own search otherwise (which proves the unlimited cases)."""
+    from types import SimpleNamespace
+
+    from ortools.sat.python import cp_model
+
+    from unisched.plan.mapping import _search_order
+
+    for limit, budget, expected in ((None, None, 0), (2, None, 1), (None, 1e9, 1)):
+        model = cp_model.CpModel()
+        start = [model.new_int_var(0, 10, f"start{i}") for i in range(3)]
+        _search_order(model, SimpleNamespace(memory_limit=limit, memory_budget=budget), start)
+        assert len(model.proto.search_strategy) == expected
+        if expected:
+            strategy = model.proto.search_strategy[0]
+            assert strategy.variable_selection_strategy == cp_model.CHOOSE_LOWEST_MIN
+            assert strategy.domain_reduction_strategy == cp_model.SELECT_LOWER_HALF

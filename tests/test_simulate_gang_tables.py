@@ -150,3 +150,38 @@ def test_a_new_gang_drops_the_old_gangs_arrays():
     assert strategy.with_(mapping=strategy.mapping).map_arrays is None
     problem = build(Shape(4, 2, 4), sharing, OldestBatchFirst(2, 4), Costs(), None, False, as_stage_graph(2, None))
     assert problem.gang_collective == (False, False)
+
+
+def _some_gangs(batch, stage, direction):
+    """Micro-batch 0 on gang (0, 1), micro-batch 1 on one worker, the rest on
+    gang (2, 3), given twice over (two answers naming one gang), as numpy integers."""
+    members = (tuple(np.int64(w) for w in (0, 1)), (2, 3), (3, 2))
+    index = np.where(batch == 0, 0, np.where(batch == 1, -1, 1 + batch % 2))
+    return index, members, (True, True, True)
+
+
+def _some_gang(work):
+    return None if work.batch == 1 else (0, 1) if work.batch == 0 else (2, 3) if work.batch % 2 == 0 else [3, 2]
+
+
+def _some_mapping(work):
+    worker = 0 if work.batch == 0 else 1 if work.batch == 1 else 2
+    return unisched.ComputeAndWeightWorkers(worker, worker)
+
+
+def test_gang_arrays_with_single_workers_and_repeated_gangs_are_the_per_item_gangs():
+    strategy = unisched.as_strategy(_some_mapping).with_(gang=_some_gang, gang_arrays=_some_gangs)
+    shape, order = Shape(4, 1, 6), OldestBatchFirst(1, 6)
+    on_arrays = build(shape, strategy, order, Costs(), None, False, as_stage_graph(1, None))
+    per_item = build(shape, strategy.with_(gang_arrays=None), order, Costs(), None, False, as_stage_graph(1, None))
+    assert on_arrays.gang.tolist() == per_item.gang.tolist() == [0, 0, -1, -1, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert on_arrays.gang_members == per_item.gang_members == ((0, 1), (2, 3))
+
+
+def test_gang_arrays_that_leave_out_the_compute_worker_are_named():
+    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(3, 3)).with_(
+        gang=lambda w: (0, 1), gang_arrays=lambda b, s, d: (np.zeros(len(b), np.int64), ((0, 1),), (True,)))
+    for gangs in (strategy, strategy.with_(gang_arrays=None)):
+        with pytest.raises(StrategyError, match=r"puts Work\(batch=0.* on the gang \[0, 1\], which must hold its "
+                                                r"compute worker 3"):
+            build(Shape(4, 1, 2), gangs, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))

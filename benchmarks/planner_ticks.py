@@ -21,25 +21,15 @@ from fractions import Fraction
 import numpy as np
 
 import zero_bubble_table as table
-from unisched import dataflow
-from unisched.network import transfer_matrix
-from unisched.plan.problem import PlanProblem, Ticks
+from unisched.plan.problem import PlanProblem, Ticks, seconds_tables
 from unisched.work import Shape
 
 
 def tables(setting) -> list[np.ndarray]:
     """The tables ``TimedProblem.build`` converts for a setting: durations, comm, fetch, stash."""
     p, m = setting.p, setting.m
-    problem = PlanProblem(Shape(p, p, m), table.costs(setting), p, max_stages_per_worker=1,
-                          split_backward=True, objective="span")
-    costs, (W, S, _) = problem.costs, problem.shape
-    batch, stage, direction = problem.items.arrays()
-    first = np.flatnonzero(batch == 0)
-    act = costs.per_stage("activation_bytes", S)
-    return [costs.item_time(stage[first, None], direction[first, None], np.arange(W)[None, :], S, W),
-            transfer_matrix(costs, W, act),
-            transfer_matrix(costs, W, costs.per_stage("weight_bytes", S)),
-            transfer_matrix(costs, W, dataflow.input_bytes(act, problem.stage_graph))]
+    return seconds_tables(PlanProblem(Shape(p, p, m), table.costs(setting), p, max_stages_per_worker=1,
+                                      split_backward=True, objective="span"))
 
 
 def value_by_value(parts: list[np.ndarray]) -> tuple[int, list[np.ndarray]]:

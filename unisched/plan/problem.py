@@ -474,6 +474,22 @@ class DataEdges(NamedTuple):
     """The (4, E) array of :func:`unisched.dataflow.edges` they come from."""
 
 
+def seconds_tables(problem: PlanProblem) -> list[np.ndarray]:
+    """The times :meth:`TimedProblem.build` turns into ticks, in seconds:
+    each pass of the first micro-batch's items on each worker (an item's
+    time depends on its stage, pass and worker only), and the W x W x S
+    tables of an activation's, a stage's weights' and a stash's transfer."""
+    W, S, _ = problem.shape
+    costs = problem.costs
+    batch, stage, direction = problem.items.arrays()
+    first = np.flatnonzero(batch == 0)
+    activations = costs.per_stage("activation_bytes", S)
+    return [costs.item_time(stage[first, None], direction[first, None], np.arange(W)[None, :], S, W),
+            transfer_matrix(costs, W, activations),
+            transfer_matrix(costs, W, costs.per_stage("weight_bytes", S)),
+            transfer_matrix(costs, W, dataflow.input_bytes(activations, problem.stage_graph))]
+
+
 @dataclass(frozen=True)
 class TimedProblem:
     """Everything the CP-SAT models need, in ticks, per item, worker and stage.
@@ -497,14 +513,9 @@ class TimedProblem:
         An item's time depends on its stage, pass and worker only, so durations are
         converted for the first micro-batch's items and spread over all (converting per
         item and worker takes seconds on large steps)."""
-        W, S, B = problem.shape
-        costs = problem.costs
         batch, stage, direction = problem.items.arrays()
         first = np.flatnonzero(batch == 0)
-        seconds = costs.item_time(stage[first, None], direction[first, None], np.arange(W)[None, :], S, W)
-        comm = transfer_matrix(costs, W, costs.per_stage("activation_bytes", S))
-        fetch = transfer_matrix(costs, W, costs.per_stage("weight_bytes", S))
-        stash = transfer_matrix(costs, W, dataflow.input_bytes(costs.per_stage("activation_bytes", S), problem.stage_graph))
+        seconds, comm, fetch, stash = seconds_tables(problem)
         try:
             ticks = Ticks.for_times(np.concatenate([seconds.ravel(), comm.ravel(), fetch.ravel(), stash.ravel()]))
             row = np.empty(problem.num_items, dtype=np.int64)

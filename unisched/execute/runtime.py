@@ -18,6 +18,9 @@ each ``step`` walks the rank's instruction list:
 - a forward whose backward runs on the same rank keeps its autograd graph;
   otherwise it runs without one and its input travels (the *stash*) to the
   backward's rank, which recomputes the forward from it before going back;
+- a rank's backwards that follow each other with no send, reduction or
+  forward between them go to autograd in one call, as a plain loop's
+  ``backward`` runs through every stage (:meth:`Trainer._backward_runs`);
 - a rank that computes a stage it holds no weights of fetches them
   ``lookahead`` items before its first item of the stage and returns the stage's accumulated gradient after its
   last backward of that stage, then frees both; a weight worker takes in a

@@ -60,7 +60,8 @@ def run(p: Problem):
     """Schedule every item of ``p``; return (start, end, transfer rows)."""
     n, num_workers = p.num_items, p.num_workers
     worker, duration, rank = p.worker, p.duration.tolist(), p.rank.tolist()
-    succ_ptr, succ_idx, succ_kind = p.succ_ptr.tolist(), p.succ_idx.tolist(), p.succ_kind.tolist()
+    followed = p.followed  # every dependency, by source: data edges, then the fixed-order successor
+    succ_ptr, succ_idx, succ_kind = followed.ptr.tolist(), followed.idx.tolist(), followed.kind.tolist()
     remaining = p.num_deps.tolist()
     ready = p.release.tolist() if p.release is not None else [0.0] * n  # "not before" times
     trigger_time = [-INF] * n

@@ -160,22 +160,6 @@ class Problem:
         data dependencies, then its fixed-order successor."""
         return with_fixed_orders(self.data_followed, self.next_fixed)
 
-    @property
-    def succ_ptr(self) -> np.ndarray:
-        return self.followed.ptr
-
-    @property
-    def succ_idx(self) -> np.ndarray:
-        return self.followed.idx
-
-    @property
-    def succ_kind(self) -> np.ndarray:
-        return self.followed.kind
-
-    @property
-    def succ_moved(self) -> np.ndarray:
-        return self.followed.moved
-
     @cached_property
     def _stash_lists(self) -> tuple:
         return self.stashes.as_lists() if self.stashes is not None else (None, None, None)

@@ -1,4 +1,4 @@
-"""The dependencies the engines follow (``Problem.succ_*``, ``num_deps``,
+"""The dependencies the engines follow (``Problem.followed``, ``num_deps``,
 ``sources``) are those of a plain stable sort by source of every edge,
 the dataflow's then the fixed orders' (each item to the next in its
 worker's order), on every named strategy, random
@@ -44,13 +44,15 @@ def reference_followed(p, strategy) -> dict[str, np.ndarray]:
     succ_ptr = np.concatenate([[0], np.cumsum(np.bincount(edges[0], minlength=n))])
     num_deps = np.bincount(edges[1], minlength=n)
     first = np.flatnonzero((num_deps == 0) & (p.direction == FORWARD))
-    return {"succ_ptr": succ_ptr, "succ_idx": edges[1], "succ_kind": edges[2], "succ_moved": edges[3],
+    return {"followed.ptr": succ_ptr, "followed.idx": edges[1], "followed.kind": edges[2], "followed.moved": edges[3],
             "num_deps": num_deps, "sources": np.stack([first, n + p.batch[first]])}
 
 
 def assert_follows_reference(p, strategy) -> None:
     for name, expected in reference_followed(p, strategy).items():
-        got = getattr(p, name)
+        got = p
+        for part in name.split("."):
+            got = getattr(got, part)
         assert got.dtype == np.int64, name
         np.testing.assert_array_equal(got, expected, err_msg=name)
     fixed = reference_fixed(strategy, p.items)

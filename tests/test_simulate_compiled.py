@@ -95,10 +95,12 @@ def diamond_or_chain(S, diamond):
 )
 def test_random_strategies_same_timeline(W, S, B, split, diamond, priority, limit, costs, input_grad_frees, gangs,
                                          seed):
-    """Gangs only with free communication: with costs they run on the engine alone."""
+    """Every item's start and end and every transfer row are the engine's,
+    or both deadlock (gangs with links and weights too: tests/test_simulate_compiled_topology.py
+    adds topologies and gangs that share rows)."""
     rng = np.random.default_rng(seed)
     shape = Shape(W, S, B)
-    strategy = random_mapping(rng, W, S, B, split, gangs=gangs and costs not in ("links", "weights"))
+    strategy = random_mapping(rng, W, S, B, split, gangs=gangs)
     order = RandomPriority(rng) if priority == "random" else BUILTIN_PRIORITIES[priority](S, B)
     cost_of = {
         "unit": Costs(input_grad_frees=input_grad_frees),

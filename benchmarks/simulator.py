@@ -204,7 +204,7 @@ def network_cases(B: int = 2048) -> dict:
                                          ClusterCosts(**seconds, topology="dgx_h100", replicas=2)),
         "ZB-H1 on p4d (shared NICs)": ((16, 16, B // 2), zb_h1,
                                        ClusterCosts(**seconds, prefetch_depth=1, topology="p4d_24xlarge")),
-        "1F1B x TP 2 on dgx_h100": ((16, 8, 2 * B), tensor_parallel(pipeline, 2),
+        "1F1B x TP 2 on dgx_h100": ((16, 8, 2 * B), gangs,
                                     ClusterCosts(**seconds, topology="dgx_h100", replicas=2)),
         "1F1B x 2 sharing rows, pair links": ((16, 8, 2 * B), shared_rows,
                                               Costs(**seconds, bandwidth=5e10, latency=5e-6)),

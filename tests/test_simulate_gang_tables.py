@@ -185,3 +185,21 @@ def test_gang_arrays_that_leave_out_the_compute_worker_are_named():
         with pytest.raises(StrategyError, match=r"puts Work\(batch=0.* on the gang \[0, 1\], which must hold its "
                                                 r"compute worker 3"):
             build(Shape(4, 1, 2), gangs, OldestBatchFirst(1, 2), Costs(), None, False, as_stage_graph(1, None))
+
+
+def test_gang_arrays_agree_with_a_gang_of_one_worker_or_its_workers_in_another_order():
+    """``gang`` may name one worker (no gang) where ``gang_arrays`` gives -1,
+    or the same workers in another order: they mean the same gangs."""
+    def gang(work):
+        return (work.batch % 2,) if work.batch < 2 else (3, 2)
+
+    def gang_arrays(batch, stage, direction):
+        return np.where(batch < 2, -1, 0), ((2, 3),), (True,)
+
+    strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(
+        w.batch % 2 if w.batch < 2 else 2, 0)).with_(gang=gang, gang_arrays=gang_arrays)
+    shape, order = Shape(4, 1, 4), OldestBatchFirst(1, 4)
+    on_arrays = build(shape, strategy, order, Costs(), None, False, as_stage_graph(1, None))
+    per_item = build(shape, strategy.with_(gang_arrays=None), order, Costs(), None, False, as_stage_graph(1, None))
+    assert on_arrays.gang.tolist() == per_item.gang.tolist() == [-1] * 4 + [0] * 4
+    assert on_arrays.gang_members == per_item.gang_members == ((2, 3),)

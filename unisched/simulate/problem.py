@@ -143,17 +143,6 @@ class Problem:
             weights.setdefault(item, []).append(tuple(link))
         return {item: tuple(links) for item, links in weights.items()}
 
-    @property
-    def sequence_edges(self) -> np.ndarray:
-        """(4, F): the fixed-order edges (kind ``EDGE_SEQUENCE``, moving nothing), by source."""
-        src = np.flatnonzero(self.next_fixed >= 0)
-        return np.stack([src, self.next_fixed[src], np.full(len(src), EDGE_SEQUENCE), np.full(len(src), MOVES_NOTHING)])
-
-    @cached_property
-    def edges(self) -> np.ndarray:
-        """(4, E + F): every dependency, the dataflow's then the fixed orders'."""
-        return np.concatenate([self.data_edges, self.sequence_edges], axis=1)
-
     @cached_property
     def followed(self) -> Followed:
         """Every dependency the engine follows, by source (CSR): per item its
@@ -427,6 +416,14 @@ SAMPLE = 256
 """Items on which a mapping evaluated on arrays is checked against per-item calls."""
 
 
+def _sample(n: int) -> np.ndarray:
+    """The items a vectorised form is checked on: the first, the last and up to SAMPLE fixed random ones."""
+    if not n:
+        return np.zeros(0, np.int64)
+    rng = np.random.default_rng(0)
+    return np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, size=min(SAMPLE, n))]))
+
+
 def _map_on_arrays(strategy: Strategy, batch, stage, direction, num_workers: int):
     """The mapping called once with a Work whose fields are whole arrays (a
     function such as ``lambda w: (w.stage % 4, w.stage % 4)`` computes every
@@ -466,8 +463,7 @@ def _agrees_with_mapping(strategy, compute, weight, batch, stage, direction, num
     fixed sample of items (the first, the last and random ones).  With
     ``given`` (the strategy's own ``map_arrays``) a difference is an error."""
     n = len(batch)
-    rng = np.random.default_rng(0)
-    sample = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, size=min(SAMPLE, n))])) if n else np.zeros(0, int)
+    sample = _sample(n)
     expected = _map_per_item(strategy, batch[sample], stage[sample], direction[sample], num_workers)
     differ = np.flatnonzero((expected[0] != compute[sample]) | (expected[1] != weight[sample]))
     if len(differ) and given:
@@ -532,6 +528,14 @@ def _answer(found) -> tuple | None:
     return workers, tuple(map(type, workers)), bool(found.collective)
 
 
+def _same_gang(answer: tuple | None):
+    """What an answer means, for comparing two: its workers as a set (None for
+    one worker or none: no gang) and whether they all-reduce; types aside."""
+    if answer is None or len(set(answer[0])) <= 1:
+        return None
+    return tuple(sorted({int(w) for w in answer[0]})), answer[2]
+
+
 def _off_gang(strategy: Strategy, work: Work, group: tuple, worker: int, num_workers: int) -> StrategyError:
     return StrategyError(
         f"strategy {strategy.name!r} puts {work!r} on the gang {list(group)}, which must hold its "
@@ -550,12 +554,10 @@ def _gangs_on_arrays(strategy: Strategy, shape: Shape, batch, stage, direction, 
     if n and not -1 <= index.min() <= index.max() < len(answers):
         raise StrategyError(f"strategy {strategy.name!r}: gang_arrays gives indices from {index.min()} to "
                             f"{index.max()} into {len(answers)} gangs; give -1 or a gang's index")
-    rng = np.random.default_rng(0)
-    sample = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, size=min(SAMPLE, n))])) if n else []
+    sample = _sample(n)
     for i, work in zip(sample, works(batch[sample], stage[sample], direction[sample])):
         given = answers[index[i]] if index[i] >= 0 else None
-        found = _answer(strategy.gang(work))
-        if (found and (found[0], found[2])) != (given and (given[0], given[2])):  # the workers' types may differ
+        if _same_gang(_answer(strategy.gang(work))) != _same_gang(given):
             raise StrategyError(f"strategy {strategy.name!r}: gang_arrays gives {work!r} the gang "
                                 f"{given and list(given[0])} but gang gives {strategy.gang(work)!r}; make the two agree")
     members: dict[tuple[tuple[int, ...], bool], int] = {}

@@ -58,7 +58,7 @@ def _on_one_gpu(rank: int, world: int) -> dict:
         timeline = trainer.last_timeline
         out[name] = {"losses": losses, "state": _host(trainer.gather_state_dict()),
                      "spans": np.stack([timeline.start, timeline.end], axis=1),
-                     "step_seconds": trainer.last_step_seconds}
+                     "step_seconds": trainer.last_step_seconds, "clock_on_cuda": trainer._clock.cuda}
         trainer.close()
     stages = [stage.to(device) for stage in make_stages()]
     losses, state = train_one_process(stages, nn.functional.mse_loss, sgd, (batch(step, device) for step in range(3)),
@@ -114,6 +114,7 @@ def test_one_gpu_trains_as_one_process_on_it(on_one_gpu, name):
 @pytest.mark.parametrize("name", ["looped", "looped_bfs"])
 def test_a_gpu_step_is_measured_with_cuda_events(on_one_gpu, name):
     """Every item's span lies inside the step, and on one worker they follow each other."""
+    assert on_one_gpu[name]["clock_on_cuda"]  # the marks are CUDA events on the stream, not host clock reads
     spans = on_one_gpu[name]["spans"]
     assert len(spans) == 2 * S * B
     ordered = spans[np.argsort(spans[:, 0])]

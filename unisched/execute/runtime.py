@@ -256,10 +256,10 @@ class Trainer:
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
-        self._runs_with, self._fused = self._backward_runs()
-        self._fused_from = {(s, b) for s, _, b in self._fused}
-        self._ran_before = {i for others in self._runs_with.values() for i in others}
-        self._items = {i: self._item(i, a) for i, a in enumerate(self._actions) if a.is_compute}
+        runs, self._fused = self._backward_runs()
+        ran_before = {i for others in runs.values() for i in others}
+        self._items = {i: self._item(i, a, runs.get(i, ()), i in ran_before)
+                       for i, a in enumerate(self._actions) if a.is_compute}
         self._runs = {a.stage for a in self._actions if a.is_compute}
         self._first_forward = [program.compute_worker[Work(0, s, FORWARD)] for s in range(program.num_stages)]
         self._loss_stage = program.loss_stage
@@ -813,8 +813,10 @@ class Trainer:
         copied.record()
         return host, copied
 
-    def _item(self, index: int, action: Action) -> "_Item":
-        """What running the compute ``action`` needs, found once (see :class:`_Item`)."""
+    def _item(self, index: int, action: Action, others: tuple[int, ...], ran_before: bool) -> "_Item":
+        """What running the compute ``action`` needs, found once (see
+        :class:`_Item`); ``others``: the indices of the other members of the
+        run it heads; ``ran_before``: a run's head runs it."""
         program, work = self.program, action.work
         reads = program.reads(work, self.rank)
         gang = program.gangs.get(work)
@@ -826,17 +828,18 @@ class Trainer:
             gang=gang,
             noted=gang is None or gang.workers[0] == self.rank,
             keeps=after is not None and program.compute_worker[Work(work.batch, work.stage, after)] == self.rank,
-            runs_also=self._runs_with.get(index, ()),
-            ran_before=index in self._ran_before,
+            runs_also=tuple((i, (self._actions[i].stage, self._actions[i].batch)) for i in others),
+            ran_before=ran_before,
         )
 
-    def _backward_runs(self) -> tuple[dict[int, tuple[int, ...]], set[tuple[int, int, int]]]:
+    def _backward_runs(self) -> tuple[dict[int, tuple[int, ...]], dict[tuple[int, int], int]]:
         """This rank's backwards that go to the autograd engine in one call,
         as a plain loop's ``backward`` runs through every stage:
         ``{index of a run's first action: the indices of the others}``, and
-        the edges ``(s, t, b)`` along which micro-batch ``b`` stays in one
+        the edges ``{(s, b): t}`` along which micro-batch ``b`` stays in one
         autograd graph (stage t's forward takes stage s's output as it is,
-        not as the leaf of a new graph, and t's backward flows into s's).
+        not as the leaf of a new graph, and t's backward flows into s's; s
+        feeds t alone, so each (s, b) has one).
 
         A run is consecutive full backwards of this rank's program, with no
         send, reduction or forward between them (a receive listed between
@@ -852,7 +855,7 @@ class Trainer:
         microseconds, is most of a small stage's host time."""
         program, graph = self.program, self._graph
         if program.split_backward:
-            return {}, set()
+            return {}, {}
 
         def fusable(s: int, t: int, b: int) -> bool:
             if not (tuple(graph.predecessors[t]) == (s,) and tuple(graph.successors[s]) == (t,)):
@@ -860,8 +863,8 @@ class Trainer:
             passes = [Work(b, stage, d) for stage in (s, t) for d in (FORWARD, BACKWARD)]
             return all(program.compute_worker[w] == self.rank and program.gangs.get(w) is None for w in passes)
 
-        runs, fused = {}, set()
-        run, edges, members = [], set(), set()
+        runs, fused = {}, {}
+        run, edges, members = [], {}, set()
         for i, action in enumerate(self._actions + [None]):
             if action is not None and action.is_recv:
                 continue  # posting a receive waits for nothing: it may come after the call
@@ -878,12 +881,12 @@ class Trainer:
                 if joins:
                     run.append(i)
                     members.add((s, b))
-                    edges.update((s, t, b) for t in inside)
+                    edges.update({(s, b): t for t in inside})
                     continue
             if len(run) > 1:
                 runs[run[0]] = tuple(run[1:])
                 fused |= edges
-            run, edges, members = ([i], set(), {(work.stage, work.batch)}) if work is not None else ([], set(), set())
+            run, edges, members = ([i], {}, {(work.stage, work.batch)}) if work is not None else ([], {}, set())
         return runs, fused
 
     def _compute(self, st: "_StepState", action: Action, item: "_Item") -> None:
@@ -908,31 +911,28 @@ class Trainer:
         else:
             self._backward(st, s, b, reads, item, input_only=action.op == "I")
         if self._recording and item.noted:
-            if item.ran_before:
-                start, end = st.carried.pop((s, b))
+            if item.ran_before:  # its span was noted with its run's call
                 st.last_end = None  # its input gradients may have launched kernels since the call
+                return
+            end = st.clock.mark()
+            st.last_end = (item.index, end) if st.clock.cuda else None
+            if item.runs_also:
+                self._split_span(st, (item.index, (s, b)), item.runs_also, start, end)
             else:
-                end = st.clock.mark()
-                st.last_end = (item.index, end) if st.clock.cuda else None
-                if item.runs_also:
-                    start, end = self._split_span(st, (s, b), item.runs_also, start, end)
-            st.items.append((item.index, start, end))
+                st.items.append((item.index, start, end))
 
-    def _split_span(self, st, head: tuple[int, int], others: tuple[int, ...], start, end) -> tuple:
-        """A run's one engine call spanned ``start``..``end``: each member's
-        span, from where the engine began its backward to where it began the
-        next one's (the first from ``start``, the last to ``end``).  The
-        head's span is returned, the others' kept for their own turn."""
-        keys = [head] + self._members(others)
+    def _split_span(self, st, head: tuple, others: tuple, start, end) -> None:
+        """A run's one engine call spanned ``start``..``end``: note each
+        member's span (``head`` and ``others`` are ``(index, (stage,
+        batch))``), from where the engine began its backward to where it
+        began the next one's (the first from ``start``, the last to ``end``)."""
+        index_of = {key: index for index, key in (head, *others)}
         began = list(st.boundaries.items())  # this call's, in the order the engine reached them
         st.boundaries.clear()
-        reached = {key for key, _ in began}
-        order = [key for key, _ in began] + [key for key in keys if key not in reached]
+        order = [key for key, _ in began] + [key for key in index_of if key not in dict(began)]
         marks = [mark for _, mark in began[1:]]
-        begins = [start, *marks, *[end] * (len(keys) - 1 - len(marks))]
-        spans = dict(zip(order, zip(begins, begins[1:] + [end])))
-        st.carried.update({key: spans[key] for key in keys[1:]})
-        return spans[head]
+        begins = [start, *marks, *[end] * (len(index_of) - 1 - len(marks))]
+        st.items.extend((index_of[key], a, z) for key, a, z in zip(order, begins, begins[1:] + [end]))
 
     def _call(self, s: int, args: list, batch: int | None = None) -> Any:
         """Stage ``s`` on ``args`` under the precision's autocast, the floating
@@ -959,7 +959,7 @@ class Trainer:
             out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
             leaves = self._leaves(s, out)
             st.graphs[(s, b)] = (xs, out, leaves)
-            if (s, b) in self._fused_from:
+            if (s, b) in self._fused:
                 st.put(output(s, b), leaves)  # its successor's forward extends this graph
                 return
         else:
@@ -1001,7 +1001,7 @@ class Trainer:
     def _needing_grad(self, s: int, xs: list[tuple], b: int | None = None) -> list[tuple]:
         """Stage ``s``'s inputs, those that carry a gradient back made leaves
         of a new graph (but for micro-batch ``b``, not those of a fused edge)."""
-        return [group if (p, s, b) in self._fused else _needing_grad(layout, group)
+        return [group if self._fused.get((p, b)) == s else _needing_grad(layout, group)
                 for p, layout, group in zip(self._graph.predecessors[s], self._meta.inputs[s], xs)]
 
     # ------------------------------------------------------------------ gangs
@@ -1095,8 +1095,8 @@ class Trainer:
             if item.runs_also:
                 roots, grads = self._run_roots(st, item.runs_also, roots, grads)
                 if self._recording:
-                    others = self._members(item.runs_also)
-                    self._note_boundaries(st, [((s, b), leaves)] + [(key, st.graphs[key][2]) for key in others])
+                    self._note_boundaries(st, [((s, b), leaves)] + [(key, st.graphs[key][2])
+                                                                     for _, key in item.runs_also])
             _differentiate(roots, grads)
             self._put_input_gradients(st, s, b, xs)
             return
@@ -1110,19 +1110,15 @@ class Trainer:
         elif grads is not None:
             st.put(gradient(s, b), grads)
 
-    def _members(self, indices: tuple[int, ...]) -> list[tuple[int, int]]:
-        """The (stage, batch) of the actions at ``indices`` (a run's members)."""
-        return [(self._actions[i].stage, self._actions[i].batch) for i in indices]
-
-    def _run_roots(self, st, others: tuple[int, ...], roots: tuple, grads) -> tuple[list, list]:
+    def _run_roots(self, st, others: tuple, roots: tuple, grads) -> tuple[list, list]:
         """What a run's one engine call differentiates: the head's ``roots``
-        (with ``grads``), and those of each other member (the actions at
-        ``others``, whose forwards ran here and kept their graphs) whose
+        (with ``grads``), and those of each other member (``(index, (stage,
+        batch))``, whose forwards ran here and kept their graphs) whose
         output's gradient does not flow in from a member along a fused edge.
         A loss's gradient is None."""
         roots, grads = list(roots), [None] * len(roots) if grads is None else list(grads)
-        for index, (p, c) in zip(others, self._members(others)):
-            if (p, c) not in self._fused_from:
+        for index, (p, c) in others:
+            if (p, c) not in self._fused:
                 _, out, leaves = st.graphs[(p, c)]
                 more, given = self._root(st, p, c, out, leaves, self._items[index].reads.gradients, record_loss=True)
                 roots += more
@@ -1134,7 +1130,7 @@ class Trainer:
         its inputs, for the predecessors not fused with it (those took theirs
         in the same engine call)."""
         for p, x, layout in zip(self._graph.predecessors[s], xs, self._meta.inputs[s]):
-            if (p, s, b) not in self._fused:
+            if self._fused.get((p, b)) != s:
                 st.put(gradient(p, b, s), tuple(_or_zeros(x[i].grad, x[i]) for i in layout.grads))
 
     def _note_boundaries(self, st, members: list[tuple[tuple[int, int], tuple]]) -> None:
@@ -1721,8 +1717,8 @@ class _Item(NamedTuple):
     whose backward, or an input pass whose weight pass, runs here next),
     and for a run of backwards that go to the engine in one call (see
     :meth:`Trainer._backward_runs`): at its head, the indices of the other
-    members it ``runs_also``; at those, that the head's call ran it
-    (``ran_before``)."""
+    members it ``runs_also`` (each ``(index, (stage, batch))``); at those,
+    that the head's call ran it (``ran_before``)."""
 
     index: int
     reads: Reads
@@ -1730,7 +1726,7 @@ class _Item(NamedTuple):
     gang: Any
     noted: bool
     keeps: bool
-    runs_also: tuple[int, ...] = ()
+    runs_also: tuple[tuple[int, tuple[int, int]], ...] = ()
     ran_before: bool = False
 
 
@@ -1759,7 +1755,6 @@ class _StepState:
         self.losses: dict[int, torch.Tensor] = {}
         self.clock = trainer._clock
         self.boundaries: dict[tuple[int, int], Any] = {}  # where a run's engine call began (stage, batch)'s backward
-        self.carried: dict[tuple[int, int], tuple] = {}  # the span of a backward run in its run's call
         self.last_end: tuple[int, Any] | None = None  # (action index, mark) where the last compute item ended
         self.items: list = []
         self.sends: dict[int, float] = {}

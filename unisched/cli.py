@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from unisched.errors import ShapeError, StrategyError, UniSchedError
+from unisched.metrics import gap
 from unisched.flags import (
     STRATEGY_HELP,
     add_cost_arguments,
@@ -414,14 +415,9 @@ def _ranked(simulations) -> tuple[list[dict], float]:
         )
     bound = min((sim.lower_bounds["shape"] for _, sim in simulations), default=0.0)
     for row in rows:
-        row["gap"] = _gap(row["latency"], bound)
+        row["gap"] = gap(row["latency"], bound)
     rows.sort(key=lambda r: (r["latency"], r["peak_activations"], r["transfers"]))
     return rows, bound
-
-
-def _gap(latency: float, bound: float) -> float:
-    """How far ``latency`` is above ``bound``, as a fraction of it (0 for a bound of 0)."""
-    return (latency - bound) / bound if bound > 0 else 0.0
 
 
 def _bound_note(bound: float) -> str:
@@ -555,7 +551,7 @@ def _result_json(sim) -> dict:
         "bubble_fraction": sim.bubble_fraction,
         "lower_bound": sim.lower_bound,
         "lower_bounds": sim.lower_bounds,
-        "gap": _gap(sim.latency, sim.lower_bounds["shape"]),
+        "gap": gap(sim.latency, sim.lower_bounds["shape"]),
         "worker_stats": sim.worker_stats(),
     }
 

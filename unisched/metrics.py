@@ -35,6 +35,11 @@ STAT_COLUMNS = (
 )
 
 
+def gap(value: float, bound: float) -> float:
+    """How far ``value`` lies above ``bound``, as a fraction of the bound (0 for a bound of 0 or less)."""
+    return (value - bound) / bound if bound > 0 else 0.0
+
+
 def worker_stats(timeline: Timeline) -> dict[str, list]:
     """Column name -> list indexed by worker (columns in ``STAT_COLUMNS``)."""
     t, tr, n = timeline, timeline.transfers, timeline.num_workers

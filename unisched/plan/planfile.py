@@ -45,7 +45,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
-from unisched.metrics import stage_spans
+from unisched.metrics import gap, stage_spans
 from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work
@@ -125,7 +125,7 @@ class Plan:
 
     @property
     def gap(self) -> float:
-        return (self.value - self.lower_bound) / self.lower_bound if self.lower_bound > 0 else 0.0
+        return gap(self.value, self.lower_bound)
 
     @property
     def optimal_overall(self) -> bool:

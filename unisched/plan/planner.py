@@ -39,6 +39,7 @@ import numpy as np
 
 from unisched.dataflow import Items
 from unisched.errors import UniSchedError
+from unisched.metrics import gap
 from unisched.costs import Costs
 from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
@@ -605,7 +606,7 @@ def _row(candidate: Candidate, lower: float, optimal: bool, objective: str) -> d
     value = candidate.value(objective)
     if objective != "latency":
         row[objective] = value
-    row["gap"] = (value - lower) / lower if lower > 0 else 0.0
+    row["gap"] = gap(value, lower)
     row["optimal"] = bool(optimal)
     row["pareto"] = bool(candidate.pareto)
     row["model_latency"] = candidate.model_latency

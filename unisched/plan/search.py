@@ -60,6 +60,7 @@ from typing import Iterable, Sequence, TextIO
 import numpy as np
 
 from unisched.errors import UniSchedError
+from unisched.metrics import gap
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
@@ -777,8 +778,8 @@ class _Run:
         if self.progress is None or (not final and now - self.said < SAY_EVERY):
             self.unsaid = not final
             return
-        gap = (self.best_value - self.bound) / self.bound if self.bound > 0 else 0.0
-        self.progress.write(f"search: {self.objective} {self.best_value:g}, {gap:.1%} above the bound "
+        above = gap(self.best_value, self.bound)
+        self.progress.write(f"search: {self.objective} {self.best_value:g}, {above:.1%} above the bound "
                             f"{self.bound:g} ({self.best_label}) after {now - self.begin:.1f} s{final}\n")
         self.progress.flush()
         self.said, self.unsaid = now, False
@@ -899,9 +900,8 @@ class _Run:
     def _row(self, label: str, source: str, sim, optimal: bool) -> dict:
         """A row of the plan's candidates table; its gap is of the objective."""
         value = objective_value(sim, self.objective)
-        gap = (value - self.bound) / self.bound if self.bound > 0 else 0.0
-        return dict(strategy=label, source=source, **measures(sim), gap=gap, optimal=optimal, pareto=False,
-                    model_latency=None)
+        return dict(strategy=label, source=source, **measures(sim), gap=gap(value, self.bound), optimal=optimal,
+                    pareto=False, model_latency=None)
 
     def _replayed_best(self, seed: Member | None):
         """(label, source, schedule, replay) of the best: the searched orders as the simulator

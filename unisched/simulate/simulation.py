@@ -12,6 +12,7 @@ import networkx as nx
 import numpy as np
 
 from unisched.costs import DEFAULT_COSTS, Costs
+from unisched import metrics
 from unisched.errors import ShapeError
 from unisched.simulate import engine, fast
 from unisched.simulate.priorities import OldestBatchFirst
@@ -221,8 +222,7 @@ class Simulation:
     @property
     def gap(self) -> float:
         """How far the latency is above the lower bound, as a fraction of the bound."""
-        bound = self.lower_bound
-        return (self.latency - bound) / bound if bound > 0 else 0.0
+        return metrics.gap(self.latency, self.lower_bound)
 
     def summary(self) -> str:
         stats = self.worker_stats()
@@ -266,7 +266,7 @@ class Simulation:
 
 def _above(value: float, bound: float) -> str:
     """How far ``value`` lies above ``bound``, as a fraction of it."""
-    return f"{(value - bound) / bound:.1%} above" if bound > 0 else "at"
+    return f"{metrics.gap(value, bound):.1%} above" if bound > 0 else "at"
 
 
 def _compact(values: list) -> str:

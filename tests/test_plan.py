@@ -339,7 +339,16 @@ def test_each_better_cp_sat_solution_is_a_line_of_progress():
              for line in lines if (m := re.search(r": ([0-9.]+), bound ([0-9.]+) after [0-9.]+ s", line))]
     assert any(what.startswith("CP-SAT mapping") for what, _, _ in found)
     assert any(what.startswith("CP-SAT order") for what, _, _ in found)
-    assert all(value >= bound for _, value, bound in found)  # a solution is never below its class's bound
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+def test_the_fifo_pass_reports_no_bound(fifo):
+    """The FIFO pass fixes part of the order: its bound holds for no class a plan claims, so none is reported."""
+    timed = TimedProblem.build(PlanProblem(Shape(2, 2, 4), encode_costs(comm=1), memory_limit=2))
+    told = []
+    solve_order(timed, timed.stage, timed.stage, time_limit=5, fifo=fifo,
+                report=lambda objective, bound, seconds: told.append(bound))
+    assert told and all((bound is None) == fifo for bound in told)
 
 
 def test_large_neighbourhood_search_keeps_a_feasible_incumbent():

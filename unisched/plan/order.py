@@ -126,7 +126,8 @@ def solve_order(
                for w in range(timed.shape.num_workers)]
     model.minimize(busy_span(model, workers, horizon, lower_bound) if span else makespan)
     solver = make_solver(time_limit, num_workers, seed)
-    status, interrupted = run_solver(solver, model, Improvements(report))
+    # the FIFO pass fixes part of the order, so its bound says nothing of the order class
+    status, interrupted = run_solver(solver, model, Improvements(report, bounded=not fifo) if report else None)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
     if status == cp_model.INFEASIBLE:

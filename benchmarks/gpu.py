@@ -145,7 +145,7 @@ def _diagnose(rank: int, world: int, config: dict) -> str:
     import warnings
 
     device = torch.device("cuda", torch.cuda.current_device())
-    systems, trainers = _systems(config["widths"][-1], config["layers"], device)
+    systems, trainers = _systems(config["widths"][-1], config["layers"], device, config["rows"])
     for run in systems.values():
         run()
         run()

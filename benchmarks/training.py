@@ -92,10 +92,12 @@ def _recording(config: dict) -> dict:
 
 def _time_recording_calls(trainer: Trainer) -> dict[str, list[float]]:
     """Per recorded step, the seconds this rank spent in what only a recorded
-    step does: the barrier that starts it, and gathering the notes to rank 0
-    (the time marks themselves are a perf_counter call per item)."""
-    spent = {"barrier": [], "gather": []}
-    collective, gather = trainer._collective, trainer._gather_timeline
+    step does: the barrier that starts it, gathering the notes to rank 0
+    (packing them and posting the gather), and waiting for that gather where
+    the next step begins (the time marks themselves are a perf_counter call
+    per item)."""
+    spent = {"barrier": [], "gather": [], "gather wait": []}
+    collective, gather, settle = trainer._collective, trainer._gather_timeline, trainer._settle_gathering
 
     def timed_collective(run, what):
         start = time.perf_counter()
@@ -109,7 +111,14 @@ def _time_recording_calls(trainer: Trainer) -> dict[str, list[float]]:
         gather(st)
         spent["gather"].append(time.perf_counter() - start)
 
+    def timed_settle():
+        outstanding, start = trainer._gathering is not None, time.perf_counter()
+        settle()
+        if outstanding:
+            spent["gather wait"].append(time.perf_counter() - start)
+
     trainer._collective, trainer._gather_timeline = timed_collective, timed_gather
+    trainer._settle_gathering = timed_settle
     return spent
 
 
@@ -237,7 +246,8 @@ def main(argv=None) -> int:
               + "   " + "  ".join(f"{mode}: {ratio:.3f}" for mode, ratio in row["ratio"].items()))
         calls = row["recording_calls_ms"]
         print(f"  {'':12s} rank 0 in a recorded step: barrier {calls['barrier']:.2f} ms + gathering "
-              f"{calls['gather']:.2f} ms = {100 * row['recording_share']:.1f}% of the step")
+              f"{calls['gather']:.2f} ms + its wait {calls['gather wait']:.2f} ms = "
+              f"{100 * row['recording_share']:.1f}% of the step")
     one = result["world_of_one"]
     print("\none rank running 4 stages against a plain gradient-accumulation loop over them (the one-GPU "
           "target, measured on this CPU; target <= 1.05)")

@@ -371,12 +371,10 @@ def _solve(
 def _search_order(model, problem, start) -> None:
     """Under a memory limit or budget, CP-SAT's fixed-search worker takes the item that can start
     earliest and tries the lower half of its start times first: a list scheduler whose dead ends
-    the solver's propagation and clause learning correct, and a complete search that can prove
-    (W = 2, S = 4, B = 8, memory 2, comm 1: 83, the best known, in every 10 s plan and proven in
-    five of eight, where CP-SAT's default search gave 86 to 92; docs/planning.md, "Small
-    problems").  Without a limit its default search is kept, which proves W = 2, S = 4, B = 8,
-    comm 1 in 2 s, where an earliest-first order did not in 10 s.  A search order adds no
-    constraint: every bound is the model's."""
+    the solver's propagation and clause learning correct, and a complete search that can prove.
+    Without a limit CP-SAT's default search is kept, which proves the unlimited small cases where
+    this order did not (what each gave: docs/planning.md, "Small problems").  A search order adds
+    no constraint: every bound is the model's."""
     if problem.memory_limit is not None or problem.memory_budget is not None:
         model.add_decision_strategy(start, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_LOWER_HALF)
 

@@ -1,7 +1,7 @@
-"""The dependencies the engines follow (``Problem.followed``, ``num_deps``,
-``sources``) are those of a plain stable sort by source of every edge,
-the dataflow's then the fixed orders' (each item to the next in its
-worker's order), on every named strategy, random
+"""The dependencies the engines follow (``Problem.data_followed`` and
+``next_fixed``, ``num_deps``, ``sources``) are those of a plain stable sort
+by source of the dataflow's edges and of the fixed orders (each item to the
+next in its worker's order), on every named strategy, random
 mappings with random fixed orders, branching stage graphs, and with and
 without communication costs."""
 
@@ -16,7 +16,7 @@ from unisched import ComputeAndWeightWorkers, Costs
 from unisched.dataflow import EDGE_STASH, Items
 from unisched.errors import UniSchedError
 from unisched.simulate.priorities import BUILTIN_PRIORITIES
-from unisched.simulate.problem import EDGE_SEQUENCE, build
+from unisched.simulate.problem import build
 from unisched.strategy import WorkerOrders
 from unisched.work import FORWARD, Shape, as_stage_graph
 
@@ -24,28 +24,29 @@ FREE, LINKS = Costs(), Costs(activation_bytes=1.0, latency=0.25, bandwidth=2.0)
 
 
 def reference_fixed(strategy, items: Items) -> np.ndarray:
-    """(4, F) fixed-order edges: each item to the next in its worker's order."""
+    """(2, F) fixed-order pairs: each item to the next in its worker's order."""
     pairs = []
     for order in (strategy.worker_orders or {}).values():
         ids = [items.id(w.batch, w.stage, int(w.direction)) for w in order]
         pairs += zip(ids[:-1], ids[1:])
-    src, dst = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
-    return np.stack([src, dst, np.full(len(src), EDGE_SEQUENCE), np.full(len(src), -1)])
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2).T
 
 
 def reference_followed(p, strategy) -> dict[str, np.ndarray]:
-    """The readable form: all edges laid end to end, stash edges dropped
-    where communication is free, stably sorted by source."""
-    edges = np.concatenate([p.data_edges, reference_fixed(strategy, p.items)], axis=1)
-    if not p.comm:
-        edges = edges[:, edges[2] != EDGE_STASH]
+    """The readable form: the data edges, stash edges dropped where
+    communication is free, stably sorted by source; each item's successor in
+    its worker's order; an item's dependencies are both."""
+    edges = p.data_edges if p.comm else p.data_edges[:, p.data_edges[2] != EDGE_STASH]
     edges = edges[:, np.argsort(edges[0], kind="stable")]
+    src, dst = reference_fixed(strategy, p.items)
     n = p.num_items
-    succ_ptr = np.concatenate([[0], np.cumsum(np.bincount(edges[0], minlength=n))])
-    num_deps = np.bincount(edges[1], minlength=n)
+    next_fixed = np.full(n, -1, np.int64)
+    next_fixed[src] = dst
+    num_deps = np.bincount(np.concatenate([edges[1], dst]), minlength=n)
     first = np.flatnonzero((num_deps == 0) & (p.direction == FORWARD))
-    return {"followed.ptr": succ_ptr, "followed.idx": edges[1], "followed.kind": edges[2], "followed.moved": edges[3],
-            "num_deps": num_deps, "sources": np.stack([first, n + p.batch[first]])}
+    return {"data_followed.ptr": np.concatenate([[0], np.cumsum(np.bincount(edges[0], minlength=n))]),
+            "data_followed.idx": edges[1], "data_followed.kind": edges[2], "data_followed.moved": edges[3],
+            "next_fixed": next_fixed, "num_deps": num_deps, "sources": np.stack([first, n + p.batch[first]])}
 
 
 def assert_follows_reference(p, strategy) -> None:

@@ -50,7 +50,7 @@ from unisched import network
 from unisched.dataflow import EDGE_PRIMARY
 from unisched.errors import DeadlockError
 from unisched.simulate import transfers
-from unisched.simulate.problem import EDGE_SEQUENCE, Problem
+from unisched.simulate.problem import Problem
 
 INF = math.inf
 _EPS = 1e-9
@@ -60,8 +60,9 @@ def run(p: Problem):
     """Schedule every item of ``p``; return (start, end, transfer rows)."""
     n, num_workers = p.num_items, p.num_workers
     worker, duration, rank = p.worker, p.duration.tolist(), p.rank.tolist()
-    followed = p.followed  # every dependency, by source: data edges, then the fixed-order successor
-    succ_ptr, succ_idx, succ_kind = followed.ptr.tolist(), followed.idx.tolist(), followed.kind.tolist()
+    data = p.data_followed  # an item's data dependencies, then its successor in its worker's fixed order
+    succ_ptr, succ_idx, succ_kind = data.ptr.tolist(), data.idx.tolist(), data.kind.tolist()
+    next_fixed = p.next_fixed.tolist()
     remaining = p.num_deps.tolist()
     ready = p.release.tolist() if p.release is not None else [0.0] * n  # "not before" times
     trigger_time = [-INF] * n
@@ -136,13 +137,17 @@ def run(p: Problem):
             comm.on_finished(item, finish)
 
         item_rank = rank[item]
-        for k in range(succ_ptr[item], succ_ptr[item + 1]):
-            nxt = succ_idx[k]
-            kind = succ_kind[k]
-            arrive = comm.move(k, item, nxt, finish) if (comm is not None and kind != EDGE_SEQUENCE) else finish
+        last = succ_ptr[item + 1]
+        for k in range(succ_ptr[item], last + 1 if next_fixed[item] >= 0 else last):
+            if k < last:  # a data edge
+                nxt = succ_idx[k]
+                arrive = comm.move(k, item, nxt, finish) if comm is not None else finish
+                primary = succ_kind[k] == EDGE_PRIMARY
+            else:  # then the next item in its worker's fixed order: it moves nothing and triggers nothing
+                nxt, arrive, primary = next_fixed[item], finish, False
             if arrive > ready[nxt]:
                 ready[nxt] = arrive
-            if kind == EDGE_PRIMARY and arrive > trigger_time[nxt]:
+            if primary and arrive > trigger_time[nxt]:
                 trigger_time[nxt] = arrive
                 trigger_rank[nxt] = item_rank
             remaining[nxt] -= 1

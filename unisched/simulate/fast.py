@@ -211,7 +211,7 @@ def links_of(problem) -> Links:
         return no_links()
     n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
     worker = problem.worker_array
-    table = problem.data_followed.as_table()  # a fixed-order successor moves nothing
+    table = problem.data_followed.table  # a fixed-order successor moves nothing
     kinds, nbytes = moves(problem, table)
     kinds = kinds.astype(np.int64)
     src_worker, dst_worker = worker[table[0]], worker[table[1]]

@@ -16,7 +16,7 @@ import numpy as np
 
 from unisched import dataflow, network
 from unisched.costs import Costs
-from unisched.dataflow import EDGE_STASH, MOVES_NOTHING, Items
+from unisched.dataflow import EDGE_STASH, Items
 from unisched.errors import StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.simulate.sequences import fixed_successors
@@ -24,10 +24,6 @@ from unisched.simulate.stashes import StashAccounts, stash_accounts
 from unisched.strategy import Gang, Strategy, release_times, works
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD, Direction, Shape, StageGraph, Work
-
-EDGE_SEQUENCE = 2
-"""A fixed per-worker order: the previous item on the same worker (moves nothing)."""
-
 
 class Followed(NamedTuple):
     """Dependencies as CSR by source: item i's are ``ptr[i]:ptr[i + 1]`` of
@@ -37,16 +33,9 @@ class Followed(NamedTuple):
     idx: np.ndarray
     kind: np.ndarray
     moved: np.ndarray
-    table: np.ndarray | None = None
+    table: np.ndarray
     """(4, E): the same edges as rows src, idx, kind, moved (the form
-    :func:`moves` takes), or None."""
-
-    def as_table(self) -> np.ndarray:
-        """(4, E): src, dst, kind and moved-data code of every edge, by source."""
-        if self.table is not None:
-            return self.table
-        src = np.repeat(np.arange(len(self.ptr) - 1), np.diff(self.ptr))
-        return np.stack([src, self.idx, self.kind, self.moved])
+    :func:`moves` takes)."""
 
 
 class GangMoves(NamedTuple):
@@ -144,12 +133,6 @@ class Problem:
         return {item: tuple(links) for item, links in weights.items()}
 
     @cached_property
-    def followed(self) -> Followed:
-        """Every dependency the engine follows, by source (CSR): per item its
-        data dependencies, then its fixed-order successor."""
-        return with_fixed_orders(self.data_followed, self.next_fixed)
-
-    @cached_property
     def _stash_lists(self) -> tuple:
         return self.stashes.as_lists() if self.stashes is not None else (None, None, None)
 
@@ -210,8 +193,8 @@ class Problem:
 
     @cached_property
     def succ_moves(self) -> tuple[list, list]:
-        """For each followed edge (CSR order): what it moves (None: nothing) and how many bytes."""
-        kinds, nbytes = moves(self, self.followed.as_table())
+        """For each data edge followed (CSR order of ``data_followed``): what it moves (None: nothing) and how many bytes."""
+        kinds, nbytes = moves(self, self.data_followed.table)
         return [TRANSFER_KINDS[k] if k >= 0 else None for k in kinds.tolist()], nbytes.tolist()
 
     @cached_property
@@ -364,26 +347,6 @@ def followed_edges(data_edges: np.ndarray, n: int, comm: bool) -> Followed:
     np.cumsum(np.bincount(data_edges[0].take(by_source), minlength=n), out=ptr[1:])
     table = np.take(data_edges, by_source, axis=1)
     return Followed(ptr, *table[1:], table=table)
-
-
-def with_fixed_orders(data: Followed, next_fixed: np.ndarray) -> Followed:
-    """``data`` with each item's fixed-order successor (kind
-    ``EDGE_SEQUENCE``, moving nothing) at the end of its row, where a
-    stable sort by source of the data edges then the fixed-order ones puts it."""
-    fixed = next_fixed >= 0
-    if not fixed.any():
-        return data
-    ptr = np.zeros(len(data.ptr), dtype=np.int64)
-    np.cumsum(np.diff(data.ptr) + fixed, out=ptr[1:])
-    from_data = np.ones(int(ptr[-1]), dtype=bool)
-    from_data[ptr[1:][fixed] - 1] = False
-    rows = []
-    for column, value in ((data.idx, next_fixed[fixed]), (data.kind, EDGE_SEQUENCE), (data.moved, MOVES_NOTHING)):
-        row = np.empty(len(from_data), dtype=np.int64)
-        row[from_data] = column
-        row[~from_data] = value
-        rows.append(row)
-    return Followed(ptr, *rows)
 
 
 # ---------------------------------------------------------------------- mapping

@@ -2,8 +2,8 @@
 
 A strategy's ``worker_orders`` fixes the sequence each worker runs; the
 simulator follows it as an edge from each item to the next one in its
-worker's order (:data:`unisched.simulate.problem.EDGE_SEQUENCE`), kept as
-one successor per item, after checking that the orders name every item of
+worker's order (``Problem.next_fixed``: it moves nothing and triggers
+nothing), kept as one successor per item, after checking that the orders name every item of
 the step once, each on the worker the mapping sends it to.  An order written for the other backward
 form is adapted: with a split backward each B becomes I then W in its
 place; without, I becomes B and W is dropped.

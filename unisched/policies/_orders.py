@@ -3,7 +3,7 @@
 The pipelines that run a warm-up, a steady phase and a drain (1F1B, ZB-H1,
 ZB-H2, the interleaved pipelines of Megatron-LM and torch) share one
 structure, which :func:`warmup_steady_orders` builds for every worker at
-once (:func:`warmup_steady_order` for one): a warm-up of forwards,
+once: a warm-up of forwards,
 then a steady phase that follows each backward (or each input-gradient
 pass I) with the next forward, and, with a split backward, runs each weight
 pass W a fixed number of backwards after its I.  The schedules differ only
@@ -52,40 +52,25 @@ Columns = tuple[np.ndarray, np.ndarray, np.ndarray]
 """One worker's order as arrays: micro-batch, stage and direction of each pass, in order."""
 
 
-def warmup_steady_order(stages: int | Sequence[int], num_batches: int, warmup: int, weight_lag: int | None = None,
-                        per_round: int | None = None) -> Columns:
-    """A worker's sequence: ``warmup`` forwards, then for each backward k
-    (the k-th of the worker) the backward followed by the next forward, then
-    nothing but backwards once the forwards are done.
-
-    ``stages`` are the worker's stages in the order a micro-batch meets them
-    (one stage, or an interleaved worker's r, r + W, ...).  Forwards go in
-    rounds of ``per_round`` micro-batches per stage (stage 0 of the worker for
-    micro-batches 0..R-1, then its next stage for the same, ...), backwards
-    the same way from the last stage down; ``num_batches`` must be a multiple
-    of ``per_round`` (default: all micro-batches in one round).
-
-    With ``weight_lag`` L the backward is split: the k-th I pass is followed
-    by the W pass of the (k - L)-th (when k >= L), and the W passes still owed
-    run last, oldest first.  1F1B is ``warmup = S - s`` on one stage; ZB-H1
-    adds ``weight_lag = s``; ZB-H2 takes ``warmup = 2(S - s) - 1`` and
-    ``weight_lag = 2s``; the interleaved pipelines add their v - 1 rounds.
-
-    The one-worker case of :func:`warmup_steady_orders`.
-    """
-    lag = None if weight_lag is None else [weight_lag]
-    batch, stage, direction = warmup_steady_orders(np.atleast_1d(np.asarray(stages, dtype=np.int64))[None, :],
-                                                   num_batches, [warmup], lag, per_round)
-    return batch[0], stage[0], direction[0]
-
-
 def warmup_steady_orders(stages, num_batches: int, warmup, weight_lag=None, per_round: int | None = None) -> Columns:
-    """:func:`warmup_steady_order` of every worker at once: row w of each
-    returned (W, passes) array is worker w's order.
+    """Every worker's sequence, at once: ``warmup`` forwards, then for each
+    backward k (the k-th of the worker) the backward followed by the next
+    forward, then nothing but backwards once the forwards are done; row w of
+    each returned (W, passes) array is worker w's order.
 
     ``stages``: one stage per worker (W,), or each worker's stages in the
-    order a micro-batch meets them (W, v); ``warmup`` and ``weight_lag``
-    (None: a whole backward): one count per worker.  Every worker runs the
+    order a micro-batch meets them (W, v: an interleaved worker's r, r + W,
+    ...).  Forwards go in rounds of ``per_round`` micro-batches per stage
+    (the worker's first stage for micro-batches 0..R-1, then its next stage
+    for the same, ...), backwards the same way from the last stage down;
+    ``num_batches`` must be a multiple of ``per_round`` (default: all
+    micro-batches in one round).  ``warmup`` and ``weight_lag``: one count
+    per worker.  With a ``weight_lag`` L the backward is split: the k-th I
+    pass is followed by the W pass of the (k - L)-th (when k >= L), and the
+    W passes still owed run last, oldest first (None: a whole backward).
+    1F1B is ``warmup = S - s`` on one stage; ZB-H1 adds ``weight_lag = s``;
+    ZB-H2 takes ``warmup = 2(S - s) - 1`` and ``weight_lag = 2s``; the
+    interleaved pipelines add their v - 1 rounds.  Every worker runs the
     same number of passes, so the orders are one table: each pass's place
     in its worker's order follows from how many passes of each kind come
     before it (the k-th backward comes after the warm-up, the k earlier

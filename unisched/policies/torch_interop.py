@@ -35,7 +35,7 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.errors import UniSchedError
-from unisched.policies._orders import Columns, fixed_orders, warmup_steady_order, warmup_steady_orders
+from unisched.policies._orders import Columns, fixed_orders, warmup_steady_orders
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_columns, zbv_columns
@@ -89,7 +89,7 @@ def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: in
     (v - 1) * round + 2 (W - 1 - r) forwards on rank r."""
     shape, v, per_round = _interleaved_shape("ScheduleInterleaved1F1B", num_workers, num_stages, num_batches)
     return _torch_strategy(INTERLEAVED_1F1B, shape,
-                           lambda r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=False),
+                           _interleaved_orders(num_workers, v, num_batches, per_round, zero_bubble=False),
                            stage_modulo_workers(num_workers))
 
 
@@ -115,7 +115,7 @@ def schedule_interleaved_zero_bubble(num_workers: int, num_stages: int, num_batc
     pass run r forward-backward pairs after its I on rank r."""
     shape, v, per_round = _interleaved_shape("ScheduleInterleavedZeroBubble", num_workers, num_stages, num_batches)
     return _torch_strategy(INTERLEAVED_ZERO_BUBBLE, shape,
-                           lambda r: _interleaved_order(num_workers, v, num_batches, per_round, r, zero_bubble=True),
+                           _interleaved_orders(num_workers, v, num_batches, per_round, zero_bubble=True),
                            stage_modulo_workers(num_workers), split_backward=True)
 
 
@@ -151,14 +151,16 @@ def split_full_backwards(order: Iterable[Work]) -> list[Work]:
     return out
 
 
-# ---------------------------------------------------------------------- torch's rules, rank by rank
-def _interleaved_order(p: int, v: int, m: int, per_round: int, rank: int, zero_bubble: bool) -> Columns:
+# ---------------------------------------------------------------------- torch's rules, every rank at once
+def _interleaved_orders(p: int, v: int, m: int, per_round: int, zero_bubble: bool) -> Columns:
     """``_get_1f1b_rank_ops`` of torch's interleaved schedules, idle steps left
-    out: (v - 1) rounds plus 2 (W - 1 - r) forwards (W - 1 - r for ZB1P) before
-    the forward-backward pairs, and ZB1P's W passes r backwards late."""
-    pairs_from = (v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank)
-    return warmup_steady_order(range(rank, p * v, p), m, 1 + pairs_from, weight_lag=rank if zero_bubble else None,
-                               per_round=per_round)
+    out, for ranks r = 0..p-1 (rank r holds stages r, r + p, ...): (v - 1)
+    rounds plus 2 (p - 1 - r) forwards (p - 1 - r for ZB1P) before the
+    forward-backward pairs, and ZB1P's W passes r backwards late."""
+    ranks = np.arange(p)
+    pairs_from = (v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - ranks)
+    return warmup_steady_orders(ranks[:, None] + p * np.arange(v), m, 1 + pairs_from,
+                                ranks if zero_bubble else None, per_round)
 
 
 # ---------------------------------------------------------------------- shapes, placements, the strategy

@@ -735,14 +735,12 @@ class Trainer:
         for index in indices:
             action = st.current = actions[index]
             if st.deferred:
-                self._post_due(st, index)
-                st.last_end = None
+                self._post_due(st, index)  # a receive posted puts nothing on the compute stream
             item = items.get(index)
             if item is not None:
                 self._compute(st, action, item)
-                if st.outgoing or st.pending:
-                    self._reap(st)
-                    st.last_end = None
+                if (st.outgoing or st.pending) and self._reap(st):
+                    st.last_end = None  # waits on sends or returned gradients added: the stream has more
                 if index == self._last_loss_item:
                     self._post_losses(st)
                     st.last_end = None
@@ -1298,18 +1296,19 @@ class Trainer:
         work = self._posted(lambda: dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), action, msg.dst)
         st.outgoing.append((self._watched(work), tensor, action, msg.dst))
 
-    def _reap(self, st) -> None:
+    def _reap(self, st) -> bool:
         """Let go of the sends that have completed, and take in the returned
         gradients that have arrived, so that their buffers live no longer
-        than the transfer (polled after each item and before each send)."""
-        if st.outgoing:
-            finished = [entry[0].is_completed() for entry in st.outgoing]
-            if any(finished):
-                self._await_sends([entry for entry, done in zip(st.outgoing, finished) if done])
-                st.outgoing = [entry for entry, done in zip(st.outgoing, finished) if not done]
+        than the transfer (polled after each item and before each send);
+        whether there was any."""
+        finished = [entry[0].is_completed() for entry in st.outgoing]
+        if any(finished):
+            self._await_sends([entry for entry, done in zip(st.outgoing, finished) if done])
+            st.outgoing = [entry for entry, done in zip(st.outgoing, finished) if not done]
         arrived = [i for i, (work, _, action, _) in st.pending.items() if action.op == "r<" and work.is_completed()]
         for index in arrived:
             self._accept(self.program.messages[index].stage, self._wait(st, index))
+        return any(finished) or bool(arrived)
 
     def _await_sends(self, sends: list) -> None:
         for work, _, action, peer in sends:

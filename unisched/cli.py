@@ -480,15 +480,10 @@ def check_size(shape, split_backward: bool) -> None:
 
 
 def _costs(args):
-    """The costs file (or the defaults) with the time flags put in (:meth:`Costs.with_times`)."""
-    from unisched import Costs
+    """The costs file (or the defaults) with the time flags put in, on ``--topology`` when given."""
+    from unisched.topology import ClusterCosts
 
-    costs = (Costs.load(args.costs) if args.costs else Costs()).with_times(**cost_values(args))
-    if getattr(args, "topology", None):
-        from unisched.topology import ClusterCosts
-
-        return ClusterCosts.on(costs, args.topology)  # the flag replaces a costs file's topology
-    return costs
+    return ClusterCosts.read(args.costs, cost_values(args), getattr(args, "topology", None))
 
 
 def _step_options(args) -> dict:

@@ -320,6 +320,15 @@ class ClusterCosts(Costs):
         values = {f.name: getattr(costs, f.name) for f in fields(costs)}
         return cls(**{**values, "topology": topology})
 
+    @classmethod
+    def read(cls, path: str | None, times: Mapping[str, Any], topology=None) -> Costs:
+        """What ``--costs``, the time flags and ``--topology`` say, as every
+        command reads them: the costs file (or the defaults) with ``times``
+        put in (:meth:`Costs.with_times`), on ``topology`` when given (it
+        replaces a file's)."""
+        costs = (Costs.load(path) if path else Costs()).with_times(**times)
+        return cls.on(costs, topology) if topology else costs
+
     def check(self, num_workers: int, num_stages: int) -> "ClusterCosts":
         super().check(num_workers, num_stages)
         self.cluster(num_workers)

@@ -347,15 +347,12 @@ def _costs(args: argparse.Namespace) -> Costs:
                              "weight_bytes)")
     if clashing and args.costs:
         raise PlanInputError(f"--costs {args.costs} gives the links; drop {', '.join(clashing)} or the file")
-    if args.costs or args.topology:
-        base = Costs.load(args.costs) if args.costs else Costs()
-    else:
-        base = encode_costs(comm=args.comm, fetch=args.fetch)
     try:
-        costs = base.with_times(**times)
+        if args.costs or args.topology:
+            return ClusterCosts.read(args.costs, times, args.topology)  # as simulate reads them
+        return encode_costs(comm=args.comm, fetch=args.fetch).with_times(**times)
     except ShapeError as error:
         raise PlanInputError(str(error)) from None
-    return ClusterCosts.on(costs, args.topology) if args.topology else costs
 
 
 # ---------------------------------------------------------------------- your own strategy

@@ -83,6 +83,43 @@ def make_schedule(name: str, W: int, S: int, B: int):
     return unisched.simulate(W, S, B, policies.get(name, num_workers=W, num_stages=S, num_batches=B))
 
 
+# ---------------------------------------------------------------------- timing, shared by the benchmarks
+MODES = {"record=True": True, "record=10": 10, "record=False": False}
+"""The recording settings the benchmarks compare: every step, every tenth step, none."""
+
+
+def alternate(systems: dict, rounds: int, steps: int, sync=lambda: None) -> tuple[dict, dict]:
+    """Each system's step times in seconds, the systems taking turns for
+    ``rounds`` rounds of ``steps`` steps each, every step timed from a
+    ``sync`` to a ``sync``: ``{name: [[a round's steps], ...]}``; and the
+    same for the time until each step returned (before its closing sync)."""
+    times = {name: [] for name in systems}
+    returned = {name: [] for name in systems}
+    for _ in range(rounds):
+        for name, run in systems.items():
+            times[name].append([])
+            returned[name].append([])
+            for _ in range(steps):
+                sync()
+                start = time.perf_counter()
+                run()
+                back = time.perf_counter()
+                sync()
+                times[name][-1].append(time.perf_counter() - start)
+                returned[name][-1].append(back - start)
+    return times, returned
+
+
+def median_ms(rounds: list[list[float]]) -> float:
+    """The median of every step of every round, in milliseconds."""
+    return 1e3 * statistics.median(t for steps in rounds for t in steps)
+
+
+def round_ratio(rounds: list[list[float]], base: list[list[float]]) -> float:
+    """The median over rounds of each round's median step over ``base``'s in that round."""
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, base))
+
+
 # ---------------------------------------------------------------------- the models
 class Case(NamedTuple):
     """One comparison: unisched's strategy ``ours`` against torch's ``theirs``
@@ -224,18 +261,10 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
     for case in work.cases:
         systems[f"unisched {case.ours}"] = Unisched(work, case)
         systems.setdefault(f"torch {case.theirs}", theirs(work, case))
-    times: dict[str, list[list[float]]] = {name: [] for name in systems}
     for system in systems.values():
         system.step(x, y)
-    for _ in range(config["rounds"]):
-        for name, system in systems.items():
-            times[name].append([])
-            for _ in range(config["steps"]):
-                dist.barrier()
-                start = time.perf_counter()
-                system.step(x, y)
-                dist.barrier()
-                times[name][-1].append(time.perf_counter() - start)
+    times, _ = alternate({name: (lambda s=system: s.step(x, y)) for name, system in systems.items()},
+                         config["rounds"], config["steps"], dist.barrier)
 
     calibration = {case.ours: [] for case in work.cases}
     held_out = {case.ours: [] for case in work.cases}
@@ -256,14 +285,10 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
         measured = statistics.median(t.latency for t in held_out[case.ours])
         predictions[case.ours] = {"predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured,
                                   "error": abs(predicted - measured) / measured}
-    ratios = {
-        f"{case.ours} / {case.theirs}": statistics.median(
-            statistics.median(a) / statistics.median(b)
-            for a, b in zip(times[f"unisched {case.ours}"], times[f"torch {case.theirs}"]))
-        for case in work.cases
-    }
+    ratios = {f"{case.ours} / {case.theirs}": round_ratio(times[f"unisched {case.ours}"], times[f"torch {case.theirs}"])
+              for case in work.cases}
     return {
-        "step_ms": {name: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times.items()},
+        "step_ms": {name: median_ms(rounds) for name, rounds in times.items()},
         "ratios": ratios,
         "prediction": predictions,
     }

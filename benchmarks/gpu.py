@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from torch import nn
@@ -43,11 +41,10 @@ from torch import nn
 from unisched.execute import Trainer
 from unisched.execute.launch import check, run_local
 
-from executor import make_schedule, make_stages  # benchmarks/executor.py: the same Linear stages and schedules
+from executor import MODES, alternate, make_schedule, make_stages, median_ms, round_ratio  # benchmarks/executor.py
 
 STAGES, ROWS, MICRO_BATCHES = 4, 256, 8
 SCHEDULES = ("looped_bfs", "looped")  # on one worker: every forward first (as gpipe), or one micro-batch at a time
-MODES = {"record=True": True, "record=10": 10, "record=False": False}
 
 
 def _systems(width: int, layers: int, device: torch.device, rows: int = ROWS) -> tuple[dict, list[Trainer]]:
@@ -85,30 +82,15 @@ def _systems(width: int, layers: int, device: torch.device, rows: int = ROWS) ->
 
 
 def _measure(systems: dict, rounds: int, steps: int, synchronize) -> dict:
-    times = {name: [] for name in systems}
-    host = {name: [] for name in systems}
     for run in systems.values():  # warm-up: allocator, cuBLAS handles, the Trainer's first-step agreement
         for _ in range(3):
             run()
-    synchronize()
-    for _ in range(rounds):
-        for name, run in systems.items():
-            rnd = []
-            for _ in range(steps):
-                synchronize()
-                start = time.perf_counter()
-                run()
-                returned = time.perf_counter()
-                synchronize()
-                rnd.append(time.perf_counter() - start)
-                host[name].append(returned - start)
-            times[name].append(rnd)
+    times, host = alternate(systems, rounds, steps, synchronize)
     base = times["plain loop"]
     return {
-        "step_ms": {n: 1e3 * statistics.median(t for r in rs for t in r) for n, rs in times.items()},
-        "host_ms": {n: 1e3 * statistics.median(h) for n, h in host.items()},
-        "ratio": {n: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rs, base))
-                  for n, rs in times.items() if n != "plain loop"},
+        "step_ms": {n: median_ms(rs) for n, rs in times.items()},
+        "host_ms": {n: median_ms(rs) for n, rs in host.items()},
+        "ratio": {n: round_ratio(rs, base) for n, rs in times.items() if n != "plain loop"},
     }
 
 

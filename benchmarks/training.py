@@ -38,7 +38,7 @@ import unisched
 from unisched.execute import Trainer, example
 from unisched.execute.launch import check, run_local
 
-from executor import make_schedule, make_stages  # benchmarks/executor.py: the same Linear stages and schedules
+from executor import MODES, alternate, make_schedule, make_stages, median_ms, round_ratio  # benchmarks/executor.py
 
 ROWS = 64
 MICRO_BATCHES = 8
@@ -47,42 +47,30 @@ GPT_ROWS = 16
 GPT_STEPS = 20
 
 
-def schedule(name: str, W: int, B: int):
-    """``name``'s schedule with one stage per rank."""
-    return make_schedule(name, W, W, B)
-
-
 # ---------------------------------------------------------------------- 1. recording
 def _recording(config: dict) -> dict:
     W, width, layers = dist.get_world_size(), config["width"], config["layers"]
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
-    modes = {"record=True": True, "record=10": 10, "record=False": False}
     out = {}
     for name in ("gpipe", "one_f_one_b"):
-        trainer = Trainer(make_stages(W, width, layers), schedule(name, W, MICRO_BATCHES), nn.functional.mse_loss,
-                          lambda params: torch.optim.SGD(params, lr=0.01))
+        trainer = Trainer(make_stages(W, width, layers), make_schedule(name, W, W, MICRO_BATCHES),
+                          nn.functional.mse_loss, lambda params: torch.optim.SGD(params, lr=0.01))
         recording = _time_recording_calls(trainer)
-        times = {mode: [] for mode in modes}
         trainer.step(x, y)
-        for _ in range(config["rounds"]):
-            for mode, record in modes.items():
-                trainer.record = record
-                rnd = []
-                for _ in range(config["steps"]):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    trainer.step(x, y)
-                    dist.barrier()
-                    rnd.append(time.perf_counter() - start)
-                times[mode].append(rnd)
+
+        def step(record):
+            trainer.record = record
+            trainer.step(x, y)
+
+        times, _ = alternate({mode: (lambda r=record: step(r)) for mode, record in MODES.items()},
+                             config["rounds"], config["steps"], dist.barrier)
         trainer.close()
-        off = times["record=False"]
-        step_ms = {mode: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for mode, rounds in times.items()}
+        step_ms = {mode: median_ms(rounds) for mode, rounds in times.items()}
         spent = [sum(parts) for parts in zip(*recording.values())]
         out[name] = {
             "step_ms": step_ms,
-            "ratio": {mode: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, off))
+            "ratio": {mode: round_ratio(rounds, times["record=False"])
                       for mode, rounds in times.items() if mode != "record=False"},
             "recording_calls_ms": {part: 1e3 * statistics.median(t) for part, t in recording.items()},
             "recording_share": statistics.median(spent) * 1e3 / step_ms["record=True"],
@@ -140,7 +128,7 @@ def _precision() -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             stages = unisched.split_model(gpt2(), W, tied="untie")
-        trainer = Trainer(stages, schedule("gpipe", W, 4), example.next_token_loss,
+        trainer = Trainer(stages, make_schedule("gpipe", W, W, 4), example.next_token_loss,
                           lambda params: torch.optim.AdamW(params, lr=1e-2), precision=precision, record=False)
         losses, seconds = [], []
         for step in range(GPT_STEPS):
@@ -187,22 +175,13 @@ def _world_of_one(rank: int, world: int, config: dict) -> dict:
         trainer.step(x, y)
 
     systems = {"plain loop": loop, "record=True": recorded, "record=False": unrecorded}
-    times = {name: [] for name in systems}
     for run in systems.values():
         run()
-    for _ in range(config["rounds"]):
-        for name, run in systems.items():
-            rnd = []
-            for _ in range(config["steps"]):
-                start = time.perf_counter()
-                run()
-                rnd.append(time.perf_counter() - start)
-            times[name].append(rnd)
+    times, _ = alternate(systems, config["rounds"], config["steps"])
     trainer.close()
-    base = times["plain loop"]
     return {
-        "step_ms": {name: 1e3 * statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times.items()},
-        "ratio": {name: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(rounds, base))
+        "step_ms": {name: median_ms(rounds) for name, rounds in times.items()},
+        "ratio": {name: round_ratio(rounds, times["plain loop"])
                   for name, rounds in times.items() if name != "plain loop"},
     }
 

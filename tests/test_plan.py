@@ -353,13 +353,21 @@ def test_the_fifo_pass_reports_no_bound(fifo):
 
 def test_large_neighbourhood_search_keeps_a_feasible_incumbent():
     from unisched.plan.mapping import incumbent_from, solve_mapping
-    from unisched.plan.planner import _scorer, replayed
+    from unisched.errors import UniSchedError
+    from unisched.plan.planner import replayed
 
     problem = PlanProblem(Shape(3, 3, 8), encode_costs(comm=1, fetch=2), memory_limit=2, max_stages_per_worker=2)
     timed = TimedProblem.build(problem)
     start = solve_order(timed, timed.stage, timed.stage, time_limit=2)
     hint = incumbent_from(timed, timed.stage, timed.stage, start.starts)
-    solved = solve_mapping(timed, time_limit=4, hint=hint, lns=True, score=_scorer(timed))
+
+    def score(compute, weight, starts) -> float:  # the replayed latency, as the planner scores a solution
+        try:
+            return replayed(Schedule.planned(timed, compute, weight, starts), "latency")[1].latency
+        except UniSchedError:
+            return float("inf")
+
+    solved = solve_mapping(timed, time_limit=4, hint=hint, lns=True, score=score)
     assert solved.found and solved.objective <= hint.makespan
     _, replay = replayed(Schedule.planned(timed, solved.compute, solved.weight, solved.starts), "latency")
     assert replay.latency == solved.score

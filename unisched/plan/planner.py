@@ -222,6 +222,8 @@ class _Search:
     proofs: list[tuple[str, float]] = field(default_factory=list)
     """(class of schedules, CP-SAT's lower bound for it) of every model run whose bound holds."""
     interrupted: bool = False
+    mapped: dict[bytes, tuple[Schedule, Simulation] | None] = field(default_factory=dict)
+    """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
 
     # ------------------------------------------------------------------ phases
     def family(self, members) -> FamilyResult:
@@ -335,8 +337,14 @@ class _Search:
         name = proven_class(whole)
         hint = _best_incumbent(self.timed, self.candidates, whole)
         _say(self.progress, f"CP-SAT mapping search over {name} ({seconds:.1f} s) ...")
+        objective = self.problem.objective
+
+        def score(compute, weight, starts) -> float:  # what a plan reports of the solution
+            found = self.replay_mapped(compute, weight, starts)
+            return float("inf") if found is None else objective_value(found[1], objective)
+
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
-                               seed=self.seed, score=_scorer(self.timed), whole=whole, asap_replay=False,
+                               seed=self.seed, score=score, whole=whole, asap_replay=False,
                                lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())),
                                report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
@@ -344,11 +352,24 @@ class _Search:
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
             self.proofs.append((name, self.timed.ticks.time(solved.bound)))
-        if solved.found:
-            schedule = Schedule.planned(self.timed, solved.compute, solved.weight, solved.starts, name="cpsat")
+        found = self.replay_mapped(solved.compute, solved.weight, solved.starts) if solved.found else None
+        if found is not None:  # one the replay cannot follow is left out silently
             tag = bound_key(name).removeprefix("cpsat_").replace("_", " ")
-            self.add(f"cpsat mapping ({tag})", "cpsat-mapping", schedule, self.timed.ticks.time(solved.objective),
-                     searched=name)
+            self.candidates.append(Candidate(f"cpsat mapping ({tag})", "cpsat-mapping", *found,
+                                             self.timed.ticks.time(solved.objective), False, name))
+
+    def replay_mapped(self, compute, weight, starts) -> tuple[Schedule, Simulation] | None:
+        """A CP-SAT mapping solution replayed (:func:`replayed`), or None where it does not run;
+        each distinct solution once, whichever run reports it (CP-SAT reports a hint again as its
+        first solution, once per LNS round) and whether it scores it or keeps it."""
+        key = b"".join(np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in (compute, weight, starts))
+        if key not in self.mapped:
+            try:
+                self.mapped[key] = replayed(Schedule.planned(self.timed, compute, weight, starts, name="cpsat"),
+                                            self.problem.objective)
+            except UniSchedError:
+                self.mapped[key] = None
+        return self.mapped[key]
 
     # ------------------------------------------------------------------ candidates and bounds
     def add(self, label: str, source: str, schedule: Schedule, model_latency: float | None = None,
@@ -564,25 +585,6 @@ def replayed(schedule: Schedule, objective: str) -> tuple[Schedule, Simulation]:
     if best is None:
         raise failure
     return best
-
-
-def _scorer(timed: TimedProblem):
-    """The replayed objective of a CP-SAT solution (what a plan reports), each distinct solution
-    replayed once (CP-SAT reports a hint again as its first solution, once per LNS round)."""
-    objective = timed.problem.objective
-    seen: dict[bytes, float] = {}
-
-    def score(compute, weight, starts) -> float:
-        key = b"".join(np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in (compute, weight, starts))
-        if key not in seen:
-            try:
-                seen[key] = objective_value(replayed(Schedule.planned(timed, compute, weight, starts), objective)[1],
-                                            objective)
-            except UniSchedError:
-                seen[key] = float("inf")
-        return seen[key]
-
-    return score
 
 
 def _start_ticks(timed: TimedProblem, t) -> np.ndarray:

@@ -78,6 +78,22 @@ def with_gangs(rng, W: int, S: int, B: int, split: bool, kind: str):
     return strategy.with_(gang=lambda work: Gang(groups(work), bool(collective[work.stage])))
 
 
+def with_shards(rng, strategy, W: int, S: int):
+    """``strategy`` with some stages held in shards (``weight_shards``): per
+    such stage one size k, each weight worker's group of k holders (itself
+    among them, in random order), so groups of one stage may overlap
+    (replicated shards, all-reduced)."""
+    sizes = {s: int(rng.integers(2, W + 1)) for s in range(S) if W > 1 and rng.integers(2)}
+    groups = {}
+    for s, k in sizes.items():
+        for w in range(W):
+            others = rng.choice([o for o in range(W) if o != w], k - 1, replace=False).tolist()
+            group = [w, *others]
+            rng.shuffle(group)
+            groups[(s, w)] = tuple(int(h) for h in group)
+    return strategy.with_(weight_shards=lambda stage, weight: groups.get((stage, weight)))
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     W=st.integers(1, 4),
@@ -89,17 +105,21 @@ def with_gangs(rng, W: int, S: int, B: int, split: bool, kind: str):
     limit=st.sampled_from([None, None, 2.0, 4.0]),
     topology=st.booleans(),
     replicas=st.sampled_from([1, 1, 2]),
-    gangs=st.sampled_from(["none", "tensor", "rows", "mixed"]),
+    gangs=st.sampled_from(["none", "tensor", "rows", "mixed", "shards"]),
     seed=st.integers(0, 2**31),
 )
 def test_random_strategies_on_networks_same_timeline(W, S, B, split, diamond, priority, limit, topology, replicas,
                                                      gangs, seed):
     """Every item's start and end and every transfer row (fetches,
     hand-outs, collects, returns, moves, and on a topology the all-reduces
-    booked at the end) are the engine's, or both deadlock."""
+    booked at the end) are the engine's, or both deadlock; with gangs, or
+    with stages held in shards."""
     rng = np.random.default_rng(seed)
     costs = network_costs(rng, W, S, topology, replicas)
-    strategy = with_gangs(rng, W, S, B, split, gangs)
+    if gangs == "shards":
+        strategy = with_shards(rng, random_mapping(rng, W, S, B, split), W, S)
+    else:
+        strategy = with_gangs(rng, W, S, B, split, gangs)
     order = RandomPriority(rng) if priority == "random" else BUILTIN_PRIORITIES[priority](S, B)
     limit = None if limit is None else 3.0 * limit  # bytes: at least one stash of the largest stage
     expected, got = both_runs(Shape(W, S, B), strategy, order, costs, limit, split, diamond_or_chain(S, diamond),

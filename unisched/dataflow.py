@@ -42,7 +42,11 @@ Weights
     stage's weights from the weight worker; the pass that produces a stage's
     weight gradient (B, or W with a split backward) returns that gradient to
     the weight worker.  A stage with several weight workers has replicas,
-    whose gradients are all-reduced once every replica has them.
+    whose gradients are all-reduced once every replica has them.  A stage
+    held in shards (fully sharded, ZeRO-3) is fetched shard by shard from
+    their holders and its gradient returned the same way
+    (:func:`sharded_weights`): an all-gather and a reduce-scatter, moved as
+    their point-to-point parts.
 
 Gangs
     A gang of workers runs one item jointly (:func:`gang_moves`).  A
@@ -449,6 +453,20 @@ def gang_weights(members: Sequence[int], collective: bool, weight_worker: int,
     return tuple(rows)
 
 
+def sharded_weights(worker: int, holders: Sequence[int]) -> tuple[tuple[int, int, int, float], ...]:
+    """The weights ``worker`` computes a stage with when the stage's weights
+    of truth are cut into ``len(holders)`` equal shards, shard i held by
+    ``holders[i]``: per shard, (worker, its holder, i, 1/k), in the form of
+    :func:`gang_weights`.  The worker fetches every shard it does not hold
+    and its gradient pass returns each such shard's gradient to the holder
+    (:func:`returns_gradient`): when every worker gathers the stage, the
+    fetches are an all-gather and the returns a reduce-scatter, moving the
+    bytes NCCL's ring moves over each link, (k-1)/k of the stage in and out
+    of every member."""
+    fraction = 1.0 / len(holders)
+    return tuple((int(worker), int(holder), share, fraction) for share, holder in enumerate(holders))
+
+
 __all__ = [
     "EDGE_PRIMARY",
     "EDGE_STASH",
@@ -472,6 +490,7 @@ __all__ = [
     "replicas",
     "returns_gradient",
     "share_holder",
+    "sharded_weights",
     "shards_held",
     "stash_share_array",
     "stash_needs",

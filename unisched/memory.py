@@ -57,7 +57,7 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.timeline import MemoryCurve, Timeline
-from unisched.work import FORWARD
+from unisched.work import FORWARD, Direction
 
 MEMORY_KINDS = ("activations", "weights", "fetched", "gradients", "weight_gradients", "workspace", "optimizer")
 
@@ -120,20 +120,43 @@ def _activation_holds(t: Timeline, in_bytes: bool):
 
 
 def _weight_holds(t: Timeline, in_bytes: bool):
-    workers, stages = _weights_held(t)
-    amounts = t.weight_bytes[stages] if in_bytes else np.ones(len(stages))
+    workers, stages, fraction = weights_held(t)
+    amounts = t.weight_bytes[stages] * fraction if in_bytes else np.ones(len(stages))
     return workers, *_whole_step(t, len(workers)), amounts
 
 
 def _optimizer_holds(t: Timeline, in_bytes: bool):
     """A stage's optimizer state, beside its weights of truth on each weight worker."""
-    workers, stages = _weights_held(t)
-    return workers, *_whole_step(t, len(workers)), _per_stage(t, "optimizer_bytes", in_bytes)[stages]
+    workers, stages, fraction = weights_held(t)
+    return workers, *_whole_step(t, len(workers)), _per_stage(t, "optimizer_bytes", in_bytes)[stages] * fraction
 
 
-def _weights_held(t: Timeline) -> np.ndarray:
-    """(weight worker, stage) pairs, as two rows."""
-    return np.unique(np.stack([t.weight_worker, t.stage]), axis=1) if len(t) else np.zeros((2, 0), int)
+def weights_held(t: Timeline) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(worker, stage, fraction) of the weights of truth each worker holds:
+    a whole stage on each of its weight workers, or one shard on each
+    holder of a stage held in shards (``Timeline.weight_shards``)."""
+    pairs = np.unique(np.stack([t.weight_worker, t.stage]), axis=1) if len(t) else np.zeros((2, 0), int)
+    if not t.weight_shards:
+        return pairs[0], pairs[1], np.ones(pairs.shape[1])
+    held = {}
+    for w, s in pairs.T.tolist():
+        holders = t.weight_shards.get((s, w), (w,))
+        held.update({(h, s): 1.0 / len(holders) for h in holders})
+    workers, stages = (np.array(column, dtype=int).reshape(-1) for column in zip(*held) or ((), ()))
+    return workers, stages, np.array(list(held.values()), dtype=float)
+
+
+def own_share(t: Timeline, rows: np.ndarray) -> np.ndarray:
+    """Per row: the fraction of its stage's weights of truth its worker
+    holds (0: none; a shard of a sharded stage; 1: it is the weight worker)."""
+    own = (~dataflow.fetches_weights(t.worker[rows], t.weight_worker[rows])).astype(float)
+    if t.weight_shards:
+        for i, (w, s, v) in enumerate(zip(t.worker[rows].tolist(), t.stage[rows].tolist(),
+                                          t.weight_worker[rows].tolist())):
+            holders = t.weight_shards.get((s, v))
+            if holders is not None:
+                own[i] = 1.0 / len(holders) if w in holders else 0.0
+    return own
 
 
 def _whole_step(t: Timeline, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -180,7 +203,7 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
         fetches = fetches[np.argsort(tr.start[fetches], kind="stable")]
         key = tr.dst[fetches[0]] * S + tr.stage[fetches[0]]
         items = by_key[np.searchsorted(sorted_keys, key, "left"):np.searchsorted(sorted_keys, key, "right")]
-        next_fetch = np.append(tr.start[fetches[1:]], np.inf)
+        next_fetch = _next_fetch(tr, fetches)
         last = np.searchsorted(t.start[items], next_fetch, side="left") - 1
         running_end = np.maximum.accumulate(t.end[items]) if len(items) else np.zeros(0)
         fetch_ends = np.where(last >= 0, running_end[np.maximum(last, 0)] if len(items) else 0.0, tr.end[fetches])
@@ -189,6 +212,18 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
     served = tr.src[rows], _whole_step(t, len(rows))[0], _between_items(t, tr.src[rows], tr.end[rows], before=False), amounts
     fetched = tr.dst[rows], tr.start[rows], ends, amounts
     return tuple(np.concatenate([a, b]) for a, b in zip(fetched, served))
+
+
+def _next_fetch(tr, fetches: np.ndarray) -> np.ndarray:
+    """Per fetch (rows of one worker and stage, by start): when the next
+    fetch for another item starts (inf: none).  The shards an item gathers
+    are one fetch."""
+    serves = tr.batch[fetches] * len(Direction) + tr.direction[fetches]
+    items, which = np.unique(serves, return_inverse=True)
+    first = np.full(len(items), np.inf)
+    np.minimum.at(first, which.reshape(-1), tr.start[fetches])
+    starts = np.append(np.sort(first), np.inf)
+    return starts[np.searchsorted(starts, first[which.reshape(-1)], side="right")]
 
 
 def _weight_gradient_holds(t: Timeline, in_bytes: bool):
@@ -202,11 +237,12 @@ def _gradient_passes(t: Timeline) -> np.ndarray:
 
 
 def _own_gradient_holds(t: Timeline, in_bytes: bool):
-    """A weight worker's gradient of its stage: from the first gradient that
-    reaches it (its own pass, or one returned) to the end of the step."""
+    """A weight worker's gradient of its stage (of its shard, for a stage
+    held in shards): from the first gradient that reaches it (its own pass,
+    or one returned) to the end of the step."""
     first: dict[tuple[int, int], float] = {}
     rows = _gradient_passes(t)
-    own = rows[~dataflow.fetches_weights(t.worker[rows], t.weight_worker[rows])]
+    own = rows[own_share(t, rows) > 0]
     for w, s, end in zip(t.worker[own].tolist(), t.stage[own].tolist(), t.end[own].tolist()):
         first[(w, s)] = min(first.get((w, s), np.inf), end)
     tr = t.transfers
@@ -217,7 +253,10 @@ def _own_gradient_holds(t: Timeline, in_bytes: bool):
     keys = list(first)
     workers = np.array([w for w, _ in keys], dtype=int)
     stages = np.array([s for _, s in keys], dtype=int)
-    amounts = t.weight_bytes[stages] if in_bytes else np.ones(len(keys))
+    holders, held_stages, fractions = weights_held(t)
+    held = dict(zip(zip(holders.tolist(), held_stages.tolist()), fractions.tolist()))
+    fraction = np.array([held.get(k, 1.0) for k in keys])
+    amounts = t.weight_bytes[stages] * fraction if in_bytes else np.ones(len(keys))
     return workers, np.array([first[k] for k in keys], dtype=float), np.full(len(keys), _optimizer_step(t)), amounts
 
 
@@ -244,11 +283,15 @@ def _makers(t: Timeline) -> tuple[np.ndarray, np.ndarray]:
         mine = passes[(t.worker[passes] == tr.src[rows[group[0]]]) & (t.stage[passes] == tr.stage[rows[group[0]]])]
         mine = mine[np.argsort(t.start[mine], kind="stable")]
         position = {b: i for i, b in enumerate(t.batch[mine].tolist())}
-        first = 0
+        first, made = 0, {}
         for g in group.tolist():
+            batch = int(tr.batch[rows[g]])
+            if batch in made:  # another shard of a gradient already sent
+                makers[g] = made[batch]
+                continue
             if first < len(mine):
-                makers[g] = mine[first]
-            first = position.get(int(tr.batch[rows[g]]), first - 1) + 1
+                makers[g] = made[batch] = mine[first]
+            first = position.get(batch, first - 1) + 1
     return rows, makers
 
 

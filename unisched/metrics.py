@@ -1,8 +1,10 @@
 """Per-worker statistics of a Timeline, with the seed notebook's definitions.
 
 - weight_transmissions: work items the worker computed whose weight worker is
-  another worker (each needs that stage's weights fetched);
-- weight_storage: stages the worker is the weight worker of;
+  another worker (each needs that stage's weights fetched), or whose stage is
+  held in shards not all of which are the worker's;
+- weight_storage: stages the worker is the weight worker of, or holds a
+  shard of;
 - activation_transmissions: activations, gradients and stashes the worker
   received from another worker;
 - max_activation_storage: the most stashed inputs it held at once (see
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.memory import memory_curves
+from unisched.memory import memory_curves, own_share, weights_held
 from unisched.timeline import ACTIVATION_KINDS, Timeline
 
 STAT_COLUMNS = (
@@ -45,8 +47,8 @@ def worker_stats(timeline: Timeline) -> dict[str, list]:
     t, tr, n = timeline, timeline.transfers, timeline.num_workers
     busy = t.busy_time
     latency = t.latency
-    fetching = t.worker != t.weight_worker
-    owned = np.unique(np.stack([t.weight_worker, t.stage]), axis=1)[0] if len(t) else np.zeros(0, int)
+    fetching = own_share(t, np.arange(len(t))) < 1
+    owned = weights_held(t)[0]
     moved = tr.of_kind(*ACTIVATION_KINDS) & (tr.src != tr.dst)
     columns = {
         "busy_time": busy,

@@ -166,6 +166,14 @@ class Strategy:
     them are free and keeps all of them busy."""
     release: np.ndarray | None = None
     gang_arrays: Callable[..., tuple] | None = None
+    weight_shards: Callable[[int, int], Sequence[int] | None] | None = None
+    """Fully sharded weights (ZeRO-3): ``weight_shards(stage, weight_worker)``
+    names the workers that hold that stage's weights of truth (and their
+    gradients and optimizer state) in equal shards, shard i on the i-th, the
+    weight worker among them; None: the weight worker holds the whole stage.
+    A worker computing with the stage gathers the shards it does not hold and
+    sends each shard's gradient back to its holder
+    (:func:`unisched.dataflow.sharded_weights`)."""
 
     def __call__(self, work: Work) -> ComputeAndWeightWorkers:
         return self.mapping(work)
@@ -208,6 +216,7 @@ def fixed_strategy(
     gang: Sequence[int] | None = None,
     gang_members: Sequence[Sequence[int]] = (),
     gang_collective: Sequence[bool] = (),
+    weight_shards: Mapping[tuple[int, int], Sequence[int]] | None = None,
     memory_limit: float | Sequence[float] | None = None,
     release: Sequence[float] | None = None,
     name: str = "fixed",
@@ -219,7 +228,9 @@ def fixed_strategy(
     sequence each worker runs: lists of Work, or arrays of item ids (a
     :class:`WorkerOrders`, or a dict of one-dimensional integer arrays).
     ``release[i]``, when given, is the earliest time item i may start (a
-    plan's start times, so that its replay keeps them).
+    plan's start times, so that its replay keeps them).  ``weight_shards``: (stage,
+    weight worker) -> the workers holding that stage in shards, for the
+    sharded ones (``Strategy.weight_shards`` as a table).
     What a plan and a timeline replay as (:meth:`Timeline.as_strategy`)."""
     shape = Shape(*shape)
     W, S, B = shape
@@ -266,7 +277,17 @@ def fixed_strategy(
         stage_graph=stage_graph,
         gang=gang_of if ganged else None,
         release=release,
+        weight_shards=shards_from_table(weight_shards),
     )
+
+
+def shards_from_table(table: Mapping[tuple[int, int], Sequence[int]] | None):
+    """A ``Strategy.weight_shards`` function that looks (stage, weight
+    worker) up in ``table`` (None: a whole stage); None for no table."""
+    if not table:
+        return None
+    held = {(int(s), int(w)): tuple(holders) for (s, w), holders in table.items()}
+    return lambda stage, weight: held.get((stage, weight))
 
 
 def release_times(release, count: int, name: str) -> np.ndarray | None:

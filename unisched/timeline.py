@@ -14,7 +14,7 @@ give the familiar row view.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
@@ -207,6 +207,11 @@ class Timeline:
     stashes: what the simulator's own limit counted (a strategy's limit
     counts stashes, one passed to ``simulate`` bytes when the costs give
     sizes).  None: bytes when ``costs`` give sizes."""
+    weight_shards: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    """(stage, weight worker) -> the workers holding that stage's weights of
+    truth in equal shards, shard i on the i-th (``Strategy.weight_shards``),
+    for the stages held in shards; any other is held whole by its weight
+    worker."""
 
     def __post_init__(self):
         gang = np.full(len(self.batch), -1, dtype=np.int64) if self.gang is None else _ints(self.gang)
@@ -395,6 +400,7 @@ class Timeline:
             gang=self.gang[rows],
             gang_members=self.gang_members,
             gang_collective=self.gang_collective,
+            weight_shards=self.weight_shards,
             memory_limit=memory_limit,
             name=name or f"{self.label or self.source} (replay)",
             description=f"the {self.source} schedule {self.label!r} replayed: fixed workers and orders",

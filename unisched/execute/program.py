@@ -47,7 +47,7 @@ each member computes with the share of the weights
 number of ranks on is a rank's host memory (``world_size + rank``).  What
 cannot run is refused by name: a stage graph with several sinks (the loss
 needs one output), a gang with a split backward or whose backward runs on
-another gang.
+another gang, weights held in shards (``Timeline.weight_shards``).
 """
 
 from __future__ import annotations
@@ -347,6 +347,13 @@ def compile_program(
         )
     graph = schedule_graph(timeline, stage_graph)
     loss_stage(graph)
+    if timeline.weight_shards:
+        (stage, weight), holders = next(iter(sorted(timeline.weight_shards.items())))
+        raise ProgramError(
+            f"the schedule holds stage {stage}'s weights in shards on workers {list(holders)} (weight_shards, "
+            f"weight worker {weight}), but the runtime keeps each stage whole on its weight worker; run it without "
+            "weight_shards (e.g. fsdp with shard=false fetches whole stages) and simulate the sharded form"
+        )
     split = bool(timeline.split_backward)
     compute, weight = _mapping(timeline, split)
     gangs = _gangs(timeline, compute, split, ranks)

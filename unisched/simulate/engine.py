@@ -278,40 +278,43 @@ class _Communication:
     def _links(self, item: int):
         """(member, holder, share, bytes) of the weights ``item`` computes with."""
         p = self.p
-        links = p.gang_weights.get(item)
+        links = p.weight_shares.get(item)
         if links is None:
             return ((p.worker[item], p.weight_worker[item], 0, p.weight_bytes[p.stage_list[item]]),)
         return links
 
     def fetch_weights(self, item: int, t: float) -> float:
-        """When ``item`` (run by one worker) has its weights there."""
+        """When every worker running ``item`` has the weights it computes
+        with there (each member of a gang its share, a worker of a sharded
+        stage every shard): at once for those it holds or kept from an
+        earlier fetch, else when the fetch arrives, issued ``prefetch_depth``
+        of the worker's items earlier."""
         p = self.p
-        return self._fetch(item, p.worker[item], p.weight_worker[item], p.weight_bytes[p.stage_list[item]], t)
-
-    def _fetch(self, item: int, w: int, owner: int, nbytes: float, t: float) -> float:
-        p = self.p
-        history = self.history[w]
-        history.append(t)
-        if w == owner:
-            return t
         stage = p.stage_list[item]
-        if p.cache_weights and stage in self.resident[w]:
-            return t
-        depth = p.prefetch_depth
-        issue = history[-1 - depth] if depth and len(history) > depth else (0.0 if depth else t)
-        arrive = self._send("weights", owner, w, issue, nbytes, item)
-        if p.cache_weights:
-            self.resident[w].add(stage)
-        if arrive > t:
-            history[-1] = arrive
-        return max(t, arrive)
+        ready = t
+        last = None
+        for w, holder, share, nbytes in self._links(item):
+            history = self.history[w]
+            if w != last:  # one entry per item on each of its workers
+                history.append(t)
+                last = w
+            if w == holder or (p.cache_weights and (stage, share) in self.resident[w]):
+                continue
+            depth = p.prefetch_depth
+            issue = history[-1 - depth] if depth and len(history) > depth else (0.0 if depth else t)
+            arrive = self._send("weights", holder, w, issue, nbytes, item)
+            if p.cache_weights:
+                self.resident[w].add((stage, share))
+            if arrive > history[-1]:
+                history[-1] = arrive
+            ready = max(ready, arrive)
+        return ready
 
     def gang_start(self, item: int, t: float) -> float:
         """When every member of a gang item has its share of the weights and
         what the first member hands out."""
-        p = self.p
-        ready = max(self._fetch(item, member, holder, nbytes, t) for member, holder, _, nbytes in p.gang_weights[item])
-        return max([ready] + [self._send(kind, src, dst, ready, nbytes, item) for kind, src, dst, nbytes in p.gang_moves[item][0]])
+        ready = self.fetch_weights(item, t)
+        return max([ready] + [self._send(kind, src, dst, ready, nbytes, item) for kind, src, dst, nbytes in self.p.gang_moves[item][0]])
 
     def gang_collective(self, item: int, finish: float) -> float:
         """When ``item``'s gang has finished computing and its collective (the
@@ -348,12 +351,12 @@ class _Communication:
         if not p.returns_gradient[item]:
             return
         stage = p.stage_list[item]
-        for w, owner, _, nbytes in self._links(item):
+        for w, owner, share, nbytes in self._links(item):
             if w == owner:
                 continue
             if p.cache_weights:
-                self.grads_left[(w, stage)] -= 1
-                if self.grads_left[(w, stage)]:
+                self.grads_left[(w, stage, share)] -= 1
+                if self.grads_left[(w, stage, share)]:
                     continue
             self._send("weight_gradient", w, owner, finish, nbytes, item)
 

@@ -114,8 +114,10 @@ class Routes(NamedTuple):
 
 class Weights(NamedTuple):
     """The weights each item computes with and how they move: the workers
-    computing item i (its own, or each member of its gang) are rows
-    ``ptr[i]:ptr[i + 1]`` (``Problem.weight_links``, by item)."""
+    computing item i and the pieces they compute with (its compute worker
+    and the whole stage, each member of its gang and its share, or its
+    worker and each shard of a sharded stage) are rows ``ptr[i]:ptr[i + 1]``
+    (``Problem.weight_links``, by item), each worker's rows together."""
 
     ptr: np.ndarray
     member: np.ndarray
@@ -124,14 +126,13 @@ class Weights(NamedTuple):
     """Per row: the route its weights come over, -1 when the member holds them."""
     return_route: np.ndarray
     """Per row: the route its weight gradient goes back over, -1: none."""
-    stage: np.ndarray
-    """Per item: its stage."""
-    num_stages: int
+    piece: np.ndarray
+    """Per row: which (worker, stage, share) it is, numbered 0..len(grads_per_piece)-1."""
     prefetch_depth: int
     cache: bool
-    grads_per_stage: np.ndarray
-    """Per (worker, stage): how many of its rows return a gradient of that
-    stage (``Problem.gradient_returns``, counted on arrays)."""
+    grads_per_piece: np.ndarray
+    """Per (worker, stage, share): how many of its rows return a gradient of
+    that share (``Problem.gradient_returns``, counted on arrays)."""
     fetch_kind: int
     return_kind: int
 
@@ -209,7 +210,7 @@ def links_of(problem) -> Links:
     """``problem``'s network as :class:`Links` (off when communication is free)."""
     if not problem.comm:
         return no_links()
-    n, W, S = problem.num_items, problem.num_workers, problem.shape.num_stages
+    n, W = problem.num_items, problem.num_workers
     worker = problem.worker_array
     table = problem.data_followed.table  # a fixed-order successor moves nothing
     kinds, nbytes = moves(problem, table)
@@ -217,11 +218,11 @@ def links_of(problem) -> Links:
     src_worker, dst_worker = worker[table[0]], worker[table[1]]
     kinds[src_worker == dst_worker] = -1
     item, member, holder, _, size = problem.weight_links
-    returns = problem.returning_links
-    if len(problem.gang_weight_table.item):  # rows of gang items come after the others': put them by item
+    returns, piece = problem.returning_links, problem.weight_pieces
+    if len(problem.weight_share_table.item):  # rows of shared items come after the others': put them by item
         by_item = np.argsort(item, kind="stable")
-        item, member, holder, size, returns = item[by_item], member[by_item], holder[by_item], size[by_item], \
-            returns[by_item]
+        item, member, holder, size, returns, piece = (column[by_item] for column in (item, member, holder, size,
+                                                                                     returns, piece))
     fetches = fetches_weights(member, holder)
     hand, collect = _gang_moves(problem, 0), _gang_moves(problem, 1)
 
@@ -237,8 +238,8 @@ def links_of(problem) -> Links:
                     calendars.route_calendar, calendars.base)
     weights = Weights(
         _ptr(item, n), member.astype(np.int64, copy=False), size.astype(float, copy=False), fetch_route, return_route,
-        problem.stage, S, int(problem.prefetch_depth), bool(problem.cache_weights),
-        np.bincount((member * S + problem.stage[item])[returns], minlength=W * S),
+        piece, int(problem.prefetch_depth), bool(problem.cache_weights),
+        np.bincount(piece[returns], minlength=int(problem.weight_pieces.max(initial=-1)) + 1),
         TRANSFER_KINDS.index("weights"), TRANSFER_KINDS.index("weight_gradient"))
     gangs = GangTraffic(hand[0], hand[1], route[3], hand[4], collect[0], collect[1], route[4], collect[4],
                         np.asarray(problem.collective, dtype=float), calendars.gang_ptr, calendars.gang_calendar)
@@ -331,7 +332,7 @@ def no_links() -> Links:
     """Free communication."""
     none_i, none_f, one = np.zeros(0, np.int64), np.zeros(0), np.zeros(1, np.int64)
     routes = Routes(False, none_i, none_i, none_f, none_f, one, none_i, one)
-    weights = Weights(one, none_i, none_f, none_i, none_i, none_i, 0, 0, False, none_i, 0, 0)
+    weights = Weights(one, none_i, none_f, none_i, none_i, none_i, 0, False, none_i, 0, 0)
     gangs = GangTraffic(one, none_i, none_i, none_f, one, none_i, none_i, none_f, none_f, one, none_i)
     return Links(False, routes, weights, gangs, none_i, none_f, none_i, one, none_i)
 
@@ -441,8 +442,8 @@ def schedule(graph, stashes, links):
     comm, routes, weights, gangs = links.on, links.routes, links.weights, links.gangs
     calendars = _calendars(routes)
     history, history_base, history_size = _histories(weights, num_workers)
-    resident = np.zeros(num_workers * weights.num_stages if comm else 0, dtype=np.bool_)
-    grads_left = weights.grads_per_stage.copy()
+    resident = np.zeros(weights.grads_per_piece.shape[0] if comm else 0, dtype=np.bool_)
+    grads_left = weights.grads_per_piece.copy()
     rows = _rows(comm, _routed(links.edge_route) + _routed(weights.fetch_route) + _routed(weights.return_route)
                  + gangs.hand_route.shape[0] + gangs.collect_route.shape[0])
     booked = n - n
@@ -686,15 +687,19 @@ def _rows(comm, slots):
 def _begin(item, t, weights, gangs, routes, history, history_base, history_size, resident, calendars, rows, booked):
     """When ``item``, taken at ``t``, begins computing: once each of its
     workers has its weights (``engine._Communication.fetch_weights``, each
-    member of a gang its share) and what its gang's first member hands out
-    has arrived (``gang_start``); and how many rows are booked."""
+    member of a gang its share, a worker of a sharded stage every shard)
+    and what its gang's first member hands out has arrived
+    (``gang_start``); and how many rows are booked."""
     ready = t
+    last = -1
     for r in range(weights.ptr[item], weights.ptr[item + 1]):
         w = weights.member[r]
-        history[history_base[w] + history_size[w]] = t
-        history_size[w] += 1
+        if w != last:  # one entry per item on each of its workers
+            history[history_base[w] + history_size[w]] = t
+            history_size[w] += 1
+            last = w
         if weights.fetch_route[r] >= 0:
-            arrive, booked = _fetch(item, w, t, r, weights, routes, history, history_base[w], history_size[w],
+            arrive, booked = _fetch(item, t, r, weights, routes, history, history_base[w], history_size[w],
                                     resident, calendars, rows, booked)
             ready = max(ready, arrive)
     begin = ready
@@ -727,7 +732,7 @@ def _finish(item, computed, gang, gangs, routes, calendars, rows, booked):
 def _return_gradients(item, finish, weights, routes, grads_left, calendars, rows, booked):
     """Send ``item``'s weight gradients back to their holders (``on_finished``); how many rows are booked."""
     for r in range(weights.ptr[item], weights.ptr[item + 1]):
-        if weights.return_route[r] >= 0 and _returns_now(weights.member[r], weights.stage[item], weights, grads_left):
+        if weights.return_route[r] >= 0 and _returns_now(weights.piece[r], weights, grads_left):
             _, booked = _send(weights.return_route[r], weights.return_kind, finish, weights.nbytes[r], item, routes,
                               calendars, rows, booked)
     return booked
@@ -827,12 +832,12 @@ def _bisect_right(values, lo, hi, x):
     return lo
 
 
-def _fetch(item, w, t, r, weights, routes, history, base, count, resident, calendars, rows, booked):
+def _fetch(item, t, r, weights, routes, history, base, count, resident, calendars, rows, booked):
     """When the weights of row r of ``item``, held by another worker, are
-    on worker w: at once if w keeps them from an earlier fetch, else when
+    on its worker: at once if w keeps them from an earlier fetch, else when
     the fetch arrives, issued ``prefetch_depth`` items earlier
-    (``engine._Communication._fetch``)."""
-    at = w * weights.num_stages + weights.stage[item]
+    (``engine._Communication.fetch_weights``)."""
+    at = weights.piece[r]
     if weights.cache and resident[at]:
         return t, booked
     depth = weights.prefetch_depth
@@ -843,17 +848,17 @@ def _fetch(item, w, t, r, weights, routes, history, base, count, resident, calen
                            calendars, rows, booked)
     if weights.cache:
         resident[at] = True
-    if arrive > t:
+    if arrive > history[base + count - 1]:
         history[base + count - 1] = arrive
     return max(t, arrive), booked
 
 
-def _returns_now(w, stage, weights, grads_left):
-    """Whether worker w sends its weight gradient of ``stage`` back now (with
-    cached weights: only for the last of its items of that stage)."""
+def _returns_now(at, weights, grads_left):
+    """Whether a worker sends its weight gradient of piece ``at`` (a share
+    of a stage) back now (with cached weights: only for the last of its
+    items of that stage)."""
     if not weights.cache:
         return True
-    at = w * weights.num_stages + stage
     grads_left[at] -= 1
     return grads_left[at] == 0
 

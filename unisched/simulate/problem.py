@@ -8,7 +8,7 @@ frees come from :mod:`unisched.dataflow`; id ``J + b`` is the virtual item
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -53,9 +53,11 @@ class GangMoves(NamedTuple):
     nbytes: np.ndarray
 
 
-class GangWeights(NamedTuple):
-    """The weights each member of a gang item computes with
-    (:func:`unisched.dataflow.gang_weights`): a row per member, by item."""
+class WeightShares(NamedTuple):
+    """The weights each worker of an item computes with, where that is not
+    one whole stage from the item's weight worker: a row per member of a
+    gang item (:func:`unisched.dataflow.gang_weights`) and per shard of a
+    sharded stage (:func:`unisched.dataflow.sharded_weights`), by item."""
 
     item: np.ndarray
     member: np.ndarray
@@ -102,9 +104,13 @@ class Problem:
     gang_collective: tuple[bool, ...]
     gang_move_table: GangMoves
     """What the first members of gang items hand out and collect."""
-    gang_weight_table: GangWeights
-    """The weights each member of a gang item computes with; an item run by
-    one worker computes with the whole stage from its weight worker."""
+    weight_share_table: WeightShares
+    """The weights each worker of a gang item, or of an item of a sharded
+    stage, computes with, share by share; any other item computes with the
+    whole stage from its weight worker."""
+    weight_shards: dict = field(default_factory=dict)
+    """(stage, weight worker) -> the workers holding that stage's weights in
+    shards (``Strategy.weight_shards``), for the sharded ones."""
     collective: np.ndarray | None = None
     """Per item: the part of its duration that is its gang's tensor-parallel
     collective (0 for an item run by one worker); on a topology the engine
@@ -124,11 +130,12 @@ class Problem:
         return {item: (tuple(before), tuple(after)) for item, (before, after) in moves.items()}
 
     @cached_property
-    def gang_weights(self) -> dict:
-        """Per gang item: (member, holder, share, bytes) of the weights each
-        member computes with (the engine's form of :attr:`gang_weight_table`)."""
+    def weight_shares(self) -> dict:
+        """Per gang item or item of a sharded stage: (member, holder, share,
+        bytes) of the weights each of its workers computes with (the engine's
+        form of :attr:`weight_share_table`)."""
         weights: dict = {}
-        for item, *link in zip(*(column.tolist() for column in self.gang_weight_table)):
+        for item, *link in zip(*(column.tolist() for column in self.weight_share_table)):
             weights.setdefault(item, []).append(tuple(link))
         return {item: tuple(links) for item, links in weights.items()}
 
@@ -201,15 +208,25 @@ class Problem:
     def weight_links(self) -> tuple[np.ndarray, ...]:
         """(item, member, holder, share, bytes) of the weights every item's
         workers compute with: its compute worker and its weight worker's
-        whole stage, or each member of its gang and its share."""
+        whole stage, or the rows of :attr:`weight_share_table` (the shares
+        of its gang's members, or the shards of its stage)."""
         n = self.num_items
         rows = [np.arange(n), self.worker_array, self.weight_worker_array, np.zeros(n, np.int64),
                 np.asarray(self.weight_bytes, dtype=float)[self.stage]]
-        if not len(self.gang_weight_table.item):
+        if not len(self.weight_share_table.item):
             return tuple(rows)
-        alone = self.gang < 0
-        return tuple(np.concatenate([column[alone], extra.astype(column.dtype)])
-                     for column, extra in zip(rows, self.gang_weight_table))
+        whole = np.ones(n, dtype=bool)
+        whole[self.weight_share_table.item] = False
+        return tuple(np.concatenate([column[whole], extra.astype(column.dtype)])
+                     for column, extra in zip(rows, self.weight_share_table))
+
+    @cached_property
+    def weight_pieces(self) -> np.ndarray:
+        """Per row of :attr:`weight_links`: which (worker, stage, share) it
+        is, numbered ``(member * S + stage) * shares + share``: what a worker
+        keeps from a fetch and returns a gradient of once."""
+        item, member, _, share, _ = self.weight_links
+        return (member * self.shape.num_stages + self.stage[item]) * (int(share.max(initial=0)) + 1) + share
 
     @cached_property
     def returning_links(self) -> np.ndarray:
@@ -226,11 +243,11 @@ class Problem:
         return returns.tolist()
 
     @cached_property
-    def gradient_returns(self) -> dict[tuple[int, int], int]:
-        """(worker, stage) -> how many of its items return a gradient of that stage."""
-        item, member = self.weight_links[0][self.returning_links], self.weight_links[1][self.returning_links]
-        pairs, counts = np.unique(np.stack([member, self.stage[item]]), axis=1, return_counts=True)
-        return {(int(w), int(s)): int(c) for (w, s), c in zip(pairs.T, counts)}
+    def gradient_returns(self) -> dict[tuple[int, int, int], int]:
+        """(worker, stage, share) -> how many of its items return a gradient of that share of that stage."""
+        item, member, _, share, _ = (column[self.returning_links] for column in self.weight_links)
+        keys, counts = np.unique(np.stack([member, self.stage[item], share]), axis=1, return_counts=True)
+        return {(int(w), int(s), int(k)): int(c) for (w, s, k), c in zip(keys.T, counts)}
 
 
 def moves(p: Problem, edge_table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -306,6 +323,10 @@ def build(
                                     dataflow.output_bytes(act_bytes, stage_graph))
     weights_in_gang = _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, W, S,
                                         weight_bytes, items, strategy.name)
+    shards = weight_shards(strategy, stage, weight, W)
+    if shards:
+        weights_in_gang = _sharded_rows(shards, gang, compute, weight, stage, W, S, weight_bytes, items,
+                                        strategy.name, weights_in_gang)
     return Problem(
         shape=shape,
         items=items,
@@ -332,7 +353,8 @@ def build(
         gang_members=gang_members,
         gang_collective=gang_collective,
         gang_move_table=moves_in_gang,
-        gang_weight_table=weights_in_gang,
+        weight_share_table=weights_in_gang,
+        weight_shards=shards,
         collective=collective_time,
         release=release_times(strategy.release, n, strategy.name),
     )
@@ -578,9 +600,9 @@ def _moves_in_gangs(gang, gang_members, gang_collective, stage, direction, input
 
 
 def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
-                      num_stages: int, weight_bytes, items: Items, name: str) -> GangWeights:
+                      num_stages: int, weight_bytes, items: Items, name: str) -> WeightShares:
     """The weights each member of each gang item computes with
-    (``Problem.gang_weight_table``): :func:`unisched.dataflow.gang_weights`
+    (``Problem.weight_share_table``): :func:`unisched.dataflow.gang_weights`
     once per gang, weight worker and the tensor-parallel gang that worker
     computes the stage with, its bytes per item's stage."""
     ganged = np.flatnonzero(gang >= 0)
@@ -604,7 +626,78 @@ def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stag
     owner, row = _expanded(which.reshape(-1), template)
     member, holder, share, fraction = _template_columns(template, (np.int64, np.int64, np.int64, float))
     nbytes = np.asarray(weight_bytes, dtype=float)[s[owner]] * fraction[row]
-    return GangWeights(ganged[owner], member[row], holder[row], share[row], nbytes)
+    return WeightShares(ganged[owner], member[row], holder[row], share[row], nbytes)
+
+
+def weight_shards(strategy: Strategy, stage: np.ndarray, weight: np.ndarray,
+                  num_workers: int) -> dict[tuple[int, int], tuple[int, ...]]:
+    """``strategy.weight_shards`` asked once per (stage, weight worker) of
+    the step, checked: (stage, weight worker) -> the shards' holders, for
+    the stages held in more than one shard."""
+    if strategy.weight_shards is None:
+        return {}
+    found, sizes = {}, {}
+    for code in np.unique(stage * num_workers + weight).tolist():
+        s, w = divmod(code, num_workers)
+        answer = strategy.weight_shards(s, w)
+        holders = (w,) if answer is None else _holders(answer, s, w, num_workers, strategy.name)
+        if sizes.setdefault(s, (len(holders), w))[0] != len(holders):
+            other, v = sizes[s]
+            raise StrategyError(
+                f"strategy {strategy.name!r}: weight_shards holds stage {s} in {len(holders)} shard(s) for weight "
+                f"worker {w} but in {other} for weight worker {v}; shard i of a stage is one slice of its weights, so "
+                "give every weight worker of a stage shards of one size (None counts as one whole shard)")
+        if len(holders) > 1:
+            found[(s, w)] = holders
+    return found
+
+
+def _holders(answer, stage: int, weight: int, num_workers: int, name: str) -> tuple[int, ...]:
+    """What ``weight_shards(stage, weight)`` returned, as distinct worker ids that include the weight worker."""
+    said = f"strategy {name!r}: weight_shards({stage}, {weight}) gave {answer!r}"
+    try:
+        holders = tuple(int(h) for h in answer)
+        exact = all(int(h) == h and not isinstance(h, bool) for h in answer)
+    except (TypeError, ValueError):
+        raise StrategyError(f"{said}; give a sequence of worker ids, or None for a whole stage") from None
+    if not holders or not exact or len(set(holders)) != len(holders):
+        raise StrategyError(f"{said}; give one or more distinct worker ids (integers), or None for a whole stage")
+    outside = [h for h in holders if not 0 <= h < num_workers]
+    if outside:
+        raise StrategyError(f"{said}, but workers are numbered 0..{num_workers - 1}")
+    if weight not in holders:
+        raise StrategyError(f"{said}, which leaves out the weight worker {weight}; the weight worker of a sharded "
+                            "stage holds one of its shards")
+    return holders
+
+
+def _sharded_rows(shards: dict, gang, compute, weight, stage, num_workers: int, num_stages: int, weight_bytes,
+                  items: Items, name: str, gang_rows: WeightShares) -> WeightShares:
+    """``gang_rows`` and a row per shard for every item of a sharded stage
+    (:func:`unisched.dataflow.sharded_weights`), in item order; a gang item
+    of a sharded stage is refused."""
+    W = num_workers
+    pair = stage * W + weight
+    codes = np.array(sorted(s * W + w for s, w in shards), dtype=np.int64)
+    sharded = np.isin(pair, codes)
+    ganged = np.flatnonzero(sharded & (gang >= 0))
+    if len(ganged):
+        i = int(ganged[0])
+        raise StrategyError(f"strategy {name!r} runs {items.work(i)!r} on a gang, but its stage is held in shards "
+                            f"(weight_shards); the simulator shards the weights of items run by one worker only")
+    rows = np.flatnonzero(sharded)
+    combos, which = np.unique(compute[rows] * (num_stages * W) + pair[rows], return_inverse=True)
+    template = []
+    for combo in combos.tolist():
+        member, rest = divmod(combo, num_stages * W)
+        template.append(dataflow.sharded_weights(member, shards[divmod(rest, W)]))
+    owner, row = _expanded(which.reshape(-1), template)
+    member, holder, share, fraction = _template_columns(template, (np.int64, np.int64, np.int64, float))
+    nbytes = np.asarray(weight_bytes, dtype=float)[stage[rows][owner]] * fraction[row]
+    ours = WeightShares(rows[owner], member[row], holder[row], share[row], nbytes)
+    both = [np.concatenate([a, b]) for a, b in zip(gang_rows, ours)]
+    by_item = np.argsort(both[0], kind="stable")
+    return WeightShares(*(column[by_item] for column in both))
 
 
 def _check_shards(ganged, gang, weight_gang, gang_members, weight, items: Items, name: str) -> None:

@@ -91,6 +91,7 @@ def simulate(
         cache_weights=costs.cache_weights,
         costs=costs,
         limit_in_bytes=limit_in_bytes if limit is not None else costs.has_sizes,
+        weight_shards=problem.weight_shards,
     )
     return Simulation(timeline, strategy, costs, limit, priority, graph)
 

@@ -123,8 +123,8 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> list[dict]:
     fetching = np.flatnonzero(dataflow.fetches_weights(member, holder))
     returning = np.flatnonzero(p.returning_links)
     if p.cache_weights:
-        fetching = _first_per_group(fetching, member, p.stage[item], start[item])
-        returning = _first_per_group(returning, member, p.stage[item], -end[item])
+        fetching = _first_per_group(fetching, p.weight_pieces, start[item])
+        returning = _first_per_group(returning, p.weight_pieces, -end[item])
     fetches = _columns(
         np.full(len(fetching), _CODE["weights"]), holder[fetching], member[fetching],
         start[item[fetching]], start[item[fetching]], size[fetching], item[fetching], p,
@@ -139,13 +139,14 @@ def _derived(p: Problem, start: np.ndarray, end: np.ndarray) -> list[dict]:
     return [data, fetches, returns, gangs]
 
 
-def _first_per_group(rows: np.ndarray, compute, stage, sort_key) -> np.ndarray:
-    """Of ``rows``, the first by ``sort_key`` in each (worker, stage) group."""
+def _first_per_group(rows: np.ndarray, piece, sort_key) -> np.ndarray:
+    """Of ``rows``, the first by ``sort_key`` in each group of one ``piece``
+    (a worker's share of a stage)."""
     if not len(rows):
         return rows
-    order = np.lexsort((sort_key[rows], stage[rows], compute[rows]))
+    order = np.lexsort((sort_key[rows], piece[rows]))
     rows = rows[order]
-    group = compute[rows] * (int(stage.max()) + 1) + stage[rows]
+    group = piece[rows]
     keep = np.append(True, group[1:] != group[:-1])
     return rows[keep]
 

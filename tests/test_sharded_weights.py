@@ -132,3 +132,12 @@ def test_the_runtime_refuses_shards_by_name():
     with pytest.raises(ProgramError, match="shards.*shard=false"):
         compile_program(t)
     compile_program(unisched.simulate(W, S, B, fsdp(False)).timeline)  # whole stages run
+
+
+def test_too_many_shards_to_gather_is_refused_before_the_run(monkeypatch):
+    from unisched.errors import ShapeError
+    from unisched.simulate import simulation
+
+    monkeypatch.setattr(simulation, "MAX_ITEMS", 1000)
+    with pytest.raises(ShapeError, match="16,384 shards.*fewer workers"):
+        unisched.simulate(32, 8, 32, policies.get("fsdp", num_workers=32, num_stages=8, num_batches=32, shard=True))

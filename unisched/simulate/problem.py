@@ -17,7 +17,7 @@ import numpy as np
 from unisched import dataflow, network
 from unisched.costs import Costs
 from unisched.dataflow import EDGE_STASH, Items
-from unisched.errors import StrategyError
+from unisched.errors import ShapeError, StrategyError
 from unisched.simulate.priorities import ranks
 from unisched.simulate.sequences import fixed_successors
 from unisched.simulate.stashes import StashAccounts, stash_accounts
@@ -686,6 +686,16 @@ def _sharded_rows(shards: dict, gang, compute, weight, stage, num_workers: int, 
         raise StrategyError(f"strategy {name!r} runs {items.work(i)!r} on a gang, but its stage is held in shards "
                             f"(weight_shards); the simulator shards the weights of items run by one worker only")
     rows = np.flatnonzero(sharded)
+    size = np.zeros(num_stages * W, np.int64)
+    size[codes] = [len(shards[divmod(code, W)]) for code in codes.tolist()]
+    count = int(size[pair[rows]].sum())
+    from unisched.simulate.simulation import MAX_ITEMS  # simulation builds problems: imported when needed
+    if count > MAX_ITEMS:
+        raise ShapeError(
+            f"strategy {name!r} holds stages in shards: its {len(rows):,} items of sharded stages gather "
+            f"{count:,} shards (one per shard per item), more than the simulator takes "
+            f"(unisched.simulate.simulation.MAX_ITEMS = {MAX_ITEMS:,}); shard each stage over fewer workers (hybrid "
+            "sharding: groups of a node, replicated across nodes), or simulate fewer micro-batches or stages")
     combos, which = np.unique(compute[rows] * (num_stages * W) + pair[rows], return_inverse=True)
     template = []
     for combo in combos.tolist():

@@ -141,3 +141,15 @@ def test_too_many_shards_to_gather_is_refused_before_the_run(monkeypatch):
     monkeypatch.setattr(simulation, "MAX_ITEMS", 1000)
     with pytest.raises(ShapeError, match="16,384 shards.*fewer workers"):
         unisched.simulate(32, 8, 32, policies.get("fsdp", num_workers=32, num_stages=8, num_batches=32, shard=True))
+
+
+def test_the_planner_refuses_shards_by_name(capsys):
+    """Plans know whole stages on one weight worker: a sharded strategy is
+    refused, not planned as if its stages were whole."""
+    from unisched.cli import main
+    from unisched.plan import plan
+
+    with pytest.raises(unisched.UniSchedError, match="cannot plan strategy 'fsdp\\(shard=true\\)'.*in shards"):
+        plan(W, S, B, strategy="fsdp(shard=true)", time_limit=2)
+    assert main(["plan", "-W", "4", "-S", "4", "-B", "4", "--strategy", "fsdp", "--param", "shard=true"]) == 2
+    assert "holds weights in shards" in capsys.readouterr().err

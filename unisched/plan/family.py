@@ -250,10 +250,20 @@ def other_backward(strategy: Strategy, split_backward: bool) -> str:
                                        if strategy.split_backward else "an unsplit backward")
 
 
+def held_in_shards(strategy: Strategy) -> str:
+    """Why the planner cannot take a strategy that holds weights in shards
+    ("" if it holds whole stages): its CP-SAT models, bounds and plan files
+    know whole stages on one weight worker only."""
+    if strategy.weight_shards is None:
+        return ""
+    return ("it holds weights in shards (weight_shards), which plans do not represent: the planner's models and plan "
+            "files know whole stages on one weight worker; simulate it with `unisched simulate`")
+
+
 def _evaluate(problem: PlanProblem, member: Member) -> None:
     strategy = member.strategy
     W, S, B = problem.shape
-    member.reason = other_backward(strategy, problem.split_backward)
+    member.reason = held_in_shards(strategy) or other_backward(strategy, problem.split_backward)
     if member.reason:
         return
     limit = _limit(problem.memory_limit if member.memory_limit is None else member.memory_limit,

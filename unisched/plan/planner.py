@@ -46,8 +46,8 @@ from unisched.strategy import Strategy
 from unisched.work import Shape
 
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
-from unisched.plan.family import (FamilyResult, Member, constructed_members, measures, registry_members,
-                                  search_family)
+from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
+                                  other_backward, registry_members, search_family)
 from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
                                    proven_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
@@ -523,14 +523,15 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
                       limit: int):
     """(label, compute, weight, hint ticks) for the mappings whose order CP-SAT improves:
     the first ``limit`` distinct mappings of ``members`` that can run under the memory limits
-    (a strategy whose fixed order needs another backward than the plan's is not one of them)."""
+    (a strategy whose fixed order needs another backward than the plan's, or that holds weights in
+    shards, is not one of them)."""
     targets = []
     seen = set()
     for member in members:
         strategy = member.strategy
         if strategy is None or len(targets) >= limit:
             continue
-        if strategy.worker_orders is not None and strategy.split_backward != problem.split_backward:
+        if other_backward(strategy, problem.split_backward) or held_in_shards(strategy):
             continue
         if member.simulation is not None:
             t = member.simulation.timeline
@@ -620,6 +621,9 @@ def _nothing_found(problem: PlanProblem, family: FamilyResult, order_results, st
     reasons = "; ".join(f"{m.label}: {m.reason}" for m in family.dropped[:4])
     statuses = ", ".join(f"{label}: {s.status}" for label, s in order_results)
     what = f"strategy {strategy!r}" if strategy else "any strategy"
+    sharded = [m for m in family.dropped if m.strategy is not None and held_in_shards(m.strategy)]
+    if strategy and sharded:
+        return f"cannot plan strategy {strategy!r}: {sharded[0].reason}, or plan it without its shards"
     return (
         f"no schedule found for {what} on W={W}, S={S}, B={B} within {time_limit:g} s"
         + (f" (dropped: {reasons})" if reasons else "")

@@ -192,13 +192,18 @@ def compare(repeat: int, only: list[str]) -> tuple[dict, list[dict]]:
 # ---------------------------------------------------------------------- networks: compiled against the engine
 def network_cases(B: int = 2048) -> dict:
     """name -> (shape, strategy, costs): steps with transfers that take time,
-    of about 65,000 items each (``B`` = 2048; 16 times more with 32768)."""
+    of about 65,000 items each (``B`` = 2048; 16 times more with 32768),
+    but the sharded one: 8,192 items gathering 57,344 shards (B / 8 stages
+    of 16 micro-batches)."""
     seconds = dict(forward=1e-3, backward=2e-3, activation_bytes=2e7, weight_bytes=4e8)
     one_f_one_b = unisched.policies.get("one_f_one_b", num_workers=16, num_stages=16, num_batches=B)
     zb_h1 = unisched.policies.get("zb_h1", num_workers=16, num_stages=16, num_batches=B // 2)
     pipeline = unisched.policies.get("one_f_one_b", num_workers=8, num_stages=8, num_batches=2 * B)
     gangs = tensor_parallel(pipeline, 2)
     shared_rows = gangs.with_(gang=lambda w: Gang(gangs.gang(w).workers, False), name="1F1B, gangs of 2 sharing rows")
+    node = {w: tuple(range(w - w % 8, w - w % 8 + 8)) for w in range(16)}  # each stage in 8 shards per node
+    hybrid = unisched.policies.get("ddp", num_workers=16, num_stages=B // 8, num_batches=16).with_(
+        weight_shards=lambda stage, weight: node[weight], name="FSDP, 8 shards a node x 2 nodes")
     return {
         "1F1B on dgx_h100, 2 replicas": ((16, 16, B), one_f_one_b,
                                          ClusterCosts(**seconds, topology="dgx_h100", replicas=2)),
@@ -208,6 +213,8 @@ def network_cases(B: int = 2048) -> dict:
                                     ClusterCosts(**seconds, topology="dgx_h100", replicas=2)),
         "1F1B x 2 sharing rows, pair links": ((16, 8, 2 * B), shared_rows,
                                               Costs(**seconds, bandwidth=5e10, latency=5e-6)),
+        "FSDP 8 shards a node, 2 dgx_h100": ((16, B // 8, 16), hybrid,
+                                             ClusterCosts(**seconds, prefetch_depth=1, topology="dgx_h100")),
     }
 
 

@@ -57,6 +57,10 @@ def test_holders_keep_one_shard_of_weights_and_optimizer_state():
     assert [c.at(whole.latency) for c in whole.memory("weight_gradients")] == [8.0, 4.0, 4.0, 8.0]
     # and the whole step's peak is spread evenly
     assert len({c.peak for c in sharded.memory()}) == 1 < len({c.peak for c in whole.memory()})
+    # the seed's counts: every item gathers shards it does not hold; every worker holds part of every stage
+    stats, whole_stats = sharded.worker_stats(), whole.worker_stats()
+    assert stats["weight_transmissions"] == [2 * S] * W and stats["weight_storage"] == [S] * W
+    assert whole_stats["weight_transmissions"] == [2 * (S - 1)] * W and whole_stats["weight_storage"] == [1] * W
 
 
 def test_sharding_spreads_the_traffic_that_whole_stages_put_on_their_holders():
@@ -93,6 +97,8 @@ def test_replicated_shards_all_reduce_per_shard():
     assert set(zip(tr.src[fetch].tolist(), tr.dst[fetch].tolist())) == {(0, 1), (1, 0), (2, 3), (3, 2)}
     ring = kind(t, "allreduce")
     assert set(zip(tr.src[ring].tolist(), tr.dst[ring].tolist())) == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    # one ring per shard of each stage, each hop carrying 2(n-1)/n of a shard (n = 2 holders)
+    assert np.allclose(tr.nbytes[ring], 2.0 / 2) and ring.sum() == S * 2 * 2
     assert [c.peak for c in t.memory("weights")] == [4.0] * W
 
 
@@ -111,7 +117,8 @@ def test_a_replay_keeps_the_shards():
     (lambda s, w: (w, w), "distinct worker ids"),
     (lambda s, w: (w, 9), "numbered 0..3"),
     (lambda s, w: "ab", "give a sequence of worker ids"),
-    (lambda s, w: (w,) + ((5 - w) % 4,) * (w < 2), "shards of one size"),
+    (lambda s, w: (0, 1) if w < 2 else None, "shards of one size"),
+    (lambda s, w: (w, 1 - w) if w < 2 else (w, 5 - w), "holding shard 0 for weight worker 1 but shard 1"),
 ])
 def test_bad_shards_are_refused_by_name(shards, message):
     strategy = unisched.as_strategy(lambda w: unisched.ComputeAndWeightWorkers(w.batch, w.batch), name="mine").with_(
@@ -153,3 +160,28 @@ def test_the_planner_refuses_shards_by_name(capsys):
         plan(W, S, B, strategy="fsdp(shard=true)", time_limit=2)
     assert main(["plan", "-W", "4", "-S", "4", "-B", "4", "--strategy", "fsdp", "--param", "shard=true"]) == 2
     assert "holds weights in shards" in capsys.readouterr().err
+
+
+def test_torch_csv_refuses_shards():
+    from unisched.policies.torch_interop import TorchCSVError, to_torch_csv
+
+    gpipe = policies.get("gpipe", num_workers=2, num_stages=2, num_batches=2)
+    sharded = gpipe.with_(weight_shards=lambda stage, weight: (weight, 1 - weight) if weight == 0 else (0, 1))
+    with pytest.raises(TorchCSVError, match="stage 0's in shards on workers \\[0, 1\\]"):
+        to_torch_csv(unisched.simulate(2, 2, 2, sharded))
+    to_torch_csv(unisched.simulate(2, 2, 2, gpipe))
+
+
+def test_layouts_carry_shards_into_every_replica_and_refuse_gangs():
+    from unisched.simulate.layout import replicated, tensor_parallel
+
+    pair = policies.get("fsdp", num_workers=2, num_stages=2, num_batches=2, shard=True)
+    costs = ClusterCosts(weight_bytes=2.0, topology="dgx_h100")
+    t = unisched.simulate(4, 2, 4, replicated(pair, 2), costs=costs).timeline
+    tr = t.transfers
+    assert set(zip(tr.src[kind(t, "weights")].tolist(), tr.dst[kind(t, "weights")].tolist())) == {
+        (0, 1), (1, 0), (2, 3), (3, 2)}
+    assert set(zip(tr.src[kind(t, "allreduce")].tolist(), tr.dst[kind(t, "allreduce")].tolist())) == {
+        (0, 2), (2, 0), (1, 3), (3, 1)}
+    with pytest.raises(StrategyError, match="in shards.*TP 2"):
+        tensor_parallel(pair, 2)

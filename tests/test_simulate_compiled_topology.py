@@ -80,17 +80,18 @@ def with_gangs(rng, W: int, S: int, B: int, split: bool, kind: str):
 
 def with_shards(rng, strategy, W: int, S: int):
     """``strategy`` with some stages held in shards (``weight_shards``): per
-    such stage one size k, each weight worker's group of k holders (itself
-    among them, in random order), so groups of one stage may overlap
+    such stage one size k and each worker's slice (a random position, every
+    one taken), each weight worker's group of k holders one worker per
+    slice, itself among them; so groups of one stage may overlap
     (replicated shards, all-reduced)."""
     sizes = {s: int(rng.integers(2, W + 1)) for s in range(S) if W > 1 and rng.integers(2)}
     groups = {}
     for s, k in sizes.items():
+        slice_of = rng.permutation(np.concatenate([np.arange(k), rng.integers(0, k, W - k)]))
         for w in range(W):
-            others = rng.choice([o for o in range(W) if o != w], k - 1, replace=False).tolist()
-            group = [w, *others]
-            rng.shuffle(group)
-            groups[(s, w)] = tuple(int(h) for h in group)
+            group = [int(rng.choice(np.flatnonzero(slice_of == i))) for i in range(k)]
+            group[slice_of[w]] = w
+            groups[(s, w)] = tuple(group)
     return strategy.with_(weight_shards=lambda stage, weight: groups.get((stage, weight)))
 
 

@@ -74,7 +74,7 @@ def test_gang_tables_are_the_rules_applied_per_item(W, S, B, split, seed):
     p = build(Shape(W, S, B), strategy, OldestBatchFirst(S, B), costs, None, split, as_stage_graph(S, None))
     moves, weights = per_item(p, costs, S)
     assert p.gang_moves == moves
-    assert p.gang_weights == weights
+    assert p.weight_shares == weights
     for item, links in weights.items():  # the weight links list each gang item's members in that order
         rows = np.flatnonzero(p.weight_links[0] == item)
         assert [tuple(column[rows].tolist()) for column in p.weight_links[1:]] == [tuple(c) for c in zip(*links)]

@@ -9,12 +9,14 @@ enforces memory limits incrementally with the same rules):
   forward's start.  With a split backward, the input-gradient pass frees the
   fraction ``input_grad_frees`` and the weight-gradient pass the rest.
 - weights: the stages a worker is the weight worker of, for the whole step
-  and the optimizer step at its end.
-- fetched: a fetched copy of a stage's weights, from the fetch's start to the
-  end of the last item on that worker and stage before the next fetch; and,
-  on the weight worker, the flat copy it serves them from: made as the step
-  starts (a rank's program serves first) and let go between two of its
-  items, once the fetch has arrived.
+  and the optimizer step at its end; for a stage held in shards
+  (``Timeline.weight_shards``), its shard on each holder instead.
+- fetched: a fetched copy of a stage's weights (or of a shard), from the
+  fetch's start to the end of the last item on that worker and stage before
+  the next fetch for another item; and, on the weight worker, the flat copy
+  it serves a whole stage from: made as the step starts (a rank's program
+  serves first) and let go between two of its items, once the fetch has
+  arrived (a shard is sent as it is held, without a copy).
 - gradients: a fetched stage's gradient, from the start of the worker's
   first gradient pass of the stage after its previous return until it has
   been sent back to the weight worker.  The pass makes it as it runs,
@@ -35,7 +37,8 @@ enforces memory limits incrementally with the same rules):
   that starts a fetched stage's gradient, whose parameters' gradients are
   that gradient, counted from the pass's start.
 - optimizer: a stage's optimizer state (``Costs.optimizer_bytes``), on each
-  of its weight workers for the whole step, like the weights.
+  of its weight workers (or its shard on each holder) for the whole step,
+  like the weights.
 
 In bytes, these are what a rank of the executor really holds, given Costs
 with the stage's ``weight_bytes`` (parameters), ``stash_bytes`` (what a
@@ -150,12 +153,17 @@ def own_share(t: Timeline, rows: np.ndarray) -> np.ndarray:
     """Per row: the fraction of its stage's weights of truth its worker
     holds (0: none; a shard of a sharded stage; 1: it is the weight worker)."""
     own = (~dataflow.fetches_weights(t.worker[rows], t.weight_worker[rows])).astype(float)
-    if t.weight_shards:
-        for i, (w, s, v) in enumerate(zip(t.worker[rows].tolist(), t.stage[rows].tolist(),
-                                          t.weight_worker[rows].tolist())):
-            holders = t.weight_shards.get((s, v))
-            if holders is not None:
-                own[i] = 1.0 / len(holders) if w in holders else 0.0
+    if not t.weight_shards:
+        return own
+    W = t.num_workers
+    groups = sorted(t.weight_shards.items())
+    codes = np.array([s * W + w for (s, w), _ in groups])  # sorted: one per sharded (stage, weight worker)
+    sizes = np.array([len(holders) for _, holders in groups])
+    held = np.array([code * W + h for code, (_, holders) in zip(codes.tolist(), groups) for h in holders])
+    code = t.stage[rows] * W + t.weight_worker[rows]
+    sharded = np.flatnonzero(np.isin(code, codes))
+    mine = np.isin(code[sharded] * W + t.worker[rows][sharded], held)
+    own[sharded] = np.where(mine, 1.0 / sizes[np.searchsorted(codes, code[sharded])], 0.0)
     return own
 
 
@@ -209,8 +217,11 @@ def _fetched_holds(t: Timeline, in_bytes: bool):
         fetch_ends = np.where(last >= 0, running_end[np.maximum(last, 0)] if len(items) else 0.0, tr.end[fetches])
         ends[np.searchsorted(rows, fetches)] = np.maximum(fetch_ends, tr.end[fetches])
     amounts = tr.nbytes[rows] if in_bytes else np.ones(len(rows))
-    served = tr.src[rows], _whole_step(t, len(rows))[0], _between_items(t, tr.src[rows], tr.end[rows], before=False), amounts
     fetched = tr.dst[rows], tr.start[rows], ends, amounts
+    whole = rows[~np.isin(tr.stage[rows], [stage for stage, _ in t.weight_shards])]  # a shard is sent as it is
+    whole_amounts = tr.nbytes[whole] if in_bytes else np.ones(len(whole))
+    served = (tr.src[whole], _whole_step(t, len(whole))[0], _between_items(t, tr.src[whole], tr.end[whole], before=False),
+              whole_amounts)
     return tuple(np.concatenate([a, b]) for a, b in zip(fetched, served))
 
 

@@ -164,8 +164,9 @@ def _named_strategy(args: argparse.Namespace, shape, split: bool):
     from unisched import policies
 
     built = policies.get(named[0], *shape, **named[1])
-    if held_in_shards(built):
-        raise PlanInputError(f"--strategy {label}: {held_in_shards(built)}, or plan {named[0]} without its shards")
+    sharded = held_in_shards(built)
+    if sharded:
+        raise PlanInputError(f"--strategy {label}: {sharded}, or plan {named[0]} without its shards")
     reason = other_backward(built, split)
     if reason:
         flags = ("--backward-input and --backward-weight (or a costs file with backward_input and backward_weight)"

@@ -347,6 +347,10 @@ def torch_orders(schedule: Any) -> Orders:
     if len(timeline.gang_members):
         raise TorchCSVError("torch's format runs each pass on one rank; this schedule runs some on gangs of workers "
                             f"({', '.join(map(str, timeline.gang_members))})")
+    if timeline.weight_shards:
+        (stage, _), holders = min(timeline.weight_shards.items())
+        raise TorchCSVError(f"torch's format keeps each stage's weights whole on the rank that runs it; this schedule "
+                            f"holds stage {stage}'s in shards on workers {list(holders)} (weight_shards)")
     fetched = np.flatnonzero(timeline.worker != timeline.weight_worker)
     if len(fetched):
         i = int(fetched[0])

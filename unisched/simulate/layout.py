@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from unisched.errors import ShapeError
+from unisched.errors import ShapeError, StrategyError
 from unisched.simulate.priorities import OldestBatchFirst
 from unisched.simulate.sequences import order_columns
 from unisched.simulate.simulation import Simulation, simulate
@@ -198,6 +198,10 @@ def tensor_parallel(pipeline: Strategy, tensor: int) -> Strategy:
     T = tensor
     if T == 1:
         return pipeline
+    if pipeline.weight_shards is not None:
+        raise StrategyError(f"strategy {pipeline.name!r} holds weights in shards (weight_shards), which a "
+                            f"tensor-parallel gang's items cannot take; lift a strategy that holds whole stages "
+                            f"to TP {T}")
     shape = pipeline.shape
     W = shape[0] if shape is not None else None
 
@@ -234,7 +238,8 @@ def tensor_parallel(pipeline: Strategy, tensor: int) -> Strategy:
 def replicated(strategy: Strategy, replicas: int) -> Strategy:
     """``replicas`` copies of ``strategy`` side by side: replica d runs
     micro-batches d B .. d B + B - 1 on workers d W .. d W + W - 1, each with
-    its own copy of the weights (so the copies all-reduce their gradients)."""
+    its own copy of the weights (so the copies all-reduce their gradients;
+    a stage held in shards is held so in every replica, shard by shard)."""
     W, S, B = strategy.shape
 
     def local(work: Work) -> tuple[int, Work]:
@@ -262,6 +267,10 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
         shifted = tuple(tuple(int(m) + d * W for m in group) for d in range(replicas) for group in members)
         return np.where(index >= 0, batch // B * len(members) + index, -1), shifted, tuple(collective) * replicas
 
+    def weight_shards(stage: int, weight: int):
+        holders = strategy.weight_shards(stage, weight % W)
+        return None if holders is None else tuple(int(h) + weight // W * W for h in holders)
+
     limit = strategy.memory_limit
     if limit is not None and np.ndim(limit):
         limit = [float(v) for v in np.tile(np.asarray(limit, dtype=float), replicas)]
@@ -276,6 +285,7 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
         strategy, mapping=mapping, map_arrays=map_arrays if strategy.map_arrays is not None else None,
         gang=gang if strategy.gang is not None else None, memory_limit=limit, worker_orders=orders,
         gang_arrays=gang_arrays if strategy.gang_arrays is not None else None,
+        weight_shards=weight_shards if strategy.weight_shards is not None else None,
         priority=_PerReplica(strategy.priority or OldestBatchFirst(S, B), B),
         shape=Shape(W * replicas, S, B * replicas), name=f"{strategy.name}, DP {replicas}",
     )

@@ -636,17 +636,24 @@ def weight_shards(strategy: Strategy, stage: np.ndarray, weight: np.ndarray,
     the stages held in more than one shard."""
     if strategy.weight_shards is None:
         return {}
-    found, sizes = {}, {}
+    found, sizes, position = {}, {}, {}
     for code in np.unique(stage * num_workers + weight).tolist():
         s, w = divmod(code, num_workers)
         answer = strategy.weight_shards(s, w)
         holders = (w,) if answer is None else _holders(answer, s, w, num_workers, strategy.name)
+        said = f"strategy {strategy.name!r}: weight_shards holds stage {s}"
         if sizes.setdefault(s, (len(holders), w))[0] != len(holders):
             other, v = sizes[s]
             raise StrategyError(
-                f"strategy {strategy.name!r}: weight_shards holds stage {s} in {len(holders)} shard(s) for weight "
-                f"worker {w} but in {other} for weight worker {v}; shard i of a stage is one slice of its weights, so "
-                "give every weight worker of a stage shards of one size (None counts as one whole shard)")
+                f"{said} in {len(holders)} shard(s) for weight worker {w} but in {other} for weight worker {v}; "
+                "shard i of a stage is one slice of its weights, so give every weight worker of a stage shards of "
+                "one size (None counts as one whole shard)")
+        for i, h in enumerate(holders):
+            if position.setdefault((s, h), (i, w))[0] != i:
+                j, v = position[(s, h)]
+                raise StrategyError(
+                    f"{said} with worker {h} holding shard {i} for weight worker {w} but shard {j} for weight "
+                    f"worker {v}; a worker holds one slice of a stage, so list it at one position in every group")
         if len(holders) > 1:
             found[(s, w)] = holders
     return found

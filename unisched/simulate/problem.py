@@ -267,9 +267,12 @@ def build(
     split_backward: bool,
     stage_graph: StageGraph,
     limit_in_bytes: bool | None = None,
+    max_gathers: int | None = None,
 ) -> Problem:
     """``limit_in_bytes``: whether ``memory_limit`` counts bytes of stashes
-    (default: when the costs give sizes) or stashes."""
+    (default: when the costs give sizes) or stashes.  ``max_gathers``: the
+    most shards the items of sharded stages may gather (one row each),
+    refused before they are built (None: no limit)."""
     W, S, B = shape
     items = Items(S, B, split_backward)
     n = items.count
@@ -326,7 +329,7 @@ def build(
     shards = weight_shards(strategy, stage, weight, W)
     if shards:
         weights_in_gang = _sharded_rows(shards, gang, compute, weight, stage, W, S, weight_bytes, items,
-                                        strategy.name, weights_in_gang)
+                                        strategy.name, weights_in_gang, max_gathers)
     return Problem(
         shape=shape,
         items=items,
@@ -679,7 +682,7 @@ def _holders(answer, stage: int, weight: int, num_workers: int, name: str) -> tu
 
 
 def _sharded_rows(shards: dict, gang, compute, weight, stage, num_workers: int, num_stages: int, weight_bytes,
-                  items: Items, name: str, gang_rows: WeightShares) -> WeightShares:
+                  items: Items, name: str, gang_rows: WeightShares, max_gathers: int | None) -> WeightShares:
     """``gang_rows`` and a row per shard for every item of a sharded stage
     (:func:`unisched.dataflow.sharded_weights`), in item order; a gang item
     of a sharded stage is refused."""
@@ -696,12 +699,11 @@ def _sharded_rows(shards: dict, gang, compute, weight, stage, num_workers: int, 
     size = np.zeros(num_stages * W, np.int64)
     size[codes] = [len(shards[divmod(code, W)]) for code in codes.tolist()]
     count = int(size[pair[rows]].sum())
-    from unisched.simulate.simulation import MAX_ITEMS  # simulation builds problems: imported when needed
-    if count > MAX_ITEMS:
+    if max_gathers is not None and count > max_gathers:
         raise ShapeError(
             f"strategy {name!r} holds stages in shards: its {len(rows):,} items of sharded stages gather "
             f"{count:,} shards (one per shard per item), more than the simulator takes "
-            f"(unisched.simulate.simulation.MAX_ITEMS = {MAX_ITEMS:,}); shard each stage over fewer workers (hybrid "
+            f"(unisched.simulate.simulation.MAX_ITEMS = {max_gathers:,}); shard each stage over fewer workers (hybrid "
             "sharding: groups of a node, replicated across nodes), or simulate fewer micro-batches or stages")
     combos, which = np.unique(compute[rows] * (num_stages * W) + pair[rows], return_inverse=True)
     template = []

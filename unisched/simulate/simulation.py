@@ -65,7 +65,7 @@ def simulate(
     graph = stage_graph if stage_graph is not None else strategy.stage_graph
     graph = as_stage_graph(num_stages, graph)
 
-    problem = build(shape, strategy, priority, costs, limit, split, graph, limit_in_bytes)
+    problem = build(shape, strategy, priority, costs, limit, split, graph, limit_in_bytes, max_gathers=MAX_ITEMS)
     start, end, booked = _run(problem)
     timeline = Timeline(
         *shape,

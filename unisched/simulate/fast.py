@@ -834,7 +834,7 @@ def _bisect_right(values, lo, hi, x):
 
 def _fetch(item, t, r, weights, routes, history, base, count, resident, calendars, rows, booked):
     """When the weights of row r of ``item``, held by another worker, are
-    on its worker: at once if w keeps them from an earlier fetch, else when
+    on its worker: at once if that worker keeps them from an earlier fetch, else when
     the fetch arrives, issued ``prefetch_depth`` items earlier
     (``engine._Communication.fetch_weights``)."""
     at = weights.piece[r]

@@ -763,8 +763,7 @@ def _book(calendars, bases, calendar, ready, occupy):
     while i < size and starts[base + i] < begin + occupy:
         begin = max(begin, ends[base + i])
         i += 1
-    _insert(starts, ends, base, size, i, begin, occupy)
-    sizes[calendar] = size + 1
+    sizes[calendar] = _take(starts, ends, base, size, i, begin, occupy)
     return begin
 
 
@@ -787,8 +786,8 @@ def _book_all(ids, first, last, calendars, bases, ready, occupy):
     for j in range(first, last):
         c = ids[j]
         base, size = bases[c], sizes[c]
-        _insert(starts, ends, base, size, _bisect_right(ends, base, base + size, begin) - base, begin, occupy)
-        sizes[c] = size + 1
+        sizes[c] = _take(starts, ends, base, size, _bisect_right(ends, base, base + size, begin) - base, begin,
+                         occupy)
     return begin
 
 
@@ -802,11 +801,30 @@ def _gap(starts, ends, base, size, ready, occupy):
     return begin
 
 
-def _insert(starts, ends, base, size, i, begin, occupy):
-    """Put [begin, begin + occupy) at position i of a calendar holding ``size`` intervals."""
+def _take(starts, ends, base, size, i, begin, occupy):
+    """Take [begin, begin + occupy), a gap before the calendar's interval i,
+    and return how many intervals it then holds.  A taken span that touches
+    its neighbours joins them: the calendar keeps the same free time in
+    fewer intervals, so a queue of transfers on a link is one interval that
+    the next booking skips at once instead of one per transfer."""
+    end = begin + occupy
+    left = i > 0 and ends[base + i - 1] == begin
+    right = i < size and starts[base + i] == end
+    if left and right:  # fills the gap between two intervals: they become one
+        ends[base + i - 1] = ends[base + i]
+        for j in range(i, size - 1):
+            starts[base + j], ends[base + j] = starts[base + j + 1], ends[base + j + 1]
+        return size - 1
+    if left:
+        ends[base + i - 1] = end
+        return size
+    if right:
+        starts[base + i] = begin
+        return size
     for j in range(size, i, -1):
         starts[base + j], ends[base + j] = starts[base + j - 1], ends[base + j - 1]
-    starts[base + i], ends[base + i] = begin, begin + occupy
+    starts[base + i], ends[base + i] = begin, end
+    return size + 1
 
 
 def book_in_order(starts, ends, sizes, bases, ptr, ids, groups, ready, duration):
@@ -952,7 +970,7 @@ def _heap_pop(lk, le, base, size):
 _HELPERS = ("_before", "_push", "_pop", "_grown", "_heap_push", "_heap_pop", "_regions",
             "_slack", "_latest_free", "_level", "_when_freed", "_admit", "_wake", "_calendars", "_histories",
             "_routed", "_rows",
-            "_bisect_right", "_gap", "_insert", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin",
+            "_bisect_right", "_gap", "_take", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin",
             "_finish", "_return_gradients", "book_in_order", "schedule")
 """What numba compiles, callees first (a compiled function calls the compiled ones)."""
 
@@ -961,7 +979,7 @@ _INLINED = ("_admit", "_level", "_wake")
 take tables a call copies."""
 
 _UNCOUNTED = ("_before", "_push", "_pop", "_heap_push", "_heap_pop", "_latest_free", "_when_freed", "_bisect_right",
-              "_gap", "_insert", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin", "_finish",
+              "_gap", "_take", "_book", "_book_all", "_send", "_fetch", "_returns_now", "_begin", "_finish",
               "_return_gradients")
 """Helpers compiled without numba's reference counting (``_nrt=False``):
 they allocate nothing and only read and write arrays their caller holds.

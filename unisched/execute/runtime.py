@@ -1660,6 +1660,8 @@ class _Watched:
             self._work.wait()
         except BaseException as error:  # handed to wait()
             self._error = error
+        finally:
+            self._work = None  # a transfer's Work keeps its buffer: once done, let both go
 
     def settle(self) -> None:
         self._done.set()

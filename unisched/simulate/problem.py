@@ -324,12 +324,12 @@ def build(
     moves_in_gang = _moves_in_gangs(gang, gang_members, gang_collective, stage, direction,
                                     dataflow.input_bytes(act_bytes, stage_graph),
                                     dataflow.output_bytes(act_bytes, stage_graph))
-    weights_in_gang = _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, W, S,
+    weight_shares = _weight_sharess(gang, gang_members, gang_collective, compute, weight, stage, W, S,
                                         weight_bytes, items, strategy.name)
     shards = weight_shards(strategy, stage, weight, W)
     if shards:
-        weights_in_gang = _sharded_rows(shards, gang, compute, weight, stage, W, S, weight_bytes, items,
-                                        strategy.name, weights_in_gang, max_gathers)
+        weight_shares = _sharded_rows(shards, gang, compute, weight, stage, W, S, weight_bytes, items,
+                                        strategy.name, weight_shares, max_gathers)
     return Problem(
         shape=shape,
         items=items,
@@ -356,7 +356,7 @@ def build(
         gang_members=gang_members,
         gang_collective=gang_collective,
         gang_move_table=moves_in_gang,
-        weight_share_table=weights_in_gang,
+        weight_share_table=weight_shares,
         weight_shards=shards,
         collective=collective_time,
         release=release_times(strategy.release, n, strategy.name),
@@ -602,7 +602,7 @@ def _moves_in_gangs(gang, gang_members, gang_collective, stage, direction, input
                      nbytes[moved])
 
 
-def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
+def _weight_sharess(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
                       num_stages: int, weight_bytes, items: Items, name: str) -> WeightShares:
     """The weights each member of each gang item computes with
     (``Problem.weight_share_table``): :func:`unisched.dataflow.gang_weights`

@@ -324,12 +324,12 @@ def build(
     moves_in_gang = _moves_in_gangs(gang, gang_members, gang_collective, stage, direction,
                                     dataflow.input_bytes(act_bytes, stage_graph),
                                     dataflow.output_bytes(act_bytes, stage_graph))
-    weight_shares = _weight_sharess(gang, gang_members, gang_collective, compute, weight, stage, W, S,
-                                        weight_bytes, items, strategy.name)
+    weight_shares = _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, W, S,
+                                      weight_bytes, items, strategy.name)
     shards = weight_shards(strategy, stage, weight, W)
     if shards:
         weight_shares = _sharded_rows(shards, gang, compute, weight, stage, W, S, weight_bytes, items,
-                                        strategy.name, weight_shares, max_gathers)
+                                      strategy.name, weight_shares, max_gathers)
     return Problem(
         shape=shape,
         items=items,
@@ -602,7 +602,7 @@ def _moves_in_gangs(gang, gang_members, gang_collective, stage, direction, input
                      nbytes[moved])
 
 
-def _weight_sharess(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
+def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, num_workers: int,
                       num_stages: int, weight_bytes, items: Items, name: str) -> WeightShares:
     """The weights each member of each gang item computes with
     (``Problem.weight_share_table``): :func:`unisched.dataflow.gang_weights`

@@ -113,6 +113,7 @@ def test_each_fused_backward_keeps_its_own_span(fused):
         for k in range(runs):
             run = backward[k * per_run:(k + 1) * per_run]
             assert all(end > start for start, end in run)  # a mark of its own where the engine began each member
+            assert all(b[0] == pytest.approx(a[1], abs=1e-9) for a, b in zip(run, run[1:])), "a gap inside a call"
         if name == "blocked":  # a chain of one micro-batch: a later stage's backward ends where the earlier one's begins
             by_item = {(w.batch, w.stage): (start, end) for start, end, w in mine if w.direction == Direction.BACKWARD}
             chain = list(range(S // W * (rank + 1) - 1, S // W * rank - 1, -1))  # this rank's stages, last first

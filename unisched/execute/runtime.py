@@ -925,10 +925,10 @@ class Trainer:
         batch))``), from where the engine began its backward to where it
         began the next one's (the first from ``start``, the last to ``end``)."""
         index_of = {key: index for index, key in (head, *others)}
-        began = list(st.boundaries.items())  # this call's, in the order the engine reached them
-        st.boundaries.clear()
-        order = [key for key, _ in began] + [key for key in index_of if key not in dict(began)]
-        marks = [mark for _, mark in began[1:]]
+        began = st.boundaries  # this call's, in the order the engine reached them
+        order = list(began) + [key for key in index_of if key not in began]
+        marks = list(began.values())[1:]
+        began.clear()
         begins = [start, *marks, *[end] * (len(index_of) - 1 - len(marks))]
         st.items.extend((index_of[key], a, z) for key, a, z in zip(order, begins, begins[1:] + [end]))
 

@@ -88,11 +88,15 @@ MODES = {"record=True": True, "record=10": 10, "record=False": False}
 """The recording settings the benchmarks compare: every step, every tenth step, none."""
 
 
-def alternate(systems: dict, rounds: int, steps: int, sync=lambda: None) -> tuple[dict, dict]:
+def alternate(systems: dict, rounds: int, steps: int, sync=lambda: None, warmup: int = 1) -> tuple[dict, dict]:
     """Each system's step times in seconds, the systems taking turns for
     ``rounds`` rounds of ``steps`` steps each, every step timed from a
-    ``sync`` to a ``sync``: ``{name: [[a round's steps], ...]}``; and the
-    same for the time until each step returned (before its closing sync)."""
+    ``sync`` to a ``sync``, after ``warmup`` untimed steps of each:
+    ``{name: [[a round's steps], ...]}``; and the same for the time until
+    each step returned (before its closing sync)."""
+    for run in systems.values():
+        for _ in range(warmup):
+            run()
     times = {name: [] for name in systems}
     returned = {name: [] for name in systems}
     for _ in range(rounds):
@@ -138,6 +142,7 @@ GPT2_CASES = [
     Case("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 2),
     Case("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", 2),
 ]
+CASES = {"gpt2": GPT2_CASES, "linear": LINEAR_CASES}
 GPT2 = {"width": 64, "heads": 4, "vocab": 128, "positions": 32, "rows_per_batch": 4, "attention": "sdpa"}
 
 
@@ -146,7 +151,7 @@ class Workload:
 
     def __init__(self, model: str, config: dict, W: int):
         self.model, self.config, self.W = model, config, W
-        cases = GPT2_CASES if model == "gpt2" else LINEAR_CASES
+        cases = CASES[model]
         only = config.get("only")
         self.cases = [c for c in cases if c.ours in only] if only else cases
 
@@ -260,9 +265,8 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
     systems = {}
     for case in work.cases:
         systems[f"unisched {case.ours}"] = Unisched(work, case)
-        systems.setdefault(f"torch {case.theirs}", theirs(work, case))
-    for system in systems.values():
-        system.step(x, y)
+        if f"torch {case.theirs}" not in systems:  # two of ours may share a counterpart: build it once
+            systems[f"torch {case.theirs}"] = theirs(work, case)
     times, _ = alternate({name: (lambda s=system: s.step(x, y)) for name, system in systems.items()},
                          config["rounds"], config["steps"], dist.barrier)
 
@@ -352,7 +356,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks
-    known = [c.ours for c in (GPT2_CASES if args.model == "gpt2" else LINEAR_CASES)]
+    known = [c.ours for c in CASES[args.model]]
     if args.only and set(args.only) - set(known):
         parser.error(f"--only takes {', '.join(known)} for --model {args.model}; "
                      f"not {', '.join(sorted(set(args.only) - set(known)))}")

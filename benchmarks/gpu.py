@@ -82,10 +82,8 @@ def _systems(width: int, layers: int, device: torch.device, rows: int = ROWS) ->
 
 
 def _measure(systems: dict, rounds: int, steps: int, synchronize) -> dict:
-    for run in systems.values():  # warm-up: allocator, cuBLAS handles, the Trainer's first-step agreement
-        for _ in range(3):
-            run()
-    times, host = alternate(systems, rounds, steps, synchronize)
+    # three warm-up steps each: allocator, cuBLAS handles, the Trainer's first-step agreement
+    times, host = alternate(systems, rounds, steps, synchronize, warmup=3)
     base = times["plain loop"]
     return {
         "step_ms": {n: median_ms(rs) for n, rs in times.items()},

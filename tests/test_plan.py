@@ -426,16 +426,16 @@ def test_plan_file_with_a_list_for_its_shape_is_malformed(tmp_path):
 def test_the_mapping_models_search_order_is_set_under_memory_limits_only():
     """Earliest start first, lower half first, where a memory limit or budget
     applies; CP-SAT's own search otherwise (which proves the unlimited cases)."""
-    from types import SimpleNamespace
-
     from ortools.sat.python import cp_model
 
     from unisched.plan.mapping import _search_order
+    from unisched.plan.problem import PlanProblem
 
     for limit, budget, expected in ((None, None, 0), (2, None, 1), (None, 1e9, 1)):
         model = cp_model.CpModel()
         start = [model.new_int_var(0, 10, f"start{i}") for i in range(3)]
-        _search_order(model, SimpleNamespace(memory_limit=limit, memory_budget=budget), start)
+        problem = PlanProblem(Shape(2, 2, 2), Costs(weight_bytes=1.0, activation_bytes=1.0), limit, None, False, budget)
+        _search_order(model, problem, start)
         assert len(model.proto.search_strategy) == expected
         if expected:
             strategy = model.proto.search_strategy[0]

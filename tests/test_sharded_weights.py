@@ -156,8 +156,9 @@ def test_the_planner_refuses_shards_by_name(capsys):
     from unisched.cli import main
     from unisched.plan import plan
 
-    with pytest.raises(unisched.UniSchedError, match="cannot plan strategy 'fsdp\\(shard=true\\)'.*in shards"):
-        plan(W, S, B, strategy="fsdp(shard=true)", time_limit=2)
+    for search in ("cpsat", "heuristic"):
+        with pytest.raises(unisched.UniSchedError, match="cannot plan strategy 'fsdp\\(shard=true\\)'.*in shards"):
+            plan(W, S, B, strategy="fsdp(shard=true)", time_limit=2, search=search)
     assert main(["plan", "-W", "4", "-S", "4", "-B", "4", "--strategy", "fsdp", "--param", "shard=true"]) == 2
     assert "holds weights in shards" in capsys.readouterr().err
 

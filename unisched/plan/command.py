@@ -34,8 +34,7 @@ from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_m
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
-from unisched.plan.family import (default_progress, held_in_shards, label_of, other_backward, parse_params,
-                                  strategy_spec)
+from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
 from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
@@ -164,9 +163,6 @@ def _named_strategy(args: argparse.Namespace, shape, split: bool):
     from unisched import policies
 
     built = policies.get(named[0], *shape, **named[1])
-    sharded = held_in_shards(built)
-    if sharded:
-        raise PlanInputError(f"--strategy {label}: {sharded}, or plan {named[0]} without its shards")
     reason = other_backward(built, split)
     if reason:
         flags = ("--backward-input and --backward-weight (or a costs file with backward_input and backward_weight)"

@@ -260,10 +260,16 @@ def held_in_shards(strategy: Strategy) -> str:
             "files know whole stages on one weight worker; simulate it with `unisched simulate`")
 
 
+def unplannable(strategy: Strategy, split_backward: bool) -> str:
+    """Why the planner cannot take a strategy at all ("" if it can): weights
+    held in shards, or a fixed order for the other backward form."""
+    return held_in_shards(strategy) or other_backward(strategy, split_backward)
+
+
 def _evaluate(problem: PlanProblem, member: Member) -> None:
     strategy = member.strategy
     W, S, B = problem.shape
-    member.reason = held_in_shards(strategy) or other_backward(strategy, problem.split_backward)
+    member.reason = unplannable(strategy, problem.split_backward)
     if member.reason:
         return
     limit = _limit(problem.memory_limit if member.memory_limit is None else member.memory_limit,

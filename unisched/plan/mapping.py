@@ -375,7 +375,7 @@ def _search_order(model, problem, start) -> None:
     Without a limit CP-SAT's default search is kept, which proves the unlimited small cases where
     this order did not (what each gave: docs/planning.md, "Small problems").  A search order adds
     no constraint: every bound is the model's."""
-    if problem.memory_limit is not None or problem.memory_budget is not None:
+    if problem.memory_limited:
         model.add_decision_strategy(start, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_LOWER_HALF)
 
 

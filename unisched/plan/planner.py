@@ -47,7 +47,7 @@ from unisched.work import Shape
 
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
-                                  other_backward, registry_members, search_family)
+                                  registry_members, search_family, unplannable)
 from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
                                    proven_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
@@ -66,9 +66,8 @@ CONSTRUCTED_RULES = 8
 REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
 PAIRED_SHARE = 0.25
-"""Share of the mapping search's time for the paired model, when the whole scheme is searched after it
-(W = 3, S = 4, B = 8, memory 2, comm 1 at 10 s: 59 to 62 over six plans, where a share of 0.5 gave 62
-six times; docs/planning.md, "Small problems")."""
+"""Share of the mapping search's time for the paired model under memory limits, when the whole scheme is
+searched after it (what each share gave: docs/planning.md, "Small problems")."""
 UNLIMITED_PAIRED_SHARE = 0.2
 """The same without memory limits, where the whole-scheme model finds and proves good schedules by
 itself (W = 2, S = 4, B = 8, comm 1: 49 proven in 2.3 s instead of 5.4 s at a share of 0.5)."""
@@ -157,7 +156,8 @@ def plan(
     problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split, memory_budget,
                           optimizer_bytes, objective)
     if members is None and strategy is not None:
-        members = registry_members(problem, only=strategy)
+        members = list(registry_members(problem, only=strategy))
+    _refuse_shards(members)
     if heuristic:
         if progress is not None:
             progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
@@ -180,6 +180,14 @@ def plan(
             raise UniSchedError("interrupted before any schedule was found: let the search run longer")
         raise UniSchedError(_nothing_found(problem, family, run.order_results, strategy, time_limit))
     return run.answer(family, time.perf_counter() - begin)
+
+
+def _refuse_shards(members) -> None:
+    """Refuse, before any search, a strategy given to plan that holds weights in shards."""
+    for label, strategy, _ in members or ():
+        if strategy is not None and held_in_shards(strategy):
+            raise PlanInputError(f"cannot plan strategy {label!r}: {held_in_shards(strategy)}, or plan it without "
+                                 "its shards")
 
 
 def _check_one_replica(costs: Costs) -> None:
@@ -323,10 +331,9 @@ class _Search:
         Over the whole scheme, the paired model runs first (small, good schedules fast).  Solutions
         replay with their planned starts as release times, so no model needs ``asap_replay``'s
         restriction: the proofs and solutions are of the unrestricted classes."""
-        limited = self.problem.memory_limit is not None or self.problem.memory_budget is not None
         runs = [(False, 1.0)]
         if whole:
-            runs = [(False, PAIRED_SHARE if limited else UNLIMITED_PAIRED_SHARE), (True, 1.0)]
+            runs = [(False, PAIRED_SHARE if self.problem.memory_limited else UNLIMITED_PAIRED_SHARE), (True, 1.0)]
         for whole_run, share in runs:
             left = self.deadline - time.perf_counter()
             if left <= 0.5 or self.done():
@@ -531,7 +538,7 @@ def _ordering_targets(problem: PlanProblem, timed: TimedProblem, members: list[M
         strategy = member.strategy
         if strategy is None or len(targets) >= limit:
             continue
-        if other_backward(strategy, problem.split_backward) or held_in_shards(strategy):
+        if unplannable(strategy, problem.split_backward):
             continue
         if member.simulation is not None:
             t = member.simulation.timeline
@@ -621,9 +628,6 @@ def _nothing_found(problem: PlanProblem, family: FamilyResult, order_results, st
     reasons = "; ".join(f"{m.label}: {m.reason}" for m in family.dropped[:4])
     statuses = ", ".join(f"{label}: {s.status}" for label, s in order_results)
     what = f"strategy {strategy!r}" if strategy else "any strategy"
-    sharded = [m for m in family.dropped if m.strategy is not None and held_in_shards(m.strategy)]
-    if strategy and sharded:
-        return f"cannot plan strategy {strategy!r}: {sharded[0].reason}, or plan it without its shards"
     return (
         f"no schedule found for {what} on W={W}, S={S}, B={B} within {time_limit:g} s"
         + (f" (dropped: {reasons})" if reasons else "")

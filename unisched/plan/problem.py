@@ -195,6 +195,11 @@ class PlanProblem:
 
     # ------------------------------------------------------------------ items
     @property
+    def memory_limited(self) -> bool:
+        """Whether a stash limit or a memory budget bounds the plan."""
+        return self.memory_limit is not None or self.memory_budget is not None
+
+    @property
     def items(self) -> dataflow.Items:
         """The step's work items and their ids (the encoding every layer shares)."""
         W, S, B = self.shape

@@ -65,8 +65,7 @@ from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
-from unisched.plan.family import (Member, constructed_members, held_in_shards, measures, other_backward, registry_members,
-                                  search_family)
+from unisched.plan.family import Member, constructed_members, measures, registry_members, search_family, unplannable
 from unisched.plan.order import capacity as stash_capacity
 from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
@@ -691,7 +690,7 @@ def seed_mappings(problem: PlanProblem, feasible: list[Member], family, construc
     others += [(m.label, m.strategy) for m in family.dropped
                if m.strategy is not None and m.reason.startswith("deadlock")]
     for label, strategy in others:
-        if other_backward(strategy, problem.split_backward) or held_in_shards(strategy):
+        if unplannable(strategy, problem.split_backward):
             continue
         compute, weight = mapping_of(problem, strategy)
         found.append(SeedMapping(label, compute, weight))

@@ -463,8 +463,14 @@ def sharded_weights(worker: int, holders: Sequence[int]) -> tuple[tuple[int, int
     fetches are an all-gather and the returns a reduce-scatter, moving the
     bytes NCCL's ring moves over each link, (k-1)/k of the stage in and out
     of every member."""
-    fraction = 1.0 / len(holders)
+    fraction = shard_fraction(len(holders))
     return tuple((int(worker), int(holder), share, fraction) for share, holder in enumerate(holders))
+
+
+def shard_fraction(holders):
+    """The fraction of a stage's weights one shard is, for a stage held in
+    ``holders`` equal shards (a count, or an array of counts)."""
+    return 1.0 / np.asarray(holders, dtype=float) if np.ndim(holders) else 1.0 / holders
 
 
 __all__ = [
@@ -490,6 +496,7 @@ __all__ = [
     "replicas",
     "returns_gradient",
     "share_holder",
+    "shard_fraction",
     "sharded_weights",
     "shards_held",
     "stash_share_array",

@@ -144,7 +144,7 @@ def weights_held(t: Timeline) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     held = {}
     for w, s in pairs.T.tolist():
         holders = t.weight_shards.get((s, w), (w,))
-        held.update({(h, s): 1.0 / len(holders) for h in holders})
+        held.update({(h, s): dataflow.shard_fraction(len(holders)) for h in holders})
     workers, stages = (np.array(column, dtype=int).reshape(-1) for column in zip(*held) or ((), ()))
     return workers, stages, np.array(list(held.values()), dtype=float)
 
@@ -163,7 +163,7 @@ def own_share(t: Timeline, rows: np.ndarray) -> np.ndarray:
     code = t.stage[rows] * W + t.weight_worker[rows]
     sharded = np.flatnonzero(np.isin(code, codes))
     mine = np.isin(code[sharded] * W + t.worker[rows][sharded], held)
-    own[sharded] = np.where(mine, 1.0 / sizes[np.searchsorted(codes, code[sharded])], 0.0)
+    own[sharded] = np.where(mine, dataflow.shard_fraction(sizes[np.searchsorted(codes, code[sharded])]), 0.0)
     return own
 
 

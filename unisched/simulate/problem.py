@@ -108,13 +108,13 @@ class Problem:
     """The weights each worker of a gang item, or of an item of a sharded
     stage, computes with, share by share; any other item computes with the
     whole stage from its weight worker."""
-    weight_shards: dict = field(default_factory=dict)
-    """(stage, weight worker) -> the workers holding that stage's weights in
-    shards (``Strategy.weight_shards``), for the sharded ones."""
-    collective: np.ndarray | None = None
+    collective: np.ndarray
     """Per item: the part of its duration that is its gang's tensor-parallel
     collective (0 for an item run by one worker); on a topology the engine
     books it on the gang's links."""
+    weight_shards: dict = field(default_factory=dict)
+    """(stage, weight worker) -> the workers holding that stage's weights in
+    shards (``Strategy.weight_shards``), for the sharded ones."""
     release: np.ndarray | None = None
     """Per item: the earliest time it may start (a fixed strategy's ``release``), or None: any time."""
 
@@ -702,9 +702,9 @@ def _sharded_rows(shards: dict, gang, compute, weight, stage, num_workers: int, 
     if max_gathers is not None and count > max_gathers:
         raise ShapeError(
             f"strategy {name!r} holds stages in shards: its {len(rows):,} items of sharded stages gather "
-            f"{count:,} shards (one per shard per item), more than the simulator takes "
-            f"(unisched.simulate.simulation.MAX_ITEMS = {max_gathers:,}); shard each stage over fewer workers (hybrid "
-            "sharding: groups of a node, replicated across nodes), or simulate fewer micro-batches or stages")
+            f"{count:,} shards (one per shard per item), more than the {max_gathers:,} the simulator takes "
+            "(simulate() passes unisched.simulate.simulation.MAX_ITEMS); shard each stage over fewer workers "
+            "(hybrid sharding: groups of a node, replicated across nodes), or simulate fewer micro-batches or stages")
     combos, which = np.unique(compute[rows] * (num_stages * W) + pair[rows], return_inverse=True)
     template = []
     for combo in combos.tolist():

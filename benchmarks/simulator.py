@@ -241,8 +241,8 @@ def compiled_against_engine(repeat: int) -> list[dict]:
                 elif path == "python engine":
                     python = result
         same = (np.array_equal(compiled[0], python[0]) and np.array_equal(compiled[1], python[1])
-                and compiled[2].rows() == python[2])
-        rows.append({"case": name, "shape": [W, S, B], "items": problem.num_items, "transfers": len(python[2]),
+                and compiled[2].equals(python[2]))
+        rows.append({"case": name, "shape": [W, S, B], "items": problem.num_items, "transfers": len(python[2].kind),
                      "compiled_items_per_s": problem.num_items / best["compiled"],
                      "engine_items_per_s": problem.num_items / best["python engine"],
                      "simulate_items_per_s": problem.num_items / best["simulate"],

@@ -57,7 +57,9 @@ _EPS = 1e-9
 
 
 def run(p: Problem):
-    """Schedule every item of ``p``; return (start, end, transfer rows)."""
+    """Schedule every item of ``p``; return (start, end, the transfers
+    booked as :class:`transfers.Booked` columns, or None when communication
+    is free)."""
     n, num_workers = p.num_items, p.num_workers
     worker, duration, rank = p.worker, p.duration.tolist(), p.rank.tolist()
     data = p.data_followed  # an item's data dependencies, then its successor in its worker's fixed order
@@ -167,7 +169,7 @@ def run(p: Problem):
         raise _deadlock(p, remaining, start, end, memory)
     if comm is not None:
         comm.finish_step(end)
-    return start, end, (comm.rows if comm is not None else None)
+    return start, end, (transfers.Booked.of_rows(comm.rows) if comm is not None else None)
 
 
 class _Memory:

@@ -121,8 +121,8 @@ def _run(problem):
     where numba is installed), else the general engine.
 
     The general engine also runs when the compiled one leaves items
-    unscheduled, to explain the deadlock.  The transfers booked come as
-    columns from the compiled greedy, as rows from the engine."""
+    unscheduled, to explain the deadlock.  Either gives the transfers it
+    booked as :class:`~unisched.simulate.transfers.Booked` columns."""
     if problem.num_items >= fast.COMPILED_FROM:
         compiled = fast.run(problem)
         if compiled is not None and compiled[0].min(initial=0.0) >= 0:

@@ -59,18 +59,15 @@ class Booked(NamedTuple):
             return cls(none_i, none_i, none_i, none_f, none_f, none_f, none_i)
         return cls(*(np.concatenate(column) for column in zip(*parts)))
 
-    def rows(self) -> list[tuple]:
-        """The engine's form: a tuple per row, its kind by name."""
-        return list(zip([TRANSFER_KINDS[k] for k in self.kind.tolist()], self.src.tolist(), self.dst.tolist(),
-                        self.start.tolist(), self.end.tolist(), self.nbytes.tolist(), self.item.tolist()))
+    def equals(self, other: "Booked") -> bool:
+        """The same rows in the same order, column for column."""
+        return all(np.array_equal(a, b) for a, b in zip(self, other))
 
 
-def transfers(p: Problem, start: np.ndarray, end: np.ndarray, booked: Booked | list | None) -> Transfers:
-    """Every transfer of a step: those ``booked`` (the compiled greedy's
-    columns or the engine's rows), or with free communication those derived
-    from the timeline; then, off a topology, the end-of-step all-reduces."""
-    if isinstance(booked, list):
-        booked = Booked.of_rows(booked)
+def transfers(p: Problem, start: np.ndarray, end: np.ndarray, booked: Booked | None) -> Transfers:
+    """Every transfer of a step: those ``booked`` by the run, or with free
+    communication those derived from the timeline; then, off a topology,
+    the end-of-step all-reduces."""
     tables = [_from_booked(p, booked)] if booked is not None else _derived(p, start, end)
     if getattr(p.costs, "topology", None) is None:  # on a topology the engine booked the all-reduces
         tables.append(_allreduce(p, end, tables))

@@ -339,6 +339,9 @@ def test_each_better_cp_sat_solution_is_a_line_of_progress():
              for line in lines if (m := re.search(r": ([0-9.]+), bound ([0-9.]+) after [0-9.]+ s", line))]
     assert any(what.startswith("CP-SAT mapping") for what, _, _ in found)
     assert any(what.startswith("CP-SAT order") for what, _, _ in found)
+    for label in {what for what, _, _ in found}:  # each line a better solution than the last of its run
+        values = [value for what, value, _ in found if what == label]
+        assert values == sorted(values, reverse=True), label
 
 
 @pytest.mark.parametrize("fifo", [False, True])

@@ -1302,13 +1302,14 @@ class Trainer:
         than the transfer (polled after each item and before each send);
         whether there was any."""
         finished = [entry[0].is_completed() for entry in st.outgoing]
-        if any(finished):
+        sent = any(finished)
+        if sent:
             self._await_sends([entry for entry, done in zip(st.outgoing, finished) if done])
             st.outgoing = [entry for entry, done in zip(st.outgoing, finished) if not done]
         arrived = [i for i, (work, _, action, _) in st.pending.items() if action.op == "r<" and work.is_completed()]
         for index in arrived:
             self._accept(self.program.messages[index].stage, self._wait(st, index))
-        return any(finished) or bool(arrived)
+        return sent or bool(arrived)
 
     def _await_sends(self, sends: list) -> None:
         for work, _, action, peer in sends:

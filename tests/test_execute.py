@@ -27,7 +27,7 @@ from unisched.execute import (
     train_one_process,
 )
 from unisched.execute.launch import run_local
-from unisched.timeline import Timeline, WorkRecord
+from unisched.timeline import Timeline, TransferRecord, WorkRecord
 
 WIDTH = 8
 ROWS = 16
@@ -217,6 +217,22 @@ def test_calibrate_costs_fits_per_stage_medians():
     assert np.allclose(costs.forward, [0.010, 0.020]) and np.allclose(costs.backward, [0.030, 0.050])
     assert list(costs.activation_bytes) == [64, 32] and list(costs.weight_bytes) == [100, 200]
     assert simulate(2, 2, 3, lambda w: ComputeAndWeightWorkers(w.stage, w.stage), costs=costs).latency > 0.1
+
+
+def test_calibrate_costs_fits_the_bandwidth_of_fetched_weights_and_returned_gradients():
+    # fsdp's shape: each rank fetches the other's stage and returns its gradient; no all-reduce
+    records = [WorkRecord(Work(b, s, d), b, s, 10.0 * b + 2 * s + d, 10.0 * b + 2 * s + d + 1)
+               for b in range(2) for s in range(2) for d in (Direction.FORWARD, Direction.BACKWARD)]
+    transfers = [TransferRecord("weights", 1, 0, 0.0, 2.5, 400.0, None),         # 2 s of bytes: 200 B/s
+                 TransferRecord("weights", 0, 1, 0.0, 1.5, 400.0, None),         # 400 B/s
+                 TransferRecord("weight_gradient", 0, 1, 4.0, 8.5, 400.0, None),  # 100 B/s
+                 TransferRecord("activation", 0, 1, 5.0, 5.5, 1.0, Work(0, 1, Direction.FORWARD))]  # latency 0.5
+    timeline = Timeline.from_records((2, 2, 2), records, transfers, weight_bytes=[400, 400], source="measured")
+    costs = calibrate_costs(timeline)
+    assert costs.latency == pytest.approx(0.5) and costs.bandwidth == pytest.approx(200.0)  # the median
+    assert calibrate_costs(timeline, communication=False).bandwidth == float("inf")
+    alone = Timeline.from_records((2, 2, 2), records, transfers[3:], source="measured")
+    assert calibrate_costs(alone).bandwidth == float("inf")  # nothing says how long bytes take
 
 
 # ---------------------------------------------------------------------- real runs on gloo

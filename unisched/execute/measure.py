@@ -246,8 +246,12 @@ def calibrate_costs(
     a span ends when the receiver got the message, which is later than its
     arrival when the receiver was busy, so a low percentile rather than the
     median.  The bandwidth comes from the gradient all-reduces (when there
-    are replicas).  Give a ``Trainer`` instead of timelines with
-    :meth:`Trainer.calibrate`, which runs the profiling steps first.
+    are replicas), else from the weights and weight gradients sent between
+    ranks (the median of their bytes over their spans less the latency): a
+    fetch or a returned gradient is a whole stage's weights, and how long
+    it is in flight says how long its buffers live.  Give a ``Trainer``
+    instead of timelines with :meth:`Trainer.calibrate`, which runs the
+    profiling steps first.
 
     With ``overhead``, the runtime's own time per item (posting transfers,
     bookkeeping: the median gap between consecutive items of a worker when
@@ -299,7 +303,7 @@ def calibrate_costs(
     fields["weight_bytes"] = list(first.weight_bytes) if weight_bytes is None else weight_bytes
     if communication:
         fields["latency"] = _message_latency(timelines)
-        bandwidth = _allreduce_bandwidth(timelines)
+        bandwidth = _allreduce_bandwidth(timelines) or _weight_bandwidth(timelines, fields["latency"])
         if bandwidth is not None:
             fields["bandwidth"] = bandwidth
     return Costs(**fields)
@@ -356,6 +360,19 @@ def _allreduce_bandwidth(timelines: Sequence[Timeline]) -> float | None:
             span = tr.end[last] - tr.start[last]
             if span > 0 and tr.nbytes[last] > 0:
                 rates.append(tr.nbytes[last] / span)
+    return float(np.median(rates)) if rates else None
+
+
+def _weight_bandwidth(timelines: Sequence[Timeline], latency: float) -> float | None:
+    """Bytes per second of the weights and weight gradients sent between
+    ranks: the median of each transfer's bytes over its span (from the
+    send's post to the end of its receive) less the message latency."""
+    rates = []
+    for t in timelines:
+        tr = t.transfers
+        rows = np.flatnonzero(tr.of_kind("weights", "weight_gradient") & (tr.src != tr.dst) & (tr.nbytes > 0))
+        span = tr.end[rows] - tr.start[rows] - latency
+        rates.extend((tr.nbytes[rows][span > 0] / span[span > 0]).tolist())
     return float(np.median(rates)) if rates else None
 
 

@@ -858,40 +858,6 @@ def _uses(program: Program, rank: int) -> dict[tuple, int]:
     return dict(counts)
 
 
-def settled_sends(program: Program) -> list[dict[int, tuple[int, ...]]]:
-    """Where a rank knows, without waiting, that a send of its own has completed: per rank, the
-    index of a compute action -> the messages (indices) it sent that have surely arrived once that
-    action's inputs have.
-
-    A message m from rank a to rank b has arrived once b has waited for it, which b does before
-    the first item that reads m.  A message m' that b sends to a after that item is posted after
-    m arrived, so the first item of a that reads m' (and waits for it) comes after m's arrival:
-    a's send of m is complete there (1F1B: a forward's activation is settled when its gradient
-    comes back).  Weight fetches and returned gradients, whose receives are not an item's, are
-    left out, as is a message with no such answer."""
-    ranks = range(program.num_ranks)
-    read_at: dict[int, int] = {}  # message -> the first compute action of its receiver that reads it
-    for r in ranks:
-        inbound = {m.key: m.index for m in program.messages if m.dst == r and m.letter not in "wr"}
-        for i, action in enumerate(program.actions[r]):
-            if action.is_compute:
-                for key in program.reads(action.work, r).keys:
-                    if key in inbound:
-                        read_at.setdefault(inbound[key], i)
-    replies: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (src, dst) -> (action, message)
-    for r in ranks:
-        for i, action in enumerate(program.actions[r]):
-            if action.is_send and action.message in read_at:
-                replies[(r, program.messages[action.message].dst)].append((i, action.message))
-    settled: list[dict[int, list[int]]] = [defaultdict(list) for _ in ranks]
-    for m, at in read_at.items():
-        msg = program.messages[m]
-        answer = next((reply for i, reply in replies[(msg.dst, msg.src)] if i > at), None)
-        if answer is not None:
-            settled[msg.src][read_at[answer]].append(m)
-    return [{i: tuple(ms) for i, ms in sorted(rank.items())} for rank in settled]
-
-
 # ---------------------------------------------------------------------- validate
 def validate(program: Program) -> None:
     """Replay the programs: receives and sends are posted without blocking;

@@ -101,7 +101,6 @@ from unisched.execute.program import (
     ProgramError,
     Reads,
     compile_program,
-    settled_sends,
     schedule_timeline,
     gradient,
     output,
@@ -255,8 +254,6 @@ class Trainer:
 
         self._actions = program.actions[self.rank]
         self._inbound = {m.key: m for m in program.messages if m.dst == self.rank and m.letter not in "wr"}
-        self._settles = settled_sends(program)[self.rank]
-        self._settled = {m for ms in self._settles.values() for m in ms}  # sends no waiting thread needs to watch
         self._graph = program.stage_graph
         self._back = first_backward(program.split_backward)
         runs, self._fused = self._backward_runs()
@@ -831,7 +828,6 @@ class Trainer:
             keeps=after is not None and program.compute_worker[Work(work.batch, work.stage, after)] == self.rank,
             runs_also=tuple((i, (self._actions[i].stage, self._actions[i].batch)) for i in others),
             ran_before=ran_before,
-            settles=self._settles.get(index, ()),
         )
 
     def _backward_runs(self) -> tuple[dict[int, tuple[int, ...]], dict[tuple[int, int], int]]:
@@ -899,8 +895,6 @@ class Trainer:
         for message in item.awaits:
             if message in st.pending:
                 st.values[self.program.messages[message].key] = self._receive(st, message)
-        if item.settles:
-            self._settle(st, item.settles)
         start = None
         if self._recording and item.noted and not item.ran_before:
             last = st.last_end  # on a GPU, where the compute item just before ended, nothing having come between
@@ -1285,9 +1279,7 @@ class Trainer:
 
     def _post_send(self, st, action: Action) -> None:
         """Post a send; its buffer (a flat copy of weights or of a returned
-        gradient, or a packed value) is let go once the send has completed:
-        where the program says when that is sure (:func:`settled_sends`),
-        there; else as soon as a waiting thread sees it (:meth:`_watched`)."""
+        gradient, or a packed value) is let go once the send has completed."""
         self._reap(st)
         msg = self.program.messages[action.message]
         if msg.letter == "w":
@@ -1302,17 +1294,7 @@ class Trainer:
         if self._recording:
             st.sends[msg.index] = time.perf_counter()
         work = self._posted(lambda: dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), action, msg.dst)
-        if msg.index not in self._settled or st.evaluating:
-            work = self._watched(work)
-        st.outgoing.append((work, tensor, action, msg.dst))
-
-    def _settle(self, st, messages: tuple[int, ...]) -> None:
-        """Let go of sends that have surely completed (:func:`settled_sends`: an answer that
-        left their receiver after they arrived is here), waiting on each (on gloo, done at once)."""
-        done = [entry for entry in st.outgoing if entry[2].message in messages]
-        if done:
-            self._await_sends(done)
-            st.outgoing = [entry for entry in st.outgoing if entry[2].message not in messages]
+        st.outgoing.append((self._watched(work), tensor, action, msg.dst))
 
     def _reap(self, st) -> bool:
         """Let go of the sends that have completed, and take in the returned
@@ -1748,7 +1730,6 @@ class _Item(NamedTuple):
     keeps: bool
     runs_also: tuple[tuple[int, tuple[int, int]], ...] = ()
     ran_before: bool = False
-    settles: tuple[int, ...] = ()
 
 
 class _StepState:

@@ -223,15 +223,16 @@ def test_calibrate_costs_fits_the_bandwidth_of_fetched_weights_and_returned_grad
     # fsdp's shape: each rank fetches the other's stage and returns its gradient; no all-reduce
     records = [WorkRecord(Work(b, s, d), b, s, 10.0 * b + 2 * s + d, 10.0 * b + 2 * s + d + 1)
                for b in range(2) for s in range(2) for d in (Direction.FORWARD, Direction.BACKWARD)]
-    transfers = [TransferRecord("weights", 1, 0, 0.0, 2.5, 400.0, None),         # 2 s of bytes: 200 B/s
-                 TransferRecord("weights", 0, 1, 0.0, 1.5, 400.0, None),         # 400 B/s
-                 TransferRecord("weight_gradient", 0, 1, 4.0, 8.5, 400.0, None),  # 100 B/s
+    transfers = [TransferRecord("weights", 1, 0, 0.0, 2.0, 400.0, None),         # 200 B/s
+                 TransferRecord("weights", 0, 1, 0.0, 1.0, 400.0, None),         # 400 B/s
+                 TransferRecord("weight_gradient", 0, 1, 4.0, 8.0, 400.0, None),  # 100 B/s
+                 TransferRecord("weight_gradient", 1, 0, 9.0, 9.0, 400.0, None),  # no time: says nothing
                  TransferRecord("activation", 0, 1, 5.0, 5.5, 1.0, Work(0, 1, Direction.FORWARD))]  # latency 0.5
     timeline = Timeline.from_records((2, 2, 2), records, transfers, weight_bytes=[400, 400], source="measured")
     costs = calibrate_costs(timeline)
     assert costs.latency == pytest.approx(0.5) and costs.bandwidth == pytest.approx(200.0)  # the median
     assert calibrate_costs(timeline, communication=False).bandwidth == float("inf")
-    alone = Timeline.from_records((2, 2, 2), records, transfers[3:], source="measured")
+    alone = Timeline.from_records((2, 2, 2), records, transfers[3:], source="measured")  # none with a span
     assert calibrate_costs(alone).bandwidth == float("inf")  # nothing says how long bytes take
 
 

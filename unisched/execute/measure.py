@@ -247,11 +247,13 @@ def calibrate_costs(
     arrival when the receiver was busy, so a low percentile rather than the
     median.  The bandwidth comes from the gradient all-reduces (when there
     are replicas), else from the weights and weight gradients sent between
-    ranks (the median of their bytes over their spans less the latency): a
-    fetch or a returned gradient is a whole stage's weights, and how long
-    it is in flight says how long its buffers live.  Give a ``Trainer``
-    instead of timelines with :meth:`Trainer.calibrate`, which runs the
-    profiling steps first.
+    ranks (the median of their bytes over their spans): a fetch or a
+    returned gradient is a whole stage's weights, and how long it is in
+    flight says how long its buffers live.  The simulator times every
+    transfer with it, activations too, whose latency already holds their
+    bytes' time: counted twice, which is small where activations are small
+    beside weights.  Give a ``Trainer`` instead of timelines with
+    :meth:`Trainer.calibrate`, which runs the profiling steps first.
 
     With ``overhead``, the runtime's own time per item (posting transfers,
     bookkeeping: the median gap between consecutive items of a worker when
@@ -303,7 +305,7 @@ def calibrate_costs(
     fields["weight_bytes"] = list(first.weight_bytes) if weight_bytes is None else weight_bytes
     if communication:
         fields["latency"] = _message_latency(timelines)
-        bandwidth = _allreduce_bandwidth(timelines) or _weight_bandwidth(timelines, fields["latency"])
+        bandwidth = _allreduce_bandwidth(timelines) or _weight_bandwidth(timelines)
         if bandwidth is not None:
             fields["bandwidth"] = bandwidth
     return Costs(**fields)
@@ -363,16 +365,16 @@ def _allreduce_bandwidth(timelines: Sequence[Timeline]) -> float | None:
     return float(np.median(rates)) if rates else None
 
 
-def _weight_bandwidth(timelines: Sequence[Timeline], latency: float) -> float | None:
+def _weight_bandwidth(timelines: Sequence[Timeline]) -> float | None:
     """Bytes per second of the weights and weight gradients sent between
     ranks: the median of each transfer's bytes over its span (from the
-    send's post to the end of its receive) less the message latency."""
+    send's post to the end of its receive; a span of zero says nothing)."""
     rates = []
     for t in timelines:
         tr = t.transfers
-        rows = np.flatnonzero(tr.of_kind("weights", "weight_gradient") & (tr.src != tr.dst) & (tr.nbytes > 0))
-        span = tr.end[rows] - tr.start[rows] - latency
-        rates.extend((tr.nbytes[rows][span > 0] / span[span > 0]).tolist())
+        rows = np.flatnonzero(tr.of_kind("weights", "weight_gradient") & (tr.src != tr.dst) & (tr.nbytes > 0)
+                              & (tr.end > tr.start))
+        rates.extend((tr.nbytes[rows] / (tr.end[rows] - tr.start[rows])).tolist())
     return float(np.median(rates)) if rates else None
 
 

@@ -721,6 +721,38 @@ def test_watchdog_interrupts_only_a_step_that_is_still_armed():
         dog.stop()
 
 
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes half a second."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.5)
+        return grad
+
+
+class _Slowly(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def _read_the_timeline_and_leave(rank: int, world: int, timeline):
+    stages = make_stages(2)
+    stages[0] = nn.Sequential(stages[0], _Slowly())  # rank 0 ends its step long after rank 1
+    trainer = Trainer(stages, timeline, nn.functional.mse_loss, optimizer, timeout=30, record=True)
+    trainer.step(*batch())
+    recorded = trainer.last_timeline  # every rank reads it and leaves, without close()
+    return None if recorded is None else len(recorded)
+
+
+def test_a_rank_that_reads_last_timeline_and_leaves_does_not_cut_off_the_gathering_of_the_step():
+    timeline = simulate(2, 2, 2, policies.get("gpipe", num_workers=2, num_stages=2, num_batches=2)).timeline
+    assert run_ranks(_read_the_timeline_and_leave, 2, timeline, timeout=120) == [8, None]
+
+
 def test_calibrate_costs_counts_the_item_overhead_once_per_item():
     records, t = [], 0.0
     durations = {Direction.FORWARD: 0.010, Direction.BACKWARD_INPUT: 0.020, Direction.BACKWARD_WEIGHT: 0.030}

@@ -1582,8 +1582,8 @@ class Trainer:
             everyone = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
             work = self._collective(lambda: dist.gather(mine, everyone, dst=0, group=self._control, async_op=True),
                                     "gathering the measured step on rank 0")
-            # no rank waits for the others here: the gather completes in the background,
-            # settled when the next step begins, last_timeline is read or the trainer closes
+            # no rank waits for the others here: the gather completes in the background, settled
+            # when the next step begins, last_timeline is read (on any rank) or the trainer closes
             self._gathering = (work, mine)
         if self.rank == 0:
             self._notes = (everyone, self._meta)  # unpacked when last_timeline is read
@@ -1599,9 +1599,11 @@ class Trainer:
     @property
     def last_timeline(self) -> Timeline | None:
         """Rank 0: the last recorded step, a measured :class:`unisched.Timeline`
-        (None on the other ranks, and before a recorded step)."""
+        (None on the other ranks, and before a recorded step).  Every rank that
+        reads it first waits until its part of the step's gathering has
+        reached rank 0, so a rank may end right after reading it."""
+        self._settle_gathering()
         if self._timeline is None and self._notes is not None:
-            self._settle_gathering()
             flats, meta = self._notes
             notes = [self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(flats)]
             self._timeline = assemble(

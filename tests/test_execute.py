@@ -721,22 +721,13 @@ def test_watchdog_interrupts_only_a_step_that_is_still_armed():
         dog.stop()
 
 
-class _SlowBackward(torch.autograd.Function):
-    """The identity, whose backward takes half a second."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(0.5)
-        return grad
-
-
 class _Slowly(nn.Module):
+    """The identity, whose gradient takes half a second to pass."""
+
     def forward(self, x):
-        return _SlowBackward.apply(x)
+        if x.requires_grad:
+            x.register_hook(lambda grad: time.sleep(0.5))
+        return x
 
 
 def _read_the_timeline_and_leave(rank: int, world: int, timeline):

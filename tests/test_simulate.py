@@ -86,6 +86,15 @@ def test_seed_gpipe_both_priorities():
     assert stats(by_batch, "max_activation_storage") == [8, 7, 4, 1]
 
 
+def test_a_built_in_priority_is_taken_by_class_or_name_as_well():
+    made = simulate(4, 4, 8, gpipe, OldestStageFirst(4, 8)).timeline
+    assert made.start.tolist() != simulate(4, 4, 8, gpipe).timeline.start.tolist()  # the priority matters here
+    for given in (OldestStageFirst, "oldest_stage_first", "Oldest-Stage-First"):
+        assert simulate(4, 4, 8, gpipe, given).timeline.start.tolist() == made.start.tolist()
+    with pytest.raises(ValueError, match="unknown priority 'newest'"):
+        simulate(4, 4, 8, gpipe, "newest")
+
+
 def test_seed_looped():
     sim = simulate(4, 4, 8, looped(4, 2))
     assert sim.latency == 28

@@ -100,6 +100,16 @@ def priority_by_name(name: str, num_stages: int, num_batches: int) -> _BuiltinPr
         ) from None
 
 
+def as_priority(priority, num_stages: int, num_batches: int):
+    """A priority as :func:`ranks` takes it: a built-in one also by its name
+    ("backward_first") or its class (``BackwardFirst``), made for this shape."""
+    if isinstance(priority, str):
+        return priority_by_name(priority, num_stages, num_batches)
+    if isinstance(priority, type) and issubclass(priority, _BuiltinPriority):
+        return priority(num_stages, num_batches)
+    return priority
+
+
 def ranks(priority: Priority, batch: np.ndarray, stage: np.ndarray, direction: np.ndarray) -> np.ndarray:
     """Rank of each item under ``priority`` (0 = first), ties broken by position."""
     sort_keys = getattr(priority, "sort_keys", None)

@@ -316,6 +316,19 @@ def test_simulate_time_unit_takes_a_number_of_seconds(capsys, tmp_path):
     assert max(e["ts"] + e["dur"] for e in events if e["ph"] == "X") == pytest.approx(33e3)  # 33 ms in us
 
 
+def test_simulate_writes_every_out_given_and_refuses_a_time_unit_without_a_trace(capsys, tmp_path):
+    text, trace = tmp_path / "d.txt", tmp_path / "d.json"
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", str(text), "--out", str(trace),
+                         "--time-unit", "ms")
+    assert code == 0, err
+    assert f"wrote {text}" in out and f"wrote {trace}" in out
+    assert text.read_text().startswith("gpipe: W=4 S=4 B=8, latency 33")
+    assert max(e["ts"] + e["dur"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X") \
+        == pytest.approx(33e3)  # 33 ms in us
+    code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", str(text), "--time-unit", "ms")
+    assert code == 2 and "--time-unit ms sets the unit of a Chrome trace: give --out FILE.json" in err
+
+
 @pytest.mark.parametrize("argv", [["run", "--dry-run", "--strategy", "zb_h1", "-B", "100000000"],
                                   ["run", "--program", "--strategy", "zbv", "-W", "2", "-B", "30000000"],
                                   ["plan", "--strategy", "zb_h1", "-B", "100000000", "--time-limit", "5"]])

@@ -157,7 +157,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
                           "ties of a strategy that leaves the order of work to the simulator (replaces a strategy's "
                           "own priority; refused for one that fixes every worker's order)")
-    simulate.add_argument("--out", help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt")
+    simulate.add_argument("--out", action="append", default=[], metavar="FILE",
+                          help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt; repeatable")
     simulate.add_argument("--time-unit", default="s", metavar="UNIT",
                           help="what one unit of the costs is, for a Chrome trace (.json): s (the default), ms, us, "
                           "ns or a number of seconds")
@@ -252,9 +253,11 @@ def cmd_simulate(args) -> int:
 
         check_size(_shape(args), splits_backward(args))
         sim = _simulate(args, *strategy_spec(args.strategy, parse_params(args.param)), _step_options(args))
-    if args.out:
-        options = {"time_unit": args.time_unit} if str(args.out).lower().endswith(".json") else {}
-        sim.save(args.out, **options)
+    traces = [out for out in args.out if out.lower().endswith(".json")]
+    if args.time_unit != "s" and not traces:
+        raise UniSchedError(f"--time-unit {args.time_unit} sets the unit of a Chrome trace: give --out FILE.json too")
+    for out in args.out:
+        sim.save(out, **({"time_unit": args.time_unit} if out in traces else {}))
     from unisched.topology import cluster_json, describe_cluster
 
     cluster = cluster_json(sim.costs, sim.shape.num_workers)
@@ -268,7 +271,9 @@ def cmd_simulate(args) -> int:
     if cluster:
         print("  " + describe_cluster(cluster["topology"]))
     if args.out:
-        print(f"\nwrote {args.out}")
+        print()
+    for out in args.out:
+        print(f"wrote {out}")
     return 0
 
 

@@ -156,6 +156,11 @@ def test_a_budget_no_mapping_fits_names_what_to_change():
         plan(2, 2, 2, weighty_costs(), memory_budget=30.0, optimizer_bytes=10.0, time_limit=2)
 
 
+def test_a_budget_without_sizes_to_count_is_refused():
+    with pytest.raises(PlanInputError, match="a memory budget counts bytes, but the costs give no sizes"):
+        plan(2, 2, 2, memory_budget=100.0, time_limit=2)
+
+
 def test_per_worker_memory_limits_are_each_workers_own():
     result = plan(2, 2, 4, memory_limit=[1, 4], time_limit=5, scheme="paired")
     peaks = result.simulate().worker_stats()["max_activation_storage"]

@@ -321,6 +321,11 @@ class PlanProblem:
         budget = np.broadcast_to(np.asarray(self.memory_budget, dtype=float), (self.shape.num_workers,))
         owner = self.owner_bytes() + self.weight_bytes()
         stash = self.stash_sizes if self.costs.has_sizes else np.zeros_like(owner)
+        if not np.any(owner > 0) and not np.any(stash > 0):
+            raise PlanInputError(
+                "a memory budget counts bytes, but the costs give no sizes: give each stage's weight_bytes and "
+                "activation_bytes (or stash_bytes) in the costs (the command: --costs FILE)"
+            )
         s = int(np.argmax(owner + stash))
         if owner[s] + stash[s] > budget.max() + 1e-9:
             raise PlanInputError(

@@ -155,7 +155,10 @@ def parse_label(text: str) -> tuple[str, dict[str, str]]:
         key, eq, value = part.partition("=")
         if not eq:
             raise PlanInputError(f"strategy parameter {part!r} in {text!r} must be key=value")
-        params[key.strip()] = value.strip()
+        key = key.strip()
+        if key in params and params[key] != value.strip():
+            raise PlanInputError(f"strategy {text!r} sets {key} twice ({params[key]} and {value.strip()}); give it once")
+        params[key] = value.strip()
     return name.strip(), params
 
 
@@ -182,7 +185,10 @@ def parse_params(items: Iterable[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UniSchedError(f"--param takes K=V, got {item!r}")
-        params[key.strip().replace("-", "_")] = value.strip()
+        key = key.strip().replace("-", "_")
+        if key in params and params[key] != value.strip():
+            raise UniSchedError(f"--param sets {key}={params[key]} and {key}={value.strip()}; give it once")
+        params[key] = value.strip()
     return params
 
 

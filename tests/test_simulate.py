@@ -246,6 +246,16 @@ def test_deadlocking_memory_limit_raises_naming_workers():
     message = str(caught.value)
     assert "worker 0" in message and "memory" in message
     assert set(caught.value.blocked) == {0, 1}
+    assert "or choose a priority that runs backwards earlier" in message
+
+
+def test_a_deadlock_of_fixed_orders_does_not_advise_another_priority():
+    fixed = unisched.policies.get("one_f_one_b", num_workers=4, num_stages=4, num_batches=8)
+    with pytest.raises(DeadlockError) as caught:
+        simulate(4, 4, 8, fixed, memory_limit=1)
+    message = str(caught.value)
+    assert "the strategy fixes each worker's order: no priority changes it" in message
+    assert "priority that runs backwards earlier" not in message
 
 
 def test_memory_limit_below_one_stash_is_a_clear_error():

@@ -468,11 +468,12 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
             if remaining[item] > 0 and p.num_deps[item] and p.worker[item] not in blocked:
                 blocked[p.worker[item]] = f"{p.label(item)} waits for {remaining[item]} unfinished dependencies"
     lines = "\n".join(f"  worker {w}: {text.rstrip('; ')}" for w, text in sorted(blocked.items()))
-    hint = (
-        "raise the memory limit of the workers named, or choose a priority that runs backwards earlier"
-        if memory is not None
-        else "check that each worker's fixed order respects the dependencies between work items"
-    )
+    if memory is None:
+        hint = "check that each worker's fixed order respects the dependencies between work items"
+    elif np.any(p.next_fixed >= 0):
+        hint = "raise the memory limit of the workers named (the strategy fixes each worker's order: no priority changes it)"
+    else:
+        hint = "raise the memory limit of the workers named, or choose a priority that runs backwards earlier"
     done = sum(1 for r in remaining if r <= 0)
     return DeadlockError(
         f"deadlock: no work item can make progress ({p.num_items - done} of {p.num_items} items never became "

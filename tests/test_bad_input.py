@@ -65,6 +65,13 @@ def test_a_costs_file_with_a_null_time_is_refused(tmp_path, capsys):
     assert code == 2 and out == "" and "forward" in json.loads(err)["error"]
 
 
+def test_a_costs_file_that_is_not_text_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ShapeError, match=f"cannot read costs file {path}: 'utf-8' codec can't decode"):
+        Costs.load(path)
+
+
 def test_links_to_workers_that_do_not_exist_are_refused():
     costs = Costs(links={(0, 9): Link(latency=5)})
     with pytest.raises(ShapeError, match="link 0,9 but there are 4 workers"):

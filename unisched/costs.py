@@ -292,7 +292,7 @@ class Costs:
         """Read a JSON costs file (the fields of this class; ``links`` keyed "src,dst")."""
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ShapeError(f"cannot read costs file {path}: {error}") from error
         if not isinstance(data, dict):
             raise ShapeError(f"costs file {path} must hold a JSON object")

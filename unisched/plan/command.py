@@ -50,9 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Search the registered strategies with the simulator, then improve on them with OR-Tools CP-SAT "
         "(the order of work for a fixed mapping, then the mapping itself), and report how close the best "
         "plan is to a lower bound. With no arguments: a demo problem "
-        f"(W={DEFAULT_SHAPE[0]}, S={DEFAULT_SHAPE[1]}, B={DEFAULT_SHAPE[2]}, memory limit {DEFAULT_MEMORY_LIMIT:g})."
+        f"(W={DEFAULT_SHAPE[0]}, S={DEFAULT_SHAPE[1]}, B={DEFAULT_SHAPE[2]}, memory limit {DEFAULT_MEMORY_LIMIT:g}); "
+        "any flag of the problem (shape, costs, limits, strategy) plans that problem instead, with no memory "
+        "limit unless one is given."
     )
-    add_shape_arguments(parser, *(f"default {n}" for n in DEFAULT_SHAPE))
+    add_shape_arguments(parser, workers=f"default {DEFAULT_SHAPE[0]}",
+                        stages=f"default: the workers when -W is given, else {DEFAULT_SHAPE[1]}",
+                        batches=f"default {DEFAULT_SHAPE[2]}")
     costs = add_cost_arguments(parser)
     costs.add_argument("--comm", type=float, default=0.0,
                        help="time to move an activation or gradient between workers (a weight fetch pays it too)")
@@ -105,10 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     demo = _is_demo(args)
-    W, S, B = (
-        DEFAULT_SHAPE[i] if value is None else value
-        for i, value in enumerate((args.workers, args.stages, args.batches))
-    )
+    W = DEFAULT_SHAPE[0] if args.workers is None else args.workers
+    S = args.stages if args.stages is not None else (W if args.workers is not None else DEFAULT_SHAPE[1])
+    B = DEFAULT_SHAPE[2] if args.batches is None else args.batches
     Shape(W, S, B).check()
     memory_limit = (DEFAULT_MEMORY_LIMIT if demo
                     else numbers("--memory-limit", args.memory_limit, W, "workers", error=PlanInputError))

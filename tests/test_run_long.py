@@ -82,6 +82,21 @@ def test_a_resumed_run_continues_exactly(capsys, tmp_path):
         if torch.is_tensor(value) and not key.startswith("trainer."):
             assert (resumed[key] - value).abs().max() < 1e-6, key
 
+    # --check replays the steps before the checkpoint on this run's batches: other batches are refused
+    argv = example_argv(capsys, *common, "-B", "2", "--steps", "1", "--resume", str(step_checkpoint(first, 2)))
+    for rank in run_local(_refused, 2, argv, timeout=120):
+        assert rank.error is None and rank.value[0] == 2, rank
+        assert "--check replays the steps before checkpoint" in rank.value[1] and "but they trained on" in rank.value[1]
+
+
+def _refused(rank: int, world: int, argv: list[str]):
+    from unisched.execute.example import main as example_main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = example_main(argv)
+    return code, err.getvalue()
+
 
 STRATEGY = """
 from unisched import ComputeAndWeightWorkers, Direction

@@ -339,8 +339,8 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
     would), log every :func:`~unisched.execute.arguments.log_interval`
     steps (rank 0 prints unless ``quiet``), save a checkpoint every
     ``args.checkpoint_every`` steps and after the last."""
-    run = RunLog(_resume(trainer, args.resume) if args.resume else 0, rows, tokens_per_row, flops_per_token,
-                 peak_tflops)
+    first = _resume(trainer, args.resume, rows, bool(getattr(args, "check", False))) if args.resume else 0
+    run = RunLog(first, rows, tokens_per_row, flops_per_token, peak_tflops)
     every, logged = log_interval(args), 0
     end = run.first_step + args.steps
     for step in range(run.first_step, end):
@@ -356,7 +356,7 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
             if trainer.rank == 0 and not quiet:
                 print(log_line(entry, end), flush=True)
         if args.checkpoint and (done == end or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            run.checkpoints.append(str(_save(trainer, args.checkpoint, done)))
+            run.checkpoints.append(str(_save(trainer, args.checkpoint, done, rows)))
     return run
 
 
@@ -374,12 +374,22 @@ def log_line(entry: dict, end: int) -> str:
     return line
 
 
-def _resume(trainer, path: str) -> int:
-    """Load the latest checkpoint at ``path``; the number of steps it follows."""
-    from unisched.execute.checkpoint import latest_checkpoint, load_checkpoint
+def _resume(trainer, path: str, rows: int, check: bool) -> int:
+    """Load the latest checkpoint at ``path``; the number of steps it follows.
+    ``check``: the run's ``--check`` will replay those steps from the start on
+    batches of this run's ``rows``, so a checkpoint whose steps took other
+    batches is refused (the check would fail however right the run)."""
+    from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
     found = latest_checkpoint(path)
-    return _saved_step(found, load_checkpoint(trainer, found))
+    extra = load_checkpoint(trainer, found)
+    saved = (extra or {}).get("rows")
+    if check and saved is not None and saved != rows:
+        raise CheckpointError(
+            f"--check replays the steps before checkpoint {found} on this run's batches of {rows} rows, but they "
+            f"trained on {saved}: resume with the -B and --rows-per-batch they had to check, or drop --check"
+        )
+    return _saved_step(found, extra)
 
 
 def _saved_step(path, extra: dict | None) -> int:
@@ -392,10 +402,10 @@ def _saved_step(path, extra: dict | None) -> int:
     return step
 
 
-def _save(trainer, directory: str, step: int):
+def _save(trainer, directory: str, step: int, rows: int):
     from unisched.execute.checkpoint import save_checkpoint, step_checkpoint
 
-    return save_checkpoint(trainer, step_checkpoint(directory, step), extra={"step": step})
+    return save_checkpoint(trainer, step_checkpoint(directory, step), extra={"step": step, "rows": rows})
 
 
 def median_ms(seconds: Sequence[float]) -> float:

@@ -2,6 +2,7 @@
 plan files, shapes too large to hold, and command-line numbers."""
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -281,3 +282,18 @@ def test_a_costs_file_with_a_topology_reads_in_a_fresh_process(tmp_path):
 def test_a_strategy_naming_a_worker_beyond_any_integer_is_refused_by_name():
     with pytest.raises(UniSchedError, match=r"returned compute worker 10{30} \(int\).*integers in 0\.\.1"):
         simulate(2, 2, 2, lambda work: (10**30, 0))
+
+
+def test_a_process_group_that_does_not_start_in_time_is_a_clear_error():
+    import socket
+
+    with socket.socket() as probe:  # a port no one listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = ("from unisched.execute.runtime import ensure_process_group\n"
+            "try:\n    ensure_process_group(0.5)\n"
+            "except Exception as error:\n    print(type(error).__name__, error)\n")
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("ExecutionError the process group did not start within the timeout of 0.5 s (")
+    assert "raise the timeout (unisched run: --timeout)" in out

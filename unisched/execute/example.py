@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -225,7 +226,8 @@ def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,
             dist.barrier()
             return status
         except unisched.UniSchedError as error:
-            print(f"rank {dist.get_rank() if dist.is_initialized() else '?'}: error: {error}", file=sys.stderr)
+            rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+            print(f"rank {rank}: error: {error}", file=sys.stderr)
             return 2
 
 

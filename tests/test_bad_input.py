@@ -2,8 +2,8 @@
 plan files, shapes too large to hold, and command-line numbers."""
 
 import json
-import os
 import math
+import os
 import subprocess
 import sys
 import time

@@ -157,7 +157,8 @@ def parse_label(text: str) -> tuple[str, dict[str, str]]:
             raise PlanInputError(f"strategy parameter {part!r} in {text!r} must be key=value")
         key = key.strip()
         if key in params and params[key] != value.strip():
-            raise PlanInputError(f"strategy {text!r} sets {key} twice ({params[key]} and {value.strip()}); give it once")
+            raise PlanInputError(f"strategy {text!r} sets {key} twice ({params[key]} and {value.strip()}); "
+                                 "give it once")
         params[key] = value.strip()
     return name.strip(), params
 

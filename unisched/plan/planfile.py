@@ -417,7 +417,8 @@ def _replay(schedule: Schedule, source: str, timed: bool = False) -> Simulation:
     except UniSchedError as error:
         cause = ("its orders and start times cannot run together under its limits" if timed
                  else "the file was edited or damaged, or its schedule needs the start times a version 2 file keeps")
-        raise PlanFileError(f"{source} cannot be replayed: {str(error).splitlines()[0].rstrip('.')}; {cause}: plan again") from None
+        first = str(error).splitlines()[0].rstrip(".")
+        raise PlanFileError(f"{source} cannot be replayed: {first}; {cause}: plan again") from None
     latency = float(replay.latency)
     if not (math.isfinite(latency) and latency >= 0):
         raise PlanFileError(f"{source} replays to latency {latency!r}; plan again")

@@ -471,7 +471,8 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
     if memory is None:
         hint = "check that each worker's fixed order respects the dependencies between work items"
     elif np.any(p.next_fixed >= 0):
-        hint = "raise the memory limit of the workers named (the strategy fixes each worker's order: no priority changes it)"
+        hint = ("raise the memory limit of the workers named (the strategy fixes each worker's order: "
+                "no priority changes it)")
     else:
         hint = "raise the memory limit of the workers named, or choose a priority that runs backwards earlier"
     done = sum(1 for r in remaining if r <= 0)

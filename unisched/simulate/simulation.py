@@ -40,8 +40,8 @@ def simulate(
     ``schedule`` maps each ``Work`` to ``ComputeAndWeightWorkers``; a named
     :class:`~unisched.Strategy` also brings its own priority, memory limit,
     split backward and fixed orders, which the arguments here override.
-    ``priority_order`` is any callable ``Work -> sortable key`` (default
-    :class:`OldestBatchFirst`).  ``memory_limit`` caps the activations a
+    ``priority_order`` is any callable ``Work -> sortable key``, or a built-in
+    priority's class or name ("backward_first") (default :class:`OldestBatchFirst`).  ``memory_limit`` caps the activations a
     worker may hold (stash units, or bytes when ``costs`` give
     ``activation_bytes``/``stash_bytes``), scalar or one per worker; a
     strategy's own limit always counts stashes.

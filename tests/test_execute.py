@@ -614,6 +614,17 @@ def test_unisched_run_refuses_counts_below_one(capsys, argv, flag):
     assert flag in error and "positive whole number" in error and "Traceback" not in error
 
 
+def test_unisched_run_takes_no_warm_up_and_refuses_a_negative_one(capsys):
+    from unisched.cli import main
+
+    assert main(["run", "--warmup-steps", "0", "--dry-run"]) == 0
+    assert "--warmup-steps 0" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--warmup-steps", "-1", "--dry-run"])
+    assert exit_.value.code == 2
+    assert "--warmup-steps: expected a whole number (0 or more), got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--param", "foo"], "--param takes K=V, got 'foo'"),
     (["--plan", "plan.json", "--strategy", "zb_h1"], "drop --strategy"),

@@ -55,8 +55,8 @@ def add_numerics_arguments(p: argparse.ArgumentParser) -> None:
                           help="clip the gradients of all stages together to this global norm")
     numerics.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                           help="constant (default) or cosine: decay to 0 over all the run's steps, after the warm-up")
-    numerics.add_argument("--warmup-steps", type=positive_int, metavar="N",
-                          help="raise the learning rate linearly over the first N steps")
+    numerics.add_argument("--warmup-steps", type=whole_number, metavar="N",
+                          help="raise the learning rate linearly over the first N steps (default 0: none)")
 
 
 def add_long_run_arguments(p: argparse.ArgumentParser, default_steps: int) -> None:
@@ -103,12 +103,21 @@ def log_interval(args: argparse.Namespace) -> int:
 
 def positive_int(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
+    return _whole(text, 1, "a positive whole number")
+
+
+def whole_number(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    return _whole(text, 0, "a whole number (0 or more)")
+
+
+def _whole(text: str, least: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
 

@@ -2,6 +2,7 @@
 timeline invariants, costs, DAGs, and bad input."""
 
 import math
+from dataclasses import replace
 
 import networkx as nx
 import numpy as np
@@ -90,7 +91,16 @@ def test_a_built_in_priority_is_taken_by_class_or_name_as_well():
     made = simulate(4, 4, 8, gpipe, OldestStageFirst(4, 8)).timeline
     assert made.start.tolist() != simulate(4, 4, 8, gpipe).timeline.start.tolist()  # the priority matters here
     for given in (OldestStageFirst, "oldest_stage_first", "Oldest-Stage-First"):
-        assert simulate(4, 4, 8, gpipe, given).timeline.start.tolist() == made.start.tolist()
+        sim = simulate(4, 4, 8, gpipe, given)
+        assert sim.timeline.start.tolist() == made.start.tolist()
+        assert isinstance(sim.priority, OldestStageFirst)  # what the Simulation keeps is made, too
+    # a strategy's own priority may be a class as well, replicated side by side
+    from unisched.simulate.layout import replicated
+    strategy = replace(unisched.policies.get("gpipe", num_workers=4, num_stages=4, num_batches=8),
+                       priority=OldestStageFirst)
+    two = replicated(strategy, 2)
+    assert simulate(8, 4, 16, two).timeline.start.tolist() == \
+        simulate(8, 4, 16, replicated(replace(strategy, priority=OldestStageFirst(4, 8)), 2)).timeline.start.tolist()
     with pytest.raises(ValueError, match="unknown priority 'newest'"):
         simulate(4, 4, 8, gpipe, "newest")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from unisched.errors import ShapeError, StrategyError
-from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.priorities import OldestBatchFirst, as_priority
 from unisched.simulate.sequences import order_columns
 from unisched.simulate.simulation import Simulation, simulate
 from unisched.dataflow import Items
@@ -286,7 +286,7 @@ def replicated(strategy: Strategy, replicas: int) -> Strategy:
         gang=gang if strategy.gang is not None else None, memory_limit=limit, worker_orders=orders,
         gang_arrays=gang_arrays if strategy.gang_arrays is not None else None,
         weight_shards=weight_shards if strategy.weight_shards is not None else None,
-        priority=_PerReplica(strategy.priority or OldestBatchFirst(S, B), B),
+        priority=_PerReplica(as_priority(strategy.priority or OldestBatchFirst, S, B), B),
         shape=Shape(W * replicas, S, B * replicas), name=f"{strategy.name}, DP {replicas}",
     )
 

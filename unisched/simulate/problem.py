@@ -18,7 +18,7 @@ from unisched import dataflow, network
 from unisched.costs import Costs
 from unisched.dataflow import EDGE_STASH, Items
 from unisched.errors import ShapeError, StrategyError
-from unisched.simulate.priorities import as_priority, ranks
+from unisched.simulate.priorities import ranks
 from unisched.simulate.sequences import fixed_successors
 from unisched.simulate.stashes import StashAccounts, stash_accounts
 from unisched.strategy import Gang, Strategy, release_times, works
@@ -296,7 +296,7 @@ def build(
 
     virtual = (np.arange(B), np.full(B, -1), np.zeros(B, dtype=np.int64))
     rank = ranks(
-        as_priority(priority, S, B),
+        priority,
         np.concatenate([batch, virtual[0]]),
         np.concatenate([stage, virtual[1]]),
         np.concatenate([direction, virtual[2]]),

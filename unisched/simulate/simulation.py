@@ -15,7 +15,7 @@ from unisched.costs import DEFAULT_COSTS, Costs
 from unisched import metrics
 from unisched.errors import ShapeError
 from unisched.simulate import engine, fast
-from unisched.simulate.priorities import OldestBatchFirst
+from unisched.simulate.priorities import OldestBatchFirst, as_priority
 from unisched.simulate.problem import build
 from unisched.simulate.transfers import transfers
 from unisched.strategy import Strategy, as_strategy
@@ -41,10 +41,11 @@ def simulate(
     :class:`~unisched.Strategy` also brings its own priority, memory limit,
     split backward and fixed orders, which the arguments here override.
     ``priority_order`` is any callable ``Work -> sortable key``, or a built-in
-    priority's class or name ("backward_first") (default :class:`OldestBatchFirst`).  ``memory_limit`` caps the activations a
-    worker may hold (stash units, or bytes when ``costs`` give
-    ``activation_bytes``/``stash_bytes``), scalar or one per worker; a
-    strategy's own limit always counts stashes.
+    priority's class or name ("backward_first") (default
+    :class:`OldestBatchFirst`); a strategy's own priority may be either too.
+    ``memory_limit`` caps the activations a worker may hold (stash units, or
+    bytes when ``costs`` give ``activation_bytes``/``stash_bytes``), scalar
+    or one per worker; a strategy's own limit always counts stashes.
     """
     shape = Shape(num_workers, num_stages, num_batches).check()
     strategy = as_strategy(schedule)
@@ -58,7 +59,7 @@ def simulate(
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
     check_size(shape, strategy.split_backward if split_backward is None else bool(split_backward))
     costs.check(num_workers, num_stages)
-    priority = priority_order or strategy.priority or OldestBatchFirst(num_stages, num_batches)
+    priority = as_priority(priority_order or strategy.priority or OldestBatchFirst, num_stages, num_batches)
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
     limit_in_bytes = costs.has_sizes and memory_limit is not None  # a strategy's own limit counts stashes
     split = strategy.split_backward if split_backward is None else bool(split_backward)

@@ -42,12 +42,12 @@ from unisched.flags import (
     add_shape_arguments,
     cost_values,
     numbers,
+    shape_of,
     splits_backward,
 )
 from unisched.render.text import add_color_arguments
 from unisched.work import FORWARD, directions
 
-DEMO_SHAPE = (4, 4, 8)
 DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
 
 _EXTERNAL_VERBS = {
@@ -203,9 +203,7 @@ def _unavailable(verb: str, error: ImportError) -> Callable:
 
 
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
-    shape = add_shape_arguments(parser, workers=f"default {DEMO_SHAPE[0]}",
-                                stages=f"default: the workers when -W is given, else {DEMO_SHAPE[1]}",
-                                batches=f"default {DEMO_SHAPE[2]}")
+    shape = add_shape_arguments(parser)
     shape.add_argument(
         "--param", action="append", default=[], metavar="K=V",
         help="strategy parameter, repeatable (e.g. group_size=2); the same as NAME(K=V)",
@@ -469,12 +467,9 @@ def _demo(args) -> int:
 
 # ---------------------------------------------------------------------- helpers
 def _shape(args) -> tuple[int, int, int]:
-    W = DEMO_SHAPE[0] if args.workers is None else args.workers
-    S = args.stages if args.stages is not None else (W if args.workers is not None else DEMO_SHAPE[1])
-    B = DEMO_SHAPE[2] if args.batches is None else args.batches
     from unisched.work import Shape
 
-    return tuple(Shape(W, S, B).check())
+    return tuple(Shape(*shape_of(args)).check())
 
 
 def check_size(shape, split_backward: bool) -> None:

@@ -26,14 +26,29 @@ COST_FLAGS = ("forward", "backward", "backward_input", "backward_weight")
 """The per-stage time flags (``--forward`` ...), by their ``args`` names."""
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser, workers: str, stages: str, batches: str):
-    """``--workers/-W``, ``--stages/-S``, ``--batches/-B`` in a "shape" group
-    (the texts say what each defaults to); returns the group."""
+DEMO_SHAPE = (4, 4, 8)
+"""(W, S, B) of a verb given no shape."""
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser):
+    """``--workers/-W``, ``--stages/-S``, ``--batches/-B`` in a "shape" group,
+    defaulting as :func:`shape_of` reads them; returns the group."""
+    W, S, B = DEMO_SHAPE
     shape = parser.add_argument_group("shape")
-    shape.add_argument("--workers", "-W", type=int, help=f"workers ({workers})")
-    shape.add_argument("--stages", "-S", type=int, help=f"pipeline stages ({stages})")
-    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches ({batches})")
+    shape.add_argument("--workers", "-W", type=int, help=f"workers (default {W})")
+    shape.add_argument("--stages", "-S", type=int,
+                       help=f"pipeline stages (default: the workers when -W is given, else {S})")
+    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {B})")
     return shape
+
+
+def shape_of(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(W, S, B) from the shape flags: :data:`DEMO_SHAPE` where not given,
+    except that the stages follow the workers when only ``-W`` is given."""
+    W = DEMO_SHAPE[0] if args.workers is None else args.workers
+    S = args.stages if args.stages is not None else (W if args.workers is not None else DEMO_SHAPE[1])
+    B = DEMO_SHAPE[2] if args.batches is None else args.batches
+    return W, S, B
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser):

@@ -29,8 +29,8 @@ from unisched.render.text import add_color_arguments
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
-from unisched.flags import (COST_FLAGS, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
-                            add_shape_arguments, cost_values, numbers)
+from unisched.flags import (COST_FLAGS, DEMO_SHAPE, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
+                            add_shape_arguments, cost_values, numbers, shape_of)
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
@@ -40,7 +40,6 @@ from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS
 
-DEFAULT_SHAPE = (4, 4, 8)
 DEFAULT_MEMORY_LIMIT = 2.0
 DEFAULT_TIME_LIMIT = 10.0
 
@@ -50,13 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Search the registered strategies with the simulator, then improve on them with OR-Tools CP-SAT "
         "(the order of work for a fixed mapping, then the mapping itself), and report how close the best "
         "plan is to a lower bound. With no arguments: a demo problem "
-        f"(W={DEFAULT_SHAPE[0]}, S={DEFAULT_SHAPE[1]}, B={DEFAULT_SHAPE[2]}, memory limit {DEFAULT_MEMORY_LIMIT:g}); "
+        f"(W={DEMO_SHAPE[0]}, S={DEMO_SHAPE[1]}, B={DEMO_SHAPE[2]}, memory limit {DEFAULT_MEMORY_LIMIT:g}); "
         "any flag of the problem (shape, costs, limits, strategy) plans that problem instead, with no memory "
         "limit unless one is given."
     )
-    add_shape_arguments(parser, workers=f"default {DEFAULT_SHAPE[0]}",
-                        stages=f"default: the workers when -W is given, else {DEFAULT_SHAPE[1]}",
-                        batches=f"default {DEFAULT_SHAPE[2]}")
+    add_shape_arguments(parser)
     costs = add_cost_arguments(parser)
     costs.add_argument("--comm", type=float, default=0.0,
                        help="time to move an activation or gradient between workers (a weight fetch pays it too)")
@@ -109,9 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     demo = _is_demo(args)
-    W = DEFAULT_SHAPE[0] if args.workers is None else args.workers
-    S = args.stages if args.stages is not None else (W if args.workers is not None else DEFAULT_SHAPE[1])
-    B = DEFAULT_SHAPE[2] if args.batches is None else args.batches
+    W, S, B = shape_of(args)
     Shape(W, S, B).check()
     memory_limit = (DEFAULT_MEMORY_LIMIT if demo
                     else numbers("--memory-limit", args.memory_limit, W, "workers", error=PlanInputError))

@@ -81,7 +81,7 @@ def test_compare_ranks_best_first(capsys):
         (["simulate", "--strategy", "looped", "--param", "group_size=x"], "group_size"),
         (["simulate", "--strategy", "gpipe", "--param", "oops"], "K=V"),
         (["simulate", "--strategy", "looped", "--param", "group_size=2", "--param", "group-size=4"],
-         "--param sets group_size=2 and group_size=4; give it once"),
+         "--param sets group_size twice (2 and 4); give it once"),
         (["simulate", "--strategy", "looped(group_size=2, group_size=4)"], "sets group_size twice (2 and 4)"),
         (["simulate", "--strategy", "gpipe", "--memory-limit", "0.5"], "cannot hold even one stash"),
         (["simulate", "--strategy", "gpipe", "--priority", "random"], "unknown priority"),

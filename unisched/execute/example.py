@@ -341,7 +341,7 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
     would), log every :func:`~unisched.execute.arguments.log_interval`
     steps (rank 0 prints unless ``quiet``), save a checkpoint every
     ``args.checkpoint_every`` steps and after the last."""
-    first = _resume(trainer, args.resume, rows, bool(getattr(args, "check", False))) if args.resume else 0
+    first = _resume(trainer, args.resume, rows, args.check) if args.resume else 0
     run = RunLog(first, rows, tokens_per_row, flops_per_token, peak_tflops)
     every, logged = log_interval(args), 0
     end = run.first_step + args.steps

@@ -2086,13 +2086,13 @@ def ensure_process_group(timeout: float) -> None:
             "no process group: launch with torchrun (e.g. torchrun --nproc-per-node 4 train.py) or call "
             "torch.distributed.init_process_group before building the Trainer"
         )
-    try:
-        if not torch.cuda.is_available():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-            return
+    backend, options = "gloo", {}
+    if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout), device_id=device)
+        backend, options = "nccl", {"device_id": device}
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
     except RuntimeError as error:  # the store's and the backends' errors (torch.distributed.DistError) among them
         raise ExecutionError(
             f"the process group did not start within the timeout of {timeout:g} s ({first_line(error)}): raise the "

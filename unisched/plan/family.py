@@ -155,12 +155,15 @@ def parse_label(text: str) -> tuple[str, dict[str, str]]:
         key, eq, value = part.partition("=")
         if not eq:
             raise PlanInputError(f"strategy parameter {part!r} in {text!r} must be key=value")
-        key = key.strip()
-        if key in params and params[key] != value.strip():
-            raise PlanInputError(f"strategy {text!r} sets {key} twice ({params[key]} and {value.strip()}); "
-                                 "give it once")
-        params[key] = value.strip()
+        _set_once(params, key.strip(), value.strip(), f"strategy {text!r}")
     return name.strip(), params
+
+
+def _set_once(params: dict[str, str], key: str, value: str, where: str) -> None:
+    """``params[key] = value``, refusing a second, different value for the key."""
+    if params.get(key, value) != value:
+        raise PlanInputError(f"{where} sets {key} twice ({params[key]} and {value}); give it once")
+    params[key] = value
 
 
 def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict[str, str]]:
@@ -186,10 +189,7 @@ def parse_params(items: Iterable[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UniSchedError(f"--param takes K=V, got {item!r}")
-        key = key.strip().replace("-", "_")
-        if key in params and params[key] != value.strip():
-            raise UniSchedError(f"--param sets {key}={params[key]} and {key}={value.strip()}; give it once")
-        params[key] = value.strip()
+        _set_once(params, key.strip().replace("-", "_"), value.strip(), "--param")
     return params
 
 

@@ -350,7 +350,8 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
         start = time.perf_counter()
         run.losses.append(trainer.step(x, y))
         run.seconds.append(time.perf_counter() - start)
-        run.timelines.append(trainer.last_timeline)
+        # read on rank 0 only: elsewhere it is None, and reading it would wait for the step's gather
+        run.timelines.append(trainer.last_timeline if trainer.rank == 0 else None)
         done = step + 1
         if done % every == 0 or done == end:
             entry = run.entry(logged)

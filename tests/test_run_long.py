@@ -29,12 +29,13 @@ def example_argv(capsys, *options: str) -> list[str]:
 
 
 def _example(rank: int, world: int, argv: list[str]):
+    """(exit status, what the rank printed, what it wrote to stderr)."""
     from unisched.execute.example import main as example_main
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = example_main(argv)
-    return code, out.getvalue()
+    return code, out.getvalue(), err.getvalue()
 
 
 def run_example(argv: list[str]) -> str:
@@ -42,7 +43,7 @@ def run_example(argv: list[str]) -> str:
     results = run_local(_example, 2, argv, timeout=120)
     for r in results:
         assert r.error is None, f"rank {r.rank}: {r.error}"
-        assert r.value[0] == 0, f"rank {r.rank} exited {r.value[0]}: {r.value[1]}"
+        assert r.value[0] == 0, f"rank {r.rank} exited {r.value[0]}: {r.value[2]}"
     assert results[1].value[1] == "", "only rank 0 prints"
     return results[0].value[1]
 
@@ -84,18 +85,9 @@ def test_a_resumed_run_continues_exactly(capsys, tmp_path):
 
     # --check replays the steps before the checkpoint on this run's batches: other batches are refused
     argv = example_argv(capsys, *common, "-B", "2", "--steps", "1", "--resume", str(step_checkpoint(first, 2)))
-    for rank in run_local(_refused, 2, argv, timeout=120):
+    for rank in run_local(_example, 2, argv, timeout=120):
         assert rank.error is None and rank.value[0] == 2, rank
-        assert "--check replays the steps before checkpoint" in rank.value[1] and "but they trained on" in rank.value[1]
-
-
-def _refused(rank: int, world: int, argv: list[str]):
-    from unisched.execute.example import main as example_main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = example_main(argv)
-    return code, err.getvalue()
+        assert "--check replays the steps before checkpoint" in rank.value[2] and "but they trained on" in rank.value[2]
 
 
 STRATEGY = """

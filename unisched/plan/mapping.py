@@ -118,12 +118,16 @@ def solve_mapping(
     whole: bool | None = None,
     lower_bound: int = 0,
     asap_replay: bool = True,
+    period: int = 0,
     report=None,
 ) -> Solved:
     """Search mappings and orders together; LNS when the model is large (or ``lns=True``).
 
     ``whole`` (default: :func:`whole_scheme_by_default`) searches the whole
-    scheme rather than one worker per (stage, batch); ``lower_bound`` (ticks),
+    scheme rather than one worker per (stage, batch); ``period`` p > 0 searches
+    only mappings that repeat every p micro-batches (micro-batch b placed as
+    b - p), where CP-SAT finds good schedules sooner; its bound then holds for
+    that restriction alone, so the result carries none (bound 0); ``lower_bound`` (ticks),
     a bound proven for every schedule, lets the search stop once it is met;
     ``asap_replay``: solutions will be replayed from their orders alone, so a stash
     kept away from its forward counts from that forward's earliest start
@@ -141,14 +145,15 @@ def solve_mapping(
     if hint is not None and score is not None:
         hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay, report=report)
+                  asap_replay=asap_replay, period=period, report=report)
     if not lns or hint is None:
         return _solve(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
     return _lns(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
 
 
 def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int,
-         score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool, report=None) -> Solved:
+         score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool, period: int = 0,
+         report=None) -> Solved:
     """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
     begin = time.perf_counter()
     deadline = begin + time_limit
@@ -158,7 +163,7 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     window = max(2, min(B, LNS_PAIRS // S))
     round_limit = max(1.0, min(LNS_ROUND_SECONDS, time_limit / 6))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay, report=report)
+                  asap_replay=asap_replay, period=period, report=report)
     first = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, seed=seed, **common)
     bound = first.bound
     best = _better(best, first)
@@ -211,9 +216,10 @@ class _Collector(Improvements):
 
 class _Places:
     """The placement literals: per (stage, batch, group, worker), group 0 the forward and group 1
-    the backward passes; in the paired class both groups share the forward's literals."""
+    the backward passes; in the paired class both groups share the forward's literals.  With a
+    ``period`` p, micro-batch b >= p is placed as micro-batch b - p."""
 
-    def __init__(self, model, timed: TimedProblem, whole: bool):
+    def __init__(self, model, timed: TimedProblem, whole: bool, period: int = 0):
         W, S, B = timed.shape
         self.timed, self.whole, self.W = timed, whole, W
         groups = 2 if whole else 1
@@ -225,6 +231,9 @@ class _Places:
             for b in range(B):
                 for g in range(groups):
                     model.add_exactly_one(self.x[s, b, g, w] for w in range(W))
+                    if period and b >= period:
+                        for w in range(W):
+                            model.add(self.x[s, b, g, w] == self.x[s, b - period, g, w])
 
     def group(self, item: int) -> tuple[int, int, int]:
         """(stage, batch, group) of an item."""
@@ -262,12 +271,14 @@ def _solve(
     seed: int,
     whole: bool,
     free_batches: set[int] | None = None,
+    period: int = 0,
     score: Scorer | None = None,
     lower_bound: int = 0,
     asap_replay: bool = True,
     report=None,
 ) -> Solved:
     begin = time.perf_counter()
+    proves = free_batches is None and not period  # whether the model's bound holds for its whole class
     problem = timed.problem
     W, S, B = problem.shape
     model = cp_model.CpModel()
@@ -282,7 +293,7 @@ def _solve(
     if hint is not None and not span:
         horizon = min(horizon, int(hint.makespan))
 
-    places = _Places(model, timed, whole)
+    places = _Places(model, timed, whole, period)
     owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}
     held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
     for s in range(S):
@@ -329,9 +340,10 @@ def _solve(
     grid = problem.item_grid()
     forward = problem.dirs.index(FORWARD)
     first = problem.stage_graph.sources[0]
-    if free_batches is None:
-        for b in range(B - 1):
-            model.add(start[grid[b, first, forward]] <= start[grid[b + 1, first, forward]])
+    if free_batches is None:  # micro-batches placed alike are interchangeable: their first forwards in order
+        step = period or 1
+        for b in range(B - step):
+            model.add(start[grid[b, first, forward]] <= start[grid[b + step, first, forward]])
         if uniform and problem.identical_workers:
             model.add(places.of_item(int(grid[0, first, forward]), 0) == 1)
 
@@ -350,13 +362,15 @@ def _solve(
     else:
         model.minimize(makespan)
     solver = make_solver(time_limit, num_workers, seed)
-    collector = _Collector(places, owner, start, timed, report=report, bounded=free_batches is None)
+    collector = _Collector(places, owner, start, timed, report=report, bounded=proves)
     status, interrupted = run_solver(solver, model, collector)
     wall = time.perf_counter() - begin
     name = solver.status_name(status)
-    bound = int(solver.best_objective_bound) if free_batches is None else 0
+    if status == cp_model.OPTIMAL and not proves:
+        name = "FEASIBLE"  # optimal within the window or the period only
+    bound = int(solver.best_objective_bound) if proves else 0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) or not collector.solutions:
-        if status == cp_model.INFEASIBLE and free_batches is None:
+        if status == cp_model.INFEASIBLE and proves:
             bound = horizon
         return Solved(name, None, None, None, None, bound, wall, interrupted=interrupted)
     solutions = collector.solutions

@@ -71,6 +71,13 @@ searched after it (what each share gave: docs/planning.md, "Small problems")."""
 UNLIMITED_PAIRED_SHARE = 0.2
 """The same without memory limits, where the whole-scheme model finds and proves good schedules by
 itself (W = 2, S = 4, B = 8, comm 1: 49 proven in 2.3 s instead of 5.4 s at a share of 0.5)."""
+PERIODIC_SHARE = 0.3
+"""Share of the whole-scheme search's time for its periodic run (:data:`MAPPING_PERIOD`), which
+comes first; the unrestricted run after it starts from the best found."""
+MAPPING_PERIOD = 2
+"""The periodic run places micro-batch b as b - 2.  On the hard small cases of
+``benchmarks/planner_small.py`` it found shorter plans than the same time spent on the
+unrestricted model alone (docs/planning.md, "Small problems")."""
 SEARCH_WORKERS = 3
 """CP-SAT's search workers per solve: from three on its portfolio runs a fixed search beside the
 default one, which on small problems finds and proves optima the default one alone does not reach
@@ -330,20 +337,26 @@ class _Search:
 
         Over the whole scheme, the paired model runs first (small, good schedules fast).  Solutions
         replay with their planned starts as release times, so no model needs ``asap_replay``'s
-        restriction: the proofs and solutions are of the unrestricted classes."""
-        runs = [(False, 1.0)]
+        restriction: the proofs and solutions are of the unrestricted classes.  The whole scheme
+        is searched with periodic mappings first (:data:`MAPPING_PERIOD`; no proof comes of it),
+        then without."""
+        runs = [(False, 1.0, 0)]
         if whole:
-            runs = [(False, PAIRED_SHARE if self.problem.memory_limited else UNLIMITED_PAIRED_SHARE), (True, 1.0)]
-        for whole_run, share in runs:
+            paired = PAIRED_SHARE if self.problem.memory_limited else UNLIMITED_PAIRED_SHARE
+            runs = [(False, paired, 0), (True, 1.0, 0)]
+            if self.problem.shape.num_batches >= 2 * MAPPING_PERIOD:
+                runs.insert(1, (True, PERIODIC_SHARE, MAPPING_PERIOD))
+        for whole_run, share, period in runs:
             left = self.deadline - time.perf_counter()
             if left <= 0.5 or self.done():
                 return
-            self._map(whole_run, left * share)
+            self._map(whole_run, left * share, period)
 
-    def _map(self, whole: bool, seconds: float) -> None:
+    def _map(self, whole: bool, seconds: float, period: int = 0) -> None:
         name = proven_class(whole)
         hint = _best_incumbent(self.timed, self.candidates, whole)
-        _say(self.progress, f"CP-SAT mapping search over {name} ({seconds:.1f} s) ...")
+        restricted = f", micro-batches placed alike every {period}" if period else ""
+        _say(self.progress, f"CP-SAT mapping search over {name}{restricted} ({seconds:.1f} s) ...")
         objective = self.problem.objective
 
         def score(compute, weight, starts) -> float:  # what a plan reports of the solution
@@ -351,10 +364,10 @@ class _Search:
             return float("inf") if found is None else objective_value(found[1], objective)
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
-                               seed=self.seed, score=score, whole=whole, asap_replay=False,
+                               seed=self.seed, score=score, whole=whole, asap_replay=False, period=period,
                                lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())),
                                report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
-                                                     bounded=exact_links(self.timed)))
+                                                     bounded=exact_links(self.timed) and not period))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):

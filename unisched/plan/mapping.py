@@ -231,9 +231,9 @@ class _Places:
             for b in range(B):
                 for g in range(groups):
                     model.add_exactly_one(self.x[s, b, g, w] for w in range(W))
-                    if period and b >= period:
-                        for w in range(W):
-                            model.add(self.x[s, b, g, w] == self.x[s, b - period, g, w])
+        for (s, b, g, w), literal in self.x.items():
+            if period and b >= period:
+                model.add(literal == self.x[s, b - period, g, w])
 
     def group(self, item: int) -> tuple[int, int, int]:
         """(stage, batch, group) of an item."""

@@ -20,7 +20,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import unisched  # noqa: E402
-from unisched import ComputeAndWeightWorkers, policies, simulate  # noqa: E402
+from unisched import BACKWARD, BACKWARD_WEIGHT, ComputeAndWeightWorkers, policies, simulate  # noqa: E402
 from unisched.execute import SplitError, Trainer, split_model, train_one_process  # noqa: E402
 from unisched.execute.example import counting_tokens, gpt2_config, next_token_loss  # noqa: E402
 from unisched.execute.launch import run_local  # noqa: E402
@@ -244,7 +244,8 @@ def _train_tied(rank: int, world: int, cases, directory):
             unisched.save_checkpoint(trainer, directory)
         state = stages.model_state_dict(trainer.gather_state_dict())
         out[name] = {"losses": losses, "state": {k: v.numpy() for k, v in state.items()},
-                     "holders": [list(trainer.program.replicas[s]) for s, _ in stages.ties[0].copies]}
+                     "holders": [list(trainer.program.replicas[s]) for s, _ in stages.ties[0].copies],
+                     "tied": trainer.tied_weights}
         trainer.close()
     out["checks"] = _tie_checks(cases[0][4], rank)
     return out
@@ -325,6 +326,26 @@ def test_a_split_tied_gpt2_on_2_ranks_trains_as_the_tied_model_in_one_process(tr
     assert holders == {"gpipe": [[0], [1]], "one_f_one_b": [[0], [1]], "looped_bfs": [[0], [1]],
                        "interleaved": [[0], [1]], "zbv": [[0], [0]], "ddp": [[0, 1], [0, 1]],
                        "fsdp": [[0], [1]]}[name]
+
+
+@pytest.mark.parametrize("name, S, B, options", TIED_CASES, ids=[c[0] for c in TIED_CASES])
+def test_the_simulator_all_reduces_the_tied_copies_among_the_ranks_the_trainer_does(trained_tied, name, S, B,
+                                                                                   options):
+    """The Trainer's ``tied_weights`` (what calibrate puts in Costs) name the
+    copies' stages and the weight's bytes, and the simulator, replaying the
+    schedule with them, all-reduces the tie among the ranks whose copies the
+    Trainer sums: the holders of both copies (none where one rank holds both)."""
+    wte = gpt2(layers=4).transformer.wte.weight
+    tied = trained_tied[0][name]["tied"]
+    assert tied == (unisched.TiedWeight((0, S - 1), float(wte.numel() * wte.element_size())),)
+    costs = unisched.Costs(tied_weights=tied, bandwidth=1e9)  # no weight bytes: only the tie's rows carry any
+    timeline = unisched.execute.predict(schedule(name, S, B), costs).timeline
+    rows = timeline.transfers
+    tie_rows = rows.of_kind("allreduce") & (rows.nbytes > 0)
+    holders = sorted(set().union(*trained_tied[0][name]["holders"]))
+    assert sorted(set(rows.src[tie_rows].tolist())) == (holders if len(holders) > 1 else [])
+    gradients = np.isin(timeline.stage, (0, S - 1)) & np.isin(timeline.direction, (BACKWARD, BACKWARD_WEIGHT))
+    assert np.all(rows.start[tie_rows] >= timeline.end[gradients].max()), "after both copies' gradients"
 
 
 def test_a_checkpoint_of_the_tied_copies_resumes_under_another_placement(trained_tied):

@@ -113,6 +113,27 @@ def test_planner_prices_an_allreduce_as_the_simulator_books_it(costs, slowest, f
     assert replay.latency == sim.latency
 
 
+def test_planner_prices_a_tied_weights_all_reduce_as_the_simulator_books_it():
+    """A pipeline of 3 stages on 3 workers whose first and last stages share a
+    weight: the order model's step tails hold its all-reduce for those
+    stages' backwards only, and its proven optimum is the replay's latency."""
+    W = S = 3
+    B = 2
+    costs = Costs(bandwidth=2.0, latency=0.25, tied_weights=[((0, 2), 6.0)])
+    problem = PlanProblem(Shape(W, S, B), costs)
+    timed = TimedProblem.build(problem)
+    compute = timed.stage.copy()
+    tails = step_tails(timed, compute, compute)
+    tied = (timed.direction == BACKWARD) & np.isin(timed.stage, (0, 2))
+    assert {timed.ticks.time(t) for t in tails[tied]} == {ring_allreduce_time(costs, [0, 2], 6.0)} == {2 * 0.25 + 3.0}
+    assert not tails[~tied].any()
+
+    solved = solve_order(timed, compute, compute, time_limit=5)
+    replay = Schedule.from_starts(problem, compute, compute, solved.starts).simulate()
+    assert solved.optimal and timed.ticks.time(solved.objective) == replay.latency
+    assert [r.kind for r in replay.timeline.transfers].count("allreduce") == 2
+
+
 def test_planner_prices_a_moved_stash_as_the_stage_inputs():
     """Backwards on worker 1, forwards on worker 0: stage 1's stash moves as its
     input (2 bytes, not the 7 it keeps); stage 0's input is the micro-batch."""

@@ -354,6 +354,55 @@ def test_replicas_all_reduce_at_the_end():
     assert sim.latency == pytest.approx(2 * UNIT + 2 * 3 / 4 * 4.0 / 2.0)
 
 
+def test_a_tied_weight_ends_the_step_with_an_all_reduce_among_its_copies_holders():
+    """Stages 0 and 3 hold copies of one weight of 4 bytes: a pipeline
+    all-reduces it between workers 0 and 3 once both copies' gradients are
+    done (4 bytes over a 2-worker ring at 1 byte a unit: 4 units more); a
+    mapping that keeps both copies on one worker moves nothing for it."""
+    pipeline = unisched.policies.one_f_one_b(4, 4, 8)
+    untied = simulate(4, 4, 8, pipeline, costs=Costs(bandwidth=1.0))
+    tied = simulate(4, 4, 8, pipeline, costs=Costs(bandwidth=1.0, tied_weights=[((0, 3), 4.0)]))
+    rows = [r for r in tied.timeline.transfers if r.kind == "allreduce"]
+    assert sorted((r.src, r.dst, r.nbytes) for r in rows) == [(0, 3, 4.0), (3, 0, 4.0)]
+    t = tied.timeline
+    gradients = np.isin(t.stage, (0, 3)) & (t.direction == BACKWARD)
+    assert all(r.start == t.end[gradients].max() and r.end == r.start + 4.0 for r in rows)
+    assert tied.latency == pytest.approx(untied.latency + 4.0)
+    folded = lambda w: ComputeAndWeightWorkers(min(w.stage, 3 - w.stage), min(w.stage, 3 - w.stage))  # noqa: E731
+    alone = simulate(2, 4, 4, folded, costs=Costs(bandwidth=1.0, tied_weights=[((0, 3), 4.0)]))
+    assert not alone.timeline.transfers.of_kind("allreduce").any()
+    assert alone.latency == simulate(2, 4, 4, folded, costs=Costs(bandwidth=1.0)).latency
+
+
+def test_a_tied_weight_of_replicated_stages_is_all_reduced_after_their_replicas_are():
+    """Under data parallelism every worker holds both copies: the tie's
+    all-reduce among all four starts when the stages' own all-reduces end."""
+    costs = Costs(weight_bytes=4.0, bandwidth=2.0, tied_weights=[((0, 1), 8.0)])
+    sim = simulate(4, 2, 4, ddp, costs=costs)
+    rows = sim.timeline.transfers
+    reduces = rows.of_kind("allreduce")
+    tie = reduces & (rows.nbytes == 2 * 3 / 4 * 8.0)
+    assert tie.sum() == 4 and (reduces & ~tie).sum() == 2 * 4
+    assert np.all(rows.start[tie] == rows.end[reduces & ~tie].max())
+    assert sim.latency == pytest.approx(2 * UNIT + 2 * 3 / 4 * 4.0 / 2.0 + 2 * 3 / 4 * 8.0 / 2.0)
+
+
+def test_tied_weights_are_checked_and_round_trip(tmp_path):
+    costs = Costs(tied_weights=[{"stages": [3, 0], "bytes": 10}])
+    assert costs.tied_weights == (unisched.TiedWeight((0, 3), 10.0),)
+    costs.save(tmp_path / "costs.json")
+    assert Costs.load(tmp_path / "costs.json") == costs
+    for bad, message in [([((0,), 1.0)], "two or more distinct stage indices"),
+                         ([((1, 1), 1.0)], "two or more distinct stage indices"),
+                         ([((-1, 2), 1.0)], "two or more distinct stage indices"),
+                         ([((0, 1), -1.0)], "finite size >= 0"),
+                         ({"stages": [0, 1], "bytes": 1}, "must be a list of tied weights")]:
+        with pytest.raises(UniSchedError, match=message):
+            Costs(tied_weights=bad)
+    with pytest.raises(UniSchedError, match=r"names stages \[0, 3\] but there are 3 stages"):
+        costs.check(num_workers=3, num_stages=3)
+
+
 def test_free_and_costed_runs_move_the_same_things():
     fsdp = lambda w: ComputeAndWeightWorkers(w.batch % 2, w.stage % 2)  # noqa: E731
     free = simulate(2, 3, 4, fsdp, costs=Costs(activation_bytes=1, weight_bytes=1))

@@ -3,7 +3,7 @@ networks: random strategies, with and without gangs (tensor-parallel or
 sharing rows), over random small topologies (several nodes, NICs shared by
 devices, oversubscribed switches, replicas) and over links between pairs of
 workers.  Timelines and every transfer booked, the end-of-step all-reduces
-included, are identical item for item; simulate() takes the compiled path."""
+(of tied weights too) included, are identical item for item; simulate() takes the compiled path."""
 
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ def network_costs(rng, W: int, S: int, topology: bool, replicas: int):
         prefetch_depth=int(rng.integers(0, 3)),
         cache_weights=bool(rng.integers(2)),
         input_grad_frees=float(rng.choice([0.5, 1.0])),
+        tied_weights=[(sorted(rng.choice(S, 2, replace=False).tolist()), float(rng.choice([1.0, 4.0])))]
+        if S > 1 and rng.integers(2) else [],
     )
     if not topology:
         links = {(0, W - 1): unisched.Link(0.5, 1.0)} if W > 1 else {}

@@ -15,6 +15,7 @@ from unisched.simulate import (
     OldestBatchFirst,
     OldestStageFirst,
     Simulation,
+    TiedWeight,
     shape_lower_bound,
     simulate,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "WorkerOrders",
     "StrategyError",
     "Timeline",
+    "TiedWeight",
     "TimelineError",
     "Topology",
     "TransferRecord",

@@ -22,6 +22,12 @@ Memory beyond weights and stashes: ``backward_workspace_bytes`` is held on a
 worker for as long as each of its backward passes of the stage runs, and
 ``optimizer_bytes`` by each weight worker of the stage for the whole step
 (:mod:`unisched.memory`).
+
+Tied weights: a weight several stages hold a copy of (GPT-2 ties its head to
+its embedding; ``split_model`` gives each stage its copy) is one
+:class:`TiedWeight` in ``tied_weights``.  Each copy counts in its stage's
+``weight_bytes``; the step ends with an all-reduce of the copies' gradients
+among the workers that hold them (:func:`unisched.dataflow.tie_holders`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -44,6 +50,33 @@ PerStage = float | Sequence[float]
 class Link:
     latency: float = 0.0
     bandwidth: float = math.inf
+
+
+class TiedWeight(NamedTuple):
+    """One weight of ``nbytes`` bytes that the ``stages`` (two or more, in
+    order) each hold a copy of."""
+
+    stages: tuple[int, ...]
+    nbytes: float
+
+    @classmethod
+    def of(cls, value) -> "TiedWeight":
+        """A TiedWeight from itself, a ``(stages, bytes)`` pair or a
+        ``{"stages": [...], "bytes": n}`` object (a costs file's form)."""
+        if isinstance(value, Mapping) and set(value) == {"stages", "bytes"}:
+            value = (value["stages"], value["bytes"])
+        try:
+            stages, nbytes = value
+            stages = tuple(sorted({int(s) for s in stages if not isinstance(s, bool) and int(s) == s}))
+            if len(stages) != len(list(value[0])) or len(stages) < 2 or stages[0] < 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ShapeError(f"a tied weight is {{\"stages\": [two or more distinct stage indices], \"bytes\": n}}, "
+                             f"got {value!r}") from None
+        if not _is(nbytes, "number") or not _is_finite(nbytes) or nbytes < 0:
+            raise ShapeError(f"the tied weight of stages {list(stages)} must have a finite size >= 0 in bytes, "
+                             f"got {nbytes!r}")
+        return cls(stages, float(nbytes))
 
 
 @dataclass(frozen=True)
@@ -79,6 +112,9 @@ class Costs:
     optimizer_bytes: PerStage = 0.0
     """Bytes of the stage's optimizer state (Adam's two moments: twice
     ``weight_bytes``; plain SGD: none), held by each of its weight workers."""
+    tied_weights: Sequence[TiedWeight] = ()
+    """Weights that several stages hold copies of (:class:`TiedWeight`), whose
+    gradients are all-reduced among the copies' holders at the end of a step."""
 
     def __post_init__(self):
         self._whole_backward()
@@ -123,6 +159,9 @@ class Costs:
             _check_link(f"Costs.links[{src},{dst}].", link.latency, link.bandwidth)
             links[(src, dst)] = link
         object.__setattr__(self, "links", links)
+        if isinstance(self.tied_weights, (str, Mapping)) or not isinstance(self.tied_weights, Sequence):
+            raise ShapeError(f"Costs.tied_weights must be a list of tied weights, got {self.tied_weights!r}")
+        object.__setattr__(self, "tied_weights", tuple(TiedWeight.of(t) for t in self.tied_weights))
 
     def _whole_backward(self) -> None:
         """The whole backward and its halves describe one pass: a whole left out is
@@ -189,6 +228,12 @@ class Costs:
                 raise ShapeError(
                     f"Costs.links names the link {src},{dst} but there are {num_workers} workers "
                     f"(0..{num_workers - 1}); drop the link or give the costs of this world size"
+                )
+        for tie in self.tied_weights:
+            if tie.stages[-1] >= num_stages:
+                raise ShapeError(
+                    f"Costs.tied_weights names stages {list(tie.stages)} but there are {num_stages} stages "
+                    f"(0..{num_stages - 1}); give the costs of this model's split"
                 )
         hops = [self.link(src, dst) for src, dst in self.links] + [Link(self.latency, self.bandwidth)]
         with np.errstate(over="ignore", invalid="ignore"):
@@ -266,6 +311,7 @@ class Costs:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["links"] = {f"{s},{d}": _finite(asdict(link)) for (s, d), link in self.links.items()}
+        data["tied_weights"] = [{"stages": list(t.stages), "bytes": t.nbytes} for t in self.tied_weights]
         return _finite(data)
 
     @classmethod

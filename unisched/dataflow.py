@@ -48,6 +48,12 @@ Weights
     (:func:`sharded_weights`): an all-gather and a reduce-scatter, moved as
     their point-to-point parts.
 
+Ties
+    A weight that several stages hold a copy of (``Costs.tied_weights``)
+    ends the step with one more all-reduce: the copies' gradients summed
+    among the workers that hold any copy (:func:`tie_holders`), once every
+    copy's stage has its final gradient (after its replicas' all-reduce).
+
 Gangs
     A gang of workers runs one item jointly (:func:`gang_moves`).  A
     tensor-parallel gang (``collective``) computes the whole micro-batch on
@@ -375,6 +381,14 @@ def replicas(stage: np.ndarray, weight: np.ndarray, num_stages: int) -> list[tup
     for s, w in set(zip(np.asarray(stage).tolist(), np.asarray(weight).tolist())):
         held[s].add(w)
     return [tuple(sorted(h)) for h in held]
+
+
+def tie_holders(stages: Sequence[int], holders: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The workers that all-reduce a tied weight's gradient: the holders
+    (``holders[s]``, as :func:`replicas` gives them) of every stage in
+    ``stages`` that has a copy, sorted.  One worker alone sums the copies in
+    place and moves nothing."""
+    return tuple(sorted(set().union(*(holders[s] for s in stages))))
 
 
 # ---------------------------------------------------------------------- gangs

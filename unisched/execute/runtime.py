@@ -80,7 +80,7 @@ from unisched.execute.faults import (
 )
 from unisched.execute.measure import Clock, NotesLayout, assemble
 from unisched.execute.stages import is_factory, materialize
-from unisched.execute.ties import Tie, TiedGradients, as_ties, check_ties
+from unisched.execute.ties import Tie, TiedGradients, as_ties, check_ties, tied_weights
 from unisched.execute.training import (
     PRECISIONS,
     autocast,
@@ -423,7 +423,8 @@ class Trainer:
     def calibrate(self, inputs: Any, targets: Any, steps: int = 3, **options):
         """Run ``steps`` profiling steps (they train) and fit Costs to all but
         the first (a warm-up), so ``steps`` must be at least 2; same Costs on
-        every rank, with the sizes of :meth:`memory_sizes`."""
+        every rank, with the sizes of :meth:`memory_sizes` and the tied
+        weights the Trainer keeps (``Costs.tied_weights``)."""
         from unisched.execute.measure import calibrate_costs
 
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
@@ -443,7 +444,13 @@ class Trainer:
         fitted = calibrate_costs(timelines[1:], **options).to_dict() if self.rank == 0 else None
         if self.world_size > 1:
             fitted = broadcast_json(fitted, src=0, group=self._control)
-        return dataclasses.replace(Costs.from_dict(fitted), **self.memory_sizes())
+        return dataclasses.replace(Costs.from_dict(fitted), **self.memory_sizes(), tied_weights=self.tied_weights)
+
+    @property
+    def tied_weights(self):
+        """The tied weights this Trainer keeps, as the simulator's
+        ``Costs.tied_weights`` (the same on every rank)."""
+        return tied_weights(self._ties.ties, self._state_specs)
 
     def memory_sizes(self) -> dict[str, list[float]]:
         """Per stage, from the real stages (every rank calls it; the same on

@@ -14,6 +14,9 @@ group do, each stage keeps its own copy and the copies act as one weight:
   holds them all);
 * the global gradient norm counts the weight once (its first copy).
 
+The simulator times that all-reduce from ``Costs.tied_weights``
+(:func:`tied_weights` gives them; ``Trainer.calibrate`` fills them in).
+
 Equal weights, equal gradients and the same optimizer keep the copies (and
 their optimizer states) equal.  A :class:`Tie` names the copies by stage and
 parameter name; ``split_model`` records the ties it finds in
@@ -24,11 +27,14 @@ ties with a :class:`TiedGradients`.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
+from unisched.costs import TiedWeight
+from unisched.dataflow import tie_holders
 from unisched.errors import ShapeError
 
 
@@ -84,6 +90,20 @@ def check_ties(ties: Iterable, specs: Sequence[Mapping[str, tuple] | None]) -> t
     return tuple(checked)
 
 
+def tied_weights(ties: Iterable[Tie], specs: Sequence[Mapping[str, tuple]]) -> tuple[TiedWeight, ...]:
+    """``ties`` as the simulator's ``Costs.tied_weights``: the stages that
+    hold a copy and the weight's bytes (from its first copy's ``(shape,
+    dtype)`` in ``specs``); a tie whose copies all lie in one stage moves
+    nothing and is left out."""
+    out = []
+    for tie in ties:
+        stages = sorted({s for s, _ in tie.copies})
+        if len(stages) > 1:
+            shape, dtype = specs[tie.copies[0][0]][tie.copies[0][1]]
+            out.append(TiedWeight(tuple(stages), float(math.prod(shape) * dtype.itemsize)))
+    return tuple(out)
+
+
 def counted_elsewhere(ties: Iterable[Tie]) -> set[tuple[int, str]]:
     """The copies a gradient norm leaves out: all but each weight's first."""
     return {copy for tie in ties for copy in tie.copies[1:]}
@@ -103,7 +123,7 @@ class TiedGradients:
         self.ties = tuple(ties)
         self.rank, self.device = rank, device
         self._first = [min(h) for h in holders]
-        self._members = [tuple(sorted(set().union(*(holders[s] for s, _ in tie.copies)))) for tie in self.ties]
+        self._members = [tie_holders([s for s, _ in tie.copies], holders) for tie in self.ties]
         made = {}
         for members in self._members:
             if len(members) > 1 and members not in made:

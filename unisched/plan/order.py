@@ -268,9 +268,10 @@ def releases(timed: TimedProblem, compute, weight) -> np.ndarray:
 
 def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     """Ticks the step lasts after each item: the return of its weight gradient to
-    the weight worker, then the all-reduce of a replicated stage (a ring, or a tree
-    where a topology says so; both priced by :mod:`unisched.network`, as the simulator
-    books them, without the waits for busy links the simulator adds)."""
+    the weight worker, then the all-reduce of a replicated stage, then the longest of
+    those of the tied weights the stage holds a copy of (a ring, or a tree where a topology says
+    so; all priced by :mod:`unisched.network`, as the simulator books them, without
+    the waits for busy links the simulator adds)."""
     problem = timed.problem
     W, S, B = problem.shape
     last = timed.direction == dataflow.gradient_pass(problem.split_backward)
@@ -278,10 +279,17 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails[returning] = timed.fetch[compute[returning], weight[returning], timed.stage[returning]]
     wbytes = problem.costs.per_stage("weight_bytes", S)
-    for s, replicas in enumerate(dataflow.replicas(timed.stage[last], weight[last], S)):
+    holders = dataflow.replicas(timed.stage[last], weight[last], S)
+    for s, replicas in enumerate(holders):
         if len(replicas) > 1:
             tails[last & (timed.stage == s)] += timed.ticks(allreduce_time(problem.costs, replicas, wbytes[s]))
-    return tails
+    tied = np.zeros(S, dtype=np.int64)  # ties all-reduce side by side, so a stage waits for its longest
+    for tie in problem.costs.tied_weights:
+        members = dataflow.tie_holders(tie.stages, holders)
+        if len(members) > 1:
+            ticks = timed.ticks(allreduce_time(problem.costs, members, tie.nbytes))
+            tied[list(tie.stages)] = np.maximum(tied[list(tie.stages)], ticks)
+    return tails + np.where(last, tied[timed.stage], 0)
 
 
 def memory_demands(timed: TimedProblem) -> tuple[dict, Ticks]:

@@ -1,6 +1,6 @@
 """The discrete-event simulator: strategy in, Timeline out."""
 
-from unisched.costs import DEFAULT_COSTS, Costs, Link
+from unisched.costs import DEFAULT_COSTS, Costs, Link, TiedWeight
 from unisched.simulate.priorities import BackwardFirst, OldestBatchFirst, OldestStageFirst, priority_by_name
 from unisched.simulate.simulation import Simulation, shape_lower_bound, simulate
 
@@ -15,4 +15,5 @@ __all__ = [
     "priority_by_name",
     "shape_lower_bound",
     "simulate",
+    "TiedWeight",
 ]

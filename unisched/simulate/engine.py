@@ -330,18 +330,28 @@ class _Communication:
 
     def finish_step(self, end) -> None:
         """On a topology: book the end-of-step all-reduces, each once its
-        stage is ready, in that order."""
+        stage is ready, in that order; then those of tied weights, each once
+        its copies' stages are ready and reduced."""
         if self.cluster is None:
             return
         p = self.p
         returned = [(p.stage_list[row[6]], row[4]) for row in self.rows if row[0] == "weight_gradient"]
         stage, arrival = zip(*returned) if returned else ((), ())
         groups = transfers.allreduce_groups(p, np.asarray(end), stage, arrival)
-        for group in sorted(groups, key=lambda g: (g.ready, g.stage, g.share)):
-            everyone = p.costs.everywhere(group.replicas, p.num_workers)
-            duration = float(network.allreduce_time(p.costs, everyone, group.nbytes))
-            begin = self.cluster.collective(everyone, group.ready, duration)
-            self.rows += transfers.ring_rows(group, everyone, begin, begin + duration)
+        reduced = [(group.stage, self._book_allreduce(group)) for group in
+                   sorted(groups, key=lambda g: (g.ready, g.stage, g.share))]
+        reduced_stage, reduced_end = zip(*reduced) if reduced else ((), ())
+        ties = transfers.tie_table(p, np.asarray(end), stage, arrival, reduced_stage, reduced_end).groups()
+        for group in sorted(ties, key=lambda g: g.ready):
+            self._book_allreduce(group)
+
+    def _book_allreduce(self, group: transfers.AllReduce) -> float:
+        """Book ``group``'s all-reduce on its workers' links from when it is ready; when it ends."""
+        everyone = self.p.costs.everywhere(group.replicas, self.p.num_workers)
+        duration = float(network.allreduce_time(self.p.costs, everyone, group.nbytes))
+        begin = self.cluster.collective(everyone, group.ready, duration)
+        self.rows += transfers.ring_rows(group, everyone, begin, begin + duration)
+        return begin + duration
 
     def collect(self, item: int, finish: float) -> float:
         """When the first member of ``item``'s gang has collected the members' results."""

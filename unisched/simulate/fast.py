@@ -299,10 +299,12 @@ def _calendars_of(problem, src: np.ndarray, dst: np.ndarray, per_route: np.ndarr
 
     routes = [calendar(topology.route(a, b).links) for a, b in zip(src.tolist(), dst.tolist())]
     gangs = [collective(members) for members in problem.gang_members]
-    # which all-reduces a step has does not depend on its times, only when they are ready does
-    table = transfers.allreduce_table(problem, np.zeros(problem.num_items), none, np.zeros(0))
-    allreduces = [collective(problem.costs.everywhere(group.replicas, problem.num_workers))
-                  for group in table.groups()]
+    # which all-reduces a step has does not depend on its times, only when they are ready does;
+    # the stages' first, then the tied weights'
+    at_zero = np.zeros(problem.num_items), none, np.zeros(0)
+    groups = transfers.allreduce_table(problem, *at_zero).groups() + \
+        transfers.tie_table(problem, *at_zero, none, np.zeros(0)).groups()
+    allreduces = [collective(problem.costs.everywhere(group.replicas, problem.num_workers)) for group in groups]
     route_ptr, route_calendar = _flat(routes)
     gang_ptr, gang_calendar = _flat(gangs)
     allreduce_ptr, allreduce_calendar = _flat(allreduces)
@@ -359,10 +361,22 @@ def run(problem):
 def _allreduces(problem, links: Links, calendars, end: np.ndarray, booked) -> "transfers.Booked":
     """The end-of-step all-reduces on a topology, each booked on the links
     its workers use once its stage is ready, in that order, after the step's
-    transfers (``engine._Communication.finish_step``): their rows."""
+    transfers, then those of tied weights (``engine._Communication.finish_step``): their rows."""
     returned = booked.kind == links.weights.return_kind
-    table = transfers.allreduce_table(problem, end, problem.stage[booked.item[returned]], booked.end[returned])
+    returned_stage, returned_end = problem.stage[booked.item[returned]], booked.end[returned]
+    table = transfers.allreduce_table(problem, end, returned_stage, returned_end)
     order = np.lexsort((table.share, table.stage, table.ready))  # by (ready, stage, share), as the engine sorts
+    stages, stage_end = _book_allreduces(problem, links, calendars, table, order, 0)
+    ties = transfers.tie_table(problem, end, returned_stage, returned_end, table.stage[order], stage_end)
+    tied, _ = _book_allreduces(problem, links, calendars, ties, np.argsort(ties.ready, kind="stable"),
+                               len(table.stage))
+    return transfers.Booked.joined(stages, tied)
+
+
+def _book_allreduces(problem, links: Links, calendars, table, order: np.ndarray, first_group: int):
+    """Book the all-reduces of ``table`` in ``order`` on their calendars
+    (``links.allreduce_ptr``'s groups from ``first_group`` on): their rows,
+    and each one's end, in that order."""
     count = np.diff(table.ptr)[order]
     replicas = np.concatenate([table.replicas[table.ptr[g]:table.ptr[g + 1]] for g in order.tolist()] or
                               [np.zeros(0, np.int64)])
@@ -373,13 +387,14 @@ def _allreduces(problem, links: Links, calendars, end: np.ndarray, booked) -> "t
     nbytes = table.nbytes[order]
     duration = np.array([float(network.allreduce_time(problem.costs, e, b)) for e, b in zip(everyone, nbytes.tolist())],
                         dtype=float)
-    groups = order.astype(np.int64)  # the table's groups are the calendars' (``_calendars_of``), in one order
+    groups = first_group + order.astype(np.int64)  # the table's groups are the calendars' (``_calendars_of``)
     begins = book_in_order(*calendars, links.routes.calendar_base, links.allreduce_ptr, links.allreduce_calendar,
                            groups, table.ready[order].astype(float), duration)
     src, dst, hop_bytes = transfers.ring_hops(ptr, replicas, np.array([len(e) for e in everyone]), nbytes)
     every = np.repeat(np.arange(len(order)), count)
     return transfers.Booked(np.full(len(src), TRANSFER_KINDS.index("allreduce"), np.int64), src, dst,
-                            begins[every], (begins + duration)[every], hop_bytes, table.item[order][every])
+                            begins[every], (begins + duration)[every], hop_bytes,
+                            table.item[order][every]), begins + duration
 
 
 def _contiguous(table):

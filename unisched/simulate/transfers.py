@@ -10,8 +10,9 @@ stage when weights are cached) and returns its gradient; a gang's first
 member hands out and collects (:func:`unisched.dataflow.gang_moves`), and
 each member fetches the share of the weights it computes with.  The
 end-of-step all-reduce among the holders of each share of a stage
-(:func:`allreduce_groups`) is added here, timed by the network model; on a
-topology the run books it on the links its members use instead.
+(:func:`allreduce_groups`), and then of each tied weight's copies
+(:func:`tie_table`), is added here, timed by the network model; on a
+topology the run books them on the links their members use instead.
 """
 
 from __future__ import annotations
@@ -185,14 +186,44 @@ def allreduce_groups(p: Problem, end: np.ndarray, returned_stage, returned_end) 
     return allreduce_table(p, end, returned_stage, returned_end).groups()
 
 
+def _gradient_links(p: Problem):
+    """(item, holder, share, bytes) of the rows of :meth:`Problem.weight_links`
+    whose pass makes the stage's weight gradient."""
+    item, _, holder, share, size = p.weight_links
+    last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
+    return item[last], holder[last], share[last], size[last]
+
+
+def gradient_ready(p: Problem, end: np.ndarray, returned_stage, returned_end) -> np.ndarray:
+    """Per stage, when its holders have all of its gradient: the end of its
+    last gradient pass and the arrival of every gradient returned to a
+    holder (``returned_*``: their stage and arrival)."""
+    item = _gradient_links(p)[0]
+    ready = np.full(p.shape.num_stages, -np.inf)
+    np.maximum.at(ready, p.stage[item], end[item])
+    np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))
+    return ready
+
+
+def _no_allreduces() -> AllReduces:
+    none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
+    return AllReduces(none_i, none_i, none_f, none_f, none_i, np.zeros(1, np.int64), none_i)
+
+
+def _first_gradient_pass(p: Problem) -> np.ndarray:
+    """Per stage, its first gradient pass (an item), which transfer rows of its all-reduces name."""
+    item = _gradient_links(p)[0]
+    first = np.full(p.shape.num_stages, -1)
+    first[p.stage[item][::-1]] = item[::-1]
+    return first
+
+
 def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -> AllReduces:
     """An all-reduce per share of a stage held by several workers (the
     holders of :meth:`Problem.weight_links`), or by one when the costs say
     the step is one of several data-parallel replicas; ``returned_*`` are the
     stage and arrival of every weight gradient returned to a holder."""
-    item, _, holder, share, size = p.weight_links
-    last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
-    item, holder, share, size = item[last], holder[last], share[last], size[last]
+    item, holder, share, size = _gradient_links(p)
     stage = p.stage[item]
     S = p.shape.num_stages
     shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
@@ -202,20 +233,45 @@ def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -
     count = np.diff(np.append(opens, len(held)))
     kept = (count > 1) | (getattr(p.costs, "replicas", 1) > 1)
     if not kept.any():
-        none_i, none_f = np.zeros(0, np.int64), np.zeros(0)
-        return AllReduces(none_i, none_i, none_f, none_f, none_i, np.zeros(1, np.int64), none_i)
-    ready = np.full(S, -np.inf)
-    np.maximum.at(ready, stage, end[item])
-    np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))
-    some_item = np.full(S, -1)
-    some_item[stage[::-1]] = item[::-1]  # the first gradient pass of each stage
+        return _no_allreduces()
+    ready = gradient_ready(p, end, returned_stage, returned_end)
     group_stage, group_share = np.divmod(group_of[opens][kept], shares)
     ptr = np.zeros(int(kept.sum()) + 1, dtype=np.int64)
     np.cumsum(count[kept], out=ptr[1:])
     return AllReduces(
         stage=group_stage, share=group_share, ready=ready[group_stage],
         nbytes=size[first[(opens + count - 1)[kept]]].astype(float),  # the size its last holder gives
-        item=some_item[group_stage], ptr=ptr, replicas=(held % holders)[np.repeat(kept, count)],
+        item=_first_gradient_pass(p)[group_stage], ptr=ptr, replicas=(held % holders)[np.repeat(kept, count)],
+    )
+
+
+def tie_table(p: Problem, end: np.ndarray, returned_stage, returned_end, reduced_stage, reduced_end) -> AllReduces:
+    """An all-reduce per tied weight (``Costs.tied_weights``) whose copies
+    several workers hold (:func:`unisched.dataflow.tie_holders`; or one, when
+    the step is one of several data-parallel replicas), ready once every
+    copy's stage has its gradient (:func:`gradient_ready`) and its own
+    all-reduces (``reduced_*``: their stage and end) are done.  Its stage is
+    the first copy's, its share -1."""
+    ties = p.costs.tied_weights
+    if not ties:
+        return _no_allreduces()
+    item, holder, _, _ = _gradient_links(p)
+    holders = dataflow.replicas(p.stage[item], holder, p.shape.num_stages)
+    ready = gradient_ready(p, end, returned_stage, returned_end)
+    np.maximum.at(ready, np.asarray(reduced_stage, dtype=np.int64), np.asarray(reduced_end, dtype=float))
+    several = getattr(p.costs, "replicas", 1) > 1
+    kept = [(tie, dataflow.tie_holders(tie.stages, holders)) for tie in ties]
+    kept = [(tie, members) for tie, members in kept if len(members) > 1 or several and members]
+    if not kept:
+        return _no_allreduces()
+    ptr = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum([len(members) for _, members in kept], out=ptr[1:])
+    first_stage = np.array([tie.stages[0] for tie, _ in kept], dtype=np.int64)
+    return AllReduces(
+        stage=first_stage, share=np.full(len(kept), -1, np.int64),
+        ready=np.array([ready[list(tie.stages)].max() for tie, _ in kept]),
+        nbytes=np.array([tie.nbytes for tie, _ in kept]), item=_first_gradient_pass(p)[first_stage], ptr=ptr,
+        replicas=np.array([m for _, members in kept for m in members], dtype=np.int64),
     )
 
 
@@ -243,10 +299,19 @@ def ring_hops(ptr: np.ndarray, replicas: np.ndarray, ring_sizes: np.ndarray, nby
 def _allreduce(p: Problem, end: np.ndarray, moved: list[dict]) -> dict:
     """The all-reduces of :func:`allreduce_table` after the transfers
     ``moved``, each starting when its stage is ready and taking the network
-    model's time."""
+    model's time, then those of :func:`tie_table`."""
     returned = [table["kind"] == _CODE["weight_gradient"] for table in moved]
-    t = allreduce_table(p, end, np.concatenate([table["stage"][r] for table, r in zip(moved, returned)]),
-                        np.concatenate([table["end"][r] for table, r in zip(moved, returned)]))
+    returned_stage = np.concatenate([table["stage"][r] for table, r in zip(moved, returned)])
+    returned_end = np.concatenate([table["end"][r] for table, r in zip(moved, returned)])
+    stages = allreduce_table(p, end, returned_stage, returned_end)
+    stage_rows, stage_end = _ring_table(p, stages)
+    ties = tie_table(p, end, returned_stage, returned_end, stages.stage, stage_end)
+    return _concat(stage_rows, _ring_table(p, ties)[0])
+
+
+def _ring_table(p: Problem, t: AllReduces) -> tuple[dict, np.ndarray]:
+    """Transfer rows of the all-reduces ``t``, each from its ready time for
+    the network model's time, and each one's end."""
     duration = np.array([network.ring_allreduce_time(p.costs, t.replicas[a:b], n)
                          for a, b, n in zip(t.ptr[:-1].tolist(), t.ptr[1:].tolist(), t.nbytes.tolist())], dtype=float)
     count = np.diff(t.ptr)
@@ -254,4 +319,4 @@ def _allreduce(p: Problem, end: np.ndarray, moved: list[dict]) -> dict:
     every = np.repeat(np.arange(len(count)), count)
     table = _columns(np.full(len(src), _CODE["allreduce"]), src, dst, t.ready[every],
                      (t.ready + duration)[every], nbytes, t.item[every], p)
-    return _serving_the_step(table, slice(None))
+    return _serving_the_step(table, slice(None)), t.ready + duration

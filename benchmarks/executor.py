@@ -159,6 +159,7 @@ class Workload:
         if self.model == "linear":
             return make_stages(S, self.config["width"], self.config["layers"])
         args = SimpleNamespace(**GPT2)
+        # untied: torch's runtime keeps no ties, so both sides train the same model
         return unisched.split_model(gpt2_example.gpt2(args, 2 * self.W), S, tied="untie")
 
     def batch(self):

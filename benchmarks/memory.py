@@ -133,6 +133,7 @@ class Model:
         c = self.config
         if self.name == "linear":
             return lambda s: make_linear_stage(c["width"], c["layers"])
+        # untied: torch's runtime keeps no ties, so both sides train the same model
         return unisched.split_model(gpt2_example.gpt2(self.example_args(), 2 * S), S, tied="untie")
 
     def batch(self, B: int):

@@ -149,6 +149,8 @@ def test_a_saved_plan_loads_with_its_replayed_latency(tmp_path, plan_data):
         (dict(split_backward="no"), "split_backward"),
         (dict(costs__forward=None), "Costs.forward"),
         (dict(costs__links={"0,5": {"latency": 1}}), "link 0,5"),
+        (dict(costs__tied_weights=[{"stages": [0, 9], "bytes": 1}]), "names stages \\[0, 9\\] but there are"),
+        (dict(memory_limit=-1), "impossible problem: memory_limit must be non-negative finite numbers, got -1"),
         (dict(strategy=7), "'strategy' must be a string"),
         (dict(bound_classes=True), "'bound_classes' must be a JSON object of strings"),
         (dict(bound_classes={"work": 3}), "'bound_classes.work' must be a string"),

@@ -502,7 +502,8 @@ def test_fixed_orders_as_item_ids_are_followed_and_checked():
     assert simulate(1, 1, 2, replay).timeline.worker_order(0) == order
     with pytest.raises(StrategyError, match="leave out"):
         simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids[:3]}))
-    with pytest.raises(StrategyError, match="appears twice"):
+    with pytest.raises(StrategyError, match=r"worker 0's order has 0B0 \(micro-batch 0, stage 0, backward\) twice, at "
+                                             "positions 2 and 3; name each work item once"):
         simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids[[0, 1, 2, 2]]}))
     with pytest.raises(StrategyError, match="item ids outside 0..3"):
         simulate(1, 1, 2, unisched.Strategy(mapping, worker_orders={0: ids + 1}))

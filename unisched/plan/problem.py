@@ -182,7 +182,7 @@ class PlanProblem:
         object.__setattr__(self, "shape", Shape(*self.shape))
         object.__setattr__(self, "costs", _infinite_links(self.costs))
         W, S = self.shape.num_workers, self.shape.num_stages
-        object.__setattr__(self, "memory_limit", _per_worker("--memory-limit", self.memory_limit, W))
+        object.__setattr__(self, "memory_limit", _per_worker("memory_limit", self.memory_limit, W))
         object.__setattr__(self, "memory_budget", _per_worker("memory_budget", self.memory_budget, W))
         optimizer = _per_worker("optimizer_bytes", self.optimizer_bytes, S, what="stage")
         object.__setattr__(self, "optimizer_bytes", 0.0 if optimizer is None else optimizer)

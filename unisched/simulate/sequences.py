@@ -144,7 +144,13 @@ def _checked_ids(owner, batch, stage, direction, compute, shape: Shape, items: I
         i = int(np.argmax(elsewhere & mine))
         raise StrategyError(
             f"worker {owner[i]}'s order has {work(i)!r}, but the mapping sends it to worker {compute[ids[i]]}")
-    raise StrategyError(f"{work(int(np.argmax(repeated & mine)))!r} appears twice in the fixed orders")
+    i = int(np.argmax(repeated & mine))
+    earlier = int(np.argmax(ids[:i] == ids[i]))
+    start = int(np.argmax(mine))  # a worker's rows are contiguous: positions count from its first
+    w = work(i)
+    raise StrategyError(f"worker {owner[i]}'s order has {w} (micro-batch {w.batch}, stage {w.stage}, "
+                        f"{w.direction.name.lower()}) twice, at positions "
+                        f"{earlier - start} and {i - start}; name each work item once")
 
 
 def _repeats(ids: np.ndarray) -> np.ndarray:

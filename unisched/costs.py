@@ -66,9 +66,10 @@ class TiedWeight(NamedTuple):
         if isinstance(value, Mapping) and set(value) == {"stages", "bytes"}:
             value = (value["stages"], value["bytes"])
         try:
-            stages, nbytes = value
-            stages = tuple(sorted({int(s) for s in stages if not isinstance(s, bool) and int(s) == s}))
-            if len(stages) != len(list(value[0])) or len(stages) < 2 or stages[0] < 0:
+            given, nbytes = value
+            given = list(given)
+            stages = tuple(sorted({int(s) for s in given if not isinstance(s, bool) and int(s) == s}))
+            if len(stages) != len(given) or len(stages) < 2 or stages[0] < 0:
                 raise ValueError
         except (TypeError, ValueError):
             raise ShapeError(f"a tied weight is {{\"stages\": [two or more distinct stage indices], \"bytes\": n}}, "

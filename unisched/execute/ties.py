@@ -148,7 +148,7 @@ class TiedGradients:
                 for copy in mine:
                     truth(*copy).copy_(value.to(truth(*copy).device))
 
-    def reduce(self, grad_param: Callable[[int, str], torch.Tensor]) -> list[tuple[tuple[int, ...], float, float, float]]:
+    def reduce(self, grad_param: Callable[[int, str], torch.Tensor]) -> list[tuple]:
         """Give every copy this rank holds the sum of all copies' gradients:
         each copy's gradient comes in once, from its stage's first holder
         (replicas hold equal gradients by now), summed by an all-reduce

@@ -12,8 +12,8 @@ __all__ = [
     "OldestBatchFirst",
     "OldestStageFirst",
     "Simulation",
+    "TiedWeight",
     "priority_by_name",
     "shape_lower_bound",
     "simulate",
-    "TiedWeight",
 ]

@@ -112,22 +112,18 @@ class NotesLayout:
     ``[begin, end, #items, #sends, #receives, #reduces]`` then per item
     ``(action index, start, end)``, per send ``(message, posted)``, per
     receive ``(message, wait start, wait end)``, per all-reduce ``(group,
-    bytes, start, end)``, padded with zeros.  The all-reduces are the
-    replicas' (``R`` actions) and those of ``tie_groups``, the ranks of each
-    tied weight's all-reduce (:attr:`TiedGradients.groups`)."""
+    bytes, start, end)``, padded with zeros."""
 
     HEAD = 6
 
-    def __init__(self, program, tie_groups: Sequence[tuple[int, ...]] = ()):
+    def __init__(self, program):
         self.program = program
         self.groups = program.groups()
-        self.groups += [g for g in dict.fromkeys(tie_groups) if g not in self.groups]
         self.group_ids = {g: i for i, g in enumerate(self.groups)}
         self.length = self.HEAD + max(
             3 * sum(a.is_compute for a in acts) + 2 * sum(a.is_send for a in acts)
             + 3 * sum(a.is_recv for a in acts) + 4 * sum(a.op == "R" for a in acts)
-            + 4 * sum(rank in g for g in tie_groups)
-            for rank, acts in enumerate(program.actions)
+            for acts in program.actions
         )
 
     def pack(self, begin: float, end: float, items, sends: dict, receives: dict, reduces) -> "np.ndarray":

@@ -284,7 +284,7 @@ class Trainer:
         self._recording = False
         self._state: _StepState | None = None
         self._watchdog = Watchdog(self.timeout, self._on_timeout)
-        self._notes_layout = NotesLayout(program, self._ties.groups)
+        self._notes_layout = NotesLayout(program)
         self._notes: list | None = None
         self._gathering: tuple | None = None  # a recorded step's gather of notes, while under way
         self._timeline: Timeline | None = None
@@ -1456,7 +1456,7 @@ class Trainer:
             self._hold_gradients()
         else:
             self._accumulated = 0
-            self._update(st, float(losses.mean()))
+            self._update(float(losses.mean()))
         self._clear_gradients()
         self._average_buffers()
         self._release_weights()
@@ -1506,7 +1506,7 @@ class Trainer:
                 if p.grad is not None:
                     held[i] = p.grad.detach().clone() if held[i] is None else held[i].add_(p.grad)
 
-    def _update(self, st, loss: float) -> None:
+    def _update(self, loss: float) -> None:
         """The optimizer step, on the gradients of truth (with those held
         from earlier steps of the accumulation, and each copy of a tied
         weight holding the sum of the copies'): unscaled by the fp16 loss
@@ -1518,10 +1518,8 @@ class Trainer:
                 if h is not None:
                     p.grad = h if p.grad is None else p.grad.add_(h)
         self._held = {}
-        tied = self._collective(lambda: self._ties.reduce(lambda s, name: self._params[s][self._index[s][name]]),
-                                "the all-reduce of tied weights' gradients")
-        if self._recording:
-            st.reduces += tied
+        self._collective(lambda: self._ties.reduce(lambda s, name: self._params[s][self._index[s][name]]),
+                         "the all-reduce of tied weights' gradients")
         grads = [p.grad for p in truth if p.grad is not None]
         if self._scale.enabled and grads:
             torch._foreach_mul_(grads, 1.0 / self._scale.scale)

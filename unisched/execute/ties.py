@@ -28,7 +28,6 @@ ties with a :class:`TiedGradients`.
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -148,14 +147,11 @@ class TiedGradients:
                 for copy in mine:
                     truth(*copy).copy_(value.to(truth(*copy).device))
 
-    def reduce(self, grad_param: Callable[[int, str], torch.Tensor]) -> list[tuple]:
+    def reduce(self, grad_param: Callable[[int, str], torch.Tensor]) -> None:
         """Give every copy this rank holds the sum of all copies' gradients:
         each copy's gradient comes in once, from its stage's first holder
         (replicas hold equal gradients by now), summed by an all-reduce
-        among the tie's ranks.  Returns each all-reduce this rank joined as
-        ``(members, bytes it sent, start, end)`` (``time.perf_counter``), as
-        the Trainer notes its replicas' all-reduces."""
-        done = []
+        among the tie's ranks."""
         for members, mine in zip(self._members, self._mine):
             if not mine:
                 continue
@@ -163,19 +159,9 @@ class TiedGradients:
             counted = [p.grad for (s, _), p in zip(mine, params) if self._first[s] == self.rank]
             total = _sum(counted, params[0])
             if len(members) > 1:
-                start = time.perf_counter()
                 dist.all_reduce(total, group=self._groups[members])
-                n = len(members)
-                done.append((members, 2 * (n - 1) / n * total.numel() * total.element_size(), start,
-                             time.perf_counter()))
             for p in params:
                 _set_grad(p, total)
-        return done
-
-    @property
-    def groups(self) -> list[tuple[int, ...]]:
-        """The ranks of each tie's all-reduce, for the ties that have one (of more than one rank)."""
-        return [members for members in self._members if len(members) > 1]
 
     def close(self) -> None:
         """Release the ties' process groups (every rank calls it)."""

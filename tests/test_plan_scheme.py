@@ -58,8 +58,11 @@ def test_a_periodic_mapping_search_places_micro_batches_alike_and_claims_no_boun
     optimum (43) is not periodic: no periodic mapping reaches it."""
     problem = PlanProblem(Shape(2, 4, 4), encode_costs(comm=1), memory_limit=2)
     timed = TimedProblem.build(problem)
-    solved = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False, period=2)
+    bounds = []
+    solved = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False, period=2,
+                           report=lambda objective, bound, seconds: bounds.append(bound))
     assert solved.found and solved.bound == 0 and not solved.optimal
+    assert bounds and bounds == [None] * len(bounds), "its progress reports no bound either"
     compute = solved.compute[problem.item_grid()]  # (batch, stage, pass)
     assert np.array_equal(compute[2:], compute[:-2])
     assert solved.objective / timed.ticks.scale > 43

@@ -367,7 +367,7 @@ class _Search:
                                seed=self.seed, score=score, whole=whole, asap_replay=False, period=period,
                                lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())),
                                report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
-                                                     bounded=exact_links(self.timed) and not period))
+                                                     bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):

@@ -261,7 +261,7 @@ def tie_table(p: Problem, end: np.ndarray, returned_stage, returned_end, reduced
     np.maximum.at(ready, np.asarray(reduced_stage, dtype=np.int64), np.asarray(reduced_end, dtype=float))
     several = getattr(p.costs, "replicas", 1) > 1
     kept = [(tie, dataflow.tie_holders(tie.stages, holders)) for tie in ties]
-    kept = [(tie, members) for tie, members in kept if len(members) > 1 or several and members]
+    kept = [(tie, members) for tie, members in kept if len(members) > (0 if several else 1)]
     if not kept:
         return _no_allreduces()
     ptr = np.zeros(len(kept) + 1, dtype=np.int64)

@@ -79,9 +79,9 @@ MAPPING_PERIOD = 2
 ``benchmarks/planner_small.py`` it found shorter plans than the same time spent on the
 unrestricted model alone (docs/planning.md, "Small problems")."""
 SEARCH_WORKERS = 3
-"""CP-SAT's search workers per solve: from three on its portfolio runs a fixed search beside the
-default one, which on small problems finds and proves optima the default one alone does not reach
-in seconds (W = 2, S = 4, B = 8, comm 1: 49 proven in 0.2 s, where two workers had no proof in 8 s)."""
+"""CP-SAT's search workers per solve: the two searches of :data:`unisched.plan.order.PORTFOLIO`
+and one for neighbourhoods.  More share the two cores of the machine measured more thinly and lose
+the small steps' proofs (docs/planning.md, "Small problems")."""
 SEARCHES = ("auto", "cpsat", "heuristic")
 """Which search :func:`plan` runs: :func:`uses_heuristic` says which ``auto`` picks."""
 SCHEMES = ("auto", "whole", "paired")

@@ -220,20 +220,22 @@ class Improvements(cp_model.CpSolverSolutionCallback):
 
 
 PORTFOLIO = ("fixed", "quick_restart")
-"""CP-SAT's full-problem searches when a solve has more workers than these (the rest search
+"""CP-SAT's two full-problem searches in a solve with three workers (the third searches
 neighbourhoods): the fixed search (the model's decision strategy, a list scheduler under a memory
 limit), which proves the small memory-limited steps, and the default search restarting often,
 which finds shorter schedules than CP-SAT's default search with its LP in the same time
-(docs/planning.md, "Small problems")."""
+(docs/planning.md, "Small problems").  With more workers CP-SAT's own portfolio runs, both among
+its searches."""
 
 
 def make_solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:
-    """A CP-SAT solver with a time limit, a number of search workers (from three on, the searches
-    of :data:`PORTFOLIO`) and a fixed seed; Ctrl-C is left to :func:`run_solver`."""
+    """A CP-SAT solver with a time limit, a number of search workers (three: the searches of
+    :data:`PORTFOLIO` and one for neighbourhoods) and a fixed seed; Ctrl-C is left to
+    :func:`run_solver`."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
     solver.parameters.num_workers = max(1, int(num_workers))
-    if num_workers > len(PORTFOLIO):
+    if num_workers == len(PORTFOLIO) + 1:
         solver.parameters.subsolvers.extend(PORTFOLIO)
     solver.parameters.random_seed = seed
     solver.parameters.catch_sigint_signal = False

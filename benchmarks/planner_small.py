@@ -11,6 +11,13 @@ run) and prints the gap of the default run to that reference, the best
 schedule known: where the long run proves its schedule optimal, the reference
 is the optimum of the class it names.
 
+``--all`` plans instead every step of the sweep the planner was first
+measured on: W, S in {2, 3, 4}, B in {2, 4, 8}, memory limit 1, 2 or none,
+communication 0 or 1 (162 steps; ``--split`` adds each with a split
+backward), and ends with a summary: how many plans are proven optimal (and
+for which class), how many lie within 2% of their own lower bound, and the
+largest gap among the rest.
+
 Run: ``python benchmarks/planner_small.py`` (``--quick``: the first cases only;
 ``--cases 0,3``: those rows, a row given twice planned twice; ``--time-limit``: another search time).
 """
@@ -68,6 +75,13 @@ GRID = [
 ]
 
 
+def sweep(split: bool) -> list[Case]:
+    """Every step of the sweep (``--all``), with split-backward twins when ``split``."""
+    cases = [Case(W, S, B, memory, comm) for W in (2, 3, 4) for S in (2, 3, 4) for B in (2, 4, 8)
+             for memory in (1, 2, None) for comm in (0, 1)]
+    return cases + [case._replace(split=True) for case in cases] if split else cases
+
+
 def run(case: Case, seconds: float):
     """The plan of one case within ``seconds``, checked to replay to its latency, and its wall time."""
     begin = time.perf_counter()
@@ -98,7 +112,12 @@ def main() -> None:
                         help="also plan each case this many seconds, as the reference (0: no reference)")
     parser.add_argument("--quick", action="store_true", help="only the first four cases")
     parser.add_argument("--cases", default=None, help="comma-separated row numbers of the grid")
+    parser.add_argument("--all", action="store_true", help="the 162 steps of the sweep instead of the grid")
+    parser.add_argument("--split", action="store_true", help="with --all: each step with a split backward too")
     args = parser.parse_args()
+    if args.all:
+        summarize(sweep(args.split), args.time_limit)
+        return
     rows = list(range(len(GRID)))
     if args.cases:
         rows = [int(x) for x in args.cases.split(",")]
@@ -128,6 +147,36 @@ def main() -> None:
         print(f"{line}  {result.strategy_name[:40]}", flush=True)
     if args.reference:
         print(f"largest gap to the reference: {worst:.1%} (target 2%)")
+
+
+def summarize(cases: list[Case], seconds: float) -> None:
+    """Plan every case (one line each), then count the proofs and the gaps to the plans' own bounds."""
+    print(f"plan() at {seconds:g} s per step, {len(cases)} steps")
+    proven: dict[str, int] = {}
+    close, failed, gaps = 0, 0, []
+    for k, case in enumerate(cases):
+        try:
+            result, wall = run(case, seconds)
+        except UniSchedError as error:
+            print(f"{k:>3} {case.label():<38} no plan: {str(error).splitlines()[0][:100]}", flush=True)
+            failed += 1
+            continue
+        gap = result.latency / result.lower_bound - 1 if result.lower_bound else 0.0
+        mark = "optimal" if result.optimal else ""
+        print(f"{k:>3} {case.label():<38} {result.latency:>6g} {result.lower_bound:>6g} {gap:>6.1%}  "
+              f"{short_class(result.bound_for):<8} {wall:>5.1f}  {mark}", flush=True)
+        if result.optimal:
+            key = short_class(result.proven_for)
+            proven[key] = proven.get(key, 0) + 1
+        elif gap <= 0.02:
+            close += 1
+        else:
+            gaps.append((gap, k))
+    print(f"proven optimal: {sum(proven.values())} of {len(cases)} "
+          f"({', '.join(f'{n} for {name}' for name, n in sorted(proven.items()))}); "
+          f"unproven within 2% of their bound: {close}; further: {len(gaps)}"
+          + (f" (largest gap {max(gaps)[0]:.1%}, step {max(gaps)[1]})" if gaps else "")
+          + (f"; no plan: {failed}" if failed else ""))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
-from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
+from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, TOLERANCE, Plan, jsonable
+from unisched.plan.mapping import class_breadth
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS
@@ -266,16 +267,35 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
         lines.append(f"    ... {len(result.candidates) - 12} more")
     if result.dropped:
         lines.append("dropped: " + _dropped(result.dropped))
-    bounds = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in result.bounds.items())
     lines += [
         "",
-        f"lower bounds ({result.objective}): {bounds}" + (f" (for {result.bound_for})" if result.bound_for else ""),
+        *_bound_lines(result),
         f"best: {result.strategy_name}: latency {result.latency:g}"
         + (f", span {result.value:g}" if result.objective != "latency" else "") + ", " + _claim(result),
         "",
         _diagram(result, width, color),
     ]
     return "\n".join(lines)
+
+
+def _bound_lines(result: Plan) -> list[str]:
+    """The lower bounds, each under the class of schedules it holds for (a bound of a restricted
+    class says nothing of the schedules outside it); a plan file without classes names only the
+    class of the plan's own bound, as it was written."""
+    head = f"lower bounds ({result.objective})"
+
+    def named(keys) -> str:
+        return ", ".join(f"{k.replace('_', ' ')} {result.bounds[k]:g}" for k in keys)
+
+    if not result.bound_classes:
+        return [f"{head}: {named(result.bounds)}" + (f" (for {result.bound_for})" if result.bound_for else "")]
+    by_class: dict[str, list[str]] = {}
+    for key in result.bounds:
+        by_class.setdefault(result.bound_classes.get(key, ANY_SCHEDULE), []).append(key)
+    classes = sorted(by_class, key=lambda name: name != ANY_SCHEDULE)
+    lines = [f"{head}, for {classes[0]}: {named(by_class[classes[0]])}"]
+    lines += [f"  for {name} only: {named(by_class[name])}" for name in classes[1:]]
+    return lines
 
 
 def _on_cluster(result: Plan) -> list[str]:
@@ -293,6 +313,10 @@ def _claim(result: Plan) -> str:
     if claimed == ANY_SCHEDULE:
         return "proven optimal"
     above = f"{result.gap:.1%} above the lower bound {result.lower_bound:g}"
+    met = [name for key, name in result.bound_classes.items() if name not in (ANY_SCHEDULE, claimed)
+           and result.bounds.get(key, 0.0) >= result.value * (1 - TOLERANCE)]
+    if met:  # the plan lies outside that class, and nothing inside it is shorter
+        above += f"; none of the {min(met, key=class_breadth)} is shorter (proven)"
     if claimed:
         return f"proven optimal among {claimed} only; " + above if result.gap > 1e-9 else \
             f"proven optimal among {claimed} only"

@@ -298,4 +298,22 @@ def test_a_process_group_that_does_not_start_in_time_is_a_clear_error():
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("ExecutionError the process group did not start within the timeout of 0.5 s (")
-    assert "raise the timeout (unisched run: --timeout)" in out
+    assert f"raise the timeout (unisched run: --timeout), or check that every rank reaches MASTER_ADDR:MASTER_PORT " \
+        f"(127.0.0.1:{port})" in out
+
+
+def test_a_master_port_in_use_is_named_as_such_not_as_a_timeout():
+    import socket
+
+    code = ("from unisched.execute.runtime import ensure_process_group\n"
+            "try:\n    ensure_process_group(30)\n"
+            "except Exception as error:\n    print(type(error).__name__, error)\n")
+    with socket.socket() as taken:  # rank 0 must listen on MASTER_PORT, and cannot
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith(f"ExecutionError rank 0 could not listen on MASTER_ADDR:MASTER_PORT (127.0.0.1:{port}): "
+                          "the port is in use")
+    assert "pick another port (torchrun --master-port, or MASTER_PORT)" in out and "timeout" not in out

@@ -2101,10 +2101,21 @@ def ensure_process_group(timeout: float) -> None:
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
     except RuntimeError as error:  # the store's and the backends' errors (torch.distributed.DistError) among them
-        raise ExecutionError(
-            f"the process group did not start within the timeout of {timeout:g} s ({first_line(error)}): raise the "
-            "timeout (unisched run: --timeout), or check that every rank reaches MASTER_ADDR:MASTER_PORT"
-        ) from error
+        raise ExecutionError(_start_failure(error, timeout)) from error
+
+
+def _start_failure(error: RuntimeError, timeout: float) -> str:
+    """What to say when the process group does not start: a port in use, a timeout, or another cause."""
+    cause = first_line(error)
+    where = f"MASTER_ADDR:MASTER_PORT ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
+    if "EADDRINUSE" in cause or "address already in use" in cause:
+        return (f"rank {os.environ.get('RANK')} could not listen on {where}: the port is in use, by another job or "
+                f"a run still ending ({cause}); pick another port (torchrun --master-port, or MASTER_PORT)")
+    if "timed out" in cause.lower() or "timeout" in cause.lower():
+        return (f"the process group did not start within the timeout of {timeout:g} s ({cause}): raise the timeout "
+                f"(unisched run: --timeout), or check that every rank reaches {where}")
+    return (f"the process group did not start ({cause}): check that every rank reaches {where} and that "
+            f"WORLD_SIZE and RANK are right")
 
 
 def compute_device(device: torch.device | str | None = None) -> torch.device:

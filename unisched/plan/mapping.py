@@ -386,8 +386,9 @@ def _search_order(model, problem, start) -> None:
     """Under a memory limit or budget, CP-SAT's fixed-search worker takes the item that can start
     earliest and tries the lower half of its start times first: a list scheduler whose dead ends
     the solver's propagation and clause learning correct, and a complete search that can prove.
-    Without a limit CP-SAT's default search is kept, which proves the unlimited small cases where
-    this order did not (what each gave: docs/planning.md, "Small problems").  A search order adds
+    Without a limit no order is given and CP-SAT's searches choose their own, which prove the
+    unlimited small cases where this order did not (what each gave: docs/planning.md, "Small
+    problems").  A search order adds
     no constraint: every bound is the model's."""
     if problem.memory_limited:
         model.add_decision_strategy(start, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_LOWER_HALF)

@@ -196,6 +196,9 @@ def test_cli_json_and_out(tmp_path, capsys):
     assert data["latency"] == 51 and data["optimal"] is False
     assert data["plan"]["proven_for"] == "orders of the mapping of gpipe"
     assert data["lower_bound"] == 51 and data["strategy"].startswith("gpipe")
+    assert data["bound_classes"]["critical_path"] == "any schedule"
+    assert data["bound_classes"]["cpsat_order"] == "orders of the mapping of gpipe"
+    assert set(data["bound_classes"]) == set(data["bounds"])
     assert data["plan"]["version"] >= 1
     assert load_plan(out).simulate().latency == 51
 

@@ -234,6 +234,7 @@ def _summary(result: Plan) -> dict:
         "gap": result.gap,
         "strategy": result.strategy_name,
         "bounds": dict(result.bounds),
+        "bound_classes": dict(result.bound_classes),
         "interrupted": result.interrupted,
         "elapsed": result.elapsed,
         "plan": result.to_dict(),

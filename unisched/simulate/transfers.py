@@ -186,23 +186,29 @@ def allreduce_groups(p: Problem, end: np.ndarray, returned_stage, returned_end) 
     return allreduce_table(p, end, returned_stage, returned_end).groups()
 
 
-def _gradient_links(p: Problem):
-    """(item, holder, share, bytes) of the rows of :meth:`Problem.weight_links`
-    whose pass makes the stage's weight gradient."""
-    item, _, holder, share, size = p.weight_links
-    last = p.direction[item] == dataflow.gradient_pass(p.split_backward)
-    return item[last], holder[last], share[last], size[last]
-
-
-def gradient_ready(p: Problem, end: np.ndarray, returned_stage, returned_end) -> np.ndarray:
+def _gradient_ready(p: Problem, end: np.ndarray, returned_stage, returned_end) -> np.ndarray:
     """Per stage, when its holders have all of its gradient: the end of its
     last gradient pass and the arrival of every gradient returned to a
     holder (``returned_*``: their stage and arrival)."""
-    item = _gradient_links(p)[0]
+    item = p.gradient_links[0]
     ready = np.full(p.shape.num_stages, -np.inf)
     np.maximum.at(ready, p.stage[item], end[item])
     np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))
     return ready
+
+
+def _first_gradient_pass(p: Problem) -> np.ndarray:
+    """Per stage, its first gradient pass (an item), which transfer rows of its all-reduces name."""
+    item = p.gradient_links[0]
+    first = np.full(p.shape.num_stages, -1)
+    first[p.stage[item][::-1]] = item[::-1]
+    return first
+
+
+def _one_of_replicas(p: Problem) -> bool:
+    """Whether the costs say the step is one of several data-parallel replicas,
+    so that even a weight one worker holds is all-reduced (with the others')."""
+    return getattr(p.costs, "replicas", 1) > 1
 
 
 def _no_allreduces() -> AllReduces:
@@ -210,20 +216,12 @@ def _no_allreduces() -> AllReduces:
     return AllReduces(none_i, none_i, none_f, none_f, none_i, np.zeros(1, np.int64), none_i)
 
 
-def _first_gradient_pass(p: Problem) -> np.ndarray:
-    """Per stage, its first gradient pass (an item), which transfer rows of its all-reduces name."""
-    item = _gradient_links(p)[0]
-    first = np.full(p.shape.num_stages, -1)
-    first[p.stage[item][::-1]] = item[::-1]
-    return first
-
-
 def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -> AllReduces:
     """An all-reduce per share of a stage held by several workers (the
     holders of :meth:`Problem.weight_links`), or by one when the costs say
     the step is one of several data-parallel replicas; ``returned_*`` are the
     stage and arrival of every weight gradient returned to a holder."""
-    item, holder, share, size = _gradient_links(p)
+    item, holder, share, size = p.gradient_links
     stage = p.stage[item]
     S = p.shape.num_stages
     shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
@@ -231,10 +229,10 @@ def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -
     group_of = held // holders  # stage * shares + share, one run per group
     opens = np.flatnonzero(np.append(True, group_of[1:] != group_of[:-1]))
     count = np.diff(np.append(opens, len(held)))
-    kept = (count > 1) | (getattr(p.costs, "replicas", 1) > 1)
+    kept = (count > 1) | _one_of_replicas(p)
     if not kept.any():
         return _no_allreduces()
-    ready = gradient_ready(p, end, returned_stage, returned_end)
+    ready = _gradient_ready(p, end, returned_stage, returned_end)
     group_stage, group_share = np.divmod(group_of[opens][kept], shares)
     ptr = np.zeros(int(kept.sum()) + 1, dtype=np.int64)
     np.cumsum(count[kept], out=ptr[1:])
@@ -249,19 +247,19 @@ def tie_table(p: Problem, end: np.ndarray, returned_stage, returned_end, reduced
     """An all-reduce per tied weight (``Costs.tied_weights``) whose copies
     several workers hold (:func:`unisched.dataflow.tie_holders`; or one, when
     the step is one of several data-parallel replicas), ready once every
-    copy's stage has its gradient (:func:`gradient_ready`) and its own
+    copy's stage has its gradient (:func:`_gradient_ready`) and its own
     all-reduces (``reduced_*``: their stage and end) are done.  Its stage is
     the first copy's, its share -1."""
     ties = p.costs.tied_weights
     if not ties:
         return _no_allreduces()
-    item, holder, _, _ = _gradient_links(p)
+    item, holder, _, _ = p.gradient_links
     holders = dataflow.replicas(p.stage[item], holder, p.shape.num_stages)
-    ready = gradient_ready(p, end, returned_stage, returned_end)
+    ready = _gradient_ready(p, end, returned_stage, returned_end)
     np.maximum.at(ready, np.asarray(reduced_stage, dtype=np.int64), np.asarray(reduced_end, dtype=float))
-    several = getattr(p.costs, "replicas", 1) > 1
+    fewest = 1 if _one_of_replicas(p) else 2
     kept = [(tie, dataflow.tie_holders(tie.stages, holders)) for tie in ties]
-    kept = [(tie, members) for tie, members in kept if len(members) > (0 if several else 1)]
+    kept = [(tie, members) for tie, members in kept if len(members) >= fewest]
     if not kept:
         return _no_allreduces()
     ptr = np.zeros(len(kept) + 1, dtype=np.int64)

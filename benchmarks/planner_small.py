@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 from unisched.errors import UniSchedError
 from unisched.plan import encode_costs, plan
+from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.command import DEFAULT_TIME_LIMIT
-from unisched.plan.mapping import class_breadth
 
 
 class Case(NamedTuple):
@@ -97,7 +97,7 @@ def run(case: Case, seconds: float):
 
 def short_class(name: str) -> str:
     """A few words for the class of schedules a bound holds for."""
-    if name == "any schedule":
+    if name == ANY_SCHEDULE:
         return "any"
     if name.startswith("schedules with one worker per"):
         return "paired"
@@ -171,15 +171,13 @@ def summarize(cases: list[tuple[int, Case]], seconds: float) -> None:
         mark = "optimal" if result.optimal else ""
         print(f"{k:>3} {case.label():<38} {result.latency:>6g} {result.lower_bound:>6g} {gap:>6.1%}  "
               f"{short_class(result.bound_for):<8} {wall:>5.1f}  {mark}", flush=True)
-        matched = [result.bound_classes[key] for key, bound in result.bounds.items()
-                   if bound >= result.value - 1e-9 and result.bound_classes.get(key) != "any schedule"]
         if result.optimal:
             key = short_class(result.proven_for)
             proven[key] = proven.get(key, 0) + 1
         elif gap <= 0.02:
             close += 1
-        elif matched:  # a plan outside a class whose proven optimum it equals (replicas, say)
-            widest = short_class(min(matched, key=class_breadth))
+        elif result.unbeaten_in():  # a plan outside a class whose proven optimum it equals (replicas, say)
+            widest = short_class(result.unbeaten_in())
             met[widest] = met.get(widest, 0) + 1
         else:
             gaps.append((gap, k))

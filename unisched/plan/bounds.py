@@ -29,7 +29,8 @@ from unisched.simulate.simulation import downstream_paths, shape_bounds as simul
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 ANY_SCHEDULE = "any schedule"
-"""The class the shape bounds hold for."""
+"""Every schedule: the class the shape bounds hold for, and the only one ``"optimal": true`` in a
+plan file claims."""
 
 
 def shape_bounds(problem: PlanProblem) -> dict[str, float]:

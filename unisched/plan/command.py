@@ -35,8 +35,7 @@ from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
-from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, TOLERANCE, Plan, jsonable
-from unisched.plan.mapping import class_breadth
+from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS
@@ -314,10 +313,9 @@ def _claim(result: Plan) -> str:
     if claimed == ANY_SCHEDULE:
         return "proven optimal"
     above = f"{result.gap:.1%} above the lower bound {result.lower_bound:g}"
-    met = [name for key, name in result.bound_classes.items() if name not in (ANY_SCHEDULE, claimed)
-           and result.bounds.get(key, 0.0) >= result.value * (1 - TOLERANCE)]
-    if met:  # the plan lies outside that class, and nothing inside it is shorter
-        above += f"; none of the {min(met, key=class_breadth)} is shorter (proven)"
+    unbeaten = result.unbeaten_in()
+    if unbeaten:
+        above += f"; none of the {unbeaten} is shorter (proven)"
     if claimed:
         return f"proven optimal among {claimed} only; " + above if result.gap > 1e-9 else \
             f"proven optimal among {claimed} only"

@@ -39,6 +39,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
+from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.order import (Improvements, Solved, busy_span, capacity, earliest_forwards, live_start,
                                  live_stashes, make_solver, memory_demands, run_solver)
 from unisched.plan.problem import TimedProblem
@@ -73,7 +74,7 @@ def proven_class(whole: bool) -> str:
 
 def class_breadth(name: str) -> int:
     """How wide a class of schedules is (0: every schedule), to state the widest claim proven."""
-    order = ("any schedule", WHOLE_SCHEME, PAIRED)
+    order = (ANY_SCHEDULE, WHOLE_SCHEME, PAIRED)
     return order.index(name) if name in order else len(order)
 
 

@@ -50,6 +50,8 @@ from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work
 
+from unisched.plan.bounds import ANY_SCHEDULE
+from unisched.plan.mapping import class_breadth
 from unisched.plan.problem import PlanProblem
 from unisched.plan.schedule import Schedule
 
@@ -57,8 +59,6 @@ FORMAT = "unisched-plan"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Version 1 files (no start times, no claims' classes) are still read."""
-ANY_SCHEDULE = "any schedule"
-"""The class of schedules a proof over the whole scheme covers (what ``"optimal": true`` means)."""
 
 
 class PlanFileError(UniSchedError, ValueError):
@@ -142,6 +142,15 @@ class Plan:
             return self.proven_for
         general = max((self.bounds.get(k, 0.0) for k in ("critical_path", "work")), default=0.0)
         return ANY_SCHEDULE if self.value <= general * (1 + TOLERANCE) else "the planner's searched class"
+
+    def unbeaten_in(self) -> str:
+        """The widest restricted class, other than the one claimed, whose proven lower bound the
+        plan meets: no schedule of it is shorter, though the plan lies outside it (replicated
+        weights as short as the whole scheme's optimum); "" where there is none."""
+        claimed = self.claimed_class()
+        met = [name for key, name in self.bound_classes.items() if name not in (ANY_SCHEDULE, claimed)
+               and self.bounds.get(key, 0.0) >= self.value * (1 - TOLERANCE)]
+        return min(met, key=class_breadth, default="")
 
     def strategy(self) -> Strategy:
         return self.schedule.strategy(description=f"plan found by {self.strategy_name}")

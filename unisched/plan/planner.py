@@ -50,7 +50,7 @@ from unisched.plan.family import (FamilyResult, Member, constructed_members, hel
                                   registry_members, search_family, unplannable)
 from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
                                    proven_class, solve_mapping, whole_scheme_by_default)
-from unisched.plan.order import Solved, check_mapping_memory, order_class, solve_order_staged
+from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
                                    mapping_of, rows_of, split_from)
@@ -78,8 +78,8 @@ MAPPING_PERIOD = 2
 """The periodic run places micro-batch b as b - 2.  On the hard small cases of
 ``benchmarks/planner_small.py`` it found shorter plans than the same time spent on the
 unrestricted model alone (docs/planning.md, "Small problems")."""
-SEARCH_WORKERS = 3
-"""CP-SAT's search workers per solve: the two searches of :data:`unisched.plan.order.PORTFOLIO`
+SEARCH_WORKERS = len(PORTFOLIO) + 1
+"""CP-SAT's search workers per solve: the searches of :data:`unisched.plan.order.PORTFOLIO`
 and one for neighbourhoods.  More share the two cores of the machine measured more thinly and lose
 the small steps' proofs (docs/planning.md, "Small problems")."""
 SEARCHES = ("auto", "cpsat", "heuristic")

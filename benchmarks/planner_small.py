@@ -176,9 +176,8 @@ def summarize(cases: list[tuple[int, Case]], seconds: float) -> None:
             proven[key] = proven.get(key, 0) + 1
         elif gap <= 0.02:
             close += 1
-        elif result.unbeaten_in():  # a plan outside a class whose proven optimum it equals (replicas, say)
-            widest = short_class(result.unbeaten_in())
-            met[widest] = met.get(widest, 0) + 1
+        elif unbeaten := result.unbeaten_in():  # outside a class whose proven optimum it equals (replicas, say)
+            met[short_class(unbeaten)] = met.get(short_class(unbeaten), 0) + 1
         else:
             gaps.append((gap, k))
     classes = ", ".join(f"{n} for {name}" for name, n in sorted(proven.items()))

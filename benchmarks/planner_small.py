@@ -92,6 +92,10 @@ def run(case: Case, seconds: float):
     replayed = result.simulate().latency
     if replayed != result.latency:
         raise SystemExit(f"{case.label()}: the plan says {result.latency:g} but replays to {replayed:g}")
+    for key, bound in result.bounds.items():
+        if result.bound_classes[key] == ANY_SCHEDULE and bound > replayed + 1e-9:
+            raise SystemExit(f"{case.label()}: the bound {key} {bound:g} for any schedule exceeds the plan's "
+                             f"{replayed:g}")
     return result, time.perf_counter() - begin
 
 

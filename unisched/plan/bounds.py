@@ -39,15 +39,17 @@ def shape_bounds(problem: PlanProblem) -> dict[str, float]:
     if problem.objective == "span":
         return {"work": bounds["work"]}
     B = problem.shape.num_batches
-    room = _stash_room(problem)
+    room = stash_room(problem)
     if room and np.isfinite(room):
         live = _live_time(problem) / problem.costs.speeds(problem.shape.num_workers).max()
         bounds["memory_time"] = float(B * (live * problem.stash_sizes).sum() / room)
     return bounds
 
 
-def _stash_room(problem: PlanProblem) -> float:
-    """The most stash all workers together may hold at once (inf: unlimited)."""
+def stash_room(problem: PlanProblem) -> float:
+    """The most stash all workers together may hold at once (inf: unlimited): the sum of the
+    stash limits, and with a memory budget in bytes at most the budgets less every stage's
+    weights and optimizer state (each held by at least one worker)."""
     room = float(problem.limits().sum())
     if problem.memory_budget is not None and problem.costs.has_sizes:
         budget = np.broadcast_to(np.asarray(problem.memory_budget, dtype=float), (problem.shape.num_workers,))

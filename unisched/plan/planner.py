@@ -52,6 +52,7 @@ from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_li
                                    proven_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
+from unisched.plan.pooled import pooled_bound
 from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
                                    mapping_of, rows_of, split_from)
 from unisched.plan.schedule import Schedule
@@ -78,6 +79,9 @@ MAPPING_PERIOD = 2
 """The periodic run places micro-batch b as b - 2.  On the hard small cases of
 ``benchmarks/planner_small.py`` it found shorter plans than the same time spent on the
 unrestricted model alone (docs/planning.md, "Small problems")."""
+POOLED_SHARE = 0.15
+"""Most of the time limit the pooled step (:mod:`unisched.plan.pooled`) may take for its bound under
+a memory limit (docs/planning.md, "Bounds")."""
 SEARCH_WORKERS = len(PORTFOLIO) + 1
 """CP-SAT's search workers per solve: the searches of :data:`unisched.plan.order.PORTFOLIO`
 and one for neighbourhoods.  More share the two cores of the machine measured more thinly and lose
@@ -176,6 +180,8 @@ def plan(
     family = FamilyResult()
     try:
         family = run.family(members if members is not None else registry_members(problem))
+        if strategy is None:
+            run.pooled()
         run.orders(run.targets(family))
         if strategy is None:
             run.mapping(whole)
@@ -236,6 +242,8 @@ class _Search:
     built: FamilyResult = field(default_factory=FamilyResult)
     proofs: list[tuple[str, float]] = field(default_factory=list)
     """(class of schedules, CP-SAT's lower bound for it) of every model run whose bound holds."""
+    pooled_bound: float = 0.0
+    """The pooled step's lower bound (:meth:`pooled`), for every schedule; 0 where it did not run."""
     interrupted: bool = False
     mapped: dict[bytes, tuple[Schedule, Simulation] | None] = field(default_factory=dict)
     """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
@@ -256,6 +264,26 @@ class _Search:
             for member in self.built.feasible:
                 self.add(member.label, "constructed", member.schedule(problem))
         return family
+
+    def pooled(self) -> None:
+        """CP-SAT's bound on the pooled step (:func:`unisched.plan.pooled.pooled_bound`), for every
+        schedule, under a memory limit (without one the shape bounds are close) and for the latency."""
+        problem = self.problem
+        best = self.best()
+        if not problem.memory_limited or problem.objective != "latency" or self.done():
+            return
+        seconds = POOLED_SHARE * (self.deadline - time.perf_counter())
+        _say(self.progress, f"CP-SAT bound of the pooled step ({seconds:.1f} s) ...")
+        upper = None if best is None else int(math.ceil(best.latency * self.timed.ticks.scale - 1e-6))
+        bound, exact = pooled_bound(self.timed, time_limit=seconds, seed=self.seed,
+                                    lower=self._ticks_below(self.floor()), upper=upper)
+        self.pooled_bound = self.timed.ticks.time(bound)
+        _say(self.progress, f"CP-SAT bound of the pooled step: {self.pooled_bound:g}"
+                            + (" (its optimum)" if exact else ""))
+
+    def floor(self) -> float:
+        """The strongest lower bound known for every schedule of the problem's objective."""
+        return max(max(shape_bounds(self.problem).values()), self.pooled_bound)
 
     def targets(self, family: FamilyResult):
         """The mappings whose order CP-SAT improves (nothing once a bound is met)."""
@@ -279,7 +307,7 @@ class _Search:
             if share <= 0.05 or self.done():
                 break
             _say(self.progress, f"CP-SAT order of {label} ({share:.1f} s) ...")
-            bound = max(mapping_bounds(self.problem, compute, weight).values())
+            bound = max(max(mapping_bounds(self.problem, compute, weight).values()), self.pooled_bound)
             solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
                                         num_workers=self.search_workers, seed=self.seed,
                                         lower_bound=self._ticks_below(bound), asap_replay=False,
@@ -365,7 +393,7 @@ class _Search:
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=score, whole=whole, asap_replay=False, period=period,
-                               lower_bound=self._ticks_below(max(shape_bounds(self.problem).values())),
+                               lower_bound=self._ticks_below(self.floor()),
                                report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
@@ -422,6 +450,8 @@ class _Search:
         that class, and is left out."""
         problem = self.problem
         bounds = shape_bounds(problem)
+        if self.pooled_bound:
+            bounds["cpsat_pooled"] = self.pooled_bound
         classes = {k: ANY_SCHEDULE for k in bounds}
         if self.fixed:
             best = self.best()
@@ -456,7 +486,7 @@ class _Search:
         best = self.best()
         if best is None:
             return False
-        bound = max(shape_bounds(self.problem).values())
+        bound = self.floor()
         if self.fixed:
             bound = max(mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
         return best.value(self.problem.objective) <= bound + 1e-9

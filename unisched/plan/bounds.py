@@ -10,7 +10,8 @@
   per-worker limits the sum of the limits stands for W M, and with a memory
   budget in bytes, at most the budgets less every stage's weights and
   optimizer state (each held by at least one worker);
-- CP-SAT's own bound, when a model ran.
+- CP-SAT's own bound, when a model ran, and the pooled step's
+  (:mod:`unisched.plan.pooled`, which the planner runs under a memory limit).
 
 These hold for every schedule of the whole scheme (:data:`ANY_SCHEDULE`), and
 for the latency objective; for the span objective only the work bound does

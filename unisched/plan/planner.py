@@ -2,7 +2,9 @@
 
 Three phases share one time limit:
 
-1. family search: every registered strategy setting, simulated (fast);
+1. family search: every registered strategy setting, simulated (fast); under
+   a memory limit, then the pooled step's lower bound
+   (:mod:`unisched.plan.pooled`), which holds for every schedule;
 2. CP-SAT order: the best mappings found keep their workers, CP-SAT picks the
    order of work on each worker;
 3. CP-SAT mapping: workers and order together, warm-started from the best so

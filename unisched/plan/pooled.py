@@ -90,8 +90,8 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
     solver = make_solver(time_limit, len(SEARCHES), seed)
     solver.parameters.subsolvers.extend(SEARCHES)
     status, _ = run_solver(solver, model)
-    if status == cp_model.INFEASIBLE:  # no schedule within ``upper``: it bounds nothing more
-        return int(horizon), False
+    if status == cp_model.INFEASIBLE:  # cannot be (a schedule of ``upper`` exists): claim nothing of it
+        return int(lower), False
     return int(solver.best_objective_bound), status == cp_model.OPTIMAL
 
 

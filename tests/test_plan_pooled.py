@@ -3,11 +3,14 @@ schedule that runs, and that its symmetry breaking cuts off no optimum."""
 
 from __future__ import annotations
 
+import _thread
+import threading
+
 import pytest
 
 from unisched import Costs
 from unisched.plan import encode_costs, plan
-from unisched.plan import pooled
+from unisched.plan import planner, pooled
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.command import report
 from unisched.plan.problem import PlanProblem, TimedProblem
@@ -17,8 +20,9 @@ from unisched.work import Shape
 def bound_of(shape, costs, memory=None, split=False, seconds=20.0, **limits) -> tuple[float, bool]:
     problem = PlanProblem(Shape(*shape), costs, memory, split_backward=split, **limits)
     timed = TimedProblem.build(problem)
-    ticks, exact = pooled.pooled_bound(timed, time_limit=seconds)
-    return timed.ticks.time(ticks), exact
+    solved = pooled.pooled_bound(timed, time_limit=seconds)
+    assert not solved.found, "the pooled step's solutions are not schedules of the step"
+    return timed.ticks.time(solved.bound), solved.optimal
 
 
 def test_the_pooled_step_proves_what_the_memory_time_bound_cannot():
@@ -95,3 +99,23 @@ def test_the_report_names_the_pooled_bound_among_those_for_every_schedule():
 def test_the_pooled_bound_is_not_taken_for_the_span_or_without_a_memory_limit():
     assert "cpsat_pooled" not in plan(2, 2, 4, memory_limit=1, objective="span", time_limit=2).bounds
     assert "cpsat_pooled" not in plan(2, 2, 4, time_limit=2).bounds
+
+
+def test_ctrl_c_stops_the_pooled_step_and_the_planner_after_it(monkeypatch):
+    """Ctrl-C in the pooled step ends its solve at once, saying so; the planner then answers with
+    the best plan so far instead of going on to its searches."""
+    problem = PlanProblem(Shape(4, 4, 16), encode_costs(comm=1))  # no limit: no proof within a minute
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        solved = pooled.pooled_bound(TimedProblem.build(problem), time_limit=60)
+    finally:
+        timer.cancel()
+    assert solved.interrupted and solved.wall < 10
+
+    def interrupted(timed, **kwargs):
+        return pooled.Solved("UNKNOWN", None, None, None, None, 0, 0.0, interrupted=True)
+    monkeypatch.setattr(planner, "pooled_bound", interrupted)
+    result = plan(4, 4, 8, memory_limit=2, time_limit=60)
+    assert result.interrupted and result.elapsed < 10
+    assert all(row["source"] in ("family", "constructed") for row in result.candidates)

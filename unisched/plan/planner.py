@@ -277,11 +277,12 @@ class _Search:
         seconds = POOLED_SHARE * (self.deadline - time.perf_counter())
         _say(self.progress, f"CP-SAT bound of the pooled step ({seconds:.1f} s) ...")
         upper = None if best is None else int(math.ceil(best.latency * self.timed.ticks.scale - 1e-6))
-        bound, exact = pooled_bound(self.timed, time_limit=seconds, seed=self.seed,
-                                    lower=self._ticks_below(self.floor()), upper=upper)
-        self.pooled_bound = self.timed.ticks.time(bound)
+        solved = pooled_bound(self.timed, time_limit=seconds, seed=self.seed,
+                              lower=self._ticks_below(self.floor()), upper=upper)
+        self.interrupted |= solved.interrupted
+        self.pooled_bound = self.timed.ticks.time(solved.bound)
         _say(self.progress, f"CP-SAT bound of the pooled step: {self.pooled_bound:g}"
-                            + (" (its optimum)" if exact else ""))
+                            + (" (its optimum)" if solved.optimal else ""))
 
     def floor(self) -> float:
         """The strongest lower bound known for every schedule of the problem's objective."""

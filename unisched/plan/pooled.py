@@ -27,12 +27,14 @@ be shorter than the step.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
 from unisched.plan.bounds import stash_room
-from unisched.plan.order import capacity, live_stashes, make_solver, memory_demands, run_solver
+from unisched.plan.order import Solved, capacity, live_stashes, make_solver, memory_demands, run_solver
 from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD
@@ -60,10 +62,12 @@ planner's portfolio (:data:`unisched.plan.order.PORTFOLIO`) two to five times lo
 
 
 def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower: int = 0,
-                 upper: int | None = None) -> tuple[int, bool]:
-    """CP-SAT's lower bound on the pooled step's makespan, in ticks, and whether it is the pooled
-    step's optimum, within ``time_limit`` seconds; ``lower`` and ``upper`` (ticks) are known bounds
-    on the optimum (a bound proven elsewhere; the latency of a schedule found)."""
+                 upper: int | None = None) -> Solved:
+    """CP-SAT's lower bound on the pooled step's makespan within ``time_limit`` seconds
+    (``Solved.bound``, in ticks; ``Solved.optimal`` when it is the pooled step's optimum, and no
+    schedule: the pooled step's are not schedules of the step); ``lower`` and ``upper`` (ticks)
+    are known bounds on the optimum (a bound proven elsewhere; the latency of a schedule found).
+    Ctrl-C stops it (``Solved.interrupted``)."""
     problem = timed.problem
     W, S, B = problem.shape
     n = problem.num_items
@@ -89,10 +93,12 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
     model.minimize(makespan)
     solver = make_solver(time_limit, len(SEARCHES), seed)
     solver.parameters.subsolvers.extend(SEARCHES)
-    status, _ = run_solver(solver, model)
-    if status == cp_model.INFEASIBLE:  # cannot be (a schedule of ``upper`` exists): claim nothing of it
-        return int(lower), False
-    return int(solver.best_objective_bound), status == cp_model.OPTIMAL
+    begin = time.perf_counter()
+    status, interrupted = run_solver(solver, model)
+    # INFEASIBLE cannot be (a schedule within ``upper`` exists): then claim nothing of it
+    bound = int(lower) if status == cp_model.INFEASIBLE else int(solver.best_objective_bound)
+    return Solved(solver.status_name(status), None, None, None, None, bound, time.perf_counter() - begin,
+                  interrupted=interrupted)
 
 
 def _dependencies(model, timed: TimedProblem, start, end) -> int:

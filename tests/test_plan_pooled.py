@@ -36,7 +36,7 @@ def test_the_pooled_step_proves_what_the_memory_time_bound_cannot():
 def test_a_micro_batch_whose_stashes_need_two_workers_pays_a_gradient_transfer():
     """Two stashes of one micro-batch with room 1 per worker: its backward passes run on two
     workers, so one gradient moves between them (comm 1), as in the best schedule (13)."""
-    assert pooled.first_backward_workers(PlanProblem(Shape(2, 2, 2), encode_costs(comm=1), 1)) == 2
+    assert PlanProblem(Shape(2, 2, 2), encode_costs(comm=1), 1).first_backward_workers() == 2
     assert bound_of((2, 2, 2), encode_costs(comm=1), 1) == (13, True)
     assert bound_of((2, 2, 2), encode_costs(comm=0), 1)[0] < 13
 
@@ -54,7 +54,7 @@ def test_a_micro_batch_whose_stashes_need_two_workers_pays_a_gradient_transfer()
 def test_first_backward_workers_counts_the_rooms_a_micro_batchs_stashes_need(shape, costs, memory, split, extra,
                                                                             workers):
     problem = PlanProblem(Shape(*shape), costs, memory, split_backward=split, **extra)
-    assert pooled.first_backward_workers(problem) == workers
+    assert problem.first_backward_workers() == workers
 
 
 @pytest.mark.parametrize("shape, costs, memory, split", [

@@ -32,26 +32,11 @@ import time
 import numpy as np
 from ortools.sat.python import cp_model
 
-from unisched import dataflow
 from unisched.plan.bounds import stash_room
 from unisched.plan.order import Solved, capacity, live_stashes, make_solver, memory_demands, run_solver
 from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import FORWARD
-
-
-def first_backward_workers(problem) -> int:
-    """The fewest workers a micro-batch's first backward passes can run on: as many as it takes
-    to hold the shares of its stashes those passes free, each worker within its own room."""
-    W = problem.shape.num_workers
-    rooms = problem.limits()
-    if problem.memory_budget is not None and problem.costs.has_sizes:
-        rooms = np.minimum(rooms, np.broadcast_to(np.asarray(problem.memory_budget, dtype=float), (W,)))
-    first = dataflow.first_backward(problem.split_backward)
-    held = float(problem.stash_sizes.sum()) * dataflow.stash_shares(
-        problem.split_backward, problem.costs.input_grad_frees)[first]
-    reach = np.cumsum(np.sort(rooms)[::-1])
-    return int(min(W, np.searchsorted(reach, held * (1 - 1e-9)) + 1))
 
 
 SEARCHES = ("core", "objective_lb_search")
@@ -103,7 +88,8 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
 
 def _dependencies(model, timed: TimedProblem, start, end) -> int:
     """Every item after its inputs; a micro-batch's gradients between first backward passes on
-    different workers (at least k - 1 of them, :func:`first_backward_workers`) after a transfer.
+    different workers (at least k - 1 of them,
+    :meth:`~unisched.plan.problem.PlanProblem.first_backward_workers`) after a transfer.
     Returns how many micro-batches count crossings."""
     problem = timed.problem
     edges = timed.data_edges()
@@ -113,7 +99,7 @@ def _dependencies(model, timed: TimedProblem, start, end) -> int:
     if W > 1:
         off = ~np.eye(W, dtype=bool)
         shortest = timed.comm[off].min(axis=0)
-    k = first_backward_workers(problem)
+    k = problem.first_backward_workers()
     moves: dict[int, list] = {}
     for e, (src, dst) in enumerate(zip(edges.src.tolist(), edges.dst.tolist())):
         if not (gradient[e] and k > 1):

@@ -18,7 +18,7 @@ from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping
-from unisched.plan.problem import PlanProblem, TimedProblem, rows_of
+from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
 from unisched.work import Shape
 
@@ -224,3 +224,30 @@ def test_span_objective_is_said_and_measured():
     assert result.objective_value == max(spans) == 24  # the work bound: no bubble in steady state
     latency = plan(4, 4, 8, costs, memory_limit=8, max_stages_per_worker=1, time_limit=10)
     assert latency.objective == "latency" and latency.objective_value == latency.latency
+
+
+# ---------------------------------------------------------------------- constructed mappings
+def test_a_backward_folded_over_the_workers_its_stashes_need_is_a_starting_point():
+    """W = S = 4, B = 8, memory 2: a micro-batch's four stashes need two workers, so the planner
+    builds mappings running every forward and the last two stages' backward passes on one
+    worker and the first two stages' on another (one gradient transfer, no activation moves),
+    each within the limit; none where the search keeps a backward with its forward, where the
+    stashes fit on one worker, or where a worker may hold fewer than every stage."""
+    from unisched.plan.family import constructed_members
+    from unisched.work import BACKWARD, Work
+
+    problem = PlanProblem(Shape(4, 4, 8), encode_costs(comm=1), 2)
+    folded = [(label, strategy) for label, strategy, _ in constructed_members(problem) if "folded" in label]
+    assert [label for label, _ in folded] == [f"backward folded over 2 workers (shift {k})" for k in (1, 2, 3)]
+    for shift, (label, strategy) in enumerate(folded, start=1):
+        for b in range(8):
+            forwards = {strategy.mapping(Work(b, s)).compute_worker for s in range(4)}
+            assert forwards == {b % 4}
+            backward = [strategy.mapping(Work(b, s, BACKWARD)).compute_worker for s in range(4)]
+            assert backward == [(b + shift) % 4] * 2 + [b % 4] * 2
+        compute, _ = mapping_of(problem, strategy)
+        assert problem.stash_need(compute).max() <= 2
+    assert not [m for m in constructed_members(problem, whole=False) if "folded" in m[0]]
+    assert not [m for m in constructed_members(PlanProblem(Shape(4, 4, 8), Costs(), 4)) if "folded" in m[0]]
+    assert not [m for m in constructed_members(PlanProblem(Shape(4, 4, 8), Costs(), 2, max_stages_per_worker=2))
+                if "folded" in m[0]]

@@ -22,7 +22,7 @@ from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
 from unisched.simulate.priorities import BackwardFirst
 from unisched.strategy import Strategy
-from unisched.work import ComputeAndWeightWorkers, Work
+from unisched.work import FORWARD, ComputeAndWeightWorkers, Work
 
 from unisched.plan.problem import PlanInputError, PlanProblem, rows_of
 from unisched.plan.schedule import Schedule
@@ -111,29 +111,50 @@ def registry_members(problem: PlanProblem, only: str | None = None) -> Iterable[
             yield label, None, str(error)
 
 
-def constructed_members(problem: PlanProblem) -> list[tuple[str, Strategy, str]]:
-    """Mappings built here rather than taken from the registry, as further starting points:
-    stages dealt round-robin (always feasible), and, with as many workers as stages, micro-batches
-    alternating between the pipeline and its reverse (every worker then keeps long-lived stashes of
-    early stages for half the micro-batches and short-lived ones of late stages for the others)."""
+def constructed_members(problem: PlanProblem, whole: bool = True) -> list[tuple[str, Strategy, str]]:
+    """Mappings built here rather than taken from the registry, as further starting points (with
+    ``whole``, also those where a backward runs away from its forward: for the mapping search of
+    the whole scheme):
+
+    - stages dealt round-robin (always feasible);
+    - with as many workers as stages, micro-batches alternating between the pipeline and its
+      reverse (every worker then keeps long-lived stashes of early stages for half the
+      micro-batches and short-lived ones of late stages for the others);
+    - when a micro-batch's stashes need k > 1 workers
+      (:meth:`~unisched.plan.problem.PlanProblem.first_backward_workers`), its backward folded
+      over k workers: micro-batch b runs every forward and the backward passes of its last stages
+      on worker b mod W, and the rest of its backward passes in k - 1 more groups, each ``shift``
+      workers on from the last (one gradient transfer per group, no activation transfer).  This
+      is the shape of the shortest schedules the whole-scheme search finds on W = S = 4, B = 8,
+      memory 2, comm 1, and seeding it there gives shorter plans within 10 s
+      (docs/planning.md, "Small problems")."""
     W, S, B = problem.shape
     priority = BackwardFirst(S, B)
 
     def member(label: str, compute_of) -> tuple[str, Strategy, str]:
         def map_arrays(batch, stage, direction):
-            return compute_of(np.asarray(batch), np.asarray(stage)), np.asarray(stage) % W
+            return compute_of(np.asarray(batch), np.asarray(stage), np.asarray(direction)), np.asarray(stage) % W
 
         def mapping(work: Work) -> ComputeAndWeightWorkers:
-            compute, weight = map_arrays(np.array([work.batch]), np.array([work.stage]), None)
+            compute, weight = map_arrays(np.array([work.batch]), np.array([work.stage]),
+                                         np.array([int(work.direction)]))
             return ComputeAndWeightWorkers(int(compute[0]), int(weight[0]))
 
         return label, Strategy(mapping, name=label, priority=priority, map_arrays=map_arrays,
                                shape=problem.shape), ""
 
-    members = [member("stages round-robin", lambda batch, stage: stage % W)]
+    members = [member("stages round-robin", lambda batch, stage, direction: stage % W)]
     K = problem.max_stages_per_worker
     if W == S and W > 1 and B > 1 and (K is None or K >= 2):
-        members.append(member("bidirectional", lambda batch, stage: np.where(batch % 2 == 0, stage, S - 1 - stage)))
+        members.append(member("bidirectional",
+                              lambda batch, stage, direction: np.where(batch % 2 == 0, stage, S - 1 - stage)))
+    k = problem.first_backward_workers()
+    if whole and k > 1 and (K is None or K >= S):
+        for shift in range(1, W):
+            def folded(batch, stage, direction, shift=shift):
+                group = np.where(direction == FORWARD, 0, (S - 1 - stage) * k // S)  # 0: with the forwards
+                return (batch + group * shift) % W
+            members.append(member(f"backward folded over {k} workers (shift {shift})", folded))
     return members
 
 

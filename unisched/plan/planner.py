@@ -176,12 +176,12 @@ def plan(
             progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
                            f"{problem.num_items:,} work items, {time_limit:g} s\n")
         return heuristic_search(problem, time_limit=time_limit, members=members, progress=progress, seed=seed)
-    whole = whole_scheme_by_default(shape) if scheme == "auto" else scheme == "whole"
     run = _Search(problem, _timed(problem), begin + float(time_limit) * (1 - REPLAY_MARGIN), progress,
                   search_workers, seed, strategy is not None)
     family = FamilyResult()
+    whole = whole_scheme_by_default(shape) if scheme == "auto" else scheme == "whole"
     try:
-        family = run.family(members if members is not None else registry_members(problem))
+        family = run.family(members if members is not None else registry_members(problem), whole)
         if strategy is None:
             run.pooled()
         run.orders(run.targets(family))
@@ -251,8 +251,9 @@ class _Search:
     """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
 
     # ------------------------------------------------------------------ phases
-    def family(self, members) -> FamilyResult:
-        """Simulate the named strategies (under the least stash limit when workers' limits differ)."""
+    def family(self, members, whole: bool) -> FamilyResult:
+        """Simulate the named strategies (under the least stash limit when workers' limits differ)
+        and the constructed mappings (those of the whole scheme with ``whole``)."""
         problem = self.problem
         searched = problem
         if np.ndim(problem.memory_limit):
@@ -262,7 +263,7 @@ class _Search:
         for member in family.feasible:
             self.add(member.label, "family", member.schedule(problem), pareto=member.pareto)
         if not self.fixed:
-            self.built = search_family(searched, constructed_members(problem))
+            self.built = search_family(searched, constructed_members(problem, whole))
             for member in self.built.feasible:
                 self.add(member.label, "constructed", member.schedule(problem))
         return family

@@ -176,10 +176,10 @@ def plan(
             progress.write(f"search: heuristic (list scheduling and local search, unisched.plan.search) for "
                            f"{problem.num_items:,} work items, {time_limit:g} s\n")
         return heuristic_search(problem, time_limit=time_limit, members=members, progress=progress, seed=seed)
+    whole = whole_scheme_by_default(shape) if scheme == "auto" else scheme == "whole"
     run = _Search(problem, _timed(problem), begin + float(time_limit) * (1 - REPLAY_MARGIN), progress,
                   search_workers, seed, strategy is not None)
     family = FamilyResult()
-    whole = whole_scheme_by_default(shape) if scheme == "auto" else scheme == "whole"
     try:
         family = run.family(members if members is not None else registry_members(problem), whole)
         if strategy is None:
@@ -270,7 +270,8 @@ class _Search:
 
     def pooled(self) -> None:
         """CP-SAT's bound on the pooled step (:func:`unisched.plan.pooled.pooled_bound`), for every
-        schedule, under a memory limit (without one the shape bounds are close) and for the latency."""
+        schedule, for the latency and under a memory limit only (without one, 5 s of it did not
+        reach the work bound on the small steps measured: docs/planning.md, "Small problems")."""
         problem = self.problem
         best = self.best()
         if not problem.memory_limited or problem.objective != "latency" or self.done():

@@ -247,6 +247,11 @@ def test_a_backward_folded_over_the_workers_its_stashes_need_is_a_starting_point
             assert backward == [(b + shift) % 4] * 2 + [b % 4] * 2
         compute, _ = mapping_of(problem, strategy)
         assert problem.stash_need(compute).max() <= 2
+    # with a split backward the whole scheme's search keeps I and W together, so the whole stash counts
+    split = PlanProblem(Shape(4, 4, 8), encode_costs(backward_input=1, backward_weight=1, comm=1), 2,
+                        split_backward=True)
+    assert split.first_backward_workers() == 1 and split.stash_workers() == 2
+    assert len([m for m in constructed_members(split) if "folded" in m[0]]) == 3
     assert not [m for m in constructed_members(problem, whole=False) if "folded" in m[0]]
     assert not [m for m in constructed_members(PlanProblem(Shape(4, 4, 8), Costs(), 4)) if "folded" in m[0]]
     assert not [m for m in constructed_members(PlanProblem(Shape(4, 4, 8), Costs(), 2, max_stages_per_worker=2))

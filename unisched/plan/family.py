@@ -121,7 +121,8 @@ def constructed_members(problem: PlanProblem, whole: bool = True) -> list[tuple[
       reverse (every worker then keeps long-lived stashes of early stages for half the
       micro-batches and short-lived ones of late stages for the others);
     - when a micro-batch's stashes need k > 1 workers
-      (:meth:`~unisched.plan.problem.PlanProblem.first_backward_workers`), its backward folded
+      (:meth:`~unisched.plan.problem.PlanProblem.stash_workers`: all of each stash, since the
+      whole scheme's search keeps a split backward's I and W on one worker), its backward folded
       over k workers: micro-batch b runs every forward and the backward passes of its last stages
       on worker b mod W, and the rest of its backward passes in k - 1 more groups, each ``shift``
       workers on from the last (one gradient transfer per group, no activation transfer).  This
@@ -148,7 +149,7 @@ def constructed_members(problem: PlanProblem, whole: bool = True) -> list[tuple[
     if W == S and W > 1 and B > 1 and (K is None or K >= 2):
         members.append(member("bidirectional",
                               lambda batch, stage, direction: np.where(batch % 2 == 0, stage, S - 1 - stage)))
-    k = problem.first_backward_workers()
+    k = problem.stash_workers()
     if whole and k > 1 and (K is None or K >= S):
         for shift in range(1, W):
             def folded(batch, stage, direction, shift=shift):

@@ -352,21 +352,22 @@ class PlanProblem:
         per_worker = -(-S // W)
         return float(max(sizes[:per_worker].sum(), sizes.max()))
 
-    def first_backward_workers(self) -> int:
-        """The fewest workers a micro-batch's first backward passes (B, or I) can run on.
-
-        When its last forward starts, every stash of a micro-batch is live, each on the worker of
-        the pass that frees it; the shares the first backward passes free take as many workers as
-        it takes to hold them, each within its own room (its stash limit, or its budget)."""
+    def stash_workers(self, share: float = 1.0) -> int:
+        """The fewest workers that hold ``share`` of every stash of one micro-batch at once, each
+        within its own room (its stash limit, or its budget)."""
         W = self.shape.num_workers
         rooms = self.limits()
         if self.memory_budget is not None and self.costs.has_sizes:
             rooms = np.minimum(rooms, np.broadcast_to(np.asarray(self.memory_budget, dtype=float), (W,)))
-        first = dataflow.first_backward(self.split_backward)
-        held = float(self.stash_sizes.sum()) * dataflow.stash_shares(self.split_backward,
-                                                                    self.costs.input_grad_frees)[first]
         reach = np.cumsum(np.sort(rooms)[::-1])
-        return int(min(W, np.searchsorted(reach, held * (1 - 1e-9)) + 1))
+        return int(min(W, np.searchsorted(reach, float(self.stash_sizes.sum()) * share * (1 - 1e-9)) + 1))
+
+    def first_backward_workers(self) -> int:
+        """The fewest workers a micro-batch's first backward passes (B, or I) can run on: when its
+        last forward starts every stash of it is live, each on the worker of the pass that frees
+        it, so the shares the first backward passes free need :meth:`stash_workers` of them."""
+        first = dataflow.first_backward(self.split_backward)
+        return self.stash_workers(dataflow.stash_shares(self.split_backward, self.costs.input_grad_frees)[first])
 
     def stash_need(self, compute: np.ndarray) -> np.ndarray:
         """Per worker: the most stash one micro-batch keeps there under the mapping ``compute``,

@@ -43,7 +43,8 @@ SEARCHES = ("core", "objective_lb_search")
 """CP-SAT's searches for the pooled step, one worker each: both raise the lower bound, which is all
 this model is for.  On the hard steps of ``benchmarks/planner_small.py`` they proved the pooled
 optimum in 0.3 to 4.6 s where CP-SAT's default search with its LP took up to 6 s and more, and the
-planner's portfolio (:data:`unisched.plan.order.PORTFOLIO`) two to five times longer still."""
+planner's portfolio (:data:`unisched.plan.order.PORTFOLIO`) longer still (W = S = 4, B = 8, memory
+2: no proof in 5 s, against 0.4 to 0.7 s)."""
 
 
 def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower: int = 0,
@@ -54,7 +55,7 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
     are known bounds on the optimum (a bound proven elsewhere; the latency of a schedule found).
     Ctrl-C stops it (``Solved.interrupted``)."""
     problem = timed.problem
-    W, S, B = problem.shape
+    W = problem.shape.num_workers
     n = problem.num_items
     duration = timed.duration.min(axis=1)
     horizon = int(duration.sum() + timed.comm.max() * n) if upper is None else int(upper)

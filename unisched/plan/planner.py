@@ -273,9 +273,9 @@ class _Search:
         schedule, for the latency and under a memory limit only (without one, 5 s of it did not
         reach the work bound on the small steps measured: docs/planning.md, "Small problems")."""
         problem = self.problem
-        best = self.best()
         if not problem.memory_limited or problem.objective != "latency" or self.done():
             return
+        best = self.best()
         seconds = POOLED_SHARE * (self.deadline - time.perf_counter())
         _say(self.progress, f"CP-SAT bound of the pooled step ({seconds:.1f} s) ...")
         upper = None if best is None else int(math.ceil(best.latency * self.timed.ticks.scale - 1e-6))

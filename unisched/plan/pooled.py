@@ -64,7 +64,8 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
     end = [start[i] + int(duration[i]) for i in range(n)]
     model.add_cumulative([model.new_fixed_size_interval_var(start[i], int(duration[i]), f"x{i}") for i in range(n)],
                          [1] * n, W)
-    crossings = _dependencies(model, timed, start, end)
+    k = problem.first_backward_workers()
+    _dependencies(model, timed, start, end, k)
     room = stash_room(problem)
     if np.isfinite(room):
         _, unit = memory_demands(timed)
@@ -73,7 +74,7 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
             lives.append(model.new_interval_var(start[f], model.new_int_var(0, horizon, f"l{r}"), end[r], f"l{r}"))
             demands.append(demand)
         model.add_cumulative(lives, demands, capacity(unit, room))
-    _first_in_first_out(model, problem, start, backward=crossings == 0)
+    _first_in_first_out(model, problem, start, backward=k == 1)
     makespan = model.new_int_var(int(lower), horizon, "makespan")
     model.add_max_equality(makespan, end)
     model.minimize(makespan)
@@ -87,11 +88,10 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
                   interrupted=interrupted)
 
 
-def _dependencies(model, timed: TimedProblem, start, end) -> int:
+def _dependencies(model, timed: TimedProblem, start, end, k: int) -> None:
     """Every item after its inputs; a micro-batch's gradients between first backward passes on
-    different workers (at least k - 1 of them,
-    :meth:`~unisched.plan.problem.PlanProblem.first_backward_workers`) after a transfer.
-    Returns how many micro-batches count crossings."""
+    different workers (at least k - 1 of them, k the workers they need:
+    :meth:`~unisched.plan.problem.PlanProblem.first_backward_workers`) after a transfer."""
     problem = timed.problem
     edges = timed.data_edges()
     gradient = edges.moves == TRANSFER_KINDS.index("gradient")
@@ -100,7 +100,6 @@ def _dependencies(model, timed: TimedProblem, start, end) -> int:
     if W > 1:
         off = ~np.eye(W, dtype=bool)
         shortest = timed.comm[off].min(axis=0)
-    k = problem.first_backward_workers()
     moves: dict[int, list] = {}
     for e, (src, dst) in enumerate(zip(edges.src.tolist(), edges.dst.tolist())):
         if not (gradient[e] and k > 1):
@@ -111,12 +110,11 @@ def _dependencies(model, timed: TimedProblem, start, end) -> int:
         moves.setdefault(int(timed.batch[src]), []).append(moved)
     for crossings in moves.values():
         model.add(sum(crossings) >= k - 1)
-    return len(moves)
 
 
 def _first_in_first_out(model, problem, start, backward: bool) -> None:
     """Micro-batches in one order through every stage's forward and, where no crossings are counted
-    (``backward``), through every backward pass.
+    (``backward``: k = 1), through every backward pass.
 
     Sound because micro-batches are alike in the pooled step: where two of them swap order at a
     stage's forward for the first time, exchanging everything from there on between them gives a

@@ -111,7 +111,7 @@ def registry_members(problem: PlanProblem, only: str | None = None) -> Iterable[
             yield label, None, str(error)
 
 
-def constructed_members(problem: PlanProblem, whole: bool = True) -> list[tuple[str, Strategy, str]]:
+def constructed_members(problem: PlanProblem, whole: bool = False) -> list[tuple[str, Strategy, str]]:
     """Mappings built here rather than taken from the registry, as further starting points (with
     ``whole``, also those where a backward runs away from its forward: for the mapping search of
     the whole scheme):
@@ -128,7 +128,8 @@ def constructed_members(problem: PlanProblem, whole: bool = True) -> list[tuple[
       workers on from the last (one gradient transfer per group, no activation transfer).  This
       is the shape of the shortest schedules the whole-scheme search finds on W = S = 4, B = 8,
       memory 2, comm 1, and seeding it there gives shorter plans within 10 s
-      (docs/planning.md, "Small problems")."""
+      (docs/planning.md, "Small problems"); the heuristic search of large steps, where it was
+      not measured, does not ask for it."""
     W, S, B = problem.shape
     priority = BackwardFirst(S, B)
 

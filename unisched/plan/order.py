@@ -228,15 +228,18 @@ which finds shorter schedules than CP-SAT's default search with its LP in the sa
 its searches."""
 
 
-def make_solver(time_limit: float, num_workers: int, seed: int) -> cp_model.CpSolver:
-    """A CP-SAT solver with a time limit, a number of search workers (three: the searches of
-    :data:`PORTFOLIO` and one for neighbourhoods) and a fixed seed; Ctrl-C is left to
-    :func:`run_solver`."""
+def make_solver(time_limit: float, num_workers: int, seed: int, searches: tuple[str, ...] | None = None
+                ) -> cp_model.CpSolver:
+    """A CP-SAT solver with a time limit, a number of search workers and a fixed seed; Ctrl-C is
+    left to :func:`run_solver`.  ``searches`` names CP-SAT's searches, one per worker; by default
+    three workers run those of :data:`PORTFOLIO` and one for neighbourhoods, and any other number
+    CP-SAT's own portfolio."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
     solver.parameters.num_workers = max(1, int(num_workers))
-    if num_workers == len(PORTFOLIO) + 1:
-        solver.parameters.subsolvers.extend(PORTFOLIO)
+    if searches is None and num_workers == len(PORTFOLIO) + 1:
+        searches = PORTFOLIO
+    solver.parameters.subsolvers.extend(searches or ())
     solver.parameters.random_seed = seed
     solver.parameters.catch_sigint_signal = False
     return solver

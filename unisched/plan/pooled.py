@@ -78,8 +78,7 @@ def pooled_bound(timed: TimedProblem, *, time_limit: float, seed: int = 0, lower
     makespan = model.new_int_var(int(lower), horizon, "makespan")
     model.add_max_equality(makespan, end)
     model.minimize(makespan)
-    solver = make_solver(time_limit, len(SEARCHES), seed)
-    solver.parameters.subsolvers.extend(SEARCHES)
+    solver = make_solver(time_limit, len(SEARCHES), seed, SEARCHES)
     begin = time.perf_counter()
     status, interrupted = run_solver(solver, model)
     # INFEASIBLE cannot be (a schedule within ``upper`` exists): then claim nothing of it

@@ -213,8 +213,9 @@ def test_cli_report_shows_table_bounds_and_diagram(capsys):
 
 def test_report_names_the_class_each_bound_holds_for(capsys):
     """W = S = B = 2, comm 1: replicas (ddp) take 8, which no schedule with one weight worker per
-    stage beats (CP-SAT proves 8 there), while the bounds for every schedule stay at 6.  The report
-    lists each bound under its class and claims no more than that."""
+    stage beats (CP-SAT proves 8 there; the ramp bound of that class is 7), while the bounds for
+    every schedule stay at 6.  The report lists each bound under its class and claims no more than
+    that."""
     code = run(parse(["-W", "2", "-S", "2", "-B", "2", "--comm", "1", "--time-limit", "10", "--no-color"]))
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
@@ -222,7 +223,7 @@ def test_report_names_the_class_each_bound_holds_for(capsys):
     assert lines[bounds] == "lower bounds (latency), for any schedule: critical path 6, work 6"
     whole = next(line for line in lines[bounds + 1:bounds + 3] if "cpsat whole scheme" in line)
     assert whole.startswith("  for schedules with one weight worker per stage") and whole.endswith(
-        "only: cpsat whole scheme 8")
+        "only: ramp 7, cpsat whole scheme 8")
     best = next(line for line in lines if line.startswith("best:"))
     assert "latency 8, 33.3% above the lower bound 6; none of the schedules with one weight worker" in best
     assert best.endswith("is shorter (proven)") and "proven optimal" not in best

@@ -15,17 +15,21 @@
 
 These hold for every schedule of the whole scheme (:data:`ANY_SCHEDULE`), and
 for the latency objective; for the span objective only the work bound does
-(a worker's busy span is at least its work).  For a fixed mapping the same
+(a worker's busy span is at least its work).  One more holds for the
+schedules with one weight worker per stage only (:func:`ramp`): the work
+bound with the time workers must stand idle at the step's two ends.  For a fixed mapping the same
 ideas apply per worker: its own work, and the memory-time of the stashes it
 keeps against its own limit.
 """
 
 from __future__ import annotations
 
+import networkx as nx
 import numpy as np
 
 from unisched import dataflow
-from unisched.plan.problem import PlanProblem
+from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.timeline import TRANSFER_KINDS
 from unisched.simulate.simulation import downstream_paths, shape_bounds as simulated_shape_bounds
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
@@ -56,6 +60,74 @@ def stash_room(problem: PlanProblem) -> float:
         budget = np.broadcast_to(np.asarray(problem.memory_budget, dtype=float), (problem.shape.num_workers,))
         room = min(room, float(budget.sum() - problem.owner_bytes().sum()))
     return room
+
+
+def ramp(timed: TimedProblem) -> int:
+    """The work bound with the workers' idle time at the step's two ends, in ticks, for every
+    schedule with one weight worker per stage (the latency objective).
+
+    Only the weight workers of source stages can start at once.  Any other worker's first pass
+    either is a source stage's forward, waiting for that stage's weights to arrive, or takes
+    inputs that all come from other workers: it starts no sooner than ``head``, the least of
+    these over the passes of a micro-batch (upstream passes at the fastest worker's speed, each
+    transfer over the shortest link).  Likewise only the weight workers of the stages whose
+    passes end a micro-batch's work (sinks: a source stage's backward, or with a split backward
+    every W) can be busy until the step ends: any other worker's last pass either has successors,
+    all on other workers, or is a sink's gradient pass, whose gradient must then go back to the
+    stage's weight worker; it ends at least ``tail`` before the step does.  So at least
+    ``W - sources`` workers idle for ``head`` and ``W - sinks`` for ``tail`` (a worker idle
+    throughout idles for the whole step), and the step is at least as long as the shortest
+    T with ``W * T >= work + idle(T)``.  For W = S = 4, B = 8, comm 1 (weights fetched in 1
+    too) head and tail are 1, so 4 T >= 96 + 3 + 3: T >= 26, where the work bound is 24 and
+    the planner's plan takes 26.
+
+    Replicated weights escape it: every replica of a source stage starts at once."""
+    problem = timed.problem
+    W, S, B = problem.shape
+    first = np.flatnonzero(timed.batch == 0)  # a micro-batch's dependencies are every micro-batch's
+    src, dst, _, moves = dataflow.edges(problem.items, problem.stage_graph)
+    mine = np.isin(src, first)
+    src, dst, moves = src[mine], dst[mine], moves[mine]
+    stage = timed.stage
+    moved = dataflow.moved_stage(stage[src], stage[dst], moves)
+    shortest = {name: np.zeros(S, dtype=np.int64) for name in ("comm", "fetch", "stash")}
+    if W > 1:
+        off = ~np.eye(W, dtype=bool)
+        shortest = {name: getattr(timed, name)[off].min(axis=0) for name in shortest}
+    delay = np.where(moves == TRANSFER_KINDS.index("stash"), shortest["stash"][moved], shortest["comm"][moved])
+    delay[moves == dataflow.MOVES_NOTHING] = 0
+    fastest = timed.duration.min(axis=1)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(first.tolist())
+    graph.add_weighted_edges_from(zip(src.tolist(), dst.tolist(), delay.tolist()))
+    order = list(nx.topological_sort(graph))
+    done_by, to_end = {}, {}  # earliest end; longest path from an item's start to the step's end
+    for i in order:
+        done_by[i] = max((done_by[u] for u in graph.predecessors(i)), default=0) + int(fastest[i])
+    for i in reversed(order):
+        to_end[i] = int(fastest[i]) + max((to_end[v] for v in graph.successors(i)), default=0)
+    sources = {int(stage[i]) for i in first if graph.in_degree(i) == 0}
+    sinks = {int(stage[i]) for i in first if graph.out_degree(i) == 0}
+    gradient = dataflow.gradient_pass(problem.split_backward)
+    fetch = shortest["fetch"]
+    head = min(max(max((done_by[u] + graph[u][i]["weight"] for u in graph.predecessors(i)), default=0),
+                   int(fetch[stage[i]]) if stage[i] in sources else 0) for i in first)
+    tail = min(max(max((graph[i][v]["weight"] + to_end[v] for v in graph.successors(i)), default=0),
+                   int(fetch[stage[i]]) if stage[i] in sinks and timed.direction[i] == gradient else 0)
+               for i in first)
+    late, early = W - min(W, len(sources)), W - min(W, len(sinks))
+    both = min(late, early)
+    work = B * int(fastest[first].sum())
+
+    def fits_in(T: int) -> bool:
+        idle = (both * min(T, head + tail) + (late - both) * min(T, head) + (early - both) * min(T, tail))
+        return W * T >= work + idle
+
+    low, high = -(-work // W), -(-(work + late * head + early * tail) // W)
+    while low < high:  # W * T - idle(T) never falls as T grows
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits_in(middle) else (middle + 1, high)
+    return low
 
 
 def mapping_bounds(problem: PlanProblem, compute: np.ndarray, weight: np.ndarray | None = None) -> dict[str, float]:

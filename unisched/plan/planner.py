@@ -47,7 +47,7 @@ from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy
 from unisched.work import Shape
 
-from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, shape_bounds
+from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, ramp, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
 from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
@@ -246,9 +246,16 @@ class _Search:
     """(class of schedules, CP-SAT's lower bound for it) of every model run whose bound holds."""
     pooled_bound: float = 0.0
     """The pooled step's lower bound (:meth:`pooled`), for every schedule; 0 where it did not run."""
+    ramp_bound: float = 0.0
+    """:func:`unisched.plan.bounds.ramp`, for the schedules with one weight worker per stage; 0
+    with the span objective, which it does not bound."""
     interrupted: bool = False
     mapped: dict[bytes, tuple[Schedule, Simulation] | None] = field(default_factory=dict)
     """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
+
+    def __post_init__(self):
+        if self.problem.objective == "latency":
+            self.ramp_bound = self.timed.ticks.time(ramp(self.timed))
 
     # ------------------------------------------------------------------ phases
     def family(self, members, whole: bool) -> FamilyResult:
@@ -312,7 +319,8 @@ class _Search:
             if share <= 0.05 or self.done():
                 break
             _say(self.progress, f"CP-SAT order of {label} ({share:.1f} s) ...")
-            bound = max(max(mapping_bounds(self.problem, compute, weight).values()), self.pooled_bound)
+            bound = max(max(mapping_bounds(self.problem, compute, weight).values()), self.pooled_bound,
+                        self._ramp_for(compute, weight))
             solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
                                         num_workers=self.search_workers, seed=self.seed,
                                         lower_bound=self._ticks_below(bound), asap_replay=False,
@@ -398,7 +406,7 @@ class _Search:
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=score, whole=whole, asap_replay=False, period=period,
-                               lower_bound=self._ticks_below(self.floor()),
+                               lower_bound=self._ticks_below(max(self.floor(), self.ramp_bound)),
                                report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
@@ -458,6 +466,8 @@ class _Search:
         if self.pooled_bound:
             bounds["cpsat_pooled"] = self.pooled_bound
         classes = {k: ANY_SCHEDULE for k in bounds}
+        if self.ramp_bound > max(bounds.values()) + 1e-9:  # else it says no more than those
+            bounds["ramp"], classes["ramp"] = self.ramp_bound, WHOLE_SCHEME
         if self.fixed:
             best = self.best()
             mapping = mapping_bounds(problem, best.schedule.compute, best.schedule.weight)
@@ -494,7 +504,12 @@ class _Search:
         bound = self.floor()
         if self.fixed:
             bound = max(mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
+        bound = max(bound, self._ramp_for(best.schedule.compute, best.schedule.weight))
         return best.value(self.problem.objective) <= bound + 1e-9
+
+    def _ramp_for(self, compute, weight) -> float:
+        """The ramp bound where a mapping has one weight worker per stage (it holds for those alone)."""
+        return self.ramp_bound if self.ramp_bound and fits(self.timed, compute, weight, whole=True) else 0.0
 
     def _ticks_below(self, bound: float) -> int:
         """A lower bound in CP-SAT's ticks, rounded down (never stronger than proven)."""

@@ -1,0 +1,93 @@
+"""The ramp bound (unisched.plan.bounds.ramp): the work bound with the idle time at a step's two
+ends, for the schedules with one weight worker per stage.  Never above that class's optimum
+(proven by the whole-scheme CP-SAT model), often equal to it, and what it lets the planner claim."""
+
+from __future__ import annotations
+
+import pytest
+
+from unisched import Costs
+from unisched.plan import encode_costs, plan
+from unisched.plan.bounds import ANY_SCHEDULE, ramp, shape_bounds
+from unisched.plan.mapping import WHOLE_SCHEME, solve_mapping
+from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.work import Shape
+
+
+def timed_of(shape, costs, memory=None, split=False) -> TimedProblem:
+    return TimedProblem.build(PlanProblem(Shape(*shape), costs, memory, split_backward=split))
+
+
+SPLIT = dict(backward_input=1, backward_weight=1)
+
+
+@pytest.mark.parametrize("shape, costs, memory, split, optimum", [
+    ((2, 2, 2), encode_costs(comm=1), None, False, 8),
+    ((2, 2, 2), encode_costs(comm=1, fetch=3), None, False, 9),
+    ((2, 2, 4), encode_costs(comm=1, fetch=2), None, False, 14),
+    ((3, 2, 4), encode_costs(comm=1), None, False, 10),
+    ((3, 3, 3), encode_costs(comm=1), None, False, 11),
+    ((3, 2, 4), encode_costs(comm=1, **SPLIT), None, True, 9),
+    ((3, 2, 4), encode_costs(comm=1), 2, False, 11),
+    ((3, 2, 3), Costs(forward=2, backward=3, worker_speed=[1.0, 2.0, 1.0], latency=1.0), None, False, 10),
+    ((4, 2, 4), encode_costs(comm=2, fetch=2), None, False, 10),
+])
+def test_the_ramp_is_never_above_the_proven_optimum_of_its_class(shape, costs, memory, split, optimum):
+    timed = timed_of(shape, costs, memory, split)
+    solved = solve_mapping(timed, time_limit=60, whole=True, num_workers=2)
+    assert solved.optimal and timed.ticks.time(solved.objective) == optimum
+    assert timed.ticks.time(ramp(timed)) <= optimum
+
+
+def test_the_ramp_often_meets_the_optimum_where_the_work_bound_does_not():
+    """Of the steps above, those the ramp proves outright: the work bound alone is 1 to 3 below."""
+    met = []
+    for shape, costs, split, optimum in [((2, 2, 2), encode_costs(comm=1, fetch=3), False, 9),
+                                         ((2, 2, 4), encode_costs(comm=1, fetch=2), False, 14),
+                                         ((3, 3, 3), encode_costs(comm=1), False, 11),
+                                         ((3, 2, 4), encode_costs(comm=1, **SPLIT), True, 9)]:
+        timed = timed_of(shape, costs, split=split)
+        assert max(shape_bounds(timed.problem).values()) < optimum
+        met.append(timed.ticks.time(ramp(timed)) == optimum)
+    assert all(met)
+
+
+def test_the_ramp_counts_both_ends():
+    """W = S = B = 2, comm 1, weights fetched in 3: a worker without stage 0's weights starts no
+    sooner than 2 (stage 1's forward after stage 0's and a transfer; stage 0's forward waits 3 for
+    its weights), and one without them ends 3 before the step (stage 0's gradient goes back, or
+    stage 1's backward hands its gradient over: 1 + 2).  One worker lacks them: 2 T >= 12 + 2 + 3,
+    T >= 8.5, so 9 in whole ticks; the work bound is 6."""
+    timed = timed_of((2, 2, 2), encode_costs(comm=1, fetch=3))
+    assert shape_bounds(timed.problem)["work"] == 6
+    assert ramp(timed) == 9
+
+
+def test_without_transfers_the_ramp_is_the_work_bound():
+    timed = timed_of((4, 4, 8), Costs())
+    assert ramp(timed) == shape_bounds(timed.problem)["work"] == 24
+
+
+def test_the_planner_proves_the_unlimited_step_with_transfers_optimal_in_its_class():
+    """W = S = 4, B = 8, comm 1: the work bound is 24 and CP-SAT's whole-scheme bound stays below 26
+    within the time limit; the ramp (4 T >= 96 + 3 + 3) proves the plan's 26.  The claim names its
+    class, and the report lists the ramp under it."""
+    result = plan(4, 4, 8, encode_costs(comm=1), time_limit=20)
+    assert result.latency == 26 and result.bounds["ramp"] == 26
+    assert result.bound_classes["ramp"] == WHOLE_SCHEME
+    assert result.optimal and result.proven_for == WHOLE_SCHEME
+    assert result.bounds["work"] == 24 and result.bound_classes["work"] == ANY_SCHEDULE
+
+
+def test_the_ramp_is_left_out_where_it_says_no_more_or_bounds_nothing():
+    assert "ramp" not in plan(2, 2, 4, time_limit=2).bounds  # no transfers: the work bound
+    assert "ramp" not in plan(2, 2, 4, encode_costs(comm=1), objective="span", time_limit=2).bounds
+
+
+def test_replicas_escape_the_ramp_and_the_plan_claims_nothing_for_every_schedule():
+    """W = S = B = 2, comm 1: ddp (both workers hold both stages) starts both workers at once; the
+    ramp's 7 holds for schedules with one weight worker per stage only, so the plan claims nothing
+    for every schedule."""
+    result = plan(2, 2, 2, encode_costs(comm=1), time_limit=5)
+    assert result.bounds["ramp"] == 7 and result.bound_classes["ramp"] == WHOLE_SCHEME
+    assert result.proven_for != ANY_SCHEDULE

@@ -141,14 +141,18 @@ def shape_lower_bound(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward
 def shape_bounds(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward: bool = False,
                  stage_graph: StageGraph | None = None) -> dict[str, float]:
     """The terms of :func:`shape_lower_bound`: ``critical_path`` (one
-    micro-batch through every stage and back, on the fastest worker) and
-    ``work`` (all the work over the workers' total speed)."""
+    micro-batch through every stage and back, on the fastest worker; with a
+    split backward, ending with a stage's W after its I) and ``work`` (all
+    the work over the workers' total speed)."""
     W, S, B = shape
     durations = costs.durations(S)
     speeds = costs.speeds(W)
     passes = directions(split_backward)
     graph = as_stage_graph(S, stage_graph)
-    path = downstream_paths(graph, durations[passes[0]], durations[passes[1]]).max(initial=0.0) / speeds.max()
+    paths = downstream_paths(graph, durations[passes[0]], durations[passes[1]])
+    if split_backward:  # each stage's W follows its I: a path through s may end there
+        paths = _upstream_forwards(graph, durations[passes[0]]) + paths + durations[passes[2]]
+    path = paths.max(initial=0.0) / speeds.max()
     work = B * sum(durations[d] for d in passes).sum() / speeds.sum()
     return {"critical_path": float(path), "work": float(work)}
 
@@ -161,6 +165,14 @@ def downstream_paths(graph: StageGraph, forward: np.ndarray, backward: np.ndarra
     longest = np.zeros(graph.num_stages)
     for s in reversed(list(nx.topological_sort(graph.graph))):
         longest[s] = forward[s] + backward[s] + max((longest[t] for t in graph.successors[s]), default=0.0)
+    return longest
+
+
+def _upstream_forwards(graph: StageGraph, forward: np.ndarray) -> np.ndarray:
+    """Per stage s: the longest path of one micro-batch's forwards from a source to F(s)'s start."""
+    longest = np.zeros(graph.num_stages)
+    for s in nx.topological_sort(graph.graph):
+        longest[s] = max((longest[p] + forward[p] for p in graph.predecessors[s]), default=0.0)
     return longest
 
 

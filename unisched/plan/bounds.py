@@ -17,9 +17,9 @@ These hold for every schedule of the whole scheme (:data:`ANY_SCHEDULE`), and
 for the latency objective; for the span objective only the work bound does
 (a worker's busy span is at least its work).  One more holds for the
 schedules with one weight worker per stage only (:func:`ramp`): the work
-bound with the time workers must stand idle at the step's two ends.  For a fixed mapping the same
-ideas apply per worker: its own work, and the memory-time of the stashes it
-keeps against its own limit.
+bound with the time workers must stand idle at the step's two ends.  For a
+fixed mapping the same ideas apply per worker: its own work, and the
+memory-time of the stashes it keeps against its own limit.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 
 from unisched import dataflow
 from unisched.plan.problem import PlanProblem, TimedProblem
-from unisched.timeline import TRANSFER_KINDS
 from unisched.simulate.simulation import downstream_paths, shape_bounds as simulated_shape_bounds
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
@@ -83,33 +82,26 @@ def ramp(timed: TimedProblem) -> int:
 
     Replicated weights escape it: every replica of a source stage starts at once."""
     problem = timed.problem
-    W, S, B = problem.shape
+    W, _, B = problem.shape
+    edges = timed.data_edges()
     first = np.flatnonzero(timed.batch == 0)  # a micro-batch's dependencies are every micro-batch's
-    src, dst, _, moves = dataflow.edges(problem.items, problem.stage_graph)
-    mine = np.isin(src, first)
-    src, dst, moves = src[mine], dst[mine], moves[mine]
-    stage = timed.stage
-    moved = dataflow.moved_stage(stage[src], stage[dst], moves)
-    shortest = {name: np.zeros(S, dtype=np.int64) for name in ("comm", "fetch", "stash")}
-    if W > 1:
-        off = ~np.eye(W, dtype=bool)
-        shortest = {name: getattr(timed, name)[off].min(axis=0) for name in shortest}
-    delay = np.where(moves == TRANSFER_KINDS.index("stash"), shortest["stash"][moved], shortest["comm"][moved])
-    delay[moves == dataflow.MOVES_NOTHING] = 0
+    mine = np.isin(edges.src, first)
+    delay = timed.least_delays(edges)[mine]
     fastest = timed.duration.min(axis=1)
     graph = nx.DiGraph()
     graph.add_nodes_from(first.tolist())
-    graph.add_weighted_edges_from(zip(src.tolist(), dst.tolist(), delay.tolist()))
+    graph.add_weighted_edges_from(zip(edges.src[mine].tolist(), edges.dst[mine].tolist(), delay.tolist()))
     order = list(nx.topological_sort(graph))
     done_by, to_end = {}, {}  # earliest end; longest path from an item's start to the step's end
     for i in order:
         done_by[i] = max((done_by[u] for u in graph.predecessors(i)), default=0) + int(fastest[i])
     for i in reversed(order):
         to_end[i] = int(fastest[i]) + max((to_end[v] for v in graph.successors(i)), default=0)
+    stage = timed.stage
     sources = {int(stage[i]) for i in first if graph.in_degree(i) == 0}
     sinks = {int(stage[i]) for i in first if graph.out_degree(i) == 0}
     gradient = dataflow.gradient_pass(problem.split_backward)
-    fetch = shortest["fetch"]
+    fetch = timed.shortest(timed.fetch)
     head = min(max(max((done_by[u] + graph[u][i]["weight"] for u in graph.predecessors(i)), default=0),
                    int(fetch[stage[i]]) if stage[i] in sources else 0) for i in first)
     tail = min(max(max((graph[i][v]["weight"] + to_end[v] for v in graph.successors(i)), default=0),

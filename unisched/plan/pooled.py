@@ -91,21 +91,16 @@ def _dependencies(model, timed: TimedProblem, start, end, k: int) -> None:
     """Every item after its inputs; a micro-batch's gradients between first backward passes on
     different workers (at least k - 1 of them, k the workers they need:
     :meth:`~unisched.plan.problem.PlanProblem.first_backward_workers`) after a transfer."""
-    problem = timed.problem
     edges = timed.data_edges()
     gradient = edges.moves == TRANSFER_KINDS.index("gradient")
-    W = problem.shape.num_workers
-    shortest = np.full(problem.shape.num_stages, 0, dtype=np.int64)
-    if W > 1:
-        off = ~np.eye(W, dtype=bool)
-        shortest = timed.comm[off].min(axis=0)
+    shortest = timed.least_delays(edges)
     moves: dict[int, list] = {}
     for e, (src, dst) in enumerate(zip(edges.src.tolist(), edges.dst.tolist())):
         if not (gradient[e] and k > 1):
             model.add(start[dst] >= end[src])
             continue
         moved = model.new_bool_var(f"m{e}")  # a crossing of no delay still counts among the k - 1
-        model.add(start[dst] >= end[src] + int(shortest[edges.stage[e]]) * moved)
+        model.add(start[dst] >= end[src] + int(shortest[e]) * moved)
         moves.setdefault(int(timed.batch[src]), []).append(moved)
     for crossings in moves.values():
         model.add(sum(crossings) >= k - 1)

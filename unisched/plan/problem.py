@@ -566,6 +566,22 @@ class TimedProblem:
         src, dst, _, moves = table
         return DataEdges(src, dst, dataflow.moved_stage(self.stage[src], self.stage[dst], moves), moves, table)
 
+    def shortest(self, table: np.ndarray) -> np.ndarray:
+        """Per stage: the least ticks of a transfer table (``comm``, ``fetch`` or ``stash``) between
+        two different workers (0 with one worker)."""
+        W = self.shape.num_workers
+        if W == 1:
+            return np.zeros(self.shape.num_stages, dtype=np.int64)
+        return table[~np.eye(W, dtype=bool)].min(axis=0)
+
+    def least_delays(self, edges: DataEdges) -> np.ndarray:
+        """Ticks each edge's data takes at least to reach another worker: :meth:`delays` over the
+        shortest link, 0 where it carries nothing."""
+        delay = np.where(edges.moves == TRANSFER_KINDS.index("stash"), self.shortest(self.stash)[edges.stage],
+                         self.shortest(self.comm)[edges.stage])
+        delay[edges.moves == dataflow.MOVES_NOTHING] = 0
+        return delay
+
     def delays(self, edges: DataEdges, compute: np.ndarray) -> np.ndarray:
         """Ticks each edge's data takes to reach its destination's worker (0 on
         the same worker, or when it carries nothing: :func:`unisched.dataflow.moved_data`)."""

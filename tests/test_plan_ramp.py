@@ -1,16 +1,19 @@
 """The ramp bound (unisched.plan.bounds.ramp): the work bound with the idle time at a step's two
-ends, for the schedules with one weight worker per stage.  Never above that class's optimum
+ends, for the whole scheme's schedules (one weight worker per stage, a split backward's I and W on
+one worker).  Never above that class's optimum
 (proven by the whole-scheme CP-SAT model), often equal to it, and what it lets the planner claim."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from unisched import Costs
 from unisched.plan import encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE, ramp, shape_bounds
-from unisched.plan.mapping import WHOLE_SCHEME, solve_mapping
+from unisched.plan.mapping import WHOLE_SCHEME, fits, solve_mapping
 from unisched.plan.problem import PlanProblem, TimedProblem
+from unisched.plan.schedule import Schedule
 from unisched.work import Shape
 
 
@@ -91,3 +94,25 @@ def test_replicas_escape_the_ramp_and_the_plan_claims_nothing_for_every_schedule
     result = plan(2, 2, 2, encode_costs(comm=1), time_limit=5)
     assert result.bounds["ramp"] == 7 and result.bound_classes["ramp"] == WHOLE_SCHEME
     assert result.proven_for != ANY_SCHEDULE
+
+
+def test_a_split_backwards_passes_apart_escape_the_ramp():
+    """One stage, W = 2, weights on worker 0 (fetched in 5): worker 1 runs micro-batch 0's W pass,
+    which needs nothing moved, early, and ends with micro-batch 1's I pass, whose W runs on worker 0
+    (the one-stage input needs no stash).  Its replay takes 11, under the ramp's 12: a schedule
+    with I and W apart lies outside the ramp's class, and the planner's class check says so."""
+    costs = encode_costs(forward=1, backward=3, backward_input=2, backward_weight=1, comm=1, fetch=5)
+    problem = PlanProblem(Shape(2, 1, 4), costs, split_backward=True)
+    timed = TimedProblem.build(problem)
+    F, I, W = problem.dirs
+    orders = {0: [(0, F), (0, I), (3, F), (3, I), (3, W), (2, I), (2, W), (1, W)],
+              1: [(0, W), (2, F), (1, F), (1, I)]}
+    items = problem.items
+    compute = np.zeros(problem.num_items, dtype=np.int64)
+    for worker, passes in orders.items():
+        compute[[items.id(b, 0, d) for b, d in passes]] = worker
+    weight = np.zeros(problem.num_items, dtype=np.int64)
+    schedule = Schedule(problem, compute, weight,
+                        {w: [int(items.id(b, 0, d)) for b, d in passes] for w, passes in orders.items()})
+    assert schedule.simulate().latency == 11 < ramp(timed) == 12
+    assert not fits(timed, compute, weight, whole=True)

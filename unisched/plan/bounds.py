@@ -16,7 +16,8 @@
 These hold for every schedule of the whole scheme (:data:`ANY_SCHEDULE`), and
 for the latency objective; for the span objective only the work bound does
 (a worker's busy span is at least its work).  One more holds for the
-schedules with one weight worker per stage only (:func:`ramp`): the work
+planner's whole scheme only (one weight worker per stage, a split
+backward's I and W on one worker: :func:`ramp`): the work
 bound with the time workers must stand idle at the step's two ends.  For a
 fixed mapping the same ideas apply per worker: its own work, and the
 memory-time of the stashes it keeps against its own limit.
@@ -30,7 +31,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.simulate.simulation import downstream_paths, shape_bounds as simulated_shape_bounds
-from unisched.work import BACKWARD_WEIGHT, FORWARD
+from unisched.work import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 ANY_SCHEDULE = "any schedule"
 """Every schedule: the class the shape bounds hold for, and the only one ``"optimal": true`` in a
@@ -63,7 +64,8 @@ def stash_room(problem: PlanProblem) -> float:
 
 def ramp(timed: TimedProblem) -> int:
     """The work bound with the workers' idle time at the step's two ends, in ticks, for every
-    schedule with one weight worker per stage (the latency objective).
+    schedule with one weight worker per stage and a split backward's I and W on one worker (the
+    planner's whole scheme, :data:`unisched.plan.mapping.WHOLE_SCHEME`), for the latency.
 
     Only the weight workers of source stages can start at once.  Any other worker's first pass
     either is a source stage's forward, waiting for that stage's weights to arrive, or takes
@@ -80,7 +82,9 @@ def ramp(timed: TimedProblem) -> int:
     too) head and tail are 1, so 4 T >= 96 + 3 + 3: T >= 26, where the work bound is 24 and
     the planner's plan takes 26.
 
-    Replicated weights escape it: every replica of a source stage starts at once."""
+    Within the class a W pass follows its I on one worker, so it is never a worker's first pass,
+    nor an I pass its last (apart, W may need nothing moved and end the step sooner).  Replicated
+    weights escape it: every replica of a source stage starts at once."""
     problem = timed.problem
     W, _, B = problem.shape
     edges = timed.data_edges()
@@ -102,11 +106,13 @@ def ramp(timed: TimedProblem) -> int:
     sinks = {int(stage[i]) for i in first if graph.out_degree(i) == 0}
     gradient = dataflow.gradient_pass(problem.split_backward)
     fetch = timed.shortest(timed.fetch)
+    direction = timed.direction
     head = min(max(max((done_by[u] + graph[u][i]["weight"] for u in graph.predecessors(i)), default=0),
-                   int(fetch[stage[i]]) if stage[i] in sources else 0) for i in first)
+                   int(fetch[stage[i]]) if stage[i] in sources else 0)
+               for i in first if direction[i] != BACKWARD_WEIGHT)
     tail = min(max(max((graph[i][v]["weight"] + to_end[v] for v in graph.successors(i)), default=0),
-                   int(fetch[stage[i]]) if stage[i] in sinks and timed.direction[i] == gradient else 0)
-               for i in first)
+                   int(fetch[stage[i]]) if stage[i] in sinks and direction[i] == gradient else 0)
+               for i in first if direction[i] != BACKWARD_INPUT)
     late, early = W - min(W, len(sources)), W - min(W, len(sinks))
     both = min(late, early)
     work = B * int(fastest[first].sum())

@@ -247,7 +247,7 @@ class _Search:
     pooled_bound: float = 0.0
     """The pooled step's lower bound (:meth:`pooled`), for every schedule; 0 where it did not run."""
     ramp_bound: float = 0.0
-    """:func:`unisched.plan.bounds.ramp`, for the schedules with one weight worker per stage; 0
+    """:func:`unisched.plan.bounds.ramp`, for the whole scheme's schedules (:data:`WHOLE_SCHEME`); 0
     with the span objective, which it does not bound."""
     interrupted: bool = False
     mapped: dict[bytes, tuple[Schedule, Simulation] | None] = field(default_factory=dict)
@@ -508,7 +508,7 @@ class _Search:
         return best.value(self.problem.objective) <= bound + 1e-9
 
     def _ramp_for(self, compute, weight) -> float:
-        """The ramp bound where a mapping has one weight worker per stage (it holds for those alone)."""
+        """The ramp bound where a mapping lies in the whole scheme (it holds for those alone)."""
         return self.ramp_bound if self.ramp_bound and fits(self.timed, compute, weight, whole=True) else 0.0
 
     def _ticks_below(self, bound: float) -> int:

@@ -575,8 +575,10 @@ class TimedProblem:
         return table[~np.eye(W, dtype=bool)].min(axis=0)
 
     def least_delays(self, edges: DataEdges) -> np.ndarray:
-        """Ticks each edge's data takes at least to reach another worker: :meth:`delays` over the
-        shortest link, 0 where it carries nothing."""
+        """Ticks each edge's data takes at least to reach another worker, where it moves: the
+        table of what the edge's kind carries over the shortest link, 0 where it carries nothing.
+        (Whether an I -> W edge moves the stash depends on the mapping:
+        :func:`unisched.dataflow.moved_data`.)"""
         delay = np.where(edges.moves == TRANSFER_KINDS.index("stash"), self.shortest(self.stash)[edges.stage],
                          self.shortest(self.comm)[edges.stage])
         delay[edges.moves == dataflow.MOVES_NOTHING] = 0

@@ -116,3 +116,15 @@ def test_a_split_backwards_passes_apart_escape_the_ramp():
                         {w: [int(items.id(b, 0, d)) for b, d in passes] for w, passes in orders.items()})
     assert schedule.simulate().latency == 11 < ramp(timed) == 12
     assert not fits(timed, compute, weight, whole=True)
+
+
+def test_the_heuristic_search_stops_at_the_ramp_and_claims_its_class():
+    """W = S = 8, B = 32, comm 1 with the heuristic search (large steps): the work bound is 96 and
+    the ramp 98 (8 T >= 768 + 7 + 7), which the seed with every micro-batch on one worker meets;
+    the search stops there and claims the whole scheme, not every schedule."""
+    result = plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=20)
+    assert result.bounds["work"] == 96 and result.bounds["ramp"] == 98 == result.latency
+    assert result.optimal and result.proven_for == result.bound_for == WHOLE_SCHEME
+    assert result.lower_bound == 98
+    assert "ramp" not in plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=2,
+                              objective="span").bounds

@@ -43,7 +43,8 @@ strategies' own replays, so the plan is never worse than the best of them.
 Anytime: the search stops at its time limit (less the time two simulations
 of the step took, kept for that replay and its measures), on Ctrl-C (the best plan so far is
 returned) or as soon as the best meets the lower bound of
-:mod:`unisched.plan.bounds`.  ``objective="span"`` minimizes the longest
+:mod:`unisched.plan.bounds` (the ramp bound where the best lies in the whole
+scheme, for which alone it holds).  ``objective="span"`` minimizes the longest
 per-worker busy span (first item's start to last item's end), the measure of
 the zero-bubble paper's bubble rate; the default is the step's latency.
 """
@@ -64,13 +65,14 @@ from unisched.metrics import gap
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
-from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
+from unisched.plan.bounds import ANY_SCHEDULE, ramp, shape_bounds
 from unisched.plan.family import Member, constructed_members, measures, registry_members, search_family, unplannable
+from unisched.plan.mapping import WHOLE_SCHEME, fits
 from unisched.plan.order import capacity as stash_capacity
 from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
-                                   mapping_of)
+                                   mapping_of, rows_of)
 from unisched.plan.schedule import Schedule
 
 SEARCH_FROM_ITEMS = 500
@@ -749,14 +751,27 @@ class _Run:
         bounds = shape_bounds(self.problem)
         self.bounds = {"work": bounds["work"]} if self.objective == "span" else bounds
         self.bound = max(self.bounds.values())
+        self.ramp = self.timed.ticks.time(ramp(self.timed)) if self.objective == "latency" else 0.0
+        """The ramp bound (:func:`unisched.plan.bounds.ramp`), for the whole scheme alone."""
+        self.best_bound = self.bound
+        """The strongest bound for the class the best lies in."""
 
     @property
     def met(self) -> bool:
-        return self.best_value <= self.bound * (1 + 1e-9)
+        return self.best_value <= self.best_bound * (1 + 1e-9)
+
+    def bound_for(self, compute, weight) -> float:
+        """The strongest bound for a mapping's class: the ramp too where it lies in the whole scheme."""
+        if self.ramp > self.bound and fits(self.timed, compute, weight, whole=True):
+            return self.ramp
+        return self.bound
 
     def offer_seed(self, member: Member) -> None:
         self.best_value = objective_value(member.simulation, self.objective)
         self.best_label, self.best_seed = member.label, member
+        t = member.simulation.timeline
+        rows = rows_of(self.problem, t)
+        self.best_bound = self.bound_for(t.worker[rows], t.weight_worker[rows])
         self._announce()
 
     def measure_seeds(self, seeds: list[Member]) -> None:
@@ -770,6 +785,7 @@ class _Run:
         if value >= self.best_value - 1e-9:
             return False
         self.best_value, self.best_label, self.best_start = value, f"{start.m.label} + {start.how}", start
+        self.best_bound = self.bound_for(start.m.compute, start.m.weight)
         self._announce()
         return True
 
@@ -778,9 +794,9 @@ class _Run:
         if self.progress is None or (not final and now - self.said < SAY_EVERY):
             self.unsaid = not final
             return
-        above = gap(self.best_value, self.bound)
+        above = gap(self.best_value, self.best_bound)
         self.progress.write(f"search: {self.objective} {self.best_value:g}, {above:.1%} above the bound "
-                            f"{self.bound:g} ({self.best_label}) after {now - self.begin:.1f} s{final}\n")
+                            f"{self.best_bound:g} ({self.best_label}) after {now - self.begin:.1f} s{final}\n")
         self.progress.flush()
         self.said, self.unsaid = now, False
 
@@ -871,28 +887,33 @@ class _Run:
         label, source, schedule, sim = self._replayed_best(seeds[0] if seeds else None)
         self.best_label = label
         self.best_value = objective_value(sim, self.objective)
+        self.best_bound = self.bound_for(schedule.compute, schedule.weight)
         self._announce(final=stop)
         value = self.best_value
-        proven = value <= self.bound * (1 + 1e-9)
-        rows = [self._row(label, source, sim, proven)]
+        bounds, classes = dict(self.bounds), {name: ANY_SCHEDULE for name in self.bounds}
+        if self.bound < self.ramp <= value * (1 + 1e-9):  # above the best: it only says the best lies outside
+            bounds["ramp"], classes["ramp"] = self.ramp, WHOLE_SCHEME
+        bound_for = WHOLE_SCHEME if self.best_bound > self.bound else ANY_SCHEDULE
+        proven_for = bound_for if value <= self.best_bound * (1 + 1e-9) else ""
+        rows = [self._row(label, source, sim, bool(proven_for))]
         rows += [row for row in self.seed_rows if row["strategy"] != label]
         rows.sort(key=lambda row: row["latency"])
         return Plan(
             schedule=schedule,
             strategy_name=label,
             latency=float(sim.latency),
-            lower_bound=float(self.bound),
-            bounds=dict(self.bounds),
-            optimal=proven,
+            lower_bound=float(self.best_bound),
+            bounds=bounds,
+            optimal=bool(proven_for),
             candidates=rows,
             dropped=[{"strategy": m.label, "reason": m.reason} for m in family.dropped],
             elapsed=time.perf_counter() - self.begin,
             replay=sim,
             objective=self.objective,
             objective_value=value,
-            proven_for=ANY_SCHEDULE if proven else "",
-            bound_for=ANY_SCHEDULE,
-            bound_classes={name: ANY_SCHEDULE for name in self.bounds},
+            proven_for=proven_for,
+            bound_for=bound_for,
+            bound_classes=classes,
             interrupted=self.interrupted,
             search="heuristic search",
         )
@@ -900,7 +921,7 @@ class _Run:
     def _row(self, label: str, source: str, sim, optimal: bool) -> dict:
         """A row of the plan's candidates table; its gap is of the objective."""
         value = objective_value(sim, self.objective)
-        return dict(strategy=label, source=source, **measures(sim), gap=gap(value, self.bound), optimal=optimal,
+        return dict(strategy=label, source=source, **measures(sim), gap=gap(value, self.best_bound), optimal=optimal,
                     pareto=False, model_latency=None)
 
     def _replayed_best(self, seed: Member | None):

@@ -66,6 +66,15 @@ def test_the_ramp_counts_both_ends():
     assert ramp(timed) == 9
 
 
+def test_the_ramp_puts_the_idle_time_on_the_slowest_workers():
+    """Speeds 1, 2, 1; forward 2, backward 3, transfers and fetches 1; W = 3, S = 2, B = 3: 30 units
+    of work over a total speed of 4 (the work bound 7.5).  Two workers lack stage 0's weights and
+    idle 1 at each end; at the least they are the two slow ones: 4 T >= 30 + 2 + 2, T >= 8.5."""
+    timed = timed_of((3, 2, 3), Costs(forward=2, backward=3, worker_speed=[1.0, 2.0, 1.0], latency=1.0))
+    assert shape_bounds(timed.problem)["work"] == 7.5
+    assert timed.ticks.time(ramp(timed)) == 8.5
+
+
 def test_without_transfers_the_ramp_is_the_work_bound():
     timed = timed_of((4, 4, 8), Costs())
     assert ramp(timed) == shape_bounds(timed.problem)["work"] == 24

@@ -25,6 +25,8 @@ memory-time of the stashes it keeps against its own limit.
 
 from __future__ import annotations
 
+import math
+
 import networkx as nx
 import numpy as np
 
@@ -77,10 +79,11 @@ def ramp(timed: TimedProblem) -> int:
     all on other workers, or is a sink's gradient pass, whose gradient must then go back to the
     stage's weight worker; it ends at least ``tail`` before the step does.  So at least
     ``W - sources`` workers idle for ``head`` and ``W - sinks`` for ``tail`` (a worker idle
-    throughout idles for the whole step), and the step is at least as long as the shortest
-    T with ``W * T >= work + idle(T)``.  For W = S = 4, B = 8, comm 1 (weights fetched in 1
-    too) head and tail are 1, so 4 T >= 96 + 3 + 3: T >= 26, where the work bound is 24 and
-    the planner's plan takes 26.
+    throughout idles for the whole step), and since a worker of speed v does v units of work
+    a unit of time, the step is at least as long as the shortest T with
+    ``sum(v) T >= work + sum(v idle(T))``, the idle time on the slowest workers.  For W = S = 4,
+    B = 8, comm 1 (weights fetched in 1 too) head and tail are 1, so 4 T >= 96 + 3 + 3: T >= 26,
+    where the work bound is 24 and the planner's plan takes 26.
 
     Within the class a W pass follows its I on one worker, so it is never a worker's first pass,
     nor an I pass its last (apart, W may need nothing moved and end the step sooner).  Replicated
@@ -115,14 +118,16 @@ def ramp(timed: TimedProblem) -> int:
                for i in first if direction[i] != BACKWARD_INPUT)
     late, early = W - min(W, len(sources)), W - min(W, len(sinks))
     both = min(late, early)
-    work = B * int(fastest[first].sum())
+    speeds = np.sort(problem.costs.speeds(W))  # the slowest first: they idle
+    work = B * float((timed.duration[first] * problem.costs.speeds(W)).min(axis=1).sum())  # at speed 1
+    idle_each = [head + tail] * both + [head] * (late - both) + [tail] * (early - both)
 
     def fits_in(T: int) -> bool:
-        idle = (both * min(T, head + tail) + (late - both) * min(T, head) + (early - both) * min(T, tail))
-        return W * T >= work + idle
+        idle = sum(v * min(T, each) for v, each in zip(speeds, idle_each))
+        return speeds.sum() * T >= (work + idle) * (1 - 1e-12)
 
-    low, high = -(-work // W), -(-(work + late * head + early * tail) // W)
-    while low < high:  # W * T - idle(T) never falls as T grows
+    low, high = 0, int(math.ceil((work + speeds.max() * (late * head + early * tail)) / speeds.sum()))
+    while low < high:  # sum(v) T - idle(T) never falls as T grows
         middle = (low + high) // 2
         low, high = (low, middle) if fits_in(middle) else (middle + 1, high)
     return low

@@ -743,7 +743,9 @@ class _Run:
     interrupted: bool = False
     said: float = -math.inf
     unsaid: bool = False
-    seed_rows: list[dict] = field(default_factory=list)
+    seed_rows: list[tuple[dict, float]] = field(default_factory=list)
+    """The named strategies' rows of the candidates table, each with its objective value (its gap is
+    set in :meth:`answer`, against the bound of the best's class)."""
 
     def __post_init__(self):
         self.timed = TimedProblem.build(self.problem)
@@ -760,7 +762,7 @@ class _Run:
     def met(self) -> bool:
         return self.best_value <= self.best_bound * (1 + 1e-9)
 
-    def bound_for(self, compute, weight) -> float:
+    def class_bound(self, compute, weight) -> float:
         """The strongest bound for a mapping's class: the ramp too where it lies in the whole scheme."""
         if self.ramp > self.bound and fits(self.timed, compute, weight, whole=True):
             return self.ramp
@@ -771,13 +773,14 @@ class _Run:
         self.best_label, self.best_seed = member.label, member
         t = member.simulation.timeline
         rows = rows_of(self.problem, t)
-        self.best_bound = self.bound_for(t.worker[rows], t.weight_worker[rows])
+        self.best_bound = self.class_bound(t.worker[rows], t.weight_worker[rows])
         self._announce()
 
     def measure_seeds(self, seeds: list[Member]) -> None:
         """The named strategies' rows of the candidates table, measured before the search (so
         that the answer takes no more than the replay the time limit keeps back)."""
-        self.seed_rows = [self._row(m.label, "family", m.simulation, False) for m in seeds]
+        self.seed_rows = [(self._row(m.label, "family", m.simulation, False),
+                           objective_value(m.simulation, self.objective)) for m in seeds]
 
     def offer(self, start: Start) -> bool:
         """Keep ``start`` as the best if it is; whether it was."""
@@ -785,7 +788,7 @@ class _Run:
         if value >= self.best_value - 1e-9:
             return False
         self.best_value, self.best_label, self.best_start = value, f"{start.m.label} + {start.how}", start
-        self.best_bound = self.bound_for(start.m.compute, start.m.weight)
+        self.best_bound = self.class_bound(start.m.compute, start.m.weight)
         self._announce()
         return True
 
@@ -887,7 +890,7 @@ class _Run:
         label, source, schedule, sim = self._replayed_best(seeds[0] if seeds else None)
         self.best_label = label
         self.best_value = objective_value(sim, self.objective)
-        self.best_bound = self.bound_for(schedule.compute, schedule.weight)
+        self.best_bound = self.class_bound(schedule.compute, schedule.weight)
         self._announce(final=stop)
         value = self.best_value
         bounds, classes = dict(self.bounds), {name: ANY_SCHEDULE for name in self.bounds}
@@ -896,7 +899,8 @@ class _Run:
         bound_for = WHOLE_SCHEME if self.best_bound > self.bound else ANY_SCHEDULE
         proven_for = bound_for if value <= self.best_bound * (1 + 1e-9) else ""
         rows = [self._row(label, source, sim, bool(proven_for))]
-        rows += [row for row in self.seed_rows if row["strategy"] != label]
+        rows += [dict(row, gap=gap(seed_value, self.best_bound)) for row, seed_value in self.seed_rows
+                 if row["strategy"] != label]
         rows.sort(key=lambda row: row["latency"])
         return Plan(
             schedule=schedule,
@@ -919,7 +923,8 @@ class _Run:
         )
 
     def _row(self, label: str, source: str, sim, optimal: bool) -> dict:
-        """A row of the plan's candidates table; its gap is of the objective."""
+        """A row of the plan's candidates table; its gap is of the objective, to the bound of the
+        best's class."""
         value = objective_value(sim, self.objective)
         return dict(strategy=label, source=source, **measures(sim), gap=gap(value, self.best_bound), optimal=optimal,
                     pareto=False, model_latency=None)

@@ -33,13 +33,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-import networkx as nx
 import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
 from unisched.network import allreduce_time
 from unisched.plan.problem import PlanInputError, TimedProblem, Ticks
+from unisched.simulate.simulation import upstream_forwards
 from unisched.work import FORWARD
 
 
@@ -345,13 +345,8 @@ def earliest_forwards(timed: TimedProblem) -> np.ndarray:
     """Per stage: the earliest tick its forward can start in any schedule (its upstream
     forwards on the fastest workers, transfers left out)."""
     problem = timed.problem
-    graph = problem.stage_graph
     forward = problem.item_grid()[0, :, problem.dirs.index(FORWARD)]
-    fastest = timed.duration[forward].min(axis=1)
-    earliest = np.zeros(graph.num_stages, dtype=np.int64)
-    for s in nx.topological_sort(graph.graph):
-        earliest[s] = max((earliest[p] + fastest[p] for p in graph.predecessors[s]), default=0)
-    return earliest
+    return upstream_forwards(problem.stage_graph, timed.duration[forward].min(axis=1).astype(np.int64))
 
 
 def live_start(model, earliest: np.ndarray, s: int, f: int, start, away) -> object:

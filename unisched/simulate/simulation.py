@@ -151,7 +151,7 @@ def shape_bounds(shape: Shape, costs: Costs = DEFAULT_COSTS, split_backward: boo
     graph = as_stage_graph(S, stage_graph)
     paths = downstream_paths(graph, durations[passes[0]], durations[passes[1]])
     if split_backward:  # each stage's W follows its I: a path through s may end there
-        paths = _upstream_forwards(graph, durations[passes[0]]) + paths + durations[passes[2]]
+        paths = upstream_forwards(graph, durations[passes[0]]) + paths + durations[passes[2]]
     path = paths.max(initial=0.0) / speeds.max()
     work = B * sum(durations[d] for d in passes).sum() / speeds.sum()
     return {"critical_path": float(path), "work": float(work)}
@@ -168,9 +168,10 @@ def downstream_paths(graph: StageGraph, forward: np.ndarray, backward: np.ndarra
     return longest
 
 
-def _upstream_forwards(graph: StageGraph, forward: np.ndarray) -> np.ndarray:
-    """Per stage s: the longest path of one micro-batch's forwards from a source to F(s)'s start."""
-    longest = np.zeros(graph.num_stages)
+def upstream_forwards(graph: StageGraph, forward: np.ndarray) -> np.ndarray:
+    """Per stage s: the longest path of one micro-batch's forwards from a source to F(s)'s start
+    (of ``forward``'s dtype)."""
+    longest = np.zeros(graph.num_stages, dtype=np.asarray(forward).dtype)
     for s in nx.topological_sort(graph.graph):
         longest[s] = max((longest[p] + forward[p] for p in graph.predecessors[s]), default=0.0)
     return longest

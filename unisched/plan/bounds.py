@@ -67,7 +67,8 @@ def stash_room(problem: PlanProblem) -> float:
 def ramp(timed: TimedProblem) -> int:
     """The work bound with the workers' idle time at the step's two ends, in ticks, for every
     schedule with one weight worker per stage and a split backward's I and W on one worker (the
-    planner's whole scheme, :data:`unisched.plan.mapping.WHOLE_SCHEME`), for the latency.
+    planner's whole scheme, :data:`unisched.plan.mapping.WHOLE_SCHEME`); 0 for the span objective,
+    which it does not bound (a worker's busy span leaves out its idle ends).
 
     Only the weight workers of source stages can start at once.  Any other worker's first pass
     either is a source stage's forward, waiting for that stage's weights to arrive, or takes
@@ -89,6 +90,8 @@ def ramp(timed: TimedProblem) -> int:
     nor an I pass its last (apart, W may need nothing moved and end the step sooner).  Replicated
     weights escape it: every replica of a source stage starts at once."""
     problem = timed.problem
+    if problem.objective != "latency":
+        return 0
     W, _, B = problem.shape
     edges = timed.data_edges()
     first = np.flatnonzero(timed.batch == 0)  # a micro-batch's dependencies are every micro-batch's

@@ -254,8 +254,7 @@ class _Search:
     """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
 
     def __post_init__(self):
-        if self.problem.objective == "latency":
-            self.ramp_bound = self.timed.ticks.time(ramp(self.timed))
+        self.ramp_bound = self.timed.ticks.time(ramp(self.timed))
 
     # ------------------------------------------------------------------ phases
     def family(self, members, whole: bool) -> FamilyResult:

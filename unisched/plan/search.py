@@ -753,7 +753,7 @@ class _Run:
         bounds = shape_bounds(self.problem)
         self.bounds = {"work": bounds["work"]} if self.objective == "span" else bounds
         self.bound = max(self.bounds.values())
-        self.ramp = self.timed.ticks.time(ramp(self.timed)) if self.objective == "latency" else 0.0
+        self.ramp = self.timed.ticks.time(ramp(self.timed))
         """The ramp bound (:func:`unisched.plan.bounds.ramp`), for the whole scheme alone."""
         self.best_bound = self.bound
         """The strongest bound for the class the best lies in."""

@@ -24,35 +24,27 @@ def timed_of(shape, costs, memory=None, split=False) -> TimedProblem:
 SPLIT = dict(backward_input=1, backward_weight=1)
 
 
-@pytest.mark.parametrize("shape, costs, memory, split, optimum", [
-    ((2, 2, 2), encode_costs(comm=1), None, False, 8),
-    ((2, 2, 2), encode_costs(comm=1, fetch=3), None, False, 9),
-    ((2, 2, 4), encode_costs(comm=1, fetch=2), None, False, 14),
-    ((3, 2, 4), encode_costs(comm=1), None, False, 10),
-    ((3, 3, 3), encode_costs(comm=1), None, False, 11),
-    ((3, 2, 4), encode_costs(comm=1, **SPLIT), None, True, 9),
-    ((3, 2, 4), encode_costs(comm=1), 2, False, 11),
-    ((3, 2, 3), Costs(forward=2, backward=3, worker_speed=[1.0, 2.0, 1.0], latency=1.0), None, False, 10),
-    ((4, 2, 4), encode_costs(comm=2, fetch=2), None, False, 10),
+@pytest.mark.parametrize("shape, costs, memory, split, optimum, tight", [
+    ((2, 2, 2), encode_costs(comm=1), None, False, 8, False),
+    ((2, 2, 2), encode_costs(comm=1, fetch=3), None, False, 9, True),
+    ((2, 2, 4), encode_costs(comm=1, fetch=2), None, False, 14, True),
+    ((3, 2, 4), encode_costs(comm=1), None, False, 10, True),
+    ((3, 3, 3), encode_costs(comm=1), None, False, 11, True),
+    ((3, 2, 4), encode_costs(comm=1, **SPLIT), None, True, 9, True),
+    ((3, 2, 4), encode_costs(comm=1), 2, False, 11, False),
+    ((3, 2, 3), Costs(forward=2, backward=3, worker_speed=[1.0, 2.0, 1.0], latency=1.0), None, False, 10, False),
+    ((4, 2, 4), encode_costs(comm=2, fetch=2), None, False, 10, False),
 ])
-def test_the_ramp_is_never_above_the_proven_optimum_of_its_class(shape, costs, memory, split, optimum):
+def test_the_ramp_is_never_above_the_proven_optimum_of_its_class(shape, costs, memory, split, optimum, tight):
+    """Never above the whole-scheme model's proven optimum, and equal to it (``tight``) on five of
+    these steps, where the bounds for every schedule fall short."""
     timed = timed_of(shape, costs, memory, split)
     solved = solve_mapping(timed, time_limit=60, whole=True, num_workers=2)
     assert solved.optimal and timed.ticks.time(solved.objective) == optimum
-    assert timed.ticks.time(ramp(timed)) <= optimum
-
-
-def test_the_ramp_often_meets_the_optimum_where_the_work_bound_does_not():
-    """Of the steps above, those the ramp proves outright: the work bound alone is 1 to 3 below."""
-    met = []
-    for shape, costs, split, optimum in [((2, 2, 2), encode_costs(comm=1, fetch=3), False, 9),
-                                         ((2, 2, 4), encode_costs(comm=1, fetch=2), False, 14),
-                                         ((3, 3, 3), encode_costs(comm=1), False, 11),
-                                         ((3, 2, 4), encode_costs(comm=1, **SPLIT), True, 9)]:
-        timed = timed_of(shape, costs, split=split)
-        assert max(shape_bounds(timed.problem).values()) < optimum
-        met.append(timed.ticks.time(ramp(timed)) == optimum)
-    assert all(met)
+    bound = timed.ticks.time(ramp(timed))
+    assert bound <= optimum
+    if tight:
+        assert bound == optimum > max(shape_bounds(timed.problem).values())
 
 
 def test_the_ramp_counts_both_ends():
@@ -96,13 +88,16 @@ def test_the_ramp_is_left_out_where_it_says_no_more_or_bounds_nothing():
     assert "ramp" not in plan(2, 2, 4, encode_costs(comm=1), objective="span", time_limit=2).bounds
 
 
-def test_replicas_escape_the_ramp_and_the_plan_claims_nothing_for_every_schedule():
-    """W = S = B = 2, comm 1: ddp (both workers hold both stages) starts both workers at once; the
-    ramp's 7 holds for schedules with one weight worker per stage only, so the plan claims nothing
-    for every schedule."""
-    result = plan(2, 2, 2, encode_costs(comm=1), time_limit=5)
-    assert result.bounds["ramp"] == 7 and result.bound_classes["ramp"] == WHOLE_SCHEME
-    assert result.proven_for != ANY_SCHEDULE
+def test_replicas_escape_the_ramp_and_the_plan_claims_nothing_of_it():
+    """W = B = 3, one stage, no transfer time, weights fetched in 1: ddp (every worker holds
+    the stage) starts every worker at once and takes 4.33, under the ramp's 5, which holds for one
+    weight worker per stage only.  The plan is ddp, and the ramp, above it, is left out of its
+    bounds rather than claimed."""
+    costs = encode_costs(comm=0, fetch=1)
+    timed = timed_of((3, 1, 3), costs)
+    result = plan(3, 1, 3, costs, time_limit=5)
+    assert result.strategy_name == "ddp" and result.latency < timed.ticks.time(ramp(timed)) == 5
+    assert "ramp" not in result.bounds and not result.optimal
 
 
 def test_a_split_backwards_passes_apart_escape_the_ramp():

@@ -254,6 +254,8 @@ class _Search:
     """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
 
     def __post_init__(self):
+        self.shape_bounds = shape_bounds(self.problem)
+        """The bounds of the problem's shape, for every schedule (:func:`unisched.plan.bounds.shape_bounds`)."""
         self.ramp_bound = self.timed.ticks.time(ramp(self.timed))
 
     # ------------------------------------------------------------------ phases
@@ -294,7 +296,7 @@ class _Search:
 
     def floor(self) -> float:
         """The strongest lower bound known for every schedule of the problem's objective."""
-        return max(max(shape_bounds(self.problem).values()), self.pooled_bound)
+        return max(max(self.shape_bounds.values()), self.pooled_bound)
 
     def targets(self, family: FamilyResult):
         """The mappings whose order CP-SAT improves (nothing once a bound is met)."""
@@ -461,7 +463,7 @@ class _Search:
         restricted class above ``value`` (the best replay) only says the best lies outside
         that class, and is left out."""
         problem = self.problem
-        bounds = shape_bounds(problem)
+        bounds = dict(self.shape_bounds)
         if self.pooled_bound:
             bounds["cpsat_pooled"] = self.pooled_bound
         classes = {k: ANY_SCHEDULE for k in bounds}

@@ -134,6 +134,9 @@ def test_a_backward_away_from_its_forward_gets_every_input_of_the_stage():
         (2, 1, ("x", 2, 1, 1), ("y", 1, 1)),
     ]
     assert program.reads(Work(1, 2, Direction.BACKWARD), 1).inputs == (("x", 2, 1, 0), ("x", 2, 1, 1))
+    # the loss is evaluated where the head's backward runs; in a step of forwards only, where its forward does
+    assert [program.loss_rank(b) for b in range(4)] == [0, 1, 0, 1]
+    assert [program.loss_rank(b, forward_only=True) for b in range(4)] == [2, 2, 2, 2]
 
 
 def test_an_output_goes_once_to_each_rank_and_its_gradient_sums_every_consumer():

@@ -258,9 +258,12 @@ class Program:
         """The stage whose output the loss takes: the stage graph's one sink."""
         return loss_stage(self.stage_graph)
 
-    def loss_rank(self, batch: int) -> int:
-        """The rank that evaluates the loss of micro-batch ``batch``."""
-        return self.compute_worker[Work(batch, self.loss_stage, first_backward(self.split_backward))]
+    def loss_rank(self, batch: int, forward_only: bool = False) -> int:
+        """The rank that evaluates the loss of micro-batch ``batch``: the one
+        that runs the loss stage's first backward pass (its forward, in a
+        step of forwards only), the first member of a gang."""
+        direction = FORWARD if forward_only else first_backward(self.split_backward)
+        return self.compute_worker[Work(batch, self.loss_stage, direction)]
 
     @property
     def replicas(self) -> list[tuple[int, ...]]:

@@ -52,11 +52,13 @@ another gang, weights held in shards (``Timeline.weight_shards``).
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 from collections import defaultdict
 from itertools import takewhile
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
@@ -863,13 +865,33 @@ def _uses(program: Program, rank: int) -> dict[tuple, int]:
 
 # ---------------------------------------------------------------------- validate
 def validate(program: Program) -> None:
-    """Replay the programs: receives and sends are posted without blocking;
-    an item waits until every message it reads has been sent; an all-reduce
-    waits for every member of its group; the tail waits for every message
-    to the rank.  If no rank can move and some have actions left, that is a
-    deadlock: raise with every stuck rank, the action it is stuck at and
-    whom it waits for.  Also check that every item finds its inputs."""
+    """Replay the programs (:func:`_replay`).  If no rank can move and some
+    have actions left, that is a deadlock: raise with every stuck rank, the
+    action it is stuck at and whom it waits for.  Also check that every
+    item finds its inputs."""
     _check_local_inputs(program)
+    position, waiting = _replay(program)
+    stuck = [r for r in range(program.num_ranks) if position[r] < len(program.actions[r])]
+    if stuck:
+        blocked = {
+            r: f"rank {r} is stuck at {program.actions[r][position[r]]}, waiting for {waiting[r]}" for r in stuck
+        }
+        raise DeadlockError(
+            "the schedule would deadlock:\n  " + "\n  ".join(blocked.values()) + "\n" + _grid(program, position),
+            blocked,
+        )
+
+
+def _replay(program: Program, passed: Callable[[int, int, Action, list[Message]], None] | None = None
+            ) -> tuple[list[int], dict[int, str]]:
+    """Replay every rank's list against the others: receives and sends are
+    posted without blocking; an item waits until every message it reads has
+    been sent; an all-reduce waits for the returned gradients of its stage
+    and for every member of its group; the tail waits for every message to
+    the rank.  ``passed(rank, index, action, waited)`` hears of each action
+    as its rank passes it, with the messages it waited for.  Returns where
+    each rank stopped (the length of its list if it finished) and, for a
+    rank that did not, what it waits for."""
     W = program.num_ranks
     position = [0] * W
     sent: set[int] = set()
@@ -882,34 +904,38 @@ def validate(program: Program) -> None:
     joined: dict[Work, set[int]] = defaultdict(set)
     waiting: dict[int, str] = {}
 
-    def blocker(rank: int, action: Action) -> str | None:
+    def unsent(messages: Iterable[Message | None]) -> tuple[str | None, list[Message]]:
+        waited = [m for m in messages if m is not None]
+        for msg in waited:
+            if msg.index not in sent:
+                return f"{msg.kind} {_message_text(msg)} from rank {msg.src}", []
+        return None, waited
+
+    def blocker(rank: int, action: Action) -> tuple[str | None, list[Message]]:
+        """Why ``action`` cannot run yet (None if it can), and the messages it waits for."""
         if action.is_compute:
-            needed = [weights.get((rank, action.stage))]
-            for key in program.reads(action.work, rank).keys:
-                needed.append(inbound.get((rank, key)))
-            for msg in needed:
-                if msg is not None and msg.index not in sent:
-                    return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
-            if action.work in program.gangs:
+            keys = program.reads(action.work, rank).keys
+            reason, waited = unsent([weights.get((rank, action.stage)), *(inbound.get((rank, k)) for k in keys)])
+            if reason is None and action.work in program.gangs:
                 members = program.gangs[action.work].workers
                 joined[action.work].add(rank)
                 missing = [m for m in members if m not in joined[action.work]]
                 if missing:
-                    return f"ranks {missing} to join the gang item {action}"
-        elif action.op == "R":
-            for msg in to_rank[rank]:
-                if msg.letter == "r" and msg.stage == action.stage and msg.index not in sent:
-                    return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
-            reached[action.stage].add(rank)
-        elif action.op == "O":
-            for msg in to_rank[rank]:
-                if msg.index not in sent:
-                    return f"{msg.kind} {_message_text(msg)} from rank {msg.src}"
+                    return f"ranks {missing} to join the gang item {action}", []
+            return reason, waited
+        if action.op == "R":
+            reason, waited = unsent(m for m in to_rank[rank] if m.letter == "r" and m.stage == action.stage)
+            if reason is None:
+                reached[action.stage].add(rank)
+            return reason, waited
+        if action.op == "O":
+            reason, waited = unsent(to_rank[rank])
             group = program.reduce_group(rank, action.stage)
             missing = [r for r in group if len(group) > 1 and r not in reached[action.stage]]
-            if missing:
-                return f"ranks {missing} to join the all-reduce of stage {action.stage}"
-        return None
+            if reason is None and missing:
+                return f"ranks {missing} to join the all-reduce of stage {action.stage}", []
+            return reason, waited
+        return None, []
 
     progress = True
     while progress:
@@ -918,24 +944,101 @@ def validate(program: Program) -> None:
             acts = program.actions[rank]
             while position[rank] < len(acts):
                 action = acts[position[rank]]
-                reason = blocker(rank, action)
+                reason, waited = blocker(rank, action)
                 if reason is not None:
                     waiting[rank] = reason
                     break
                 waiting.pop(rank, None)
                 if action.is_send:
                     sent.add(action.message)
+                if passed is not None:
+                    passed(rank, position[rank], action, waited)
                 position[rank] += 1
                 progress = True
-    stuck = [r for r in range(W) if position[r] < len(program.actions[r])]
-    if stuck:
-        blocked = {
-            r: f"rank {r} is stuck at {program.actions[r][position[r]]}, waiting for {waiting[r]}" for r in stuck
-        }
-        raise DeadlockError(
-            "the schedule would deadlock:\n  " + "\n  ".join(blocked.values()) + "\n" + _grid(program, position),
-            blocked,
-        )
+    return position, waiting
+
+
+# ---------------------------------------------------------------------- when transfers are posted and settled
+def post_points(program: Program, rank: int, lookahead: int) -> dict[int, int]:
+    """Per receive of ``rank``'s list to post later than the list has it,
+    the action index to post it at (before that action): a weight fetch
+    ``lookahead`` items before the rank's first item of its stage (the
+    simulator's prefetch, so its buffer is not held from the step's start),
+    or later where a later receive from the same rank is posted later
+    (receives are posted in the order their sender sends, which NCCL needs)."""
+    actions = program.actions[rank]
+    computes = [i for i, a in enumerate(actions) if a.is_compute]
+    due = {}
+    for i, action in enumerate(actions):
+        if action.op == "w<":
+            first = next((k for k, c in enumerate(computes) if actions[c].stage == action.stage), None)
+            if first is not None:
+                due[i] = max(i, computes[max(first - lookahead, 0)])
+    by_source: dict[int, list[int]] = defaultdict(list)
+    for i, action in enumerate(actions):
+        if action.is_recv:
+            by_source[program.messages[action.message].src].append(i)
+    post_at = {}
+    for indices in by_source.values():
+        later = math.inf
+        for i in reversed(indices):
+            later = min(due.get(i, i), later)
+            if later > i:
+                post_at[i] = later
+    return post_at
+
+
+def settle_points(program: Program, lookahead: int, within: int) -> list[dict[int, list[int]]]:
+    """Per rank, per index of one of its items: the sends (message indices)
+    it can wait on right after that item, waiting for nothing but the
+    transfer itself, which had the item's time to finish.
+
+    A send qualifies after the first item of its sender that certainly
+    begins after the receiver posted the matching receive (where
+    :func:`post_points` puts it): the item waits for a message that the
+    receiver sent after posting it, or that a rank sent after hearing so,
+    and so on (vector clocks over :func:`_replay`).  Only sends that
+    qualify within ``within`` items of their sender are listed.  Gloo marks
+    a transfer complete only once it is waited on, and waiting on a send
+    whose receive is not yet posted could deadlock a schedule that needs the
+    sender to move on first; the runtime waits on the unlisted ones in a
+    waiting thread."""
+    W = program.num_ranks
+    clock = [[-1] * W for _ in range(W)]  # clock[r][q]: the furthest action of rank q that rank r knows of
+    at_send: dict[int, list[int]] = {}
+    send_index: dict[int, int] = {}
+    computes: list[list[int]] = [[] for _ in range(W)]
+    knows: list[list[list[int]]] = [[] for _ in range(W)]  # per rank and item: its clock as the item begins
+
+    def passed(rank: int, index: int, action: Action, waited: list[Message]) -> None:
+        own = clock[rank]
+        own[rank] = index
+        for msg in waited:
+            own[:] = map(max, own, at_send[msg.index])
+        if action.is_send:
+            at_send[action.message], send_index[action.message] = list(own), index
+        elif action.is_compute:
+            computes[rank].append(index)
+            knows[rank].append(list(own))
+
+    _replay(program, passed)
+    receive_at: dict[int, int] = {}
+    for rank in range(W):
+        posted = post_points(program, rank, lookahead)
+        for i, action in enumerate(program.actions[rank]):
+            if action.is_recv:
+                receive_at[action.message] = posted.get(i, i)
+    points: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(W)]
+    for msg in program.messages:
+        if msg.index not in send_index:
+            continue
+        items = computes[msg.src]
+        first = bisect.bisect_right(items, send_index[msg.index])
+        for k in range(first, min(first + within, len(items))):
+            if knows[msg.src][k][msg.dst] >= receive_at[msg.index]:
+                points[msg.src][items[k]].append(msg.index)
+                break
+    return [dict(p) for p in points]
 
 
 def _check_local_inputs(program: Program) -> None:
@@ -1022,8 +1125,10 @@ __all__ = [
     "describe",
     "loss_stage",
     "parse_action",
+    "post_points",
     "schedule_graph",
     "schedule_timeline",
+    "settle_points",
     "topological_order",
     "validate",
 ]

@@ -4,6 +4,7 @@
     python benchmarks/executor.py --model gpt2 --ranks 4
     python benchmarks/executor.py --model linear --ranks 4 --width 1024 --layers 2
     python benchmarks/executor.py --profile one_f_one_b  # cProfile of unisched's steps, per rank
+    python benchmarks/executor.py --settle-within 0      # also with a waiting thread for every gloo send
 
 ``--model gpt2`` (default): the tiny random GPT-2 of ``examples/gpt2.py``
 (width 64, 4 heads, vocabulary 128, 32 positions; 2 blocks per rank),
@@ -56,7 +57,7 @@ from torch import nn
 
 import unisched
 from unisched import policies
-from unisched.execute import Trainer, calibrate_costs, predict
+from unisched.execute import Trainer, calibrate_costs, predict, runtime
 from unisched.execute.launch import check, run_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -188,10 +189,16 @@ class Workload:
 
 # ---------------------------------------------------------------------- the systems
 class Unisched:
-    def __init__(self, work: Workload, case: Case):
+    def __init__(self, work: Workload, case: Case, settle_within: int | None = None):
         W, S, B = work.shape(case)
         self.schedule = make_schedule(case.ours, W, S, B)
-        self.trainer = Trainer(work.stages(S), self.schedule, work.loss_fn(), sgd, record=False)
+        kept = runtime.SETTLE_WITHIN
+        if settle_within is not None:  # read once, as the Trainer sets up
+            runtime.SETTLE_WITHIN = settle_within
+        try:
+            self.trainer = Trainer(work.stages(S), self.schedule, work.loss_fn(), sgd, record=False)
+        finally:
+            runtime.SETTLE_WITHIN = kept
 
     def step(self, x, y):
         self.trainer.step(x, y)
@@ -266,6 +273,8 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
     systems = {}
     for case in work.cases:
         systems[f"unisched {case.ours}"] = Unisched(work, case)
+        for k in config["settle_within"]:
+            systems[f"unisched {case.ours} settle {k}"] = Unisched(work, case, k)
         if f"torch {case.theirs}" not in systems:  # two of ours may share a counterpart: build it once
             systems[f"torch {case.theirs}"] = theirs(work, case)
     times, _ = alternate({name: (lambda s=system: s.step(x, y)) for name, system in systems.items()},
@@ -290,8 +299,9 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
         measured = statistics.median(t.latency for t in held_out[case.ours])
         predictions[case.ours] = {"predicted_ms": 1e3 * predicted, "measured_ms": 1e3 * measured,
                                   "error": abs(predicted - measured) / measured}
-    ratios = {f"{case.ours} / {case.theirs}": round_ratio(times[f"unisched {case.ours}"], times[f"torch {case.theirs}"])
-              for case in work.cases}
+    ratios = {f"{case.ours}{variant} / {case.theirs}": round_ratio(times[f"unisched {case.ours}{variant}"],
+                                                                   times[f"torch {case.theirs}"])
+              for case in work.cases for variant in ["", *(f" settle {k}" for k in config["settle_within"])]}
     return {
         "step_ms": {name: median_ms(rounds) for name, rounds in times.items()},
         "ratios": ratios,
@@ -354,6 +364,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15, help="functions listed per rank with --profile (default 15)")
     parser.add_argument("--only", nargs="+", metavar="STRATEGY",
                         help="only these of unisched's strategies, each with its torch counterpart")
+    parser.add_argument("--settle-within", nargs="+", type=int, default=[], metavar="K",
+                        help="also run unisched with SETTLE_WITHIN = K (0: a waiting thread for every gloo send), "
+                             "side by side with the default")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks
@@ -362,7 +375,8 @@ def main(argv=None) -> int:
         parser.error(f"--only takes {', '.join(known)} for --model {args.model}; "
                      f"not {', '.join(sorted(set(args.only) - set(known)))}")
     config = {"width": args.width, "layers": args.layers, "steps": args.steps, "rounds": args.rounds,
-              "prediction_rounds": args.prediction_rounds, "top": args.top, "only": args.only}
+              "prediction_rounds": args.prediction_rounds, "top": args.top, "only": args.only,
+              "settle_within": args.settle_within}
     work = Workload(args.model, config, W)
     if args.profile:
         return show_profile(check(run_local(_profile, W, args.model, config, args.profile, timeout=900,
@@ -382,10 +396,10 @@ def main(argv=None) -> int:
           f"average {c['load_average_before_after'][0]:.1f} before, {c['load_average_before_after'][1]:.1f} after)")
     print("\nmedian step time")
     for name, value in result["step_ms"].items():
-        print(f"  {name:<34} {value:8.1f} ms")
+        print(f"  {name:<44} {value:8.1f} ms")
     print("\nratios (unisched / torch, median over rounds of each round's ratio; <= 1.0 is as fast or faster)")
     for name, value in result["ratios"].items():
-        print(f"  {name:<50} {value:6.3f}")
+        print(f"  {name:<60} {value:6.3f}")
     if result["prediction"]:
         print("\nsimulated (costs calibrated on earlier steps) vs measured latency")
         for name, row in result["prediction"].items():

@@ -964,7 +964,7 @@ def post_points(program: Program, rank: int, lookahead: int) -> dict[int, int]:
     the action index to post it at (before that action): a weight fetch
     ``lookahead`` items before the rank's first item of its stage (the
     simulator's prefetch, so its buffer is not held from the step's start),
-    or later where a later receive from the same rank is posted later
+    or earlier where a later receive from the same rank is posted earlier
     (receives are posted in the order their sender sends, which NCCL needs)."""
     actions = program.actions[rank]
     computes = [i for i, a in enumerate(actions) if a.is_compute]

@@ -765,7 +765,7 @@ class Trainer:
             item = items.get(index)
             if item is not None:
                 self._compute(st, action, item)
-                if index in self._settle:
+                if index in self._settle and not st.evaluating:
                     self._settle_sends(st, self._settle[index])
                 if (st.outgoing or st.pending) and self._reap(st):
                     st.last_end = None  # waits on sends or returned gradients added: the stream has more
@@ -1308,7 +1308,9 @@ class Trainer:
         if self._recording:
             st.sends[msg.index] = time.perf_counter()
         work = self._posted(lambda: dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), action, msg.dst)
-        st.outgoing.append((work if msg.index in self._unwatched else self._watched(work), tensor, action, msg.dst))
+        # settle points hold for the whole program: a step of forwards only watches every send
+        unwatched = msg.index in self._unwatched and not st.evaluating
+        st.outgoing.append((work if unwatched else self._watched(work), tensor, action, msg.dst))
 
     def _settle_sends(self, st, messages: list[int]) -> None:
         """Wait on the sends of ``messages`` (their receives certainly posted,

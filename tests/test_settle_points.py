@@ -70,12 +70,14 @@ def interleaving(program: Program, lookahead: int, rng: random.Random) -> tuple[
     for m in program.messages:
         if m.letter == "r":
             returned.setdefault((m.dst, m.stage), []).append(m.index)
-    later = []
+    later, deferred = [], []  # per rank: action index -> the receives posted before it; the receives deferred
     for rank in range(W):
         due: dict[int, list[int]] = {}
-        for i, at in post_points(program, rank, lookahead).items():
+        points = post_points(program, rank, lookahead)
+        for i, at in points.items():
             due.setdefault(at, []).append(program.actions[rank][i].message)
         later.append(due)
+        deferred.append(set(points))
     position, sent, posted, began, tick = [0] * W, set(), {}, {}, 0
 
     def needs(rank: int, action) -> list[int]:
@@ -97,7 +99,7 @@ def interleaving(program: Program, lookahead: int, rng: random.Random) -> tuple[
         action = program.actions[rank][index]
         for m in later[rank].get(index, []):
             posted[m] = tick
-        if action.is_recv and index not in post_points(program, rank, lookahead):
+        if action.is_recv and index not in deferred[rank]:
             posted[action.message] = tick
         elif action.is_send:
             sent.add(action.message)

@@ -9,8 +9,11 @@ each ``step`` walks the rank's instruction list:
   before the item that reads them, so transfers overlap compute; sends are
   posted with ``isend`` right after the item that produces them, and their
   buffers let go as soon as they complete (polled after each item; on gloo,
-  which marks a transfer completed only once it is waited on, each send and
-  each returned gradient's receive is waited on by one of a set of reused threads);
+  which marks a transfer completed only once it is waited on, most sends are
+  waited on right after the first item that certainly follows the posting of
+  their receive, :func:`~unisched.execute.program.settle_points`, and the
+  other sends and each returned gradient's receive by one of a set of reused
+  threads);
 - what travels between stages is a tensor or a tuple, list or dict of
   tensors (a pytree); its structure, shapes and dtypes, and which of its
   tensors carry a gradient back, are agreed once by a shape probe, and each
@@ -27,8 +30,9 @@ each ``step`` walks the rank's instruction list:
   returned gradient as soon as it arrives;
 - replicas all-reduce each stage's gradient in one process group per
   replica set (created once), posted as soon as the stage's gradient is
-  final on the rank; the per-micro-batch losses are all-reduced likewise,
-  posted after the rank's last loss;
+  final on the rank; the per-micro-batch losses go to every rank likewise,
+  posted after the rank's last loss (broadcast by the one rank that computes
+  them all, else all-reduced);
 - at the end everything is awaited, a NaN loss stops every rank with the
   same error before any weight changes, and the weight workers step their
   optimizers, after the options in :mod:`unisched.execute.training` say
@@ -765,8 +769,8 @@ class Trainer:
             item = items.get(index)
             if item is not None:
                 self._compute(st, action, item)
-                if index in self._settle and not st.evaluating:
-                    self._settle_sends(st, self._settle[index])
+                if index in st.settle:
+                    self._settle_sends(st, st.settle[index])
                 if (st.outgoing or st.pending) and self._reap(st):
                     st.last_end = None  # waits on sends or returned gradients added: the stream has more
                 if index == self._last_loss_item:
@@ -802,8 +806,9 @@ class Trainer:
         broadcast from the one rank that computes them all (a pipeline's
         last stage), else an all-reduce (replicas each compute some).  On
         gloo the all-reduce waits on every rank's transport thread, which a
-        rank busy computing runs late: on the GPT-2 benchmark (2 ranks,
-        1F1B) it cost 5% of the step where the broadcast cost 1%.  On a GPU,
+        rank busy computing runs late: on the executor benchmark's GPT-2
+        split (2 ranks, 1F1B, the two exchanges patched in and timed in
+        alternating rounds) it cost 5% of the step where the broadcast cost 1%.  On a GPU,
         reading the losses at once would make the host wait for the GPU:
         they are copied to the host without waiting, and the exchange is
         posted at the step's end (``at_end``), when the copy has long arrived."""
@@ -1308,9 +1313,7 @@ class Trainer:
         if self._recording:
             st.sends[msg.index] = time.perf_counter()
         work = self._posted(lambda: dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), action, msg.dst)
-        # settle points hold for the whole program: a step of forwards only watches every send
-        unwatched = msg.index in self._unwatched and not st.evaluating
-        st.outgoing.append((work if unwatched else self._watched(work), tensor, action, msg.dst))
+        st.outgoing.append((work if msg.index in st.unwatched else self._watched(work), tensor, action, msg.dst))
 
     def _settle_sends(self, st, messages: list[int]) -> None:
         """Wait on the sends of ``messages`` (their receives certainly posted,
@@ -1765,6 +1768,8 @@ class _StepState:
     def __init__(self, trainer: Trainer, micro_in, micro_t, evaluating: bool = False):
         self.trainer = trainer
         self.evaluating = evaluating
+        # the settle points hold for the whole program: a step of forwards only watches every send
+        self.settle, self.unwatched = ({}, frozenset()) if evaluating else (trainer._settle, trainer._unwatched)
         self.micro_in, self.micro_t = micro_in, micro_t
         self.uses = dict(trainer.program.uses[trainer.rank])
         # a micro-batch's loss counts 1/B of the step's and 1/k of an accumulation, times the fp16 loss scale

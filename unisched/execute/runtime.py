@@ -122,11 +122,13 @@ SETTLE_WITHIN = 8
 that certainly follows its receive's posting, if that is one of the next
 ``SETTLE_WITHIN`` items (:func:`~unisched.execute.program.settle_points`);
 else in a waiting thread, which lets its buffer go sooner but takes the
-processor from the ranks: on a 2-core machine, 2 ranks, the GPT-2 split,
-waiting threads for every send made interleaved 1.076x torch's step and
-ZBV 1.037x; settling within 3 items 0.996x and 1.038x (5 of ZBV's 32
-sends), within 8 ZBV 0.960x (30 of 32).  Peak memory stayed within 2.5% of
-the simulator's prediction for gpipe, 1F1B, zb_h1 and fsdp (benchmarks/memory.py)."""
+processor from the ranks.  ``python benchmarks/executor.py --settle-within
+0 3`` at c6a92cd (2 ranks on a 2-core machine, the GPT-2 split), unisched's
+step over torch's with a thread for every send / within 3 / within 8:
+interleaved 1.001 / 0.948 / 0.883, ZBV 1.017 / 1.045 / 0.979 (5 of ZBV's
+32 sends settle within 3 items, 30 within 8).  Peak memory stayed within
+2.5% of the simulator's prediction for gpipe, 1F1B, zb_h1 and fsdp
+(benchmarks/memory.py, same commit)."""
 
 
 class Trainer:

@@ -246,7 +246,9 @@ class _Search:
     """(class of schedules, CP-SAT's lower bound for it) of every model run whose bound holds."""
     pooled_bound: float = 0.0
     """The pooled step's lower bound (:meth:`pooled`), for every schedule; 0 where it did not run."""
-    ramp_bound: float = 0.0
+    shape_bounds: dict[str, float] = field(init=False)
+    """The bounds of the problem's shape, for every schedule (:func:`unisched.plan.bounds.shape_bounds`)."""
+    ramp_bound: float = field(init=False)
     """:func:`unisched.plan.bounds.ramp`, for the whole scheme's schedules (:data:`WHOLE_SCHEME`); 0
     with the span objective, which it does not bound."""
     interrupted: bool = False
@@ -255,7 +257,6 @@ class _Search:
 
     def __post_init__(self):
         self.shape_bounds = shape_bounds(self.problem)
-        """The bounds of the problem's shape, for every schedule (:func:`unisched.plan.bounds.shape_bounds`)."""
         self.ramp_bound = self.timed.ticks.time(ramp(self.timed))
 
     # ------------------------------------------------------------------ phases

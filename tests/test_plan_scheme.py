@@ -17,7 +17,7 @@ from unisched.errors import UniSchedError
 from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
-from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping
+from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
 from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
 from unisched.work import Shape
@@ -105,6 +105,27 @@ def test_a_bound_of_a_restricted_class_never_claims_more():
     assert classes["cpsat_paired"] == PAIRED and result.bounds["cpsat_paired"] == 15
     # 15 is no bound for every schedule: 13 exists
     assert max(v for k, v in result.bounds.items() if classes[k] == ANY_SCHEDULE) <= 13
+
+
+def test_without_transfer_times_the_whole_schemes_proof_holds_for_every_schedule():
+    """With no time to any transfer, an unsplit backward and no budget, any schedule's compute
+    workers and starts with one weight worker per stage are a schedule of the whole scheme, so
+    that model's proof holds for every schedule.  W = S = 2, B = 4, memory 1, span (no pooled
+    step runs for it): 19, proven by the whole-scheme model; with comm 1 the proof covers the
+    whole scheme only, as it does with a split backward or a budget."""
+    free = plan(2, 2, 4, encode_costs(comm=0), memory_limit=1, time_limit=10, objective="span")
+    assert free.objective_value == 19 and free.optimal and free.proven_for == ANY_SCHEDULE
+    assert free.bound_classes["cpsat_whole_scheme"] == ANY_SCHEDULE and free.bounds["cpsat_whole_scheme"] == 19
+    paid = plan(2, 2, 4, encode_costs(comm=1), memory_limit=1, time_limit=10, objective="span")
+    assert paid.optimal and paid.proven_for == WHOLE_SCHEME
+
+    def covers(costs, **limits) -> bool:
+        return whole_scheme_is_any(TimedProblem.build(PlanProblem(Shape(2, 2, 4), costs, **limits)))
+
+    assert covers(encode_costs(comm=0), memory_limit=1) and covers(encode_costs(comm=0))
+    assert not covers(encode_costs(comm=0.5))
+    assert not covers(encode_costs(backward_input=1, backward_weight=1, comm=0), split_backward=True)
+    assert covers(weighty_costs()) and not covers(weighty_costs(), memory_budget=34.0)
 
 
 # ---------------------------------------------------------------------- split backward

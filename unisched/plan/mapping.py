@@ -67,9 +67,28 @@ def whole_scheme_by_default(shape) -> bool:
     return all(n <= most for n, most in zip(shape, WHOLE_SCHEME_UP_TO))
 
 
-def proven_class(whole: bool) -> str:
-    """The class of schedules a proof of the mapping model covers."""
-    return WHOLE_SCHEME if whole else PAIRED
+def proven_class(timed: TimedProblem, whole: bool) -> str:
+    """The class of schedules a proof of the mapping model covers: the whole scheme's, or every
+    schedule where those are as short as any (:func:`whole_scheme_is_any`); else the paired ones."""
+    if not whole:
+        return PAIRED
+    return ANY_SCHEDULE if whole_scheme_is_any(timed) else WHOLE_SCHEME
+
+
+def whole_scheme_is_any(timed: TimedProblem) -> bool:
+    """Whether every schedule has one of the whole scheme as short: with an unsplit backward, no
+    memory budget and no time to any transfer.
+
+    Keep any schedule's compute workers and start times, and make one of each stage's weight
+    workers its only one.  The transfers this adds (weights fetched, gradients returned) arrive at
+    once, the all-reduces among replicas it drops took no less, every stash stays where it was (on
+    the worker of the pass that frees it: :mod:`unisched.dataflow`), and no worker holds more
+    stages than before.  With a split backward the whole scheme keeps a stage's I and W on one
+    worker, which a memory limit may not favour; under a budget replicated and fetched weights
+    take memory differently."""
+    problem = timed.problem
+    moves = (timed.comm, timed.fetch, timed.stash)
+    return not problem.split_backward and problem.memory_budget is None and not any(np.any(m) for m in moves)
 
 
 def class_breadth(name: str) -> int:

@@ -242,8 +242,9 @@ class _Search:
     dropped: list[dict] = field(default_factory=list)
     order_results: list[tuple[str, Solved]] = field(default_factory=list)
     built: FamilyResult = field(default_factory=FamilyResult)
-    proofs: list[tuple[str, float]] = field(default_factory=list)
-    """(class of schedules, CP-SAT's lower bound for it) of every model run whose bound holds."""
+    proofs: list[tuple[str, str, float]] = field(default_factory=list)
+    """(key in ``Plan.bounds``, class of schedules, CP-SAT's lower bound for it) of every model run
+    whose bound holds."""
     pooled_bound: float = 0.0
     """The pooled step's lower bound (:meth:`pooled`), for every schedule; 0 where it did not run."""
     shape_bounds: dict[str, float] = field(init=False)
@@ -297,7 +298,8 @@ class _Search:
 
     def floor(self) -> float:
         """The strongest lower bound known for every schedule of the problem's objective."""
-        return max(max(self.shape_bounds.values()), self.pooled_bound)
+        proven = [bound for _, name, bound in self.proofs if name == ANY_SCHEDULE]
+        return max(max(self.shape_bounds.values()), self.pooled_bound, *proven)
 
     def targets(self, family: FamilyResult):
         """The mappings whose order CP-SAT improves (nothing once a bound is met)."""
@@ -330,7 +332,7 @@ class _Search:
             self.order_results.append((label, solved))
             self.interrupted |= solved.interrupted
             if self.fixed and solved.bound > 0:
-                self.proofs.append((order_class(label), self.timed.ticks.time(solved.bound)))
+                self.proofs.append(("cpsat_order", order_class(label), self.timed.ticks.time(solved.bound)))
             if solved.found:
                 schedule = Schedule.planned(self.timed, compute, weight, solved.starts, name=f"{label}+cpsat")
                 self.add(f"{label} + cpsat order", "cpsat-order", schedule, self.timed.ticks.time(solved.objective))
@@ -396,7 +398,7 @@ class _Search:
             self._map(whole_run, left * share, period)
 
     def _map(self, whole: bool, seconds: float, period: int = 0) -> None:
-        name = proven_class(whole)
+        name, key = proven_class(self.timed, whole), "cpsat_whole_scheme" if whole else "cpsat_paired"
         hint = _best_incumbent(self.timed, self.candidates, whole)
         restricted = f", micro-batches placed alike every {period}" if period else ""
         _say(self.progress, f"CP-SAT mapping search over {name}{restricted} ({seconds:.1f} s) ...")
@@ -409,15 +411,15 @@ class _Search:
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=score, whole=whole, asap_replay=False, period=period,
                                lower_bound=self._ticks_below(max(self.floor(), self.ramp_bound)),
-                               report=self._reporter(f"CP-SAT mapping ({bound_key(name).removeprefix('cpsat_')})",
+                               report=self._reporter(f"CP-SAT mapping ({key.removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
-            self.proofs.append((name, self.timed.ticks.time(solved.bound)))
+            self.proofs.append((key, name, self.timed.ticks.time(solved.bound)))
         found = self.replay_mapped(solved.compute, solved.weight, solved.starts) if solved.found else None
         if found is not None:  # one the replay cannot follow is left out silently
-            tag = bound_key(name).removeprefix("cpsat_").replace("_", " ")
+            tag = key.removeprefix("cpsat_").replace("_", " ")
             self.candidates.append(Candidate(f"cpsat mapping ({tag})", "cpsat-mapping", *found,
                                              self.timed.ticks.time(solved.objective), False, name))
 
@@ -477,8 +479,7 @@ class _Search:
             for key, bound in mapping.items():
                 if bound > bounds.get(key, -math.inf):
                     bounds[key], classes[key] = bound, name
-        for name, bound in self.proofs:
-            key = bound_key(name)
+        for key, name, bound in self.proofs:
             if bound > bounds.get(key, -math.inf):
                 bounds[key], classes[key] = bound, name
         keep = [k for k in bounds if classes[k] == ANY_SCHEDULE or bounds[k] <= value + 1e-9]
@@ -556,13 +557,6 @@ class _Search:
             bound_classes=classes,
             interrupted=self.interrupted,
         )
-
-
-def bound_key(name: str) -> str:
-    """The key of a CP-SAT bound in ``Plan.bounds``, after the class of schedules it holds for."""
-    if name.startswith("orders of"):
-        return "cpsat_order"
-    return {WHOLE_SCHEME: "cpsat_whole_scheme", PAIRED: "cpsat_paired"}[name]
 
 
 MAX_TICKS = 2**53

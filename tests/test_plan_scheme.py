@@ -209,6 +209,15 @@ def test_per_worker_memory_limits_are_each_workers_own():
     assert result.latency < least.latency
 
 
+def test_a_worker_with_no_room_leaves_the_others_to_plan_on():
+    """Limits [0, 4, 4]: named strategies run under the least limit, which holds no micro-batch,
+    so they are dropped saying so; the CP-SAT models plan on the workers with room."""
+    result = plan(3, 2, 4, memory_limit=[0, 4, 4], time_limit=5)
+    peaks = result.simulate().worker_stats()["max_activation_storage"]
+    assert peaks[0] == 0 and max(peaks) <= 4
+    assert result.dropped and all("least of the workers' memory limits, 0" in d["reason"] for d in result.dropped)
+
+
 # ---------------------------------------------------------------------- stopping
 def test_the_search_stops_once_a_plan_meets_a_bound():
     result = plan(2, 4, 8, time_limit=120)

@@ -267,7 +267,13 @@ class _Search:
         problem = self.problem
         searched = problem
         if np.ndim(problem.memory_limit):
-            searched = replace(problem, memory_limit=float(min(problem.memory_limit)))
+            least = float(min(problem.memory_limit))
+            try:
+                searched = replace(problem, memory_limit=least)
+            except PlanInputError:  # the least room holds no micro-batch; CP-SAT keeps each worker's own
+                reason = (f"not simulated: named strategies run under the least of the workers' memory limits, "
+                          f"{least:g}, which holds no micro-batch")
+                return search_family(problem, [(label, None, reason) for label, _, _ in members])
         family = search_family(searched, members, progress=self.progress,
                                memory_variants=not self.fixed and problem.memory_limit is None)
         for member in family.feasible:

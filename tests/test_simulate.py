@@ -284,6 +284,15 @@ def test_split_backward_dependencies_and_memory():
     assert halves.values[-1] == 0, "the weight passes free the rest"
 
 
+def test_costs_that_time_the_halves_split_the_backward_as_plan_and_the_command_do():
+    costs = Costs(backward_input=5, backward_weight=5)
+    split = simulate(4, 4, 8, gpipe, costs=costs)
+    assert split.timeline.split_backward and split.latency == 106
+    whole = simulate(4, 4, 8, gpipe, costs=costs, split_backward=False)
+    assert not whole.timeline.split_backward and whole.latency == 121
+    assert not simulate(4, 4, 8, gpipe, costs=Costs(backward=10)).timeline.split_backward
+
+
 def test_split_dependency_rules():
     assert unisched.dependencies(Work(0, 3, BACKWARD_INPUT), 4, split_backward=True) == (Work(0, 3, FORWARD),)
     assert unisched.dependencies(Work(0, 1, BACKWARD_INPUT), 4, split_backward=True) == (

@@ -300,6 +300,12 @@ class Costs:
         return bool(self.latency > 0 or (sizes and math.isfinite(self.bandwidth)) or self.links)
 
     @property
+    def times_halves(self) -> bool:
+        """Whether the costs time the backward's halves (``backward_input`` or ``backward_weight``
+        given): a step with them splits its backward unless told otherwise."""
+        return self.backward_input is not None or self.backward_weight is not None
+
+    @property
     def has_sizes(self) -> bool:
         """Whether memory is counted in bytes (else in stash units)."""
         stash = self.activation_bytes if self.stash_bytes is None else self.stash_bytes

@@ -107,7 +107,7 @@ def split_from(costs: Costs, split_backward: bool | None) -> bool:
     """Whether a step splits its backward: when asked, or when the costs give
     an input- or weight-gradient time.  Asking for a split without those times
     is a contradiction (the halves would be guesses), refused."""
-    given = costs.backward_input is not None or costs.backward_weight is not None
+    given = costs.times_halves
     if split_backward and not given:
         raise PlanInputError(
             "a split backward was asked for but the costs give no backward_input or backward_weight time: give "

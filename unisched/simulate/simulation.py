@@ -46,6 +46,9 @@ def simulate(
     ``memory_limit`` caps the activations a worker may hold (stash units, or
     bytes when ``costs`` give ``activation_bytes``/``stash_bytes``), scalar
     or one per worker; a strategy's own limit always counts stashes.
+    ``split_backward``: whether the backward runs as an input pass (I) and a
+    weight pass (W); by default when the strategy splits it or the costs time
+    its halves (``backward_input``/``backward_weight``), as ``plan`` decides.
     """
     shape = Shape(num_workers, num_stages, num_batches).check()
     strategy = as_strategy(schedule)
@@ -57,12 +60,12 @@ def simulate(
     costs = costs if costs is not None else DEFAULT_COSTS
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
-    check_size(shape, strategy.split_backward if split_backward is None else bool(split_backward))
+    split = strategy.split_backward or costs.times_halves if split_backward is None else bool(split_backward)
+    check_size(shape, split)
     costs.check(num_workers, num_stages)
     priority = as_priority(priority_order or strategy.priority or OldestBatchFirst, num_stages, num_batches)
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
     limit_in_bytes = costs.has_sizes and memory_limit is not None  # a strategy's own limit counts stashes
-    split = strategy.split_backward if split_backward is None else bool(split_backward)
     graph = stage_graph if stage_graph is not None else strategy.stage_graph
     graph = as_stage_graph(num_stages, graph)
 

@@ -107,6 +107,21 @@ def test_inline_members_replace_the_registry():
     assert result.latency == 51 and result.optimal
 
 
+def test_your_own_strategy_is_planned_as_a_function_or_a_strategy():
+    def stage_per_worker(w: Work):
+        return ComputeAndWeightWorkers(w.stage, w.stage)
+
+    for strategy, label in [(stage_per_worker, "stage_per_worker"), (unisched.policies.get("gpipe", 4, 4, 8), "gpipe"),
+                            (lambda w: ComputeAndWeightWorkers(w.stage, w.stage), "your strategy")]:
+        result = plan(4, 4, 8, memory_limit=2, strategy=strategy, time_limit=5)
+        assert result.latency == 51 and result.optimal and result.strategy_name.startswith(label)
+        assert np.array_equal(result.schedule.compute, result.problem.items.arrays()[1])  # its mapping kept
+    with pytest.raises(PlanInputError, match="only the command loads.*pass the Strategy or the function"):
+        plan(4, 4, 8, strategy="mine.py:f", time_limit=1)
+    with pytest.raises(PlanInputError, match="strategy must be"):
+        plan(4, 4, 8, strategy=42, time_limit=1)
+
+
 # ---------------------------------------------------------------------- bad input
 def test_impossible_memory_limit_is_a_clear_error():
     with pytest.raises(PlanInputError, match="infeasible: .*needs at least 1"):

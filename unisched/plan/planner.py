@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 import numpy as np
 
@@ -44,8 +44,8 @@ from unisched.errors import UniSchedError
 from unisched.metrics import gap
 from unisched.costs import Costs
 from unisched.simulate.simulation import Simulation
-from unisched.strategy import Strategy
-from unisched.work import Shape
+from unisched.strategy import Strategy, as_strategy
+from unisched.work import Shape, Work
 
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, ramp, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
@@ -123,7 +123,7 @@ def plan(
     *,
     memory_limit: float | list[float] | None = None,
     max_stages_per_worker: int | None = None,
-    strategy: str | None = None,
+    strategy: str | Strategy | Callable[[Work], Any] | None = None,
     time_limit: float = 30.0,
     split_backward: bool | None = None,
     members: Iterable[tuple[str, Strategy | None, str]] | None = None,
@@ -139,8 +139,10 @@ def plan(
     """Plan one training step of ``num_batches`` micro-batches over ``num_stages``
     stages on ``num_workers`` workers within ``time_limit`` seconds.
 
-    ``strategy`` keeps that registered strategy's mapping and optimizes only
-    the order of work; ``members`` replaces the registry with your own
+    ``strategy`` keeps a strategy's mapping and optimizes only the order of
+    work: a registered one by its label (``"looped(group_size=2)"``), or your
+    own (a :class:`~unisched.Strategy`, or a function ``Work ->
+    ComputeAndWeightWorkers``); ``members`` replaces the registry with your own
     ``(label, Strategy, "")`` candidates.  The backward is split when asked or
     when the costs give ``backward_input``/``backward_weight``.  Memory:
     ``memory_limit`` caps stashes, ``memory_budget`` a worker's bytes of
@@ -169,7 +171,7 @@ def plan(
     problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split, memory_budget,
                           optimizer_bytes, objective)
     if members is None and strategy is not None:
-        members = list(registry_members(problem, only=strategy))
+        strategy, members = _strategy_members(problem, strategy)
     _refuse_shards(members)
     if heuristic:
         if progress is not None:
@@ -195,6 +197,23 @@ def plan(
             raise UniSchedError("interrupted before any schedule was found: let the search run longer")
         raise UniSchedError(_nothing_found(problem, family, run.order_results, strategy, time_limit))
     return run.answer(family, time.perf_counter() - begin)
+
+
+def _strategy_members(problem: PlanProblem, strategy) -> tuple[str, list[tuple[str, Strategy | None, str]]]:
+    """``plan(strategy=...)`` as (its label, the one member to plan): a registered strategy by
+    its label, or your own Strategy or mapping function."""
+    if isinstance(strategy, str):
+        if ":" in strategy:
+            raise PlanInputError(
+                f"strategy {strategy!r} names your own code, which only the command loads (unisched plan "
+                "--strategy MODULE:FUNCTION); from Python pass the Strategy or the function itself as strategy=")
+        return strategy, list(registry_members(problem, only=strategy))
+    if not isinstance(strategy, Strategy) and not callable(strategy):
+        raise PlanInputError(f"strategy must be a registered strategy's label, a unisched.Strategy or a function "
+                             f"Work -> ComputeAndWeightWorkers, got {strategy!r}")
+    label = strategy.name if isinstance(strategy, Strategy) and strategy.name else getattr(strategy, "__name__", "")
+    label = label if label and label != "<lambda>" else "your strategy"
+    return label, [(label, as_strategy(strategy, name=label), "")]
 
 
 def _refuse_shards(members) -> None:

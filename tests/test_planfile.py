@@ -121,3 +121,15 @@ def test_a_plan_file_that_cannot_be_written_is_a_plan_file_error(cross_worker_pl
     path = tmp_path / "no-such-folder" / "plan.json"
     with pytest.raises(PlanFileError, match="cannot write plan file .*no-such-folder.*: No such file or directory"):
         result.save(path)
+
+
+def test_save_writes_the_plan_file_or_draws_the_plan_by_extension(cross_worker_plan, tmp_path):
+    result, _ = cross_worker_plan
+    result.save(tmp_path / "plan.png")
+    result.save(tmp_path / "plan.txt")
+    assert (tmp_path / "plan.png").read_bytes().startswith(b"\x89PNG")
+    assert "latency" in (tmp_path / "plan.txt").read_text()
+    for name in ("plan.xyz", "plan"):
+        with pytest.raises(PlanFileError, match="write the plan file as .json or draw the plan as .png"):
+            result.save(tmp_path / name)
+        assert not (tmp_path / name).exists()

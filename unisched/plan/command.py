@@ -35,7 +35,7 @@ from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
-from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, jsonable
+from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, PLAN_DRAWINGS, Plan, jsonable
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS
@@ -169,10 +169,6 @@ def _named_strategy(args: argparse.Namespace, shape, split: bool):
     return label, None
 
 
-PLAN_DRAWINGS = (".png", ".svg", ".pdf", ".html", ".txt")
-"""Extensions ``--out`` draws the plan's schedule to (through :func:`unisched.render.save`); ``.json`` is the plan file."""
-
-
 def _outputs(paths) -> list[str]:
     """``--out`` values, each checked by extension before any planning."""
     paths = [paths] if isinstance(paths, str) else list(paths or [])
@@ -195,12 +191,11 @@ def write_outputs(result: Plan, paths) -> list[tuple[str, str]]:
     """Write the plan file (``.json``) or draw the plan's replay (an image, ``.html``, ``.txt``) to each path."""
     written = []
     for path in _outputs(paths):
+        result.save(path)
         if Path(path).suffix.lower() == ".json":
-            result.save(path)
             written.append((path, f"the plan file (replay it: unisched simulate --plan {path}, "
                                   f"or unisched.load_plan({path!r}).simulate())"))
         else:
-            result.simulate().save(path)
             written.append((path, "the plan's schedule, drawn"))
     return written
 

@@ -207,7 +207,16 @@ class Plan:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the plan file (JSON) to ``path``."""
+        """Write the plan file to ``path`` ending in ``.json``, or draw the plan's replay to one
+        ending in one of :data:`PLAN_DRAWINGS` (as :meth:`Simulation.save` does)."""
+        suffix = Path(path).suffix.lower()
+        if suffix in PLAN_DRAWINGS:
+            self.simulate().save(path)
+            return
+        if suffix != ".json":
+            shown = f"extension {suffix!r}" if suffix else "no extension"
+            raise PlanFileError(f"cannot save the plan to {str(path)!r}: {shown}; write the plan file as .json or "
+                                f"draw the plan as {', '.join(PLAN_DRAWINGS)}")
         try:
             Path(path).write_text(json.dumps(jsonable(self.to_dict()), indent=1) + "\n")
         except OSError as error:
@@ -220,6 +229,11 @@ class Plan:
         proof = "" if not claimed else ", optimal" if claimed == ANY_SCHEDULE else f", optimal among {claimed}"
         return (f"<Plan {self.strategy_name} W={W} S={S} B={B}: latency {self.latency:g}, "
                 f"lower bound {self.lower_bound:g}{proof}>")
+
+
+PLAN_DRAWINGS = (".png", ".svg", ".pdf", ".html", ".txt")
+"""Extensions :meth:`Plan.save` draws the plan's schedule to (through :func:`unisched.render.save`); ``.json``
+is the plan file."""
 
 
 PROBLEM_FIELDS = ("memory_limit", "max_stages_per_worker", "memory_budget", "optimizer_bytes")

@@ -327,6 +327,8 @@ def test_an_output_that_departs_from_the_probe_stops_every_rank_naming_stage_and
         assert results[1].value["error"].startswith(f"rank 1 raised ShapeError: {expected}")
         assert results[1].value["error"].endswith(f"at {item} in step 1")
         assert all(f"because rank 1 raised ShapeError: {expected}" in r.value["error"] for r in results if r.rank != 1)
+    else:  # the probe's failure: every rank heard it from rank 1, and none is blamed for it
+        assert all(r.value["error"] == f"the shape probe of step 1 failed: {expected}" for r in results)
 
 
 def _bad_batches(rank: int, world: int, schedule):

@@ -717,7 +717,7 @@ class Trainer:
                     heard = all_gather_json(heard[0], self._control, self.world_size)
                 failed = next((h for h in heard if isinstance(h, str)), None)
                 if failed is not None:
-                    raise ShapeError(failed)
+                    raise _ProbeFailed(failed)
                 layouts[s] = Layout.make(*_facts_from_json(heard[self._first_forward[s]]))
         return [layouts[s] for s in range(len(self.stages))]
 
@@ -1657,6 +1657,8 @@ class Trainer:
         elif isinstance(error, KeyboardInterrupt):
             self._failed = "interrupted"
             raise error
+        elif isinstance(error, _ProbeFailed):  # every rank heard it alike: named once, by the rank it happened on
+            mine = f"the shape probe of step {self._step_no} failed: {error}"
         else:
             mine = f"rank {self.rank} raised {type(error).__name__}: {error}{where} in step {self._step_no}"
         cause = self._board.post(mine)
@@ -1925,6 +1927,11 @@ class Layout(_ShapeAndDtype):
 
     def zeros(self, device) -> tuple[torch.Tensor, ...]:
         return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in zip(self.shapes, self.dtypes))
+
+
+class _ProbeFailed(ShapeError):
+    """A stage failed in the shape probe; every rank heard which, on which rank, and raises this
+    alike (so that no rank is blamed for another's failure)."""
 
 
 class _Agreed(NamedTuple):

@@ -414,7 +414,11 @@ def _refusals(rank: int, world: int, schedule):
         "scheduler result": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, scheduler=lambda o: 3),
         "accumulate": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, accumulate=0),
         "loss_scale": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, loss_scale={"x": 1}),
+        "optimizer result": lambda: Trainer(make_stages()[:2], schedule, loss_fn, lambda params: 42),
+        "device": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, device="tpu:x"),
     }
+    if not torch.cuda.is_available():
+        made["cuda"] = lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, device="cuda")
     start = time.monotonic()
     for label, make in made.items():
         try:
@@ -440,7 +444,11 @@ REFUSALS = {
     "scheduler result": "the scheduler factory returned 3, which has no step()",
     "accumulate": "accumulate must be a whole number >= 1",
     "loss_scale": "loss_scale applies to precision='fp16' only",
+    "optimizer result": "the optimizer factory returned 42, which is not an optimizer",
+    "device": "device='tpu:x' is not a device torch knows",
 }
+if not torch.cuda.is_available():
+    REFUSALS["cuda"] = "device='cuda' but this torch sees no CUDA device"
 
 
 def test_bad_options_are_refused_alike_on_every_rank():

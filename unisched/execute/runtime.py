@@ -90,6 +90,7 @@ from unisched.execute.training import (
     autocast,
     caught,
     check_options,
+    check_optimizer,
     check_scheduler,
     loss_scale as _loss_scale,
     generators,
@@ -220,7 +221,10 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.record = record
         self.loss_fn = loss_fn
-        self.device = compute_device(device)
+        try:
+            self.device = compute_device(device)
+        except ShapeError as refused:  # agreed below, as the options are
+            error, self.device = error or refused, torch.device("cpu")
         self._clock = Clock(self.device)
         self._generators = generators(self.device)
         self._seeds: tuple[int, list] = (-1, [])  # (step, micro_batch_seeds of that step)
@@ -557,6 +561,8 @@ class Trainer:
         }
         truth = [p for s in self._owned for p in self.host_weights.get(s, self._params[s])]
         self.optimizer = optimizer(truth) if truth else None
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer)
         self.scheduler = None
         if scheduler is not None and self.optimizer is not None:
             self.scheduler = scheduler(self.optimizer)
@@ -2160,7 +2166,15 @@ def compute_device(device: torch.device | str | None = None) -> torch.device:
     group (or none and CUDA present) ``cuda:LOCAL_RANK`` (else the current
     CUDA device); the CPU otherwise (gloo moves CPU tensors)."""
     if device is not None:
-        return torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ShapeError(f"device={device!r} is not a device torch knows ({first_line(error)}); pass e.g. "
+                             f"'cpu' or 'cuda:0', or leave it out") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ShapeError(f"device={str(device)!r} but this torch sees no CUDA device (torch {torch.__version__}); "
+                             f"leave device out to compute on the CPU with gloo, or install a CUDA build of torch")
+        return device
     if not torch.cuda.is_available():
         return torch.device("cpu")
     if dist.is_initialized() and dist.get_backend() != "nccl":

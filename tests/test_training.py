@@ -451,6 +451,32 @@ if not torch.cuda.is_available():
     REFUSALS["cuda"] = "device='cuda' but this torch sees no CUDA device"
 
 
+def _replicas_built_apart(rank: int, world: int, schedule):
+    stages = make_stages()
+    torch.manual_seed(100 + rank)  # each rank draws its own weights for the first stage
+    stages[0] = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh())
+    stages[0][1].running_mean.fill_(float(rank))
+    trainer = Trainer(stages, schedule, loss_fn, momentum_sgd, timeout=30)
+    built = {k: v.detach().clone() for k, v in trainer.stages[0].state_dict().items()}
+    trainer.step(*batch(0))
+    after = {k: v.detach().clone() for k, v in trainer.stages[0].state_dict().items()}
+    trainer.close()
+    return {"built": built, "after": after}
+
+
+def test_replicas_built_apart_start_from_the_lowest_ranks_weights():
+    results = run_local(_replicas_built_apart, W, schedules()["ddp"][0], timeout=90)
+    torch.manual_seed(100)
+    expected = nn.Linear(WIDTH, WIDTH)
+    for r in results:
+        assert r.error is None, r.error
+        built, after = r.value["built"], r.value["after"]
+        assert torch.equal(built["0.weight"], expected.weight.detach()) and torch.equal(built["0.bias"], expected.bias.detach())
+        assert torch.equal(built["1.running_mean"], torch.zeros(WIDTH))  # rank 0's buffer
+        for key in after:  # and they train alike
+            assert torch.equal(after[key], results[0].value["after"][key]), (r.rank, key)
+
+
 def test_bad_options_are_refused_alike_on_every_rank():
     results = run_local(_refusals, 2, simulate(2, 2, 2, policies.get("gpipe", num_workers=2, num_stages=2,
                                                                      num_batches=2)).timeline, timeout=90)

@@ -141,7 +141,11 @@ class Trainer:
     (``trainer.stages`` is None for the others), each under its own seed
     (``seed`` and the stage index, see :func:`build_stages`), so whichever
     rank builds a stage builds the same one; an error there stops every rank
-    with the same message.  Only those stages are moved to the device.
+    with the same message.  Only those stages are moved to the device.  The
+    replicas of a stage (data parallel) start from the lowest replica rank's
+    weights and buffers, broadcast at construction as
+    ``DistributedDataParallel`` does, so that stages built apart (each rank
+    under its own seed) do not train apart.
 
     What a stage takes and returns follows ``torch.distributed.pipelining``:
     a value (a stage's output, or the micro-batch at a source stage) is a
@@ -269,6 +273,7 @@ class Trainer:
         self._gang_groups = {g: dist.new_group(list(g), timeout=delta) for g in program.gang_groups()}
         self._buffer_groups = self._make_buffer_groups(delta)
         self._ties = TiedGradients(ties, program.replicas, self.rank, self.device, delta)
+        self._collective(self._equalize_replicas, "making the replicas' weights equal")
         self._collective(lambda: self._ties.synchronize(self._truth), "making the copies of tied weights equal")
         store = _default_store()
         self._offsets, host = self._clock_offsets(store)
@@ -573,6 +578,18 @@ class Trainer:
             s: _flat_like(self._params[s], self.device)
             for s in self._owned if len(program.reduce_group(self.rank, s)) > 1 and self._params[s]
         }
+
+    def _equalize_replicas(self) -> None:
+        """Each replicated stage's weights and buffers made its lowest replica's on every replica
+        (in stage order, so that every rank broadcasts in one order)."""
+        for s in self._owned:
+            group = self.program.reduce_group(self.rank, s)
+            if len(group) < 2:
+                continue
+            for tensor in [*self._params[s], *_buffers(self.stages[s])]:
+                dist.broadcast(tensor.data, src=group[0], group=self._replica_groups[group])
+            for host, p in zip(self.host_weights.get(s, ()), self._params[s]):
+                host.data.copy_(p.data)
 
     def _check_tie_copies(self, program: Program, ties: Sequence[Tie]) -> None:
         """Each copy of a tied weight this rank builds is a trainable

@@ -260,7 +260,7 @@ def test_simulate_priority_is_reported_as_run_and_refused_where_it_changes_nothi
     assert code == 0 and json.loads(out)["params"]["priority"] == "oldest_stage_first"
     assert json.loads(out)["worker_stats"]["max_activation_storage"] == [8, 8, 8, 8]  # fill-drain: it did run
     code, out, err = run(capsys, "simulate", "--strategy", "zb_h1", "--priority", "backward_first")
-    assert code == 2 and out == "" and "zb_h1 fixes every worker's order" in err and "drop --priority" in err
+    assert code == 2 and out == "" and "zb_h1 fixes every worker's order" in err and "the command's --priority" in err
 
 
 def test_simulate_priority_is_reported_where_the_strategy_has_no_priority_of_its_own(capsys):

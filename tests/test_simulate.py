@@ -293,6 +293,12 @@ def test_costs_that_time_the_halves_split_the_backward_as_plan_and_the_command_d
     assert not simulate(4, 4, 8, gpipe, costs=Costs(backward=10)).timeline.split_backward
 
 
+def test_a_priority_for_a_strategy_that_fixes_every_order_is_refused():
+    fixed = unisched.policies.get("one_f_one_b", num_workers=4, num_stages=4, num_batches=8)
+    with pytest.raises(StrategyError, match="would change nothing: one_f_one_b fixes every worker's order"):
+        simulate(4, 4, 8, fixed, "backward_first")
+
+
 def test_split_dependency_rules():
     assert unisched.dependencies(Work(0, 3, BACKWARD_INPUT), 4, split_backward=True) == (Work(0, 3, FORWARD),)
     assert unisched.dependencies(Work(0, 1, BACKWARD_INPUT), 4, split_backward=True) == (

@@ -511,12 +511,7 @@ def _simulate(args, name: str, params: dict, options: dict):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
-    if options["priority_order"] is not None:
-        if strategy.worker_orders is not None:
-            raise UniSchedError(
-                f"--priority {args.priority} would change nothing: {label_of(name, params)} fixes every worker's "
-                "order of work, and a priority only breaks ties the simulator chooses; drop --priority"
-            )
+    if options["priority_order"] is not None and strategy.worker_orders is None:  # else simulate refuses it
         from unisched.simulate.priorities import priority_key
 
         # the run breaks ties by --priority, so the strategy it reports says so

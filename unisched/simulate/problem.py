@@ -712,7 +712,7 @@ def _sharded_rows(shards: dict, gang, compute, weight, stage, num_workers: int, 
         raise ShapeError(
             f"strategy {name!r} holds stages in shards: its {len(rows):,} items of sharded stages gather "
             f"{count:,} shards (one per shard per item), more than the {max_gathers:,} the simulator takes "
-            "(simulate() passes unisched.simulate.simulation.MAX_ITEMS); shard each stage over fewer workers "
+            "(simulate() passes MAX_ITEMS of unisched/simulate/simulation.py); shard each stage over fewer workers "
             "(hybrid sharding: groups of a node, replicated across nodes), or simulate fewer micro-batches or stages")
     combos, which = np.unique(compute[rows] * (num_stages * W) + pair[rows], return_inverse=True)
     template = []

@@ -13,7 +13,7 @@ import numpy as np
 
 from unisched.costs import DEFAULT_COSTS, Costs
 from unisched import metrics
-from unisched.errors import ShapeError
+from unisched.errors import ShapeError, StrategyError
 from unisched.simulate import engine, fast
 from unisched.simulate.priorities import OldestBatchFirst, as_priority
 from unisched.simulate.problem import build
@@ -63,6 +63,11 @@ def simulate(
     split = strategy.split_backward or costs.times_halves if split_backward is None else bool(split_backward)
     check_size(shape, split)
     costs.check(num_workers, num_stages)
+    if priority_order is not None and strategy.worker_orders is not None:
+        raise StrategyError(
+            f"the priority {getattr(priority_order, '__name__', priority_order)!r} would change nothing: "
+            f"{strategy.name or 'the strategy'} fixes every worker's order of work, and a priority only breaks the "
+            "ties the simulator chooses; drop it (priority_order, or the command's --priority)")
     priority = as_priority(priority_order or strategy.priority or OldestBatchFirst, num_stages, num_batches)
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
     limit_in_bytes = costs.has_sizes and memory_limit is not None  # a strategy's own limit counts stashes
@@ -114,9 +119,9 @@ def check_size(shape: Shape, split_backward: bool = False) -> None:
         what = f"{items:,} work items" if items > MAX_ITEMS else f"{W:,} workers"
         raise ShapeError(
             f"W={W}, S={S}, B={B} has {what}; the simulator takes at most {MAX_ITEMS:,} "
-            "(unisched.simulate.simulation.MAX_ITEMS, about 350 bytes per item): simulate fewer micro-batches "
-            "or stages (once the pipeline is full, every micro-batch adds the same time), or raise MAX_ITEMS "
-            "on a machine with the memory"
+            "(MAX_ITEMS, about 350 bytes per item): simulate fewer micro-batches or stages (once the pipeline "
+            "is full, every micro-batch adds the same time), or on a machine with the memory raise it: "
+            "from unisched.simulate import simulation; simulation.MAX_ITEMS = ..."
         )
 
 

@@ -291,6 +291,8 @@ def test_costs_that_time_the_halves_split_the_backward_as_plan_and_the_command_d
     whole = simulate(4, 4, 8, gpipe, costs=costs, split_backward=False)
     assert not whole.timeline.split_backward and whole.latency == 121
     assert not simulate(4, 4, 8, gpipe, costs=Costs(backward=10)).timeline.split_backward
+    fixed = unisched.policies.get("one_f_one_b", num_workers=4, num_stages=4, num_batches=8)
+    assert not simulate(4, 4, 8, fixed, costs=costs).timeline.split_backward  # its own orders say B whole
 
 
 def test_a_priority_for_a_strategy_that_fixes_every_order_is_refused():

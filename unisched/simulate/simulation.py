@@ -47,8 +47,9 @@ def simulate(
     bytes when ``costs`` give ``activation_bytes``/``stash_bytes``), scalar
     or one per worker; a strategy's own limit always counts stashes.
     ``split_backward``: whether the backward runs as an input pass (I) and a
-    weight pass (W); by default when the strategy splits it or the costs time
-    its halves (``backward_input``/``backward_weight``), as ``plan`` decides.
+    weight pass (W); by default when the strategy splits it, or when the costs
+    time its halves (``backward_input``/``backward_weight``, as ``plan``
+    decides) and the strategy fixes no order of its own.
     """
     shape = Shape(num_workers, num_stages, num_batches).check()
     strategy = as_strategy(schedule)
@@ -60,7 +61,8 @@ def simulate(
     costs = costs if costs is not None else DEFAULT_COSTS
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
-    split = strategy.split_backward or costs.times_halves if split_backward is None else bool(split_backward)
+    split = bool(split_backward) if split_backward is not None else strategy.split_backward or (
+        costs.times_halves and strategy.worker_orders is None)
     check_size(shape, split)
     costs.check(num_workers, num_stages)
     if priority_order is not None and strategy.worker_orders is not None:

@@ -368,3 +368,29 @@ def test_time_flags_put_into_a_costs_file_read_alike_in_every_verb(capsys, tmp_p
         assert result["latency"] == pytest.approx(expected), verb  # one worker: the step is all its work
     planned = result["plan"]["costs"]  # the plan's own record of the costs it was made with
     assert (planned["backward"], planned["backward_input"], planned["backward_weight"]) == (whole, *halves)  # exact
+
+
+def test_an_unknown_option_is_refused_with_the_verbs_own_usage(capsys):
+    for verb in ("simulate", "compare", "plan", "strategies"):
+        with pytest.raises(SystemExit) as exited:  # as argparse exits
+            main([verb, "--bogus"])
+        out, err = capsys.readouterr()
+        assert exited.value.code == 2 and out == ""
+        assert err.startswith(f"usage: unisched {verb}") and f"unisched {verb}: error: unrecognized arguments: --bogus" in err
+
+
+def test_a_costs_file_that_does_not_fit_the_shape_is_named_once(capsys, tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"worker_speed": [1, 1]}')
+    for verb in (["compare"], ["simulate", "--strategy", "gpipe"]):
+        code, out, err = run(capsys, *verb, "--costs", str(costs))
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert f"costs file {costs}: Costs.worker_speed has 2 entries but there are 4 workers" in err
+
+
+def test_every_out_name_is_checked_before_anything_is_written(capsys, tmp_path):
+    first = tmp_path / "a.png"
+    code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", str(first), "--out", str(tmp_path / "b.xyz"))
+    assert code == 2 and "extension '.xyz' is not supported" in err and not first.exists()
+    code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", ".")
+    assert code == 2 and "cannot save '.': it has no extension" in err

@@ -482,8 +482,10 @@ def test_the_mapping_models_search_order_is_set_under_memory_limits_only():
             assert strategy.domain_reduction_strategy == cp_model.SELECT_LOWER_HALF
 
 
-def test_plan_takes_the_stages_from_the_workers_as_every_verb_does(capsys):
+def test_plan_takes_the_stages_and_micro_batches_from_the_workers_as_every_verb_does(capsys):
     from unisched.cli import main
 
     assert main(["plan", "-W", "2", "--strategy", "gpipe", "--time-limit", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["latency"] == (8 + 2 - 1) * 3  # gpipe on W = S = 2, B = 8
+    assert json.loads(capsys.readouterr().out)["latency"] == (4 + 2 - 1) * 3  # gpipe on W = S = 2, B = 4
+    assert main(["simulate", "-W", "2", "--strategy", "gpipe", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["latency"] == (4 + 2 - 1) * 3  # as unisched run would run it

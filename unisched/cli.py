@@ -64,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = "--json" in argv
     try:
         parser = build_parser(verb=argv[0])
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            getattr(args, "verb_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
         code = int(args.handler(args) or 0)
         sys.stdout.flush()  # a reader that went away is noticed here, not at exit
         return code
@@ -192,6 +194,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
             continue
         command.add_arguments(sub)
         sub.set_defaults(handler=command.run)
+    for sub in verbs.choices.values():
+        sub.set_defaults(verb_parser=sub)  # an unknown option is the verb's to refuse, with its own usage
     return parser
 
 
@@ -240,6 +244,10 @@ def _print_entry(entry: dict, pad: int) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from unisched.render import check_path
+
+    for out in args.out:  # before simulating or writing anything
+        check_path(out)
     if args.plan is not None:
         sim = _simulate_plan(args)
     elif args.strategy is None:
@@ -492,9 +500,16 @@ def _step_options(args) -> dict:
     from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
+    costs = _costs(args)
+    try:
+        costs.check(W, S)  # once, naming the file, rather than once per strategy
+    except ShapeError as error:
+        if not args.costs or getattr(args, "topology", None):
+            raise
+        raise UniSchedError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
     return {
         "priority_order": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
-        "costs": _costs(args),
+        "costs": costs,
         "memory_limit": numbers("--memory-limit", args.memory_limit, W, "workers"),
         "split_backward": True if splits_backward(args) else None,
     }

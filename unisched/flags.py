@@ -38,16 +38,19 @@ def add_shape_arguments(parser: argparse.ArgumentParser):
     shape.add_argument("--workers", "-W", type=int, help=f"workers (default {W})")
     shape.add_argument("--stages", "-S", type=int,
                        help=f"pipeline stages (default: the workers when -W is given, else {S})")
-    shape.add_argument("--batches", "-B", type=int, help=f"micro-batches (default {B})")
+    shape.add_argument("--batches", "-B", type=int,
+                       help=f"micro-batches (default: twice the workers when -W is given, as unisched run has it, "
+                            f"else {B})")
     return shape
 
 
 def shape_of(args: argparse.Namespace) -> tuple[int, int, int]:
     """(W, S, B) from the shape flags: :data:`DEMO_SHAPE` where not given,
-    except that the stages follow the workers when only ``-W`` is given."""
+    except that with ``-W`` given the stages follow the workers and the
+    micro-batches are twice the workers (``unisched run``'s defaults)."""
     W = DEMO_SHAPE[0] if args.workers is None else args.workers
     S = args.stages if args.stages is not None else (W if args.workers is not None else DEMO_SHAPE[1])
-    B = DEMO_SHAPE[2] if args.batches is None else args.batches
+    B = args.batches if args.batches is not None else (2 * W if args.workers is not None else DEMO_SHAPE[2])
     return W, S, B
 
 

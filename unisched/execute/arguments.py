@@ -23,7 +23,8 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
     p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
     p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
-    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: what the strategy needs)")
+    p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: twice the workers, or as many or four times as many where "
+                                                        "the strategy needs)")
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:

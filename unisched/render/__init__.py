@@ -23,7 +23,7 @@ FORMATS = {
 }
 """Extension -> what :func:`save` writes there."""
 
-__all__ = ["FORMATS", "figure", "save", "stats_table", "to_chrome_trace", "to_html", "to_text"]
+__all__ = ["FORMATS", "check_path", "figure", "save", "stats_table", "to_chrome_trace", "to_html", "to_text"]
 
 
 def save(timeline, path, **options) -> Path:
@@ -34,17 +34,24 @@ def save(timeline, path, **options) -> Path:
     if not isinstance(timeline, Timeline):
         raise TypeError(f"save() needs a Timeline or Simulation, got {type(timeline).__name__}")
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in FORMATS:
-        supported = ", ".join(FORMATS)
-        shown = f"extension {suffix!r} is not supported" if suffix else "it has no extension"
-        raise UniSchedError(f"cannot save {path.name!r}: {shown}; use one of {supported}")
+    suffix = check_path(path)
     try:
         _write(timeline, path, suffix, options)
     except OSError as error:
         raise UniSchedError(f"cannot write {str(path)!r}: {error.strerror or error}; name a file in a folder that "
                             "exists and that you may write to") from None
     return path
+
+
+def check_path(path) -> str:
+    """The format :func:`save` writes ``path`` in (its extension, lower case), or an error saying
+    which ones it can (checked before anything is drawn, or anything slow is run)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        supported = ", ".join(FORMATS)
+        shown = f"extension {suffix!r} is not supported" if suffix else "it has no extension"
+        raise UniSchedError(f"cannot save {str(path)!r}: {shown}; use one of {supported}")
+    return suffix
 
 
 def _write(timeline: Timeline, path: Path, suffix: str, options: dict) -> None:

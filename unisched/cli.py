@@ -310,7 +310,7 @@ def cmd_compare(args) -> int:
     shape = _shape(args)
     check_size(shape, splits_backward(args))
     params = parse_params(args.param)
-    if args.strategies:
+    if args.strategies is not None:  # "" names none, as "," does
         candidates = [strategy_spec(text, params) for text in split_strategies(args.strategies)]
         if not candidates:
             raise UniSchedError(f"--strategies names no strategy: {args.strategies!r}")
@@ -335,7 +335,8 @@ def cmd_compare(args) -> int:
     if args.json:
         print(_dumps({"shape": list(shape), "bound": bound, "results": rows, "skipped": skipped}))
         return 0
-    print(f"W={shape[0]} S={shape[1]} B={shape[2]}: {len(rows)} strategies, best first\n")
+    print(f"W={shape[0]} S={shape[1]} B={shape[2]}: {len(rows)} {'strategy' if len(rows) == 1 else 'strategies'}, "
+          "best first\n")
     print(_table(rows, COMPARE_COLUMNS))
     print(_bound_note(bound))
     for name, reason in skipped:

@@ -242,7 +242,8 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
     shown = (",".join(f"{v:g}" for v in limit) if isinstance(limit, (tuple, list)) else f"{limit:g}") if limit else ""
     lines = [
         f"plan: W={W} S={S} B={B}" + (f", memory limit {shown}" if shown else "")
-        + (f", at most {problem.max_stages_per_worker} stages per worker" if problem.max_stages_per_worker else "")
+        + (f", at most {problem.max_stages_per_worker} stage{'s' if problem.max_stages_per_worker != 1 else ''} per "
+           "worker" if problem.max_stages_per_worker else "")
         + (f" ({result.elapsed:.1f} s)" if result.elapsed is not None else ""),
         f"search: {result.search}, minimizing {result.objective}"
         + (" (interrupted: the best plan so far)" if result.interrupted else ""),
@@ -253,7 +254,7 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
     ]
     for rank, row in enumerate(result.candidates[:12], start=1):
         lines.append(
-            f"{rank:>2}  {str(row.get('strategy'))[:44]:<44} {str(row.get('source', '')):<13} "
+            f"{rank:>2}  {_fit(str(row.get('strategy')), 44):<44} {str(row.get('source', '')):<13} "
             f"{_cell(row, 'latency', 'g'):>8} {_cell(row, 'bubble', '.1%'):>7} "
             f"{_cell(row, 'peak_activations', 'g'):>8} {_cell(row, 'traffic', 'g'):>7} {_cell(row, 'gap', '.1%'):>7}  "
             f"{'yes' if row.get('optimal') else ''}{' (pareto)' if row.get('pareto') else ''}"
@@ -271,6 +272,11 @@ def report(result: Plan, width: int = 100, color: bool | str | None = None) -> s
         _diagram(result, width, color),
     ]
     return "\n".join(lines)
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, an ellipsis saying where it was cut."""
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _bound_lines(result: Plan) -> list[str]:

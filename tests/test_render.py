@@ -534,3 +534,14 @@ def test_gang_items_are_drawn_on_every_worker_of_the_gang():
     assert per_pid[2] == stage_1_items and per_pid[3] == stage_1_items + 2 * 2
     rows = {line.split("|")[0]: line for line in timeline.to_text(color=False).splitlines() if "|" in line}
     assert "1F0" in rows["w1"] and "1F0" in rows["w2"]
+
+
+def test_without_colour_every_cell_keeps_its_space():
+    """Plain text has only the space to tell two cells apart: 2I102W8 could be 2I10 2W8 or 2I1 02W8."""
+    from unisched import policies
+
+    sim = simulate(4, 4, 12, policies.get("zb_h1", num_workers=4, num_stages=4, num_batches=12))
+    for width in (160, 100):
+        rows = [line.split("|", 1)[1] for line in sim.to_text(width=width, color=False).splitlines()
+                if re.match(r"w\d+\|", line)]
+        assert rows and all(re.fullmatch(r"(\s*(\d+[FBIW]\d+|\.))*\s*", row) for row in rows), rows

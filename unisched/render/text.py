@@ -188,7 +188,7 @@ def _diagram(timeline: Timeline, width: int, color: bool, max_bands: int | None)
     if max_bands is None:
         max_bands = max(1, min(8, 60 // (W + 2)))
     compressed = False
-    for cell in (cw, cw - 1):  # with a separator after each cell, then without
+    for cell in (cw, cw - 1) if color else (cw,):  # with a space after each cell, then (told apart by colour) without
         scale = cell / unit  # characters per time unit
         total = int(math.ceil(span * scale - 1e-9))
         if total <= avail:
@@ -415,6 +415,7 @@ def _plainish(value: float):
 def add_color_arguments(parser) -> None:
     """``--color auto|always|never`` and ``--no-color`` (the same as
     ``--color never``) on a command that draws text."""
-    parser.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
-    parser.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
+    either = parser.add_mutually_exclusive_group()  # --no-color --color always says two things
+    either.add_argument("--color", choices=COLOR_MODES, default="auto", help=COLOR_HELP)
+    either.add_argument("--no-color", dest="color", action="store_const", const="never", default="auto",
                         help="the same as --color never")

@@ -394,3 +394,17 @@ def test_every_out_name_is_checked_before_anything_is_written(capsys, tmp_path):
     assert code == 2 and "extension '.xyz' is not supported" in err and not first.exists()
     code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", ".")
     assert code == 2 and "cannot save '.': it has no extension" in err
+
+
+def test_every_verb_reads_the_link_flags_as_plan_does(capsys):
+    latencies = []
+    for verb in (["simulate", "--strategy", "gpipe"], ["compare", "--strategies", "gpipe"],
+                 ["plan", "--strategy", "gpipe", "--time-limit", "1"]):
+        code, out, _ = run(capsys, *verb, "--comm", "1", "--json")
+        found = json.loads(out)
+        latencies.append(found["results"][0]["latency"] if "results" in found else found["latency"])
+        assert code == 0
+    assert latencies[:2] == [39, 39]  # gpipe at W = S = 4, B = 8, each transfer 1: 33 + 2 * 3 on the critical path
+    assert latencies[2] <= 39  # plan replays its orders of gpipe's mapping under the same costs
+    code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--comm", "1", "--topology", "dgx_h100")
+    assert code == 2 and "drop --comm" in err

@@ -40,7 +40,6 @@ from unisched.flags import (
     add_cost_arguments,
     add_memory_limit_argument,
     add_shape_arguments,
-    cost_values,
     numbers,
     shape_of,
     splits_backward,
@@ -150,12 +149,6 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "strategy: its shape, costs, memory limit and order come from the file",
     )
     _add_problem_arguments(simulate)
-    simulate.add_argument(
-        "--topology", metavar="FILE|PRESET",
-        help="price every transfer on a cluster: a JSON topology file (docs/topology.md) or a preset "
-        "(dgx_h100, dgx_a100, p4d_24xlarge); transfers share NVLink ports and NICs, all-reduces follow NCCL's "
-        "cost models, times in seconds and sizes in bytes (give them with --costs)",
-    )
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
                           "ties of a strategy that leaves the order of work to the simulator (replaces a strategy's "
                           "own priority; refused for one that fixes every worker's order)")
@@ -212,7 +205,13 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
         "--param", action="append", default=[], metavar="K=V",
         help="strategy parameter, repeatable (e.g. group_size=2); the same as NAME(K=V)",
     )
-    add_cost_arguments(parser)
+    costs = add_cost_arguments(parser)
+    costs.add_argument(
+        "--topology", metavar="FILE|PRESET",
+        help="price every transfer on a cluster: a JSON topology file (docs/topology.md) or a preset "
+        "(dgx_h100, dgx_a100, p4d_24xlarge); transfers share NVLink ports and NICs, all-reduces follow NCCL's "
+        "cost models, times in seconds and sizes in bytes (give them with --costs); not with --comm or --fetch",
+    )
     add_memory_limit_argument(parser)
 
 
@@ -290,7 +289,8 @@ def _simulate_plan(args):
         ("--stages", args.stages), ("--batches", args.batches), ("--forward", args.forward),
         ("--backward", args.backward), ("--backward-input", args.backward_input),
         ("--backward-weight", args.backward_weight), ("--costs", args.costs), ("--memory-limit", args.memory_limit),
-        ("--priority", args.priority), ("--topology", args.topology),
+        ("--priority", args.priority), ("--topology", args.topology), ("--comm", args.comm or None),
+        ("--fetch", args.fetch or None),
     ) if value is not None]
     if given:
         raise UniSchedError(
@@ -489,10 +489,10 @@ def check_size(shape, split_backward: bool) -> None:
 
 
 def _costs(args):
-    """The costs file (or the defaults) with the time flags put in, on ``--topology`` when given."""
-    from unisched.topology import ClusterCosts
+    """The costs of the flags, read as ``unisched plan`` reads them (:func:`unisched.plan.command.costs_from_flags`)."""
+    from unisched.plan.command import costs_from_flags
 
-    return ClusterCosts.read(args.costs, cost_values(args), getattr(args, "topology", None))
+    return costs_from_flags(args, encode_free_links=False)
 
 
 def _step_options(args) -> dict:

@@ -1,6 +1,6 @@
 """The command-line flags that several verbs share, declared and read in one
 place: the shape (``-W -S -B``), the costs (``--forward --backward
---backward-input --backward-weight --costs``), a per-worker number list
+--backward-input --backward-weight --costs --comm --fetch``), a per-worker number list
 such as ``--memory-limit``, and what ``--strategy`` accepts.
 
 ``unisched simulate`` and ``compare`` (:mod:`unisched.cli`) and ``unisched
@@ -64,6 +64,10 @@ def add_cost_arguments(parser: argparse.ArgumentParser):
     costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
     costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from "
                        "calibration; time flags given beside it replace its times")
+    costs.add_argument("--comm", type=float, default=0.0,
+                       help="time to move an activation or gradient between workers (a weight fetch pays it too); "
+                       "not with --costs, which gives the links")
+    costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
     return costs
 
 

@@ -55,9 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_shape_arguments(parser)
     costs = add_cost_arguments(parser)
-    costs.add_argument("--comm", type=float, default=0.0,
-                       help="time to move an activation or gradient between workers (a weight fetch pays it too)")
-    costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
     costs.add_argument(
         "--topology", metavar="FILE|PRESET",
         help="plan for a cluster: a JSON topology file (docs/topology.md) or a preset "
@@ -114,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
-    costs = _costs(args)
+    costs = costs_from_flags(args)
     split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
     optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)
@@ -356,10 +353,12 @@ def _is_demo(args: argparse.Namespace) -> bool:
     return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
 
 
-def _costs(args: argparse.Namespace) -> Costs:
+def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True) -> Costs:
     """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
-    (:meth:`Costs.with_times`, as ``simulate`` does).
-    With ``--topology``: on that cluster, from the file (or the defaults) as ``simulate`` reads them."""
+    (:meth:`Costs.with_times`); with ``--topology``, on that cluster, from the file (or the
+    defaults).  Every verb that takes costs (simulate, compare, plan) reads its flags here.
+    Without any of these, ``encode_free_links`` gives the planner's encoding of links that take
+    no time (:func:`encode_costs`), else :class:`Costs`' defaults (what ``simulate`` shows)."""
     times = cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
     links = {flag: times.pop(flag) for flag in ("comm", "fetch") if flag in times}
     clashing = [f"--{flag}" for flag, value in links.items() if value]
@@ -370,8 +369,8 @@ def _costs(args: argparse.Namespace) -> Costs:
     if clashing and args.costs:
         raise PlanInputError(f"--costs {args.costs} gives the links; drop {', '.join(clashing)} or the file")
     try:
-        if args.costs or args.topology:
-            return ClusterCosts.read(args.costs, times, args.topology)  # as simulate reads them
+        if args.costs or args.topology or not (clashing or encode_free_links):
+            return ClusterCosts.read(args.costs, times, args.topology)
         return encode_costs(comm=args.comm, fetch=args.fetch).with_times(**times)
     except ShapeError as error:
         raise PlanInputError(str(error)) from None

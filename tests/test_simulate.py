@@ -20,6 +20,7 @@ from unisched import (
     Costs,
     DeadlockError,
     Direction,
+    ShapeError,
     StrategyError,
     UniSchedError,
     Work,
@@ -299,6 +300,15 @@ def test_a_priority_for_a_strategy_that_fixes_every_order_is_refused():
     fixed = unisched.policies.get("one_f_one_b", num_workers=4, num_stages=4, num_batches=8)
     with pytest.raises(StrategyError, match="would change nothing: one_f_one_b fixes every worker's order"):
         simulate(4, 4, 8, fixed, "backward_first")
+
+
+def test_a_memory_limit_or_split_flag_of_the_wrong_type_is_refused():
+    for limit in ("4", b"1", True, [1, 2, "3", 4]):
+        with pytest.raises(ShapeError, match="memory_limit must be a number or one number per worker"):
+            simulate(4, 4, 8, gpipe, memory_limit=limit)
+    with pytest.raises(ShapeError, match="split_backward must be True, False or None"):
+        simulate(4, 4, 8, gpipe, split_backward="yes")
+    assert simulate(4, 4, 8, gpipe, memory_limit=[4, 4, 4, 4.0]).latency == 33
 
 
 def test_split_dependency_rules():

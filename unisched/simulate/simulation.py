@@ -61,6 +61,9 @@ def simulate(
     costs = costs if costs is not None else DEFAULT_COSTS
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
+    if split_backward is not None and not isinstance(split_backward, (bool, np.bool_)):
+        raise ShapeError(f"split_backward must be True, False or None (as the strategy and costs say), "
+                         f"got {split_backward!r}")
     split = bool(split_backward) if split_backward is not None else strategy.split_backward or (
         costs.times_halves and strategy.worker_orders is None)
     check_size(shape, split)

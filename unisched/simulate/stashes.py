@@ -107,7 +107,10 @@ def stash_accounts(num_workers: int, memory_limit, items: dataflow.Items, comput
 
 
 def _limits(memory_limit, num_workers: int) -> np.ndarray:
+    values = np.ravel(np.asarray(memory_limit, dtype=object))
     try:
+        if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in values):  # "4", b"1", True read as numbers
+            raise TypeError
         limits = np.asarray(memory_limit, dtype=float)
     except (TypeError, ValueError, OverflowError):
         raise ShapeError("memory_limit must be a number or one number per worker, "

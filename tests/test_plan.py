@@ -134,7 +134,7 @@ def test_memory_limit_too_small_for_a_mapping_names_the_worker():
 
 
 def test_too_few_weight_slots_is_a_clear_error():
-    with pytest.raises(PlanInputError, match="max-stages-per-worker needs at least 2"):
+    with pytest.raises(PlanInputError, match=r"max_stages_per_worker \(--max-stages-per-worker\) to at least 2"):
         plan(2, 4, 4, max_stages_per_worker=1, time_limit=5)
 
 

@@ -716,5 +716,5 @@ def _nothing_found(problem: PlanProblem, family: FamilyResult, order_results, st
         f"no schedule found for {what} on W={W}, S={S}, B={B} within {time_limit:g} s"
         + (f" (dropped: {reasons})" if reasons else "")
         + (f" (CP-SAT: {statuses})" if statuses else "")
-        + "; raise --time-limit or --memory-limit, or allow more stages per worker"
+        + "; raise time_limit or memory_limit (--time-limit, --memory-limit), or allow more stages per worker"
     )

@@ -73,13 +73,13 @@ def encode_costs(
 ) -> Costs:
     """The simulator's Costs for the planner's flags (see the module docstring)."""
     if comm < 0 or fetch < 0:
-        raise PlanInputError(f"--comm and --fetch must be >= 0, got comm={comm:g}, fetch={fetch:g}")
+        raise PlanInputError(f"comm and fetch (--comm, --fetch) must be >= 0, got comm={comm:g}, fetch={fetch:g}")
     if base is not None:
         return base
     if fetch and fetch < comm:
         raise PlanInputError(
-            f"--fetch {fetch:g} is shorter than --comm {comm:g}; the simulator's link model (latency plus size "
-            "over bandwidth) cannot make a weight fetch faster than an activation transfer: give --fetch >= --comm "
+            f"fetch {fetch:g} is shorter than comm {comm:g} (--fetch, --comm); the simulator's link model (latency "
+            "plus size over bandwidth) cannot make a weight fetch faster than an activation transfer: give fetch >= comm "
             "or a costs file"
         )
     return Costs(
@@ -111,7 +111,8 @@ def split_from(costs: Costs, split_backward: bool | None) -> bool:
     if split_backward and not given:
         raise PlanInputError(
             "a split backward was asked for but the costs give no backward_input or backward_weight time: give "
-            "--backward-input and --backward-weight (or those fields of the costs file), or do not split"
+            "backward_input and backward_weight (--backward-input and --backward-weight, or those fields of the costs "
+            "file), or do not split"
         )
     return bool(split_backward) or given
 
@@ -188,7 +189,7 @@ class PlanProblem:
         object.__setattr__(self, "optimizer_bytes", 0.0 if optimizer is None else optimizer)
         K = self.max_stages_per_worker
         if K is not None and (isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1):
-            raise PlanInputError(f"--max-stages-per-worker must be a positive integer, got {K!r}")
+            raise PlanInputError(f"max_stages_per_worker (--max-stages-per-worker) must be a positive integer, got {K!r}")
         if self.objective not in OBJECTIVES:
             raise PlanInputError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         self.check_feasible()
@@ -300,7 +301,7 @@ class PlanProblem:
             need = -(-S // W)
             raise PlanInputError(
                 f"infeasible: {W} workers holding at most {K} stage(s) each cannot hold {S} stages; "
-                f"--max-stages-per-worker needs at least {need}"
+                f"raise max_stages_per_worker (--max-stages-per-worker) to at least {need}"
             )
         self._check_budget()
         if self.memory_limit is None:
@@ -311,7 +312,7 @@ class PlanProblem:
             raise PlanInputError(
                 f"infeasible: memory limit {most:g} is too small; every micro-batch holds all its "
                 f"{S} stashes at once after its last forward, so some worker needs at least {need:g}; "
-                f"raise --memory-limit to {need:g} or more"
+                f"raise memory_limit (--memory-limit) to {need:g} or more"
             )
 
     def _check_budget(self) -> None:

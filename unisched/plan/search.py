@@ -954,4 +954,4 @@ def _nothing_runs(problem: PlanProblem, family) -> str:
     W, S, B = problem.shape
     reasons = "; ".join(f"{m.label}: {m.reason}" for m in family.dropped[:4])
     return (f"no named strategy runs on W={W}, S={S}, B={B} under these limits, so the search has no seed"
-            + (f" (dropped: {reasons})" if reasons else "") + "; raise --memory-limit or allow more stages per worker")
+            + (f" (dropped: {reasons})" if reasons else "") + "; raise memory_limit (--memory-limit) or allow more stages per worker")

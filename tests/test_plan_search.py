@@ -210,7 +210,7 @@ def test_a_strategy_whose_order_needs_a_split_backward_is_refused_before_plannin
     assert main(["plan", "--strategy", "zb_h1", "--time-limit", "1"]) == 2
     err = capsys.readouterr().err
     assert "--strategy zb_h1: its fixed order needs a split backward" in err and "--backward-weight" in err
-    assert "raise --time-limit" not in err
+    assert "raise time_limit" not in err  # refused up front, not after a search
 
 
 def test_the_report_names_the_class_an_optimum_is_proven_for(capsys):

@@ -877,3 +877,12 @@ def test_release_times_are_checked():
         unisched.fixed_strategy(*args, release=[0.0, -1.0] + [0.0] * (len(rows) - 2))
     with pytest.raises(unisched.UniSchedError, match="release"):
         simulate(2, 2, 2, t.as_strategy().with_(release=np.zeros(3)))
+
+
+def test_a_factory_passed_as_a_strategy_says_to_call_it_with_the_shape():
+    def factory(num_workers, num_stages, num_batches):
+        return gpipe
+
+    with pytest.raises(StrategyError, match=r"factory \(num_workers, num_stages, num_batches\).*factory\(W, S, B\)"):
+        simulate(4, 4, 8, factory)
+    assert simulate(4, 4, 8, factory(4, 4, 8)).latency == 33

@@ -15,6 +15,7 @@ object per item, and the simulator reads the ids directly.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -202,7 +203,21 @@ def as_strategy(schedule: Strategy | Mapping_, name: str | None = None, descript
         return schedule if name is None else schedule.with_(name=name)
     if not callable(schedule):
         raise TypeError(f"a strategy must be callable Work -> ComputeAndWeightWorkers, got {schedule!r}")
+    if required_arguments(schedule) == 3:
+        shown = getattr(schedule, "__name__", "it")
+        raise StrategyError(f"{shown} takes three arguments: a factory (num_workers, num_stages, num_batches), as the "
+                            f"command loads one; call it with the shape, {shown}(W, S, B), and pass what it returns")
     return Strategy(mapping=schedule, name=name or "", description=description or (schedule.__doc__ or "").strip())
+
+
+def required_arguments(function) -> int | None:
+    """How many positional arguments ``function`` requires (None when it does not say)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in signature.parameters.values() if p.kind in kinds and p.default is p.empty)
 
 
 def fixed_strategy(

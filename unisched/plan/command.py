@@ -31,7 +31,7 @@ from unisched.costs import Costs
 from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
 from unisched.flags import (COST_FLAGS, DEMO_SHAPE, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
                             add_shape_arguments, cost_values, numbers, shape_of)
-from unisched.strategy import Strategy, as_strategy
+from unisched.strategy import Strategy, as_strategy, required_arguments
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
@@ -406,7 +406,7 @@ def user_strategy(target: str, shape: Shape | tuple[int, int, int], params: Mapp
     if isinstance(obj, Strategy):
         _no_params(target, params, "is a Strategy")
         return obj if obj.name else obj.with_(name=label)
-    if _required_arguments(obj) == 3:
+    if required_arguments(obj) == 3:
         try:
             inspect.signature(obj).bind(W, S, B, **params)
         except TypeError as error:
@@ -448,9 +448,9 @@ def load_user_function(target: str):
     if not isinstance(obj, Strategy):
         if not callable(obj):
             raise UniSchedError(f"strategy {target!r} is not a function: it is the {type(obj).__name__} {obj!r:.60}")
-        if _required_arguments(obj) not in (1, 3, None):
+        if required_arguments(obj) not in (1, 3, None):
             raise UniSchedError(
-                f"strategy {target!r} takes {_required_arguments(obj)} required arguments; a strategy function "
+                f"strategy {target!r} takes {required_arguments(obj)} required arguments; a strategy function "
                 "takes one (a Work), a factory three (num_workers, num_stages, num_batches)"
             )
     return obj
@@ -494,16 +494,6 @@ def _import_user_module(source: str, target: str):
     finally:
         if added and here in sys.path:
             sys.path.remove(here)
-
-
-def _required_arguments(function) -> int | None:
-    """How many positional arguments ``function`` requires (None when it does not say)."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in signature.parameters.values() if p.kind in kinds and p.default is p.empty)
 
 
 def _no_params(target: str, params: Mapping[str, Any], what: str) -> None:

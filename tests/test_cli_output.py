@@ -78,8 +78,12 @@ def mirrored(w):
 def rows_of(text):
     from unisched.render.text import ANSI
 
-    return {line.split("|")[0]: ANSI.sub("", line.split("|", 1)[1]) for line in text.splitlines()
-            if line.startswith("w") and "|" in line}
+    rows = {}  # a worker's row over every band the diagram wraps into
+    for line in text.splitlines():
+        if line.startswith("w") and "|" in line:
+            name, row = line.split("|", 1)
+            rows[name] = rows.get(name, "") + ANSI.sub("", row)
+    return rows
 
 
 def test_rows_that_differ_only_in_micro_batches_read_differently_without_colour():

@@ -886,3 +886,10 @@ def test_a_factory_passed_as_a_strategy_says_to_call_it_with_the_shape():
     with pytest.raises(StrategyError, match=r"factory \(num_workers, num_stages, num_batches\).*factory\(W, S, B\)"):
         simulate(4, 4, 8, factory)
     assert simulate(4, 4, 8, factory(4, 4, 8)).latency == 33
+
+
+def test_a_priority_made_for_another_shape_is_refused():
+    with pytest.raises(ShapeError, match=r"BackwardFirst\(2, 2\) was made for 2 stages and 2 micro-batches"):
+        simulate(4, 4, 8, gpipe, unisched.BackwardFirst(2, 2))
+    assert simulate(4, 4, 8, gpipe, unisched.BackwardFirst(4, 8)).latency == \
+        simulate(4, 4, 8, gpipe, unisched.BackwardFirst).latency

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from unisched.errors import ShapeError
 from unisched.strategy import works
 from unisched.work import FORWARD, Work
 
@@ -107,6 +108,11 @@ def as_priority(priority, num_stages: int, num_batches: int):
         return priority_by_name(priority, num_stages, num_batches)
     if isinstance(priority, type) and issubclass(priority, _BuiltinPriority):
         return priority(num_stages, num_batches)
+    if isinstance(priority, _BuiltinPriority) and (
+            priority.num_stages != num_stages or priority.num_batches not in (None, num_batches)):
+        raise ShapeError(f"{priority!r} was made for {priority.num_stages} stages and {priority.num_batches} "
+                         f"micro-batches, but the step has {num_stages} and {num_batches}; pass its class or its "
+                         f"name and it is made for the step's shape")
     return priority
 
 

@@ -97,6 +97,8 @@ def test_uniform_given_and_timed_weights():
         split_model(model, 2, balance=[1, 2])
     with pytest.raises(SplitError, match="pass example="):
         split_model(model, 2, balance="time")
+    with pytest.raises(SplitError, match=r"block 0 failed on the example \(RuntimeError: mat1 and mat2"):
+        split_model(model, 2, balance="time", example=torch.randn(16, 5), repeats=1)
     with pytest.raises(SplitError, match="balance must be one of parameters, uniform, time"):
         split_model(model, 2, balance="layers")
 

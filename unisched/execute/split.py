@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from unisched.errors import UniSchedError
+from unisched.errors import UniSchedError, first_line
 from unisched.execute.ties import Tie, as_ties
 
 BALANCES = ("parameters", "uniform", "time")
@@ -600,11 +600,20 @@ def _time_chain(stages: Sequence[nn.Module], example, repeats: int) -> list[floa
     (the fastest of ``repeats`` runs after one warm-up); no ``.grad`` is touched."""
     x = example[0] if isinstance(example, tuple) else example
     times = []
-    for stage in stages:
-        times.append(_time_call(stage, (x,), {}, repeats))
-        with torch.no_grad():
-            x = stage(x)
+    for i, stage in enumerate(stages):
+        try:
+            times.append(_time_call(stage, (x,), {}, repeats))
+            with torch.no_grad():
+                x = stage(x)
+        except Exception as error:
+            raise _untimed(f"block {i}", error) from error
     return times
+
+
+def _untimed(what: str, error: Exception) -> SplitError:
+    """Why balance='time' could not time a block: it failed on the example."""
+    return SplitError(f"balance='time': {what} failed on the example ({type(error).__name__}: {first_line(error)}); "
+                      f"pass example= one micro-batch of the model's input, as the Trainer will be given it")
 
 
 def _time_blocks(model: nn.Module, blocks: Sequence[nn.Module], args: tuple, repeats: int) -> list[float]:
@@ -618,6 +627,8 @@ def _time_blocks(model: nn.Module, blocks: Sequence[nn.Module], args: tuple, rep
     try:
         with torch.no_grad():
             model(*args)
+    except Exception as error:
+        raise _untimed("the model", error) from error
     finally:
         for handle in handles:
             handle.remove()
@@ -625,7 +636,10 @@ def _time_blocks(model: nn.Module, blocks: Sequence[nn.Module], args: tuple, rep
     for i, block in enumerate(blocks):
         if id(block) not in seen:
             raise SplitError(f"block {i} did not run in a forward of the model on the example; it cannot be timed")
-        times.append(_time_call(block, *seen[id(block)], repeats))
+        try:
+            times.append(_time_call(block, *seen[id(block)], repeats))
+        except Exception as error:
+            raise _untimed(f"block {i}", error) from error
     return times
 
 

@@ -408,3 +408,12 @@ def test_every_verb_reads_the_link_flags_as_plan_does(capsys):
     assert latencies[2] <= 39  # plan replays its orders of gpipe's mapping under the same costs
     code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--comm", "1", "--topology", "dgx_h100")
     assert code == 2 and "drop --comm" in err
+
+
+def test_a_topology_without_sizes_says_its_bandwidths_play_no_part(capsys, tmp_path):
+    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100")
+    assert code == 0 and "no sizes given, so every transfer takes only its route's latency" in out
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"activation_bytes": 1e6, "weight_bytes": 1e8}')
+    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100", "--costs", str(costs))
+    assert code == 0 and "on dgx_h100" in out and "no sizes given" not in out

@@ -426,7 +426,8 @@ class _Search:
         name, key = proven_class(self.timed, whole), "cpsat_whole_scheme" if whole else "cpsat_paired"
         hint = _best_incumbent(self.timed, self.candidates, whole)
         restricted = f", micro-batches placed alike every {period}" if period else ""
-        _say(self.progress, f"CP-SAT mapping search over {name}{restricted} ({seconds:.1f} s) ...")
+        _say(self.progress, f"CP-SAT mapping search over {WHOLE_SCHEME if whole else PAIRED}{restricted} "
+                            f"({seconds:.1f} s) ...")
         objective = self.problem.objective
 
         def score(compute, weight, starts) -> float:  # what a plan reports of the solution

@@ -417,3 +417,10 @@ def test_a_topology_without_sizes_says_its_bandwidths_play_no_part(capsys, tmp_p
     costs.write_text('{"activation_bytes": 1e6, "weight_bytes": 1e8}')
     code, out, _ = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100", "--costs", str(costs))
     assert code == 0 and "on dgx_h100" in out and "no sizes given" not in out
+
+
+def test_the_demo_says_the_costs_it_ran_with(capsys):
+    code, out, _ = run(capsys, "--forward", "2", "--comm", "1")
+    assert code == 0 and out.splitlines()[0].endswith("(forward 2, comm 1; otherwise forward 1, backward 2)")
+    code, out, _ = run(capsys)
+    assert code == 0 and out.splitlines()[0].endswith("(forward 1, backward 2)")

@@ -448,6 +448,16 @@ def _bound_note(bound: float) -> str:
             "  one bound for every row; batches/time: micro-batches per unit of time (per second for costs in s)")
 
 
+def _costs_said(args) -> str:
+    """The demo's costs in a few words: the defaults, or the cost flags as given."""
+    given = [f"{flag.replace('_', ' ')} {getattr(args, flag):g}" for flag in (
+        "forward", "backward", "backward_input", "backward_weight", "comm", "fetch") if getattr(args, flag)]
+    given += [f"{flag} {getattr(args, flag)}" for flag in ("costs", "topology") if getattr(args, flag, None)]
+    if not given:
+        return "forward 1, backward 2"
+    return ", ".join(given) + ("" if args.costs else "; otherwise forward 1, backward 2")
+
+
 def _demo(args) -> int:
     """`unisched` / `unisched simulate` with no strategy: a few strategies on a small shape."""
     from unisched import policies
@@ -456,7 +466,7 @@ def _demo(args) -> int:
     check_size(shape, splits_backward(args))
     if not args.json:
         print(f"unisched demo: {len(DEMO_STRATEGIES)} strategies on W={shape[0]} workers, S={shape[1]} stages, "
-              f"B={shape[2]} micro-batches (forward 1, backward 2)\n")
+              f"B={shape[2]} micro-batches ({_costs_said(args)})\n")
     simulations, skipped = [], []
     options = _step_options(args)
     for name in DEMO_STRATEGIES:

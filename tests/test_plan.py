@@ -209,6 +209,7 @@ def test_cli_json_and_out(tmp_path, capsys):
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["latency"] == 51 and data["optimal"] is False
+    assert data["shape"] == [4, 4, 8] and data["throughput"] == 8 / 51  # as simulate --json says them
     assert data["plan"]["proven_for"] == "orders of the mapping of gpipe"
     assert data["lower_bound"] == 51 and data["strategy"].startswith("gpipe")
     assert data["bound_classes"]["critical_path"] == "any schedule"

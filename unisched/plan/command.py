@@ -213,11 +213,14 @@ def summary(result: Plan) -> dict:
 
 
 def _summary(result: Plan) -> dict:
+    W, S, B = result.shape
     return {
+        "shape": [W, S, B],  # and throughput, as simulate --json and compare --json give them
         "search": result.search,
         "objective": result.objective,
         "objective_value": result.value,
         "latency": result.latency,
+        "throughput": B / result.latency if result.latency else None,
         "optimal": result.optimal_overall,
         "proven_for": result.claimed_class(),
         "lower_bound": result.lower_bound,

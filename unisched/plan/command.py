@@ -160,8 +160,9 @@ def _named_strategy(args: argparse.Namespace, shape, split: bool):
     built = policies.get(named[0], *shape, **named[1])
     reason = other_backward(built, split)
     if reason:
-        flags = ("--backward-input and --backward-weight (or a costs file with backward_input and backward_weight)"
-                 if built.split_backward else "no --backward-input/--backward-weight")
+        flags = ("--backward-input and --backward-weight (e.g. --backward-input 1 --backward-weight 1, the halves "
+                 "of the default backward 2, as simulate splits it; or a costs file with backward_input and "
+                 "backward_weight)" if built.split_backward else "no --backward-input/--backward-weight")
         raise PlanInputError(f"--strategy {label}: {reason}; give {flags}, or choose another strategy")
     return label, None
 

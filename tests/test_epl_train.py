@@ -219,7 +219,7 @@ def data_parallel_offload(world):
 SCENARIOS = {
     2: [("data_parallel", data_parallel), ("default_data_parallel", default_data_parallel),
         ("split_whole_model", split_whole_model), ("resnet_classifier", resnet_classifier),
-        ("moe", moe), ("pipeline_offload", pipeline_offload),
+        ("moe", moe), ("pipeline_offload", pipeline_offload), ("data_parallel_offload", data_parallel_offload),
         ("pipeline", pipeline), ("pipeline_fill_drain", pipeline_fill_drain)],
     4: [
         ("data_parallel", data_parallel),

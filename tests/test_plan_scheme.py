@@ -12,11 +12,12 @@ import threading
 import numpy as np
 import pytest
 
-from unisched import Costs
+from unisched import ComputeAndWeightWorkers, Costs, all_work, policies, simulate
 from unisched.errors import UniSchedError
 from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
+from unisched.plan.planfile import objective_value
 from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
 from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
@@ -118,6 +119,21 @@ def test_without_transfer_times_the_whole_schemes_proof_holds_for_every_schedule
     assert free.bound_classes["cpsat_whole_scheme"] == ANY_SCHEDULE and free.bounds["cpsat_whole_scheme"] == 19
     paid = plan(2, 2, 4, encode_costs(comm=1), memory_limit=1, time_limit=10, objective="span")
     assert paid.optimal and paid.proven_for == WHOLE_SCHEME
+    # and no schedule beats it: the registry's strategies and random mappings (replicated weights,
+    # backwards away from their forwards) under the same costs and limit
+    rng = np.random.default_rng(0)
+    spans = []
+    mappings = [policies.get(name, 2, 2, 4, **params) for name, params in policies.variants(2, 2, 4)]
+    for _ in range(400):  # few run under a limit of one stash
+        table = {w: ComputeAndWeightWorkers(int(rng.integers(2)), int(rng.integers(2))) for w in all_work(2, 4)}
+        mappings.append(lambda w, table=table: table[w])
+    for mapping in mappings:
+        try:
+            sim = simulate(2, 2, 4, mapping, costs=encode_costs(comm=0), memory_limit=1)
+        except UniSchedError:
+            continue  # it deadlocks under the limit
+        spans.append(objective_value(sim, "span"))
+    assert len(spans) >= 10 and min(spans) >= 19
 
     def covers(costs, **limits) -> bool:
         return whole_scheme_is_any(TimedProblem.build(PlanProblem(Shape(2, 2, 4), costs, **limits)))

@@ -454,8 +454,9 @@ if not torch.cuda.is_available():
 def _replicas_built_apart(rank: int, world: int, schedule):
     stages = make_stages()
     torch.manual_seed(100 + rank)  # each rank draws its own weights for the first stage
-    stages[0] = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh())
+    stages[0] = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
     stages[0][1].running_mean.fill_(float(rank))
+    stages[0][3].requires_grad_(False)  # a frozen layer: replicas must agree on it too
     trainer = Trainer(stages, schedule, loss_fn, momentum_sgd, timeout=30)
     built = {k: v.detach().clone() for k, v in trainer.stages[0].state_dict().items()}
     trainer.step(*batch(0))
@@ -467,11 +468,12 @@ def _replicas_built_apart(rank: int, world: int, schedule):
 def test_replicas_built_apart_start_from_the_lowest_ranks_weights():
     results = run_local(_replicas_built_apart, W, schedules()["ddp"][0], timeout=90)
     torch.manual_seed(100)
-    expected = nn.Linear(WIDTH, WIDTH)
+    expected = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
     for r in results:
         assert r.error is None, r.error
         built, after = r.value["built"], r.value["after"]
-        assert torch.equal(built["0.weight"], expected.weight.detach()) and torch.equal(built["0.bias"], expected.bias.detach())
+        for key in ("0.weight", "0.bias", "3.weight", "3.bias"):
+            assert torch.equal(built[key], expected.state_dict()[key]), (r.rank, key)
         assert torch.equal(built["1.running_mean"], torch.zeros(WIDTH))  # rank 0's buffer
         for key in after:  # and they train alike
             assert torch.equal(after[key], results[0].value["after"][key]), (r.rank, key)

@@ -265,7 +265,6 @@ class Trainer:
             self._control = None
             raise
         self.program: Program = program
-        self._release_weights()
         self._p2p = dist.new_group(timeout=delta)
         self._watch_transfers = dist.get_backend(self._p2p) == "gloo"
         self._waiters = _Waiters()
@@ -274,6 +273,7 @@ class Trainer:
         self._buffer_groups = self._make_buffer_groups(delta)
         self._ties = TiedGradients(ties, program.replicas, self.rank, self.device, delta)
         self._collective(self._equalize_replicas, "making the replicas' weights equal")
+        self._release_weights()  # after: an offloaded replica's device copy takes part in the broadcast
         self._collective(lambda: self._ties.synchronize(self._truth), "making the copies of tied weights equal")
         store = _default_store()
         self._offsets, host = self._clock_offsets(store)
@@ -580,16 +580,19 @@ class Trainer:
         }
 
     def _equalize_replicas(self) -> None:
-        """Each replicated stage's weights and buffers made its lowest replica's on every replica
-        (in stage order, so that every rank broadcasts in one order)."""
+        """Each replicated stage's parameters (frozen ones too) and buffers made its lowest
+        replica's on every replica, in stage order so that every rank broadcasts in one order;
+        run while every device copy is whole (before offloaded ones are released), the host
+        copies of offloaded weights of truth then taken from them."""
         for s in self._owned:
             group = self.program.reduce_group(self.rank, s)
             if len(group) < 2:
                 continue
-            for tensor in [*self._params[s], *_buffers(self.stages[s])]:
+            for tensor in [*self.stages[s].parameters(), *_buffers(self.stages[s])]:
                 dist.broadcast(tensor.data, src=group[0], group=self._replica_groups[group])
-            for host, p in zip(self.host_weights.get(s, ()), self._params[s]):
-                host.data.copy_(p.data)
+            with torch.no_grad():
+                for host, p in zip(self.host_weights.get(s, ()), self._params[s]):
+                    host.copy_(p)
 
     def _check_tie_copies(self, program: Program, ties: Sequence[Tie]) -> None:
         """Each copy of a tied weight this rank builds is a trainable

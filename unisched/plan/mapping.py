@@ -2,7 +2,8 @@
 worker holds each stage's weights, and in what order.
 
 Two classes of schedules, each named by the claim a proof makes
-(:data:`WHOLE_SCHEME`, :data:`PAIRED`):
+(:data:`WHOLE_SCHEME`, :data:`PAIRED`; a whole-scheme proof holds for every
+schedule where no transfer takes time: :func:`proven_class`):
 
 - the whole scheme: a (stage, batch) has one placement literal per worker for
   its forward and another for its backward passes (B, or I and W together),
@@ -67,12 +68,15 @@ def whole_scheme_by_default(shape) -> bool:
     return all(n <= most for n, most in zip(shape, WHOLE_SCHEME_UP_TO))
 
 
+def searched_class(whole: bool) -> str:
+    """The class of schedules the mapping model searches (over the whole scheme, or paired)."""
+    return WHOLE_SCHEME if whole else PAIRED
+
+
 def proven_class(timed: TimedProblem, whole: bool) -> str:
     """The class of schedules a proof of the mapping model covers: the whole scheme's, or every
     schedule where those are as short as any (:func:`whole_scheme_is_any`); else the paired ones."""
-    if not whole:
-        return PAIRED
-    return ANY_SCHEDULE if whole_scheme_is_any(timed) else WHOLE_SCHEME
+    return ANY_SCHEDULE if whole and whole_scheme_is_any(timed) else searched_class(whole)
 
 
 def whole_scheme_is_any(timed: TimedProblem) -> bool:
@@ -84,8 +88,9 @@ def whole_scheme_is_any(timed: TimedProblem) -> bool:
     once, the all-reduces among replicas it drops took no less, every stash stays where it was (on
     the worker of the pass that frees it: :mod:`unisched.dataflow`), and no worker holds more
     stages than before.  With a split backward the whole scheme keeps a stage's I and W on one
-    worker, which a memory limit may not favour; under a budget replicated and fetched weights
-    take memory differently."""
+    worker, and running them apart can be shorter even without a memory limit (W = 2, S = B = 1,
+    F = I = W = 1: 3 on one worker, 2 with I and W side by side); under a budget replicated and
+    fetched weights take memory differently."""
     problem = timed.problem
     moves = (timed.comm, timed.fetch, timed.stash)
     return not problem.split_backward and problem.memory_budget is None and not any(np.any(m) for m in moves)

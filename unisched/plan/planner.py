@@ -51,7 +51,7 @@ from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, ramp, shape_bound
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
 from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
-                                   proven_class, solve_mapping, whole_scheme_by_default)
+                                   proven_class, searched_class, solve_mapping, whole_scheme_by_default)
 from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.pooled import pooled_bound
@@ -423,11 +423,11 @@ class _Search:
             self._map(whole_run, left * share, period)
 
     def _map(self, whole: bool, seconds: float, period: int = 0) -> None:
-        name, key = proven_class(self.timed, whole), "cpsat_whole_scheme" if whole else "cpsat_paired"
+        searched, proven = searched_class(whole), proven_class(self.timed, whole)
+        key = "cpsat_whole_scheme" if whole else "cpsat_paired"  # its bound's key in Plan.bounds
         hint = _best_incumbent(self.timed, self.candidates, whole)
         restricted = f", micro-batches placed alike every {period}" if period else ""
-        _say(self.progress, f"CP-SAT mapping search over {WHOLE_SCHEME if whole else PAIRED}{restricted} "
-                            f"({seconds:.1f} s) ...")
+        _say(self.progress, f"CP-SAT mapping search over {searched}{restricted} ({seconds:.1f} s) ...")
         objective = self.problem.objective
 
         def score(compute, weight, starts) -> float:  # what a plan reports of the solution
@@ -442,12 +442,12 @@ class _Search:
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
-            self.proofs.append((key, name, self.timed.ticks.time(solved.bound)))
+            self.proofs.append((key, proven, self.timed.ticks.time(solved.bound)))
         found = self.replay_mapped(solved.compute, solved.weight, solved.starts) if solved.found else None
         if found is not None:  # one the replay cannot follow is left out silently
             tag = key.removeprefix("cpsat_").replace("_", " ")
             self.candidates.append(Candidate(f"cpsat mapping ({tag})", "cpsat-mapping", *found,
-                                             self.timed.ticks.time(solved.objective), False, name))
+                                             self.timed.ticks.time(solved.objective), False, searched))
 
     def replay_mapped(self, compute, weight, starts) -> tuple[Schedule, Simulation] | None:
         """A CP-SAT mapping solution replayed (:func:`replayed`), or None where it does not run;

@@ -1423,8 +1423,8 @@ class Trainer:
         try:
             return run()
         except Exception as error:
-            raise CommunicationError(
-                f"rank {self.rank} lost a peer in {what} ({first_line(error)})"
+            raise CommunicationError(  # a peer that stopped, or this rank's own failure: the cause says which
+                f"rank {self.rank} could not complete {what} ({first_line(error)})"
             ) from error
 
     def _load_host_weights(self) -> None:

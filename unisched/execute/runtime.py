@@ -300,9 +300,10 @@ class Trainer:
         self._post_at = post_points(program, self.rank, lookahead)
         # on gloo, the sends waited on right after one of this rank's items, and those after its last item (the
         # step's end waits on them); a waiting thread waits on the others
-        self._settle = settle_points(program, lookahead, SETTLE_WITHIN)[self.rank] if self._watch_transfers else {}
+        settle = settle_points(program, lookahead, SETTLE_WITHIN)[self.rank] if self._watch_transfers else {}
+        self._settle = {index: frozenset(messages) for index, messages in settle.items()}
         last_item = max((i for i, a in enumerate(self._actions) if a.is_compute), default=-1)
-        self._unwatched = {m for messages in self._settle.values() for m in messages} | {
+        self._unwatched = frozenset().union(*self._settle.values()) | {
             a.message for a in self._actions[last_item + 1:] if a.is_send}
         self._forward_only = [i for i, a in enumerate(self._actions)
                               if a.op == "F" or ((a.is_send or a.is_recv) and a.op[0] in "Fw")]
@@ -1343,12 +1344,14 @@ class Trainer:
         work = self._posted(lambda: dist.isend(tensor, dst=msg.dst, group=self._p2p, tag=msg.seq), action, msg.dst)
         st.outgoing.append((work if msg.index in st.unwatched else self._watched(work), tensor, action, msg.dst))
 
-    def _settle_sends(self, st, messages: list[int]) -> None:
+    def _settle_sends(self, st, messages: frozenset[int]) -> None:
         """Wait on the sends of ``messages`` (their receives certainly posted,
         :func:`~unisched.execute.program.settle_points`) and let go of their buffers."""
-        done = [entry for entry in st.outgoing if entry[2].message in messages]
+        done, kept = [], []
+        for entry in st.outgoing:  # one pass: this runs after an item
+            (done if entry[2].message in messages else kept).append(entry)
+        st.outgoing = kept
         self._await_sends(done)
-        st.outgoing = [entry for entry in st.outgoing if entry[2].message not in messages]
 
     def _reap(self, st) -> bool:
         """Let go of the sends that have completed, and take in the returned

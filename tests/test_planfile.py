@@ -130,6 +130,6 @@ def test_save_writes_the_plan_file_or_draws_the_plan_by_extension(cross_worker_p
     assert (tmp_path / "plan.png").read_bytes().startswith(b"\x89PNG")
     assert "latency" in (tmp_path / "plan.txt").read_text()
     for name in ("plan.xyz", "plan"):
-        with pytest.raises(PlanFileError, match="write the plan file as .json or draw the plan as .png"):
+        with pytest.raises(PlanFileError, match=r"write the plan file as .json or draw the plan as .html, .png, .svg, .pdf, .txt \(a Chrome"):
             result.save(tmp_path / name)
         assert not (tmp_path / name).exists()

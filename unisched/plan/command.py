@@ -35,7 +35,7 @@ from unisched.strategy import Strategy, as_strategy, required_arguments
 from unisched.work import Shape
 
 from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
-from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, PLAN_DRAWINGS, Plan, jsonable
+from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, check_plan_path, jsonable
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from
 from unisched.plan.search import SEARCH_FROM_ITEMS
@@ -171,13 +171,7 @@ def _outputs(paths) -> list[str]:
     """``--out`` values, each checked by extension before any planning."""
     paths = [paths] if isinstance(paths, str) else list(paths or [])
     for path in paths:
-        suffix = Path(path).suffix.lower()
-        if suffix != ".json" and suffix not in PLAN_DRAWINGS:
-            shown = f"extension {suffix!r}" if suffix else "no extension"
-            raise PlanInputError(
-                f"--out {path}: {shown}; write the plan file as .json or draw the plan as "
-                f"{', '.join(PLAN_DRAWINGS)} (a Chrome trace of it: unisched simulate --plan plan.json --out trace.json)"
-            )
+        check_plan_path(path)
         folder = Path(path).parent
         if not folder.is_dir():
             raise PlanInputError(f"--out {path}: there is no folder {str(folder)!r} to write it in; create it first, "

@@ -46,6 +46,7 @@ from unisched import dataflow
 from unisched.errors import UniSchedError
 from unisched.costs import Costs
 from unisched.metrics import gap, stage_spans
+from unisched.render import FORMATS
 from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work
@@ -209,14 +210,9 @@ class Plan:
     def save(self, path: str | Path) -> None:
         """Write the plan file to ``path`` ending in ``.json``, or draw the plan's replay to one
         ending in one of :data:`PLAN_DRAWINGS` (as :meth:`Simulation.save` does)."""
-        suffix = Path(path).suffix.lower()
-        if suffix in PLAN_DRAWINGS:
+        if check_plan_path(path) != ".json":
             self.simulate().save(path)
             return
-        if suffix != ".json":
-            shown = f"extension {suffix!r}" if suffix else "no extension"
-            raise PlanFileError(f"cannot save the plan to {str(path)!r}: {shown}; write the plan file as .json or "
-                                f"draw the plan as {', '.join(PLAN_DRAWINGS)}")
         try:
             Path(path).write_text(json.dumps(jsonable(self.to_dict()), indent=1) + "\n")
         except OSError as error:
@@ -231,9 +227,21 @@ class Plan:
                 f"lower bound {self.lower_bound:g}{proof}>")
 
 
-PLAN_DRAWINGS = (".png", ".svg", ".pdf", ".html", ".txt")
-"""Extensions :meth:`Plan.save` draws the plan's schedule to (through :func:`unisched.render.save`); ``.json``
-is the plan file."""
+PLAN_DRAWINGS = tuple(suffix for suffix in FORMATS if suffix != ".json")
+"""Extensions :meth:`Plan.save` draws the plan's schedule to: :func:`unisched.render.save`'s, but
+``.json``, which is the plan file (a Chrome trace of a plan: its replay's ``save``)."""
+
+
+def check_plan_path(path) -> str:
+    """What :meth:`Plan.save` writes to ``path``, by its extension (lower case): ``.json`` the
+    plan file, one of :data:`PLAN_DRAWINGS` the plan drawn; else an error naming both."""
+    suffix = Path(path).suffix.lower()
+    if suffix != ".json" and suffix not in PLAN_DRAWINGS:
+        shown = f"extension {suffix!r}" if suffix else "no extension"
+        raise PlanFileError(f"cannot save the plan to {str(path)!r}: {shown}; write the plan file as .json or draw "
+                            f"the plan as {', '.join(PLAN_DRAWINGS)} (a Chrome trace of it: unisched simulate --plan "
+                            "plan.json --out trace.json)")
+    return suffix
 
 
 PROBLEM_FIELDS = ("memory_limit", "max_stages_per_worker", "memory_budget", "optimizer_bytes")
@@ -592,4 +600,5 @@ def jsonable(value):
     return value
 
 
-__all__ = ["ANY_SCHEDULE", "FORMAT", "Plan", "PlanFileError", "VERSION", "load_plan", "objective_value", "plan_from_dict"]
+__all__ = ["ANY_SCHEDULE", "FORMAT", "PLAN_DRAWINGS", "Plan", "PlanFileError", "VERSION", "check_plan_path", "load_plan",
+           "objective_value", "plan_from_dict"]

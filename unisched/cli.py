@@ -275,7 +275,7 @@ def cmd_simulate(args) -> int:
     print(sim.summary())
     if cluster:
         print("  " + describe_cluster(cluster["topology"]))
-        if not _moves_bytes(sim.costs):
+        if not sim.costs.moves_bytes:
             print("  no sizes given, so every transfer takes only its route's latency: give activation_bytes and "
                   "weight_bytes in a --costs file")
     if args.out:
@@ -283,14 +283,6 @@ def cmd_simulate(args) -> int:
     for out in args.out:
         print(f"wrote {out}")
     return 0
-
-
-def _moves_bytes(costs) -> bool:
-    """Whether the costs give any size to move (else a cluster's bandwidths play no part)."""
-    import numpy as np
-
-    sizes = (costs.activation_bytes, costs.weight_bytes, 0.0 if costs.stash_bytes is None else costs.stash_bytes)
-    return any(bool(np.any(np.asarray(size) > 0)) for size in sizes)
 
 
 def _simulate_plan(args):

@@ -291,13 +291,15 @@ class Costs:
         return speeds
 
     @property
+    def moves_bytes(self) -> bool:
+        """Whether any transfer carries bytes (else bandwidths play no part)."""
+        stash = 0.0 if self.stash_bytes is None else self.stash_bytes
+        return any(bool(np.any(np.asarray(value) > 0)) for value in (self.activation_bytes, stash, self.weight_bytes))
+
+    @property
     def has_communication(self) -> bool:
         """Whether any transfer can take time (else the engine skips link bookkeeping)."""
-        sizes = any(
-            np.any(np.asarray(value) > 0)
-            for value in (self.activation_bytes, 0.0 if self.stash_bytes is None else self.stash_bytes, self.weight_bytes)
-        )
-        return bool(self.latency > 0 or (sizes and math.isfinite(self.bandwidth)) or self.links)
+        return bool(self.latency > 0 or (self.moves_bytes and math.isfinite(self.bandwidth)) or self.links)
 
     @property
     def times_halves(self) -> bool:

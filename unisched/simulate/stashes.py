@@ -107,14 +107,13 @@ def stash_accounts(num_workers: int, memory_limit, items: dataflow.Items, comput
 
 
 def _limits(memory_limit, num_workers: int) -> np.ndarray:
-    values = np.ravel(np.asarray(memory_limit, dtype=object))
+    refused = ShapeError(f"memory_limit must be a number or one number per worker, got {reprlib.repr(memory_limit)}")
+    if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in np.ravel(np.asarray(memory_limit, dtype=object))):
+        raise refused  # numpy would read "4", b"1" and True as numbers
     try:
-        if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in values):  # "4", b"1", True read as numbers
-            raise TypeError
         limits = np.asarray(memory_limit, dtype=float)
     except (TypeError, ValueError, OverflowError):
-        raise ShapeError("memory_limit must be a number or one number per worker, "
-                         f"got {reprlib.repr(memory_limit)}") from None
+        raise refused from None
     if limits.ndim == 0:
         limits = np.full(num_workers, float(limits))
     else:

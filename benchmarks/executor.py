@@ -5,6 +5,7 @@
     python benchmarks/executor.py --model linear --ranks 4 --width 1024 --layers 2
     python benchmarks/executor.py --profile one_f_one_b  # cProfile of unisched's steps, per rank
     python benchmarks/executor.py --settle-within 0      # also with a waiting thread for every gloo send
+    python benchmarks/executor.py --all-reduce-losses    # also with the losses all-reduced, not broadcast
 
 ``--model gpt2`` (default): the tiny random GPT-2 of ``examples/gpt2.py``
 (width 64, 4 heads, vocabulary 128, 32 positions; 2 blocks per rank),
@@ -189,16 +190,22 @@ class Workload:
 
 # ---------------------------------------------------------------------- the systems
 class Unisched:
-    def __init__(self, work: Workload, case: Case, settle_within: int | None = None):
+    """unisched's Trainer; a variant waits on gloo sends within ``settle_within`` items
+    (``runtime.SETTLE_WITHIN``, read once as the Trainer sets up), or all-reduces the losses where
+    one rank computes them all and would broadcast them (``all_reduce_losses``)."""
+
+    def __init__(self, work: Workload, case: Case, settle_within: int | None = None, all_reduce_losses: bool = False):
         W, S, B = work.shape(case)
         self.schedule = make_schedule(case.ours, W, S, B)
         kept = runtime.SETTLE_WITHIN
-        if settle_within is not None:  # read once, as the Trainer sets up
+        if settle_within is not None:
             runtime.SETTLE_WITHIN = settle_within
         try:
             self.trainer = Trainer(work.stages(S), self.schedule, work.loss_fn(), sgd, record=False)
         finally:
             runtime.SETTLE_WITHIN = kept
+        if all_reduce_losses:  # no source rank: Trainer._post_losses all-reduces
+            self.trainer._loss_source = {forward_only: None for forward_only in self.trainer._loss_source}
 
     def step(self, x, y):
         self.trainer.step(x, y)
@@ -267,14 +274,19 @@ def theirs(work: Workload, case: Case):
 
 
 # ---------------------------------------------------------------------- one rank
+def variants(config: dict) -> list[tuple[str, dict]]:
+    """(name suffix, Unisched options) of each run of unisched: the default, then the variants asked for."""
+    return ([("", {})] + [(f" settle {k}", {"settle_within": k}) for k in config["settle_within"]]
+            + ([(" losses all-reduced", {"all_reduce_losses": True})] if config["all_reduce_losses"] else []))
+
+
 def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
     work = Workload(model, config, world)
     x, y = work.batch()
     systems = {}
     for case in work.cases:
-        systems[f"unisched {case.ours}"] = Unisched(work, case)
-        for k in config["settle_within"]:
-            systems[f"unisched {case.ours} settle {k}"] = Unisched(work, case, k)
+        for variant, options in variants(config):
+            systems[f"unisched {case.ours}{variant}"] = Unisched(work, case, **options)
         if f"torch {case.theirs}" not in systems:  # two of ours may share a counterpart: build it once
             systems[f"torch {case.theirs}"] = theirs(work, case)
     times, _ = alternate({name: (lambda s=system: s.step(x, y)) for name, system in systems.items()},
@@ -301,7 +313,7 @@ def _bench(rank: int, world: int, model: str, config: dict) -> dict | None:
                                   "error": abs(predicted - measured) / measured}
     ratios = {f"{case.ours}{variant} / {case.theirs}": round_ratio(times[f"unisched {case.ours}{variant}"],
                                                                    times[f"torch {case.theirs}"])
-              for case in work.cases for variant in ["", *(f" settle {k}" for k in config["settle_within"])]}
+              for case in work.cases for variant, _ in variants(config)}
     return {
         "step_ms": {name: median_ms(rounds) for name, rounds in times.items()},
         "ratios": ratios,
@@ -367,6 +379,9 @@ def main(argv=None) -> int:
     parser.add_argument("--settle-within", nargs="+", type=int, default=[], metavar="K",
                         help="also run unisched with SETTLE_WITHIN = K (0: a waiting thread for every gloo send), "
                              "side by side with the default")
+    parser.add_argument("--all-reduce-losses", action="store_true",
+                        help="also run unisched with the losses all-reduced where one rank computes them all and "
+                             "broadcasts them by default, side by side with the default")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     W = args.ranks
@@ -376,7 +391,7 @@ def main(argv=None) -> int:
                      f"not {', '.join(sorted(set(args.only) - set(known)))}")
     config = {"width": args.width, "layers": args.layers, "steps": args.steps, "rounds": args.rounds,
               "prediction_rounds": args.prediction_rounds, "top": args.top, "only": args.only,
-              "settle_within": args.settle_within}
+              "settle_within": args.settle_within, "all_reduce_losses": args.all_reduce_losses}
     work = Workload(args.model, config, W)
     if args.profile:
         return show_profile(check(run_local(_profile, W, args.model, config, args.profile, timeout=900,

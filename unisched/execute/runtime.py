@@ -124,12 +124,8 @@ that certainly follows its receive's posting, if that is one of the next
 ``SETTLE_WITHIN`` items (:func:`~unisched.execute.program.settle_points`);
 else in a waiting thread, which lets its buffer go sooner but takes the
 processor from the ranks.  ``python benchmarks/executor.py --settle-within
-0 3`` at c6a92cd (2 ranks on a 2-core machine, the GPT-2 split), unisched's
-step over torch's with a thread for every send / within 3 / within 8:
-interleaved 1.001 / 0.948 / 0.883, ZBV 1.017 / 1.045 / 0.979 (5 of ZBV's
-32 sends settle within 3 items, 30 within 8).  Peak memory stayed within
-2.5% of the simulator's prediction for gpipe, 1F1B, zb_h1 and fsdp
-(benchmarks/memory.py, same commit)."""
+0 3`` runs the runtime with other reaches beside this one; the figures
+that chose 8 are in docs/executor.md (*Transfers*)."""
 
 
 class Trainer:
@@ -835,9 +831,8 @@ class Trainer:
         broadcast from the one rank that computes them all (a pipeline's
         last stage), else an all-reduce (replicas each compute some).  On
         gloo the all-reduce waits on every rank's transport thread, which a
-        rank busy computing runs late: on the executor benchmark's GPT-2
-        split (2 ranks, 1F1B, the two exchanges patched in and timed in
-        alternating rounds) it cost 5% of the step where the broadcast cost 1%.  On a GPU,
+        rank busy computing runs late (``benchmarks/executor.py
+        --all-reduce-losses`` measures the difference).  On a GPU,
         reading the losses at once would make the host wait for the GPU:
         they are copied to the host without waiting, and the exchange is
         posted at the step's end (``at_end``), when the copy has long arrived."""

@@ -171,7 +171,7 @@ def _outputs(paths) -> list[str]:
     """``--out`` values, each checked by extension before any planning."""
     paths = [paths] if isinstance(paths, str) else list(paths or [])
     for path in paths:
-        check_plan_path(path)
+        check_plan_path(path, said=f"--out {path}")
         folder = Path(path).parent
         if not folder.is_dir():
             raise PlanInputError(f"--out {path}: there is no folder {str(folder)!r} to write it in; create it first, "

@@ -232,13 +232,15 @@ PLAN_DRAWINGS = tuple(suffix for suffix in FORMATS if suffix != ".json")
 ``.json``, which is the plan file (a Chrome trace of a plan: its replay's ``save``)."""
 
 
-def check_plan_path(path) -> str:
+def check_plan_path(path, said: str | None = None) -> str:
     """What :meth:`Plan.save` writes to ``path``, by its extension (lower case): ``.json`` the
-    plan file, one of :data:`PLAN_DRAWINGS` the plan drawn; else an error naming both."""
+    plan file, one of :data:`PLAN_DRAWINGS` the plan drawn; else an error naming both (and the
+    path as ``said``, e.g. the flag that gave it)."""
     suffix = Path(path).suffix.lower()
     if suffix != ".json" and suffix not in PLAN_DRAWINGS:
         shown = f"extension {suffix!r}" if suffix else "no extension"
-        raise PlanFileError(f"cannot save the plan to {str(path)!r}: {shown}; write the plan file as .json or draw "
+        said = said or f"cannot save the plan to {str(path)!r}"
+        raise PlanFileError(f"{said}: {shown}; write the plan file as .json or draw "
                             f"the plan as {', '.join(PLAN_DRAWINGS)} (a Chrome trace of it: unisched simulate --plan "
                             "plan.json --out trace.json)")
     return suffix

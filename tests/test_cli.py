@@ -424,3 +424,16 @@ def test_the_demo_says_the_costs_it_ran_with(capsys):
     assert code == 0 and out.splitlines()[0].endswith("(forward 2, comm 1; otherwise forward 1, backward 2)")
     code, out, _ = run(capsys)
     assert code == 0 and out.splitlines()[0].endswith("(forward 1, backward 2)")
+
+
+def test_the_halves_split_the_backward_as_simulate_splits_it_from_the_costs(capsys):
+    import unisched
+
+    halves = ["--backward-input", "1", "--backward-weight", "1"]
+    for name in ("gpipe", "one_f_one_b", "zb_h1"):
+        code, out, _ = run(capsys, "simulate", "--strategy", name, *halves, "--json")
+        strategy = unisched.policies.get(name, num_workers=4, num_stages=4, num_batches=8)
+        python = unisched.simulate(4, 4, 8, strategy, costs=unisched.Costs(backward_input=1, backward_weight=1))
+        assert code == 0 and json.loads(out)["latency"] == python.latency, name
+    code, out, _ = run(capsys, "simulate", "--strategy", "one_f_one_b", *halves, "--json")
+    assert json.loads(out)["latency"] == 33  # its order keeps the backward whole

@@ -510,7 +510,7 @@ def _costs(args):
 
 def _step_options(args) -> dict:
     """What every strategy of a command is simulated with (the costs, the
-    memory limit, the backward's form, a priority), read once from the flags."""
+    memory limit, a priority), read once from the flags."""
     from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
@@ -525,8 +525,7 @@ def _step_options(args) -> dict:
         "priority_order": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
         "costs": costs,
         "memory_limit": numbers("--memory-limit", args.memory_limit, W, "workers"),
-        "split_backward": True if splits_backward(args) else None,
-    }
+    }  # the backward's form: simulate's rule, from the costs (where the time flags are) and the strategy
 
 
 def _simulate(args, name: str, params: dict, options: dict):

@@ -36,10 +36,12 @@ import numpy as np
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.metrics import gap
 from unisched.flags import (
+    COST_FLAGS,
     STRATEGY_HELP,
     add_cost_arguments,
     add_memory_limit_argument,
     add_shape_arguments,
+    cost_values,
     numbers,
     shape_of,
     splits_backward,
@@ -442,8 +444,8 @@ def _bound_note(bound: float) -> str:
 
 def _costs_said(args) -> str:
     """The demo's costs in a few words: the defaults, or the cost flags as given."""
-    given = [f"{flag.replace('_', ' ')} {getattr(args, flag):g}" for flag in (
-        "forward", "backward", "backward_input", "backward_weight", "comm", "fetch") if getattr(args, flag)]
+    times = cost_values(args, (*COST_FLAGS, "comm", "fetch"))  # as costs_from_flags reads them
+    given = [f"{flag.replace('_', ' ')} {value:g}" for flag, value in times.items() if value]
     given += [f"{flag} {getattr(args, flag)}" for flag in ("costs", "topology") if getattr(args, flag, None)]
     if not given:
         return "forward 1, backward 2"

@@ -2,7 +2,7 @@
 and frees, and what moves between workers.
 
 This module is the one place where the scheme's rules about data are
-written (DESIGN.md §1 and §5).  The simulator's edges, transfers and memory
+written.  The simulator's edges, transfers and memory
 limits, the memory curves, the planner's CP-SAT data and the executor's
 per-rank messages are all derived from it.
 

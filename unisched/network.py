@@ -1,7 +1,7 @@
 """The network model: how long every transfer of a training step takes.
 
-This module is the one place where a transfer's time is computed (DESIGN.md
-§5).  The simulator books transfers with it and the planner prices its CP-SAT
+This module is the one place where a transfer's time is computed.
+The simulator books transfers with it and the planner prices its CP-SAT
 model with it, so a plan and its replay agree on what communication costs.
 
 Links

@@ -3,8 +3,8 @@
 A schedule says which worker runs each work item and in what order (the
 Timeline's per-worker order) and whose weights it uses (the mapping's weight
 worker).  What each item reads and what moves between ranks is not decided
-here: it is :func:`unisched.dataflow.flows` over the schedule's stage graph
-(DESIGN.md §1 and §5), turned into messages:
+here: it is :func:`unisched.dataflow.flows` over the schedule's stage graph,
+turned into messages:
 
 - ``2F0``: run a work item (stage 2, forward, micro-batch 0; ``B``, ``I``,
   ``W`` for a backward and its input- and weight-gradient halves);

@@ -1,6 +1,6 @@
 """The tickless greedy, in O(J log J).
 
-The reference rule (DESIGN.md §1): repeatedly take, among the items whose
+The reference rule: repeatedly take, among the items whose
 dependencies are done, the one that can start soonest on its compute worker,
 ``max(time the worker is free, time its inputs are there)``, ties broken by
 the priority rank of its trigger; run it there for its duration.  An item

@@ -480,15 +480,19 @@ def test_a_module_in_two_taskgraphs_is_an_error():
         shared = nn.Linear(2, 2)
     with epl.replicate(1, name="b"):
         nn.Sequential(shared, nn.ReLU())
-    with pytest.raises(ScopeError, match=r"TaskGraph 0 \('a'\) is also used in TaskGraph 1 \('b'\)"):
-        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    for use in (epl.simulate, epl.strategy, epl.placement,
+                lambda: epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))):
+        with pytest.raises(ScopeError, match=r"TaskGraph 0 \('a'\) is also used in TaskGraph 1 \('b'\)"):
+            use()
 
 
 def test_an_empty_scope_is_an_error():
     with epl.replicate(1, name="empty"):
         pass
-    with pytest.raises(ScopeError, match="'empty'"):
-        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
+    for use in (epl.simulate, epl.strategy, epl.placement,
+                lambda: epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))):
+        with pytest.raises(ScopeError, match="'empty'"):
+            use()
 
 
 def test_groups_are_gangs_in_the_simulation():

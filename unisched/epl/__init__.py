@@ -53,9 +53,11 @@ from unisched.strategy import Strategy
 
 def placement(world_size: int | None = None) -> Placement:
     """Where the TaskGraphs annotated since ``epl.init`` go on ``world_size``
-    devices (default: the world size of this run)."""
+    devices (default: the world size of this run); refused as the trainer
+    refuses them (:meth:`Env.checked_taskgraphs`)."""
     env = Env.get()
-    return place(env.taskgraphs, env.config, world_size if world_size is not None else current_world_size())
+    return place(env.checked_taskgraphs(), env.config,
+                 world_size if world_size is not None else current_world_size())
 
 
 def strategy(world_size: int | None = None) -> Strategy:

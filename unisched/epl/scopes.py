@@ -171,6 +171,33 @@ class Env:
     def cluster(self) -> Cluster:
         return Cluster(world_size())
 
+    def checked_taskgraphs(self) -> list[TaskGraph]:
+        """The TaskGraphs annotated since ``epl.init``, refused (saying what to change) when there
+        are none, one holds no module, or a module belongs to two."""
+        taskgraphs = self.taskgraphs
+        if not taskgraphs:
+            raise ScopeError(
+                "no TaskGraph was annotated since epl.init(): build the model inside epl.replicate(...) or "
+                "epl.split(...), or call epl.set_default_strategy(...) first"
+            )
+        owner: dict[int, TaskGraph] = {}
+        for t in taskgraphs:
+            if not t.modules:
+                raise ScopeError(
+                    f"TaskGraph {t.index} ({t.name!r}) holds no module with parameters or submodules; "
+                    "build its modules inside the scope or remove the scope"
+                )
+            for top in t.top_modules():
+                for sub in top.modules():
+                    if id(sub) in owner and owner[id(sub)] is not t:
+                        raise ScopeError(
+                            f"a {type(sub).__name__} built in TaskGraph {owner[id(sub)].index} "
+                            f"({owner[id(sub)].name!r}) is also used in TaskGraph {t.index} ({t.name!r}); "
+                            "a module belongs to one TaskGraph"
+                        )
+                    owner[id(sub)] = t
+        return taskgraphs
+
     # ------------------------------------------------------------------ scopes
     def enter(self, scope: Scope) -> None:
         if self.scope is not None:

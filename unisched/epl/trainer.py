@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unisched.epl.placement import Placement, compile_strategy, place
-from unisched.epl.scopes import SPLIT, Env, ScopeError, TaskGraph, world_size
+from unisched.epl.scopes import SPLIT, Env, ScopeError, world_size
 from unisched.epl.tensor_parallel import Group, shard_dims, split_module, split_plan
 from unisched.execute.runtime import Trainer as ScheduledTrainer
 from unisched.execute.runtime import compute_device, ensure_process_group
@@ -77,7 +77,7 @@ class Trainer:
         _ensure_process_group(float(options.get("timeout", 300.0)))
         self.env = Env.get()
         self.config = self.env.config
-        taskgraphs = _checked(self.env.taskgraphs)
+        taskgraphs = self.env.checked_taskgraphs()
         self.placement: Placement = place(taskgraphs, self.config, world_size())
         self.strategy: Strategy = compile_strategy(self.placement, self.config)
         self.loss_fn = loss_fn
@@ -191,31 +191,6 @@ def _recompute_forward(module: nn.Module) -> None:
         return checkpoint(forward, x, use_reentrant=False) if torch.is_grad_enabled() else forward(x)
 
     module.forward = recomputed
-
-
-def _checked(taskgraphs: list[TaskGraph]) -> list[TaskGraph]:
-    if not taskgraphs:
-        raise ScopeError(
-            "no TaskGraph was annotated since epl.init(): build the model inside epl.replicate(...) or "
-            "epl.split(...), or call epl.set_default_strategy(...) first"
-        )
-    owner: dict[int, TaskGraph] = {}
-    for t in taskgraphs:
-        if not t.modules:
-            raise ScopeError(
-                f"TaskGraph {t.index} ({t.name!r}) holds no module with parameters or submodules; "
-                "build its modules inside the scope or remove the scope"
-            )
-        for top in t.top_modules():
-            for sub in top.modules():
-                if id(sub) in owner and owner[id(sub)] is not t:
-                    raise ScopeError(
-                        f"a {type(sub).__name__} built in TaskGraph {owner[id(sub)].index} "
-                        f"({owner[id(sub)].name!r}) is also used in TaskGraph {t.index} ({t.name!r}); "
-                        "a module belongs to one TaskGraph"
-                    )
-                owner[id(sub)] = t
-    return taskgraphs
 
 
 __all__ = ["Trainer", "compute_device"]  # compute_device: the runtime's, kept here for EPL scripts

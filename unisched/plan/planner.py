@@ -364,14 +364,20 @@ class _Search:
 
     def _reporter(self, what: str, bounded: bool = True):
         """A line of progress per better solution a CP-SAT run finds (None: no progress wanted),
-        with the model's bound only where it is a bound (``bounded``)."""
+        with the model's bound only where it is a bound (``bounded``).  A staged search runs
+        several models one after another, each finding its own first solutions: only those
+        better than every one reported are told, with the seconds since the run began."""
         if self.progress is None:
             return None
         time_of = self.timed.ticks.time
+        begin, best = time.perf_counter(), [math.inf]
 
         def report(objective: float, bound: float | None, seconds: float) -> None:
+            if objective >= best[0]:
+                return
+            best[0] = objective
             proven = "" if bound is None or not bounded else f", bound {time_of(bound):g}"
-            _say(self.progress, f"{what}: {time_of(objective):g}{proven} after {seconds:.1f} s")
+            _say(self.progress, f"{what}: {time_of(objective):g}{proven} after {time.perf_counter() - begin:.1f} s")
         return report
 
     def construct(self, label: str, compute: np.ndarray, weight: np.ndarray) -> np.ndarray | None:

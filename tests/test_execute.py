@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import signal
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -782,3 +784,32 @@ def test_an_item_outside_the_schedule_shape_is_named():
     timeline = Timeline.from_records((1, 2, 1), [WorkRecord(Work(0, s, d), 0, 0, i, i + 1) for i, (s, d) in enumerate(order)])
     with pytest.raises(ProgramError, match="the schedule has 2 stages but 1 stage modules were given"):
         compile_program(timeline, num_stages=1, world_size=1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_unisched_run_stopped_tells_torchrun_to_stop_its_ranks(tmp_path, signum):
+    """Ctrl-C or SIGTERM on `unisched run` passes a SIGTERM on to torchrun (which stops its ranks)
+    and waits for it, then ends with one line and 128 + the signal; before, torchrun was killed
+    at once and its ranks trained on, orphaned."""
+    told, ready = tmp_path / "told", tmp_path / "ready"
+    child = textwrap.dedent(f"""
+        import signal, sys, time
+        def stop(signum, frame):
+            open({str(told)!r}, "w").write(signal.Signals(signum).name)
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the launcher's SIGTERM counts
+        open({str(ready)!r}, "w").close()
+        time.sleep(60)
+    """)
+    launcher = ("import sys; from unisched.execute.command import _launch; "
+                f"sys.exit(_launch([sys.executable, '-c', {child!r}]))")
+    process = subprocess.Popen([sys.executable, "-c", launcher], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    assert told.read_text() == "SIGTERM"
+    assert process.returncode == 128 + signum.value
+    assert err.strip() == f"unisched run: stopped by {signum.name}; every rank was told to stop"

@@ -16,7 +16,8 @@ launches ``torchrun ... -m unisched.execute.example`` (the same program as
 and ``--rdzv-endpoint`` exactly as torchrun does.  A rank's error is
 printed as one line and the run exits with status 2 (the whole log is kept
 in a file the message names); a ``--check`` beyond its tolerance exits
-with status 1.
+with status 1.  Ctrl-C or SIGTERM stops every rank (torchrun is told to
+stop them) and exits with 128 plus the signal's number.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,22 +74,62 @@ def run(args: argparse.Namespace) -> int:
 RANK_ERROR = re.compile(r"^rank \S+: error: .*$", re.MULTILINE)
 
 
+STOP_GRACE = 30.0
+"""Seconds torchrun has to stop its ranks once told to, before it is killed (torchrun itself
+gives its ranks 30 s after SIGTERM)."""
+
+
+class _Stopped(Exception):
+    """The run was told to stop (Ctrl-C, SIGTERM); its argument is the signal."""
+
+
 def _launch(command: list[str]) -> int:
     """Run torchrun; the ranks' output passes through.  On a failure the
-    first rank's error is printed as one line and the whole log is kept."""
-    done = subprocess.run(command, stderr=subprocess.PIPE, text=True)
-    if done.returncode == 0:
-        sys.stderr.write(done.stderr)
+    first rank's error is printed as one line and the whole log is kept.
+    Ctrl-C or SIGTERM stops every rank: torchrun is told to stop them (SIGTERM)
+    and given :data:`STOP_GRACE` seconds, then killed."""
+
+    def stop(signum, frame):
+        raise _Stopped(signal.Signals(signum))
+
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, stop) for signum in stops}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = process.communicate()
+    except _Stopped as why:
+        for signum in stops:
+            signal.signal(signum, signal.SIG_IGN)
+        _stop(process)
+        received = why.args[0]
+        print(f"unisched run: stopped by {received.name}; every rank was told to stop", file=sys.stderr)
+        return 128 + received.value
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if process.returncode == 0:
+        sys.stderr.write(stderr)
         return 0
     with tempfile.NamedTemporaryFile("w", prefix="unisched-run-", suffix=".log", delete=False) as log:
-        log.write(done.stderr)
-    found = RANK_ERROR.search(done.stderr)
+        log.write(stderr)
+    found = RANK_ERROR.search(stderr)
     if found is None:
-        print(f"unisched run: training failed (exit status {done.returncode}); the whole log is in {log.name}",
+        print(f"unisched run: training failed (exit status {process.returncode}); the whole log is in {log.name}",
               file=sys.stderr)
-        return done.returncode
+        return process.returncode
     print(f"{found.group(0)} (the whole log is in {log.name})", file=sys.stderr)
     return 2
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Tell torchrun to stop its ranks and wait for it, killing it after :data:`STOP_GRACE` s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.communicate(timeout=STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
 
 
 def _check_nodes(args: argparse.Namespace) -> None:

@@ -90,6 +90,31 @@ def test_a_resumed_run_continues_exactly(capsys, tmp_path):
         assert "--check replays the steps before checkpoint" in rank.value[2] and "but they trained on" in rank.value[2]
 
 
+def test_a_resumed_run_trains_at_its_own_learning_rate(capsys, tmp_path):
+    """The checkpoint restores the optimizer's hyper-parameters, but the resumed run's learning
+    rate follows its flags: after a cosine schedule ended (rate 0) a constant run trains, and
+    each --lr gives its own losses, as one process would; --check refuses a checkpoint whose
+    steps took another rate (its replay would fail however right the run)."""
+    ended = tmp_path / "ended"
+    run_example(example_argv(capsys, "--steps", "2", "--lr-schedule", "cosine", "--checkpoint", str(ended)))
+    resumed = {}
+    for lr in ("0.05", "0.2"):
+        argv = example_argv(capsys, "--steps", "2", "--lr", lr, "--resume", str(ended), "--json")
+        resumed[lr] = json.loads(run_example(argv))["losses"]
+    assert resumed["0.05"][0] == resumed["0.2"][0], "the first resumed step starts from the same weights"
+    # at the checkpoint's rate (0, where the cosine ended) both would train alike: not at all
+    assert resumed["0.05"][1] != pytest.approx(resumed["0.2"][1], abs=1e-4), "--lr is followed"
+
+    argv = example_argv(capsys, "--steps", "1", "--lr", "0.05", "--check", "--lr-schedule", "cosine",
+                        "--resume", str(ended))
+    argv_constant = example_argv(capsys, "--steps", "1", "--check", "--resume", str(ended))
+    for argv, said in ((argv, "(0.05, scheduled), but they trained at 0.2, scheduled"),
+                       (argv_constant, "(0.2, constant), but they trained at 0.2, scheduled")):
+        for rank in run_local(_example, 2, argv, timeout=120):
+            assert rank.error is None and rank.value[0] == 2, rank
+            assert said in rank.value[2], rank.value[2]
+
+
 STRATEGY = """
 from unisched import ComputeAndWeightWorkers, Direction
 

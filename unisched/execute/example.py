@@ -227,7 +227,8 @@ def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,
             return status
         except unisched.UniSchedError as error:
             rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
-            print(f"rank {rank}: error: {error}", file=sys.stderr)
+            sys.stderr.write(f"rank {rank}: error: {error}\n")  # one write: ranks' lines do not run together
+            sys.stderr.flush()
             return 2
 
 
@@ -385,7 +386,12 @@ def _resume(trainer, path: str, rows: int, check: bool) -> int:
     from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
     found = latest_checkpoint(path)
+    optimizer = trainer.optimizer
+    chosen = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups] if optimizer is not None else []
     extra = load_checkpoint(trainer, found)
+    if check and optimizer is not None:
+        _refuse_other_rates(found, optimizer, chosen, trainer.scheduler is not None)
+    _learning_rates_from_flags(trainer, chosen)
     saved = (extra or {}).get("rows")
     if check and saved is not None and saved != rows:
         raise CheckpointError(
@@ -393,6 +399,45 @@ def _resume(trainer, path: str, rows: int, check: bool) -> int:
             f"trained on {saved}: resume with the -B and --rows-per-batch they had to check, or drop --check"
         )
     return _saved_step(found, extra)
+
+
+def _refuse_other_rates(found, optimizer, chosen: list[float], scheduled: bool) -> None:
+    """``--check`` replays the steps before the checkpoint at this run's learning rates: refuse a
+    checkpoint whose steps took others (the check would fail however right the run).  A
+    scheduled run's groups keep their unscheduled rate as ``initial_lr``."""
+    from unisched.execute.checkpoint import CheckpointError
+
+    def said(rates: list[float], on: bool) -> str:
+        return ", ".join(f"{r:g}" for r in rates) + (", scheduled" if on else ", constant")
+
+    groups = optimizer.param_groups
+    theirs, was_scheduled = [g.get("initial_lr", g["lr"]) for g in groups], any("initial_lr" in g for g in groups)
+    if was_scheduled != scheduled or not all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(theirs, chosen)):
+        raise CheckpointError(
+            f"--check replays the steps before checkpoint {found} at this run's learning rate "
+            f"({said(chosen, scheduled)}), but they trained at {said(theirs, was_scheduled)}: resume with the "
+            "--lr, --lr-schedule and --warmup-steps they had to check, or drop --check"
+        )
+
+
+def _learning_rates_from_flags(trainer, chosen: list[float]) -> None:
+    """After a resume, the learning rate follows this run's flags (``--lr``, ``--lr-schedule``,
+    ``--warmup-steps``) at the step reached, not the checkpoint's last one: ``chosen`` is each
+    parameter group's rate as the run's optimizer factory set it.  The checkpoint restored the
+    optimizer's hyper-parameters too, so a run resumed after a cosine schedule ended would
+    otherwise train at rate 0, and ``--lr`` would be ignored."""
+    optimizer, scheduler = trainer.optimizer, trainer.scheduler
+    if optimizer is None:
+        return
+    if scheduler is None:
+        rates = chosen
+    else:  # the examples' schedules are LambdaLR (:func:`lr_schedule`)
+        scheduler.base_lrs = list(chosen)
+        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(chosen, scheduler.lr_lambdas)]
+    for group, base, rate in zip(optimizer.param_groups, chosen, rates):
+        group["lr"] = rate
+        if "initial_lr" in group:
+            group["initial_lr"] = base
 
 
 def _saved_step(path, extra: dict | None) -> int:

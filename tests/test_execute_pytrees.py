@@ -341,6 +341,7 @@ def _bad_batches(rank: int, world: int, schedule):
         ("text", (tokens, "mask"), targets),
         ("scalar", (tokens, mask), {"y": targets["y"], "weight": torch.tensor(1.0)}),
         ("indivisible", (tokens[:6], mask[:6]), targets),
+        ("fewer targets", (tokens, mask), {key: value[:4] for key, value in targets.items()}),
     ):
         try:
             trainer.step(inputs, target)
@@ -361,4 +362,5 @@ def test_a_batch_that_cannot_be_split_is_refused_naming_the_field():
         assert "inputs[1] is a str, not a tensor" in seen["text"]
         assert "targets['weight'] is a scalar tensor" in seen["scalar"]
         assert "inputs has 6 rows, which the schedule's 4 micro-batches do not divide" in seen["indivisible"]
+        assert "targets has 4 rows but inputs has 8" in seen["fewer targets"]
         assert np.isfinite(seen["after"])

@@ -401,6 +401,7 @@ class Trainer:
         B = self.program.num_batches
         micro_in, spec = _micro_batches("inputs", inputs, B, self.device)
         micro_t, target_spec = _micro_batches("targets", targets, B, self.device)
+        _check_target_rows(micro_in[0][0].shape[0] * B, micro_t[0][0].shape[0] * B)
         micro_t = [leaves[0] if target_spec.is_leaf() else tree_unflatten(list(leaves), target_spec)
                    for leaves in micro_t]
         state = _StepState(self, micro_in, micro_t, evaluating)
@@ -2119,6 +2120,17 @@ def _micro_batches(name: str, value: Any, parts: int, device) -> tuple[list[tupl
         raise ShapeError(_unsplittable(name, value, parts))
     pieces = [t.to(device).chunk(parts) for t in leaves]
     return [tuple(piece[b] for piece in pieces) for b in range(parts)], spec
+
+
+def _check_target_rows(inputs: int, targets: int) -> None:
+    """Refuse targets with fewer rows than the inputs, or a count they do not divide: each
+    micro-batch's targets are the same share of their rows as its inputs of theirs, so 16 input
+    rows with 4 target rows would pair every 4 inputs with 1 target (a loss broadcasting over
+    them trains silently, where one process fails).  A whole multiple passes (per-token targets
+    flattened beside batch-first inputs)."""
+    if targets % inputs:
+        raise ShapeError(f"targets has {targets} rows but inputs has {inputs}; each micro-batch takes the same share "
+                         f"of both, so give targets as many rows as inputs (or a whole multiple of them)")
 
 
 def _unsplittable(name: str, value: Any, parts: int) -> str:

@@ -415,6 +415,7 @@ def _refusals(rank: int, world: int, schedule):
         "accumulate": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, accumulate=0),
         "loss_scale": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, loss_scale={"x": 1}),
         "optimizer result": lambda: Trainer(make_stages()[:2], schedule, loss_fn, lambda params: 42),
+        "optimizer none": lambda: Trainer(make_stages()[:2], schedule, loss_fn, lambda params: None),
         "device": lambda: Trainer(make_stages()[:2], schedule, loss_fn, momentum_sgd, device="tpu:x"),
     }
     if not torch.cuda.is_available():
@@ -445,6 +446,7 @@ REFUSALS = {
     "accumulate": "accumulate must be a whole number >= 1",
     "loss_scale": "loss_scale applies to precision='fp16' only",
     "optimizer result": "the optimizer factory returned 42, which is not an optimizer",
+    "optimizer none": "the optimizer factory returned None (does it end without a return?), which is not an optimizer",
     "device": "device='tpu:x' is not a device torch knows",
 }
 if not torch.cuda.is_available():

@@ -563,8 +563,9 @@ class Trainer:
             for s in self._owned if (self.rank, s) in program.offloaded
         }
         truth = [p for s in self._owned for p in self.host_weights.get(s, self._params[s])]
-        self.optimizer = optimizer(truth) if truth else None
-        if self.optimizer is not None:
+        self.optimizer = None
+        if truth:  # a rank holding no weights of truth has no optimizer
+            self.optimizer = optimizer(truth)
             check_optimizer(self.optimizer)
         self.scheduler = None
         if scheduler is not None and self.optimizer is not None:

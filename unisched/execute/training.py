@@ -206,7 +206,8 @@ def check_training_options(stages, loss_fn, optimizer, *, seed, precision, clip_
 def check_optimizer(made: Any) -> None:
     """What the optimizer factory returned must step its parameters and keep its state as torch's do."""
     if not (callable(getattr(made, "step", None)) and hasattr(made, "param_groups") and hasattr(made, "state")):
-        raise ShapeError(f"the optimizer factory returned {_shown(made)}, which is not an optimizer (step(), "
+        forgot = " (does it end without a return?)" if made is None else ""
+        raise ShapeError(f"the optimizer factory returned {_shown(made)}{forgot}, which is not an optimizer (step(), "
                          f"param_groups and state); return a torch.optim.Optimizer built on the parameters it is given")
 
 

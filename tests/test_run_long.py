@@ -154,3 +154,22 @@ def test_unisched_run_refuses_before_launching(capsys, monkeypatch, argv, expect
     assert main(["run", "-W", "2", *argv]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and expected in error[0] and "Traceback" not in error[0]
+
+
+def test_a_fresh_run_refuses_a_checkpoint_directory_another_run_filled(capsys, monkeypatch, tmp_path):
+    """Without --resume, a --checkpoint directory holding finished checkpoints would have them
+    replaced one by one, and a later --resume pick up either run's: refused, naming the way on."""
+    launched = []
+    monkeypatch.setattr(command, "_launch", lambda argv: launched.append(argv) or 0)
+    earlier = step_checkpoint(tmp_path, 4)
+    earlier.mkdir()
+    (tmp_path / "step-00000006.partial").mkdir()  # unfinished: not a checkpoint
+    assert main(["run", "-W", "2", "--checkpoint", str(tmp_path)]) == 0, "only unfinished ones: saved over"
+    (earlier / ".metadata").touch()
+    assert main(["run", "-W", "2", "--checkpoint", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"unisched: error: --checkpoint {tmp_path} already holds another run's checkpoints (the latest "
+                     f"step-00000004); continue that run with --resume {tmp_path}, or save this one in another "
+                     "directory")
+    assert main(["run", "-W", "2", "--checkpoint", str(tmp_path), "--resume", str(tmp_path), "--dry-run"]) == 0
+    assert len(launched) == 1

@@ -87,7 +87,7 @@ def check_numerics_arguments(args: argparse.Namespace) -> None:
 
 def check_long_run_arguments(args: argparse.Namespace) -> None:
     """Refuse long-run options that cannot work, before anything starts."""
-    from unisched.execute.checkpoint_files import CheckpointError, latest_checkpoint
+    from unisched.execute.checkpoint_files import CheckpointError, latest_checkpoint, step_checkpoints
 
     if args.checkpoint_every is not None and not args.checkpoint:
         raise CheckpointError("--checkpoint-every needs --checkpoint DIR, the directory to save them in")
@@ -95,6 +95,11 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
         latest_checkpoint(args.resume)
     if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
         raise CheckpointError(f"--checkpoint {args.checkpoint} is a file; name a directory to save checkpoints in")
+    earlier = step_checkpoints(args.checkpoint) if args.checkpoint and not args.resume else []
+    if earlier:  # this run's step-N would replace theirs one by one, and a later --resume pick up either
+        raise CheckpointError(f"--checkpoint {args.checkpoint} already holds another run's checkpoints (the latest "
+                              f"{earlier[-1].name}); continue that run with --resume {args.checkpoint}, or save this "
+                              f"one in another directory")
 
 
 def log_interval(args: argparse.Namespace) -> int:

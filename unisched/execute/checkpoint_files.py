@@ -33,15 +33,22 @@ def step_checkpoint(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}"
 
 
+def step_checkpoints(directory: str | Path) -> list[Path]:
+    """The finished ``step-N`` checkpoints in ``directory``, by N."""
+    directory = Path(directory)
+    found = sorted((int(m.group(1)), child) for child in (directory.iterdir() if directory.is_dir() else [])
+                   if (m := STEP_DIRECTORY.match(child.name)) and is_checkpoint(child))
+    return [child for _, child in found]
+
+
 def latest_checkpoint(path: str | Path) -> Path:
     """``path`` if it is a checkpoint, else the finished ``step-N`` checkpoint
     in it with the largest N."""
     path = Path(path)
     if is_checkpoint(path):
         return path
-    found = sorted((int(m.group(1)), child) for child in (path.iterdir() if path.is_dir() else [])
-                   if (m := STEP_DIRECTORY.match(child.name)) and is_checkpoint(child))
+    found = step_checkpoints(path)
     if not found:
         raise CheckpointError(f"no checkpoint in {path}: neither a checkpoint itself nor a directory of finished "
                               f"step-N checkpoints; give what --checkpoint (or save_checkpoint) wrote")
-    return found[-1][1]
+    return found[-1]

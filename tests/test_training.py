@@ -7,7 +7,9 @@ one-process reference given the same options."""
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from torch import nn
 from unisched import ComputeAndWeightWorkers, policies, simulate
 from unisched.errors import ShapeError
 from unisched.execute import ProgramError, Trainer, train_one_process
+from unisched.execute.checkpoint import CheckpointError, save_checkpoint
+from unisched.execute.checkpoint_files import partial_checkpoint
 from unisched.execute.launch import run_local
 from unisched.execute.training import micro_batch_seeds
 from unisched.strategy import Gang, Strategy
@@ -232,8 +236,15 @@ def _resume(schedule):
         refused = None
     except ShapeError as error:
         refused = str(error)
+    target = Path(tempfile.mkdtemp()) / "mid-accumulation"
+    try:
+        save_checkpoint(accumulating, target)
+        save_refused = None
+    except CheckpointError as error:
+        save_refused = str(error)
     accumulating.close()
-    return {"expected": expected, "resumed": resumed, "state": state, "refused": refused}
+    return {"expected": expected, "resumed": resumed, "state": state, "refused": refused,
+            "save refused": save_refused, "written": target.exists() or partial_checkpoint(target).exists()}
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +397,8 @@ def test_a_resumed_run_continues_exactly(trained):
         for key, value in seen["expected"].items():
             assert np.abs(seen["resumed"][key] - value).max() < 1e-6, (rank, key)
         assert "after 1 of 2 accumulated steps" in seen["refused"]
+        assert "cannot save checkpoint" in seen["save refused"] and "after 1 of 2 accumulated steps" in seen["save refused"]
+        assert not seen["written"]
 
 
 # ---------------------------------------------------------------------- recording

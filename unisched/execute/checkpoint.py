@@ -87,6 +87,12 @@ def save_checkpoint(trainer, path: str | Path, extra: dict | None = None) -> Pat
     (every rank calls it, between steps) to the directory ``path``; ``extra``
     (the same on every rank) comes back from :func:`load_checkpoint`."""
     path = Path(path)
+    accumulated = trainer.training_state()["accumulated"]
+    if accumulated:  # the same count on every rank: all refuse alike
+        raise CheckpointError(
+            f"cannot save checkpoint {path} after {accumulated} of {trainer.accumulate} accumulated steps: their "
+            f"gradients would not be in it, and it could not be loaded; save right after an optimizer step"
+        )
     partial = partial_checkpoint(path)
     problem = None
     if trainer.rank == 0:

@@ -3,6 +3,7 @@ that must match one process to 1e-5 under every strategy."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import signal
@@ -600,6 +601,11 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
     assert len(printed) == 1 and printed[0].startswith("rank 1: error: boom; do this (the whole log is in ")
     log = printed[0].rsplit(" ", 1)[-1].rstrip(")")
     assert "Traceback" in open(log).read()
+
+    assert _launch([*failing, "--json"]) == 2  # the ranks were asked for JSON: the failure is JSON too
+    said = json.loads(capsys.readouterr().err)
+    assert said["error"] == "boom; do this" and said["rank"] == "1" and said["type"] == "TrainingFailed"
+    assert said["details"][0].startswith("the whole log is in ")
 
 
 @pytest.mark.parametrize("argv,flag", [

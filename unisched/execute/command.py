@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     return _launch(command)
 
 
-RANK_ERROR = re.compile(r"^rank \S+: error: .*$", re.MULTILINE)
+RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULTILINE)
 
 
 STOP_GRACE = 30.0
@@ -113,12 +113,16 @@ def _launch(command: list[str]) -> int:
     with tempfile.NamedTemporaryFile("w", prefix="unisched-run-", suffix=".log", delete=False) as log:
         log.write(stderr)
     found = RANK_ERROR.search(stderr)
-    if found is None:
+    if "--json" in command:  # the ranks were asked for JSON: so is the failure
+        said = (found.group("message") if found else f"training failed (exit status {process.returncode})")
+        print(json.dumps({"error": said, "details": [f"the whole log is in {log.name}"], "type": "TrainingFailed",
+                          "rank": found.group("rank") if found else None}), file=sys.stderr)
+    elif found is None:
         print(f"unisched run: training failed (exit status {process.returncode}); the whole log is in {log.name}",
               file=sys.stderr)
-        return process.returncode
-    print(f"{found.group(0)} (the whole log is in {log.name})", file=sys.stderr)
-    return 2
+    else:
+        print(f"{found.group(0)} (the whole log is in {log.name})", file=sys.stderr)
+    return process.returncode if found is None else 2
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from unisched.execute.arguments import (
+    add_check_arguments,
     add_long_run_arguments,
     add_numerics_arguments,
     add_schedule_arguments,
@@ -50,6 +51,8 @@ from unisched.execute.arguments import (
 )
 from unisched.execute import example
 from unisched.execute.example import (
+    check_line,
+    check_report,
     difference_from_one_process,
     next_token_loss,
     run_ranks,
@@ -122,11 +125,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="adamw (default) or sgd with momentum 0.9")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 3e-3 for adamw, 0.1 for sgd)")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds any wait or step may take (default 300)")
-    p.add_argument("--check", action="store_true", help="compare the trained weights with one process")
     p.add_argument("--timeline", metavar="FILE", help="save the last measured step (.html, .png, .svg, .json, .txt)")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
     add_numerics_arguments(p)
     add_long_run_arguments(p, default_steps=10)
+    add_check_arguments(p)
     p.add_argument("--peak-tflops", type=positive_float, metavar="TFLOPS",
                    help="peak TFLOP/s of all ranks together, to report the model FLOPs utilisation (MFU)")
     return p
@@ -165,14 +168,14 @@ def train(args: argparse.Namespace, cleanup) -> int:
         if trainer.rank == 0:
             # the same split (the same block weights) of a fresh model
             fresh = unisched.split_model(gpt2(args, layers), S, balance=weights)
-            report["max_difference_vs_one_process"] = difference_from_one_process(
-                args, state, fresh, next_token_loss, optimizer, batches, B, run.last_step)
+            report.update(check_report(difference_from_one_process(
+                args, state, fresh, next_token_loss, optimizer, batches, B, run.last_step), args.tolerance))
     if trainer.rank == 0 and args.timeline:
         trainer.last_timeline.save(args.timeline)
         report["timeline"] = args.timeline
     if trainer.rank == 0:
         show(args, report)
-    return 0
+    return 0 if report.get("check", {}).get("passed", True) else 1
 
 
 def show(args, report: dict) -> None:
@@ -184,8 +187,8 @@ def show(args, report: dict) -> None:
           f"{report['split']}")
     print(f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}, median step {report['step_ms_median']:.1f} ms")
     print(summary_line(report))
-    if "max_difference_vs_one_process" in report:
-        print(f"largest difference from one process: {report['max_difference_vs_one_process']:.2e}")
+    if "check" in report:
+        print(check_line(report["check"]))
     if "timeline" in report:
         print(f"measured timeline saved to {report['timeline']}")
     if report["checkpoints"]:

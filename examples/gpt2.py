@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from unisched.errors import UniSchedError
 from unisched.execute.arguments import (
     add_check_arguments,
     add_long_run_arguments,
@@ -135,8 +136,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_model(args: argparse.Namespace) -> None:
+    """Refuse a model shape GPT-2 cannot build, before any rank starts."""
+    if args.width % args.heads:
+        raise UniSchedError(f"--width {args.width} is not a multiple of --heads {args.heads}: each head "
+                            f"takes an equal share of the width")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_ranks(parser(), argv, train)
+    return run_ranks(parser(), argv, train, check_model)
 
 
 def train(args: argparse.Namespace, cleanup) -> int:

@@ -193,8 +193,10 @@ def test_latest_checkpoint_skips_unfinished_ones_and_says_what_is_missing(tmp_pa
     assert latest_checkpoint(tmp_path / "step-00000002") == tmp_path / "step-00000002"
     with pytest.raises(CheckpointError, match="no checkpoint in .*step-N"):
         latest_checkpoint(tmp_path / "step-00000006")
-    with pytest.raises(CheckpointError, match="no checkpoint at .*no .metadata"):
+    with pytest.raises(CheckpointError, match="no checkpoint at .*nowhere: it does not exist"):
         checkpoint_state_dict(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="no checkpoint at .*step-00000006: it has no .metadata"):
+        checkpoint_state_dict(tmp_path / "step-00000006")
 
 
 # ---------------------------------------------------------------------- offloaded and tensor-parallel stages

@@ -372,3 +372,17 @@ def test_the_trainer_starts_the_copies_equal_and_refuses_a_tie_it_cannot_find_or
             in checks["refusal"]
         assert "rank 1 was given other tied weights ([]) than rank 0" in checks["differing"]
         assert "reaches stage 0, which a tensor-parallel gang holds in shards" in checks["sharded"]
+
+
+def test_the_example_refuses_heads_that_do_not_divide_the_width():
+    """`examples/gpt2.py --heads 5` (width 64) is refused as a usage error before any rank starts;
+    it was transformers' traceback from inside the model's construction on every rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"
+    done = subprocess.run([sys.executable, str(example), "--heads", "5"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("gpt2.py: error: --width 64 is not a multiple of --heads 5: each "
+                                                    "head takes an equal share of the width")

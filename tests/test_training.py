@@ -516,3 +516,13 @@ def test_the_one_process_reference_refuses_the_options_it_shares_by_name():
             train_one_process(stages, loss_fn, momentum_sgd, batches, **options)
     with pytest.raises(ShapeError, match="optimizer must be callable"):
         train_one_process(stages, loss_fn, None, batches)
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_by_its_shape_not_its_values():
+    """A per-row loss (no reduction) is named by its shape: its thousands of values were printed."""
+    from unisched.execute.training import scalar_loss
+
+    with pytest.raises(ShapeError) as refused:
+        scalar_loss(torch.zeros(100, 100), 3)
+    assert str(refused.value) == ("loss_fn must return a scalar tensor, got a tensor of shape (100, 100) for "
+                                  "micro-batch 3; reduce it (e.g. .mean())")

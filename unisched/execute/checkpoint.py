@@ -232,6 +232,9 @@ def load_checkpoint(trainer, path: str | Path, optimizer: bool = True) -> dict |
 def read_metadata(path: str | Path) -> Metadata:
     """The checkpoint's DCP metadata: every key, with its shape and dtype."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist; give a directory save_checkpoint wrote "
+                              f"(or the directory of step-N checkpoints to --resume)")
     if not is_checkpoint(path):
         partial = partial_checkpoint(path)
         hint = f" ({partial} is an unfinished one)" if partial.exists() else ""

@@ -193,9 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,
-              train: Callable[[argparse.Namespace, contextlib.ExitStack], int]) -> int:
+              train: Callable[[argparse.Namespace, contextlib.ExitStack], int],
+              check: Callable[[argparse.Namespace], None] | None = None) -> int:
     """The frame of every example: refuse bad options (argparse's error,
-    exit 2), join the process group, run ``train(args, cleanup)`` (it
+    exit 2; ``check`` raises a UniSchedError for the example's own), join the
+    process group, run ``train(args, cleanup)`` (it
     enters its Trainer into ``cleanup``, which closes it), print a
     UniSchedError as one line naming the rank (exit 2), and leave the
     process group.  Returns ``train``'s exit status."""
@@ -207,6 +209,8 @@ def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,
 
     try:
         check_training_arguments(args)
+        if check is not None:
+            check(args)
     except unisched.UniSchedError as error:
         p.error(str(error))
     with contextlib.ExitStack() as cleanup:
@@ -514,7 +518,7 @@ def summary_line(report: dict) -> str:
         line += f", {report['model_tflops']:.3g} model TFLOP/s"
     if "mfu" in report:
         line += f" (MFU {report['mfu']:.1%})"
-    return line + " after the first step"
+    return line + (" after the first step" if report["steps"] - report["first_step"] > 1 else " (its only step)")
 
 
 if __name__ == "__main__":

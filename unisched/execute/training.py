@@ -60,7 +60,8 @@ def scalar_loss(loss: Any, batch: int) -> torch.Tensor:
     """What ``loss_fn`` returned for micro-batch ``batch``, as a 0-d tensor
     (fp32 when autocast made it a half-precision one); anything else is refused."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ShapeError(f"loss_fn must return a scalar tensor, got {loss!r} for micro-batch {batch}")
+        raise ShapeError(f"loss_fn must return a scalar tensor, got {_shown(loss)} for micro-batch {batch}; "
+                         f"reduce it (e.g. .mean())")
     loss = loss.reshape(())
     return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 
@@ -256,7 +257,12 @@ def _whole(value) -> bool:
 
 def _shown(value) -> str:
     text = repr(value)
-    return text if len(text) <= 60 else f"a {type(value).__name__}"
+    if len(text) <= 60:
+        return text
+    kind = type(value).__name__
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
 
 
 def caught(check: Callable[[], None]) -> Exception | None:

@@ -48,8 +48,7 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="compare the trained weights with one process; fail (exit 1) beyond --tolerance")
     p.add_argument("--tolerance", type=positive_float, default=DEFAULT_TOLERANCE,
-                   help=f"largest difference --check accepts (default {DEFAULT_TOLERANCE:g}; under bf16 or fp16 "
-                        f"with Adam, rounding that the normalised step amplifies can reach 1e-2 in a few steps)")
+                   help=f"largest difference --check accepts (default {DEFAULT_TOLERANCE:g})")
 
 
 def add_numerics_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,9 +23,11 @@ from unisched.execute.training import (
     autocast,
     check_training_options,
     generators,
+    global_norm,
     micro_batch_seeds,
     scalar_loss,
     seed_rng,
+    stage_norm_squared,
     to_compute_dtype,
 )
 from unisched.work import StageGraph, as_stage_graph
@@ -87,7 +89,11 @@ def train_one_process(
     tied = TiedGradients(ties, [[0]] * len(stages), 0, device, None)  # one rank holds every copy
     tied.synchronize(copy_of)
     skipped = {id(copy_of(*c)) for c in tied.counted_elsewhere}
-    counted = [p for p in params if id(p) not in skipped]
+    seen: set[int] = set()  # each stage's parameters that count in the norm, a shared one in its first stage
+    counted = []
+    for stage in stages:
+        counted.append([p for p in stage.parameters() if id(p) not in skipped and id(p) not in seen])
+        seen.update(id(p) for p in stage.parameters())
     graph = as_stage_graph(len(stages), stage_graph)
     order, last = topological_order(graph), loss_stage(graph)
     dtype = PRECISIONS[precision]
@@ -122,8 +128,9 @@ def train_one_process(
             tied.reduce(copy_of)
             scaler.unscale_(opt)
             if clip_grad_norm is not None:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in counted if p.grad is not None])
-                torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, norm)
+                norm = global_norm(torch.stack([stage_norm_squared([p.grad for p in ps if p.grad is not None])
+                                                for ps in counted]))
+                torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, torch.tensor(norm, device=device))
             before = scaler.get_scale() if scaler.is_enabled() else None
             scaler.step(opt)
             scaler.update()

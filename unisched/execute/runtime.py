@@ -92,11 +92,13 @@ from unisched.execute.training import (
     check_options,
     check_optimizer,
     check_scheduler,
+    global_norm,
     loss_scale as _loss_scale,
     generators,
     micro_batch_seeds,
     scalar_loss,
     seed_rng,
+    stage_norm_squared,
     to_compute_dtype,
 )
 from unisched.dataflow import first_backward
@@ -1600,13 +1602,13 @@ class Trainer:
         (``param.tensor_model_parallel = True``, Megatron's convention); the
         others are copies of shard 0's.  A weight several stages share counts
         once, in its first copy."""
-        grads = [p.grad for s in self._counts_norm for i, p in enumerate(self._params[s])
-                 if p.grad is not None and (self.program.shares[s][self.rank] == 0 or _sharded(p))
-                 and (s, i) not in self._counted_elsewhere]
-        local = torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
-        total = local.cpu().reshape(1)
-        self._collective(lambda: dist.all_reduce(total, group=self._control), "the all-reduce of the gradient norm")
-        return math.sqrt(float(total[0]))
+        per_stage = torch.zeros(len(self._params), dtype=torch.float64)
+        for s in self._counts_norm:
+            per_stage[s] = stage_norm_squared(
+                [p.grad for i, p in enumerate(self._params[s]) if p.grad is not None
+                 and (self.program.shares[s][self.rank] == 0 or _sharded(p)) and (s, i) not in self._counted_elsewhere])
+        self._collective(lambda: dist.all_reduce(per_stage, group=self._control), "the all-reduce of the gradient norm")
+        return global_norm(per_stage)
 
     def _average_buffers(self) -> None:
         """Average each stage's buffers over the ranks that ran its forwards

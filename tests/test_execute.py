@@ -484,14 +484,24 @@ def test_example_trains_reports_prediction_and_matches_one_process():
     assert results[1].value[1] == ""
 
 
-def test_example_check_fails_beyond_its_tolerance():
-    argv = ["--strategy", "gpipe", "--steps", "2", "--lr", "0.5", "--check", "--tolerance", "1e-300", "--json"]
-    results = run_local(_example_run, 2, argv, timeout=120)
-    import json
+def _example_run_off_by(rank: int, world: int, argv: list[str], off: float):
+    """The example, with the one-process reference's weights moved by ``off``."""
+    from unisched.execute import example
 
+    reference = example.difference_from_one_process
+    example.difference_from_one_process = lambda *args: reference(*args) + off
+    return _example_run(rank, world, argv)
+
+
+@pytest.mark.parametrize("tolerance,off,passed", [("1e-5", 0.0, True), ("1e-5", 2e-5, False)])
+def test_example_check_passes_bit_for_bit_and_fails_beyond_its_tolerance(tolerance, off, passed):
+    """The run and one process accumulating the same micro-batches end with the same weights to
+    the last bit; a difference beyond --tolerance fails the check with exit status 1."""
+    argv = ["--strategy", "one_f_one_b", "--steps", "2", "--lr", "0.5", "--check", "--tolerance", tolerance, "--json"]
+    results = run_local(_example_run_off_by, 2, argv, off, timeout=120)
     report = json.loads(results[0].value[1])
-    assert report["check"]["max_difference"] > 1e-300, "one process adds in another order: never bit-identical here"
-    assert not report["check"]["passed"] and results[0].value[0] == 1
+    assert report["check"]["max_difference"] == off
+    assert report["check"]["passed"] is passed and results[0].value[0] == (0 if passed else 1)
 
 
 def test_unisched_run_prints_programs_and_the_torchrun_command(capsys):

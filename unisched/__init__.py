@@ -123,9 +123,3 @@ def __getattr__(name: str):
         module = importlib.import_module(_LAZY[name])
         return module if module.__name__.endswith(name) else getattr(module, _RENAMED.get(name, name))
     raise AttributeError(f"module 'unisched' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """Every public name, the lazy ones too (``__all__`` keeps to those that need neither torch
-    nor OR-Tools, so that ``from unisched import *`` loads neither)."""
-    return sorted(set(__all__) | set(_LAZY))

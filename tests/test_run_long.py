@@ -108,11 +108,30 @@ def test_a_resumed_run_trains_at_its_own_learning_rate(capsys, tmp_path):
     argv = example_argv(capsys, "--steps", "1", "--lr", "0.05", "--check", "--lr-schedule", "cosine",
                         "--resume", str(ended))
     argv_constant = example_argv(capsys, "--steps", "1", "--check", "--resume", str(ended))
-    for argv, said in ((argv, "(0.05, scheduled), but they trained at 0.2, scheduled"),
-                       (argv_constant, "(0.2, constant), but they trained at 0.2, scheduled")):
+    for argv, said in ((argv, "another (ends_at 2 there, 3 here; lr default there, 0.05 here)"),
+                       (argv_constant, "another (ends_at 2 there, none here; schedule cosine there, constant here)")):
         for rank in run_local(_example, 2, argv, timeout=120):
             assert rank.error is None and rank.value[0] == 2, rank
             assert said in rank.value[2], rank.value[2]
+
+
+def test_a_resumed_schedule_continues_at_the_step_reached_and_check_refuses_alike_on_every_rank(capsys, tmp_path):
+    """A schedule resumed from a checkpoint without one starts at the checkpoint's step (it
+    restarted at 0: step 3 trained at the warm-up's first rate); --check against a checkpoint
+    trained at another rate is refused by every rank, also by one that holds no weights
+    (overflow's rank 1), since each reads the checkpoint's own record of its rate."""
+    constant, again = tmp_path / "constant", tmp_path / "again"
+    run_example(example_argv(capsys, "--strategy", "overflow", "--steps", "2", "--checkpoint", str(constant)))
+    run_example(example_argv(capsys, "--strategy", "overflow", "--steps", "1", "--warmup-steps", "4", "--resume",
+                             str(constant), "--checkpoint", str(again)))
+    assert read_checkpoint(step_checkpoint(again, 3))["trainer.scheduler"]["last_epoch"] == 3
+
+    argv = example_argv(capsys, "--strategy", "overflow", "--steps", "1", "--lr", "0.05", "--lr-schedule", "cosine",
+                        "--check", "--resume", str(constant))
+    for rank in run_local(_example, 2, argv, timeout=120):
+        assert rank.error is None and rank.value[0] == 2, rank
+        assert ("another (ends_at none there, 3 here; lr default there, 0.05 here; schedule constant there, "
+                "cosine here)") in rank.value[2], rank.value[2]
 
 
 STRATEGY = """

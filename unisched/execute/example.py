@@ -350,10 +350,11 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
     would), log every :func:`~unisched.execute.arguments.log_interval`
     steps (rank 0 prints unless ``quiet``), save a checkpoint every
     ``args.checkpoint_every`` steps and after the last."""
-    first = _resume(trainer, args.resume, rows, args.check) if args.resume else 0
+    first = _resume(trainer, args, rows) if args.resume else 0
     run = RunLog(first, rows, tokens_per_row, flops_per_token, peak_tflops)
     every, logged = log_interval(args), 0
     end = run.first_step + args.steps
+    rate = learning_rate_settings(args, end)
     for step in range(run.first_step, end):
         x, y = data(step, rows)
         start = time.perf_counter()
@@ -368,7 +369,7 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
             if trainer.rank == 0 and not quiet:
                 print(log_line(entry, end), flush=True)
         if args.checkpoint and (done == end or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            run.checkpoints.append(str(_save(trainer, args.checkpoint, done, rows)))
+            run.checkpoints.append(str(_save(trainer, args.checkpoint, done, rows, rate)))
     return run
 
 
@@ -386,62 +387,74 @@ def log_line(entry: dict, end: int) -> str:
     return line
 
 
-def _resume(trainer, path: str, rows: int, check: bool) -> int:
-    """Load the latest checkpoint at ``path``; the number of steps it follows.
-    ``check``: the run's ``--check`` will replay those steps from the start on
-    batches of this run's ``rows``, so a checkpoint whose steps took other
-    batches is refused (the check would fail however right the run)."""
+def _resume(trainer, args: argparse.Namespace, rows: int) -> int:
+    """Load the latest checkpoint at ``args.resume``; the number of steps it
+    follows.  With ``--check`` the run will replay those steps from the start
+    on batches of this run's ``rows`` at this run's learning rate, so a
+    checkpoint whose steps took other batches or another rate is refused (the
+    check would fail however right the run), alike on every rank: each reads
+    the checkpoint's ``extra``."""
     from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(args.resume)
     optimizer = trainer.optimizer
     chosen = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups] if optimizer is not None else []
-    extra = load_checkpoint(trainer, found)
-    if check and optimizer is not None:
-        _refuse_other_rates(found, optimizer, chosen, trainer.scheduler is not None)
-    _learning_rates_from_flags(trainer, chosen)
-    saved = (extra or {}).get("rows")
-    if check and saved is not None and saved != rows:
+    extra = load_checkpoint(trainer, found) or {}
+    first = _saved_step(found, extra)
+    _learning_rates_from_flags(trainer, chosen, first)
+    if not args.check:
+        return first
+    saved = extra.get("rows")
+    if saved is not None and saved != rows:
         raise CheckpointError(
             f"--check replays the steps before checkpoint {found} on this run's batches of {rows} rows, but they "
             f"trained on {saved}: resume with the -B and --rows-per-batch they had to check, or drop --check"
         )
-    return _saved_step(found, extra)
+    theirs, ours = extra.get("learning_rate"), learning_rate_settings(args, first + args.steps)
+    if theirs is not None and theirs != ours:
+        def said(settings: dict, key: str) -> str:
+            return "default" if settings.get(key) is None and key in settings else str(settings.get(key, "none"))
 
-
-def _refuse_other_rates(found, optimizer, chosen: list[float], scheduled: bool) -> None:
-    """``--check`` replays the steps before the checkpoint at this run's learning rates: refuse a
-    checkpoint whose steps took others (the check would fail however right the run).  A
-    scheduled run's groups keep their unscheduled rate as ``initial_lr``."""
-    from unisched.execute.checkpoint import CheckpointError
-
-    def said(rates: list[float], on: bool) -> str:
-        return ", ".join(f"{r:g}" for r in rates) + (", scheduled" if on else ", constant")
-
-    groups = optimizer.param_groups
-    theirs, was_scheduled = [g.get("initial_lr", g["lr"]) for g in groups], any("initial_lr" in g for g in groups)
-    if was_scheduled != scheduled or not all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(theirs, chosen)):
+        differ = "; ".join(f"{key} {said(theirs, key)} there, {said(ours, key)} here"
+                           for key in sorted(set(theirs) | set(ours)) if theirs.get(key) != ours.get(key))
         raise CheckpointError(
-            f"--check replays the steps before checkpoint {found} at this run's learning rate "
-            f"({said(chosen, scheduled)}), but they trained at {said(theirs, was_scheduled)}: resume with the "
-            "--lr, --lr-schedule and --warmup-steps they had to check, or drop --check"
+            f"--check replays the steps before checkpoint {found} at this run's learning rate, but they trained at "
+            f"another ({differ}): resume with the --lr, --lr-schedule and --warmup-steps they had (a cosine that "
+            f"ended at the checkpoint cannot be extended and checked), or drop --check"
         )
+    return first
 
 
-def _learning_rates_from_flags(trainer, chosen: list[float]) -> None:
+def learning_rate_settings(args: argparse.Namespace, end: int) -> dict:
+    """What decides a run's learning rate at every step, as a checkpoint's ``extra`` keeps it:
+    the optimizer and ``--lr`` (None: the example's default for it), the schedule and its
+    warm-up, and for a cosine the step it ends at (this run's last, counting those before)."""
+    schedule = args.lr_schedule or "constant"
+    settings = {"optimizer": args.optimizer, "lr": args.lr, "schedule": schedule, "warmup": args.warmup_steps or 0}
+    if schedule == "cosine":
+        settings["ends_at"] = end
+    return settings
+
+
+def _learning_rates_from_flags(trainer, chosen: list[float], first: int) -> None:
     """After a resume, the learning rate follows this run's flags (``--lr``, ``--lr-schedule``,
-    ``--warmup-steps``) at the step reached, not the checkpoint's last one: ``chosen`` is each
+    ``--warmup-steps``) at step ``first``, not the checkpoint's last rate: ``chosen`` is each
     parameter group's rate as the run's optimizer factory set it.  The checkpoint restored the
     optimizer's hyper-parameters too, so a run resumed after a cosine schedule ended would
-    otherwise train at rate 0, and ``--lr`` would be ignored."""
+    otherwise train at rate 0, and ``--lr`` would be ignored.  The examples' schedules are
+    :func:`lr_schedule`'s LambdaLR; a checkpoint without a schedule's state starts this run's
+    schedule at ``first``."""
     optimizer, scheduler = trainer.optimizer, trainer.scheduler
     if optimizer is None:
         return
-    if scheduler is None:
-        rates = chosen
-    else:  # the examples' schedules are LambdaLR (:func:`lr_schedule`)
+    rates = chosen
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        if scheduler.last_epoch == 0:  # the checkpoint held no schedule
+            scheduler.last_epoch = first
         scheduler.base_lrs = list(chosen)
         rates = [base * factor(scheduler.last_epoch) for base, factor in zip(chosen, scheduler.lr_lambdas)]
+    elif scheduler is not None:
+        return  # a schedule of another kind keeps what the checkpoint restored
     for group, base, rate in zip(optimizer.param_groups, chosen, rates):
         group["lr"] = rate
         if "initial_lr" in group:
@@ -458,10 +471,11 @@ def _saved_step(path, extra: dict | None) -> int:
     return step
 
 
-def _save(trainer, directory: str, step: int, rows: int):
+def _save(trainer, directory: str, step: int, rows: int, rate: dict):
     from unisched.execute.checkpoint import save_checkpoint, step_checkpoint
 
-    return save_checkpoint(trainer, step_checkpoint(directory, step), extra={"step": step, "rows": rows})
+    return save_checkpoint(trainer, step_checkpoint(directory, step),
+                           extra={"step": step, "rows": rows, "learning_rate": rate})
 
 
 def median_ms(seconds: Sequence[float]) -> float:

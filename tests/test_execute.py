@@ -828,4 +828,7 @@ def test_unisched_run_stopped_tells_torchrun_to_stop_its_ranks(tmp_path, signum)
     _, err = process.communicate(timeout=60)
     assert told.read_text() == "SIGTERM"
     assert process.returncode == 128 + signum.value
-    assert err.strip() == f"unisched run: stopped by {signum.name}; every rank was told to stop"
+    said = err.strip().splitlines()
+    assert said[0] == f"unisched run: {signum.name}: telling every rank to stop (at most 45 s) ..."
+    assert said[1].startswith(f"unisched run: stopped by {signum.name}; every rank stopped (the whole log is in ")
+    assert len(said) == 2

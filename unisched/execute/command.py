@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 from unisched.errors import UniSchedError
 from unisched.execute.arguments import add_training_arguments, check_training_arguments, make_schedule, positive_int
@@ -74,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
 RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULTILINE)
 
 
-STOP_GRACE = 30.0
-"""Seconds torchrun has to stop its ranks once told to, before it is killed (torchrun itself
-gives its ranks 30 s after SIGTERM)."""
+STOP_GRACE = 45.0
+"""Seconds torchrun has to stop its ranks once told to, before it is killed: longer than the
+30 s torchrun itself gives its ranks after SIGTERM before it kills them, so it can."""
 
 
 class _Stopped(Exception):
@@ -87,22 +88,29 @@ def _launch(command: list[str]) -> int:
     """Run torchrun; the ranks' output passes through.  On a failure the
     first rank's error is printed as one line and the whole log is kept.
     Ctrl-C or SIGTERM stops every rank: torchrun is told to stop them (SIGTERM)
-    and given :data:`STOP_GRACE` seconds, then killed."""
+    and given :data:`STOP_GRACE` seconds, then killed (signals are caught only
+    on the main thread, where Python delivers them)."""
 
     def stop(signum, frame):
         raise _Stopped(signal.Signals(signum))
 
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {signum: signal.signal(signum, stop) for signum in stops}
+    catching = threading.current_thread() is threading.main_thread()
+    stops, previous = (signal.SIGINT, signal.SIGTERM), {}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
+        for signum in stops if catching else ():
+            previous[signum] = signal.signal(signum, stop)
         _, stderr = process.communicate()
     except _Stopped as why:
         for signum in stops:
             signal.signal(signum, signal.SIG_IGN)
-        _stop(process)
         received = why.args[0]
-        print(f"unisched run: stopped by {received.name}; every rank was told to stop", file=sys.stderr)
+        print(f"unisched run: {received.name}: telling every rank to stop (at most {STOP_GRACE:g} s) ...",
+              file=sys.stderr, flush=True)
+        stderr, killed = _stop(process)
+        log = _keep_log(stderr)
+        how = "torchrun did not stop in time and was killed" if killed else "every rank stopped"
+        print(f"unisched run: stopped by {received.name}; {how} (the whole log is in {log})", file=sys.stderr)
         return 128 + received.value
     finally:
         for signum, handler in previous.items():
@@ -110,30 +118,37 @@ def _launch(command: list[str]) -> int:
     if process.returncode == 0:
         sys.stderr.write(stderr)
         return 0
-    with tempfile.NamedTemporaryFile("w", prefix="unisched-run-", suffix=".log", delete=False) as log:
-        log.write(stderr)
+    log = _keep_log(stderr)
     found = RANK_ERROR.search(stderr)
     if "--json" in command:  # the ranks were asked for JSON: so is the failure
         said = (found.group("message") if found else f"training failed (exit status {process.returncode})")
-        print(json.dumps({"error": said, "details": [f"the whole log is in {log.name}"], "type": "TrainingFailed",
+        print(json.dumps({"error": said, "details": [f"the whole log is in {log}"], "type": "TrainingFailed",
                           "rank": found.group("rank") if found else None}), file=sys.stderr)
     elif found is None:
-        print(f"unisched run: training failed (exit status {process.returncode}); the whole log is in {log.name}",
+        print(f"unisched run: training failed (exit status {process.returncode}); the whole log is in {log}",
               file=sys.stderr)
     else:
-        print(f"{found.group(0)} (the whole log is in {log.name})", file=sys.stderr)
+        print(f"{found.group(0)} (the whole log is in {log})", file=sys.stderr)
     return process.returncode if found is None else 2
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Tell torchrun to stop its ranks and wait for it, killing it after :data:`STOP_GRACE` s."""
+def _keep_log(text: str) -> str:
+    """Write the ranks' and torchrun's stderr to a file; its name."""
+    with tempfile.NamedTemporaryFile("w", prefix="unisched-run-", suffix=".log", delete=False) as log:
+        log.write(text)
+    return log.name
+
+
+def _stop(process: subprocess.Popen) -> tuple[str, bool]:
+    """Tell torchrun to stop its ranks and wait for it, killing it after :data:`STOP_GRACE` s;
+    what it wrote to stderr, and whether it was killed."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     try:
-        process.communicate(timeout=STOP_GRACE)
+        return process.communicate(timeout=STOP_GRACE)[1], False
     except subprocess.TimeoutExpired:
         process.kill()
-        process.communicate()
+        return process.communicate()[1], True
 
 
 def _check_nodes(args: argparse.Namespace) -> None:

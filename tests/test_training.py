@@ -526,3 +526,15 @@ def test_a_loss_that_is_not_a_scalar_is_refused_by_its_shape_not_its_values():
         scalar_loss(torch.zeros(100, 100), 3)
     assert str(refused.value) == ("loss_fn must return a scalar tensor, got a tensor of shape (100, 100) for "
                                   "micro-batch 3; reduce it (e.g. .mean())")
+
+
+def test_one_process_refuses_targets_with_fewer_rows_as_the_trainer_does():
+    """The reference splits a batch by the Trainer's rule (``split_batch``): 16 input rows with 4
+    target rows trained silently there too, each target broadcast over 4 rows."""
+    stages = [nn.Linear(3, 1)]
+    mse = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+    with pytest.raises(ShapeError, match="targets has 4 rows but inputs has 16"):
+        train_one_process(stages, mse, momentum_sgd, [(torch.randn(16, 3), torch.randn(4, 1))], micro_batches=4)
+    per_token = train_one_process(stages, lambda out, target: ((out - target.reshape(-1, 2).mean(1, keepdim=True)) ** 2)
+                                  .mean(), momentum_sgd, [(torch.randn(16, 3), torch.randn(32))], micro_batches=4)
+    assert np.isfinite(per_token[0][0]), "a whole multiple of the rows (two targets a row, flattened) passes"

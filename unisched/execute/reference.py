@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from unisched.execute.program import loss_stage, topological_order
-from unisched.execute.runtime import _micro_batches, _step_scheduler, stage_arguments
+from unisched.execute.runtime import _step_scheduler, split_batch, stage_arguments
 from unisched.execute.ties import Tie, TiedGradients, check_ties
 from unisched.execute.training import (
     LOSS_SCALE_DEFAULTS,
@@ -105,8 +105,7 @@ def train_one_process(
     rngs = generators(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for step, (inputs, targets) in enumerate(batches):
-            micro_in, in_spec = _micro_batches("inputs", inputs, micro_batches, device)
-            micro_t, t_spec = _micro_batches("targets", targets, micro_batches, device)
+            micro_in, in_spec, micro_t, t_spec = split_batch(inputs, targets, micro_batches, device)
             total = 0.0
             seeds = micro_batch_seeds(seed, step, len(stages), micro_batches)
             for b in range(micro_batches):

@@ -401,9 +401,7 @@ class Trainer:
         failure into one that names the first cause on every rank; the
         global RNG state is the caller's again afterwards."""
         B = self.program.num_batches
-        micro_in, spec = _micro_batches("inputs", inputs, B, self.device)
-        micro_t, target_spec = _micro_batches("targets", targets, B, self.device)
-        _check_target_rows(micro_in[0][0].shape[0] * B, micro_t[0][0].shape[0] * B)
+        micro_in, spec, micro_t, target_spec = split_batch(inputs, targets, B, self.device)
         micro_t = [leaves[0] if target_spec.is_leaf() else tree_unflatten(list(leaves), target_spec)
                    for leaves in micro_t]
         state = _StepState(self, micro_in, micro_t, evaluating)
@@ -2125,15 +2123,21 @@ def _micro_batches(name: str, value: Any, parts: int, device) -> tuple[list[tupl
     return [tuple(piece[b] for piece in pieces) for b in range(parts)], spec
 
 
-def _check_target_rows(inputs: int, targets: int) -> None:
-    """Refuse targets with fewer rows than the inputs, or a count they do not divide: each
-    micro-batch's targets are the same share of their rows as its inputs of theirs, so 16 input
-    rows with 4 target rows would pair every 4 inputs with 1 target (a loss broadcasting over
-    them trains silently, where one process fails).  A whole multiple passes (per-token targets
+def split_batch(inputs: Any, targets: Any, parts: int, device):
+    """A step's batch in ``parts`` micro-batches (:func:`_micro_batches`): the inputs' leaves
+    and structure, the targets' leaves and structure; the Trainer and ``train_one_process``
+    split alike.  Targets with fewer rows than the inputs, or a count they do not divide, are
+    refused: each micro-batch takes the same share of both, so 16 input rows with 4 target rows
+    would pair every 4 inputs with 1 target (a loss broadcasting over them trains silently,
+    where one process on the whole batch fails).  A whole multiple passes (per-token targets
     flattened beside batch-first inputs)."""
-    if targets % inputs:
-        raise ShapeError(f"targets has {targets} rows but inputs has {inputs}; each micro-batch takes the same share "
-                         f"of both, so give targets as many rows as inputs (or a whole multiple of them)")
+    micro_in, in_spec = _micro_batches("inputs", inputs, parts, device)
+    micro_t, target_spec = _micro_batches("targets", targets, parts, device)
+    rows, target_rows = micro_in[0][0].shape[0] * parts, micro_t[0][0].shape[0] * parts
+    if target_rows % rows:
+        raise ShapeError(f"targets has {target_rows} rows but inputs has {rows}; each micro-batch takes the same "
+                         f"share of both, so give targets as many rows as inputs (or a whole multiple of them)")
+    return micro_in, in_spec, micro_t, target_spec
 
 
 def _unsplittable(name: str, value: Any, parts: int) -> str:

@@ -54,6 +54,7 @@ from unisched.execute import example
 from unisched.execute.example import (
     check_line,
     check_report,
+    check_status,
     difference_from_one_process,
     next_token_loss,
     run_ranks,
@@ -183,7 +184,7 @@ def train(args: argparse.Namespace, cleanup) -> int:
         report["timeline"] = args.timeline
     if trainer.rank == 0:
         show(args, report)
-    return 0 if report.get("check", {}).get("passed", True) else 1
+    return check_status(report)
 
 
 def show(args, report: dict) -> None:

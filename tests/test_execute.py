@@ -617,6 +617,11 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
     assert said["error"] == "boom; do this" and said["rank"] == "1" and said["type"] == "TrainingFailed"
     assert said["details"][0].startswith("the whole log is in ")
 
+    checked = [sys.executable, "-c", "import sys; print('rank 0: check failed', file=sys.stderr); sys.exit(1)"]
+    for json_or_not in ([], ["--json"]):  # a failed --check is not a failure to train: rank 0's report says it
+        assert _launch([*checked, *json_or_not]) == 1
+        assert capsys.readouterr().err == ""
+
 
 @pytest.mark.parametrize("argv,flag", [
     (["--steps", "0"], "--steps"), (["--rows-per-batch", "-1"], "--rows-per-batch"), (["--model-width", "x"], "--model-width"),

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULTILINE)
+CHECK_FAILED = re.compile(r"^rank 0: check failed$", re.MULTILINE)  # unisched.execute.example.check_status
 
 
 STOP_GRACE = 45.0
@@ -120,6 +121,8 @@ def _launch(command: list[str]) -> int:
         return 0
     log = _keep_log(stderr)
     found = RANK_ERROR.search(stderr)
+    if found is None and CHECK_FAILED.search(stderr):
+        return 1  # trained, and rank 0's report (on stdout) says how far from one process
     if "--json" in command:  # the ranks were asked for JSON: so is the failure
         said = (found.group("message") if found else f"training failed (exit status {process.returncode})")
         print(json.dumps({"error": said, "details": [f"the whole log is in {log}"], "type": "TrainingFailed",

@@ -248,7 +248,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
             report.update(check_report(difference, args.tolerance))
     if trainer.rank == 0:
         _print(args, report, schedule)
-    return 0 if report.get("check", {}).get("passed", True) else 1
+    return check_status(report)
 
 
 def check_report(difference: float, tolerance: float) -> dict:
@@ -256,6 +256,20 @@ def check_report(difference: float, tolerance: float) -> dict:
     whether it is within ``tolerance``."""
     return {"max_difference_vs_one_process": difference,
             "check": {"max_difference": difference, "tolerance": tolerance, "passed": difference <= tolerance}}
+
+
+CHECK_FAILED = "check failed"
+"""What a rank writes to stderr (``rank 0: check failed``) when ``--check`` fails, so that
+``unisched run`` tells it from a rank that failed to train."""
+
+
+def check_status(report: dict) -> int:
+    """The exit status of a run whose report (on rank 0) may hold a ``--check``: 1 where it
+    failed, said on stderr too."""
+    if report.get("check", {}).get("passed", True):
+        return 0
+    sys.stderr.write(f"rank 0: {CHECK_FAILED}\n")
+    return 1
 
 
 def check_line(check: dict) -> str:

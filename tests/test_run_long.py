@@ -165,7 +165,7 @@ def test_your_own_strategy_runs_by_module_and_function(capsys, tmp_path):
     (["--strategy", "unisched.work:no_such_function"], "unisched.work has no 'no_such_function'"),
     (["--strategy", "missing/file.py:f"], "no file missing/file.py"),
     (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint DIR"),
-    (["--resume", "no/such/dir"], "no checkpoint in no/such/dir"),
+    (["--resume", "no/such/dir"], "no checkpoint in no/such/dir: it does not exist"),
     (["--precision", "fp8"], "--precision fp8: choose one of fp32, bf16, fp16"),
 ])
 def test_unisched_run_refuses_before_launching(capsys, monkeypatch, argv, expected):
@@ -192,3 +192,10 @@ def test_a_fresh_run_refuses_a_checkpoint_directory_another_run_filled(capsys, m
                      "directory")
     assert main(["run", "-W", "2", "--checkpoint", str(tmp_path), "--resume", str(tmp_path), "--dry-run"]) == 0
     assert len(launched) == 1
+    elsewhere = step_checkpoint(tmp_path / "other", 2)  # resuming another run into this directory mixes them too
+    elsewhere.mkdir(parents=True)
+    (elsewhere / ".metadata").touch()
+    assert main(["run", "-W", "2", "--checkpoint", str(tmp_path), "--resume", str(elsewhere)]) == 2
+    assert "already holds another run's checkpoints" in capsys.readouterr().err
+    assert main(["run", "-W", "2", "--checkpoint", str(tmp_path / "other"), "--resume", str(elsewhere)]) == 0
+    assert len(launched) == 2

@@ -100,8 +100,10 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
         latest_checkpoint(args.resume)
     if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
         raise CheckpointError(f"--checkpoint {args.checkpoint} is a file; name a directory to save checkpoints in")
-    earlier = step_checkpoints(args.checkpoint) if args.checkpoint and not args.resume else []
-    if earlier:  # this run's step-N would replace theirs one by one, and a later --resume pick up either
+    # a run saving among another's checkpoints would replace them one by one, and a later --resume take either
+    earlier = step_checkpoints(args.checkpoint) if args.checkpoint else []
+    continues = args.resume and latest_checkpoint(args.resume).parent.resolve() == Path(args.checkpoint).resolve()
+    if earlier and not continues:
         raise CheckpointError(f"--checkpoint {args.checkpoint} already holds another run's checkpoints (the latest "
                               f"{earlier[-1].name}); continue that run with --resume {args.checkpoint}, or save this "
                               f"one in another directory")

@@ -102,8 +102,7 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
         raise CheckpointError(f"--checkpoint {args.checkpoint} is a file; name a directory to save checkpoints in")
     # a run saving among another's checkpoints would replace them one by one, and a later --resume take either
     earlier = step_checkpoints(args.checkpoint) if args.checkpoint else []
-    continues = args.resume and latest_checkpoint(args.resume).parent.resolve() == Path(args.checkpoint).resolve()
-    if earlier and not continues:
+    if earlier and not (args.resume and latest_checkpoint(args.resume).parent.resolve() == Path(args.checkpoint).resolve()):
         raise CheckpointError(f"--checkpoint {args.checkpoint} already holds another run's checkpoints (the latest "
                               f"{earlier[-1].name}); continue that run with --resume {args.checkpoint}, or save this "
                               f"one in another directory")

@@ -1600,11 +1600,12 @@ class Trainer:
         (``param.tensor_model_parallel = True``, Megatron's convention); the
         others are copies of shard 0's.  A weight several stages share counts
         once, in its first copy."""
-        per_stage = torch.zeros(len(self._params), dtype=torch.float64)
+        per_stage = torch.zeros(len(self._params), dtype=torch.float64, device=self.device)
         for s in self._counts_norm:
             per_stage[s] = stage_norm_squared(
                 [p.grad for i, p in enumerate(self._params[s]) if p.grad is not None
                  and (self.program.shares[s][self.rank] == 0 or _sharded(p)) and (s, i) not in self._counted_elsewhere])
+        per_stage = per_stage.cpu()  # one wait for the device, on the control group's host tensors
         self._collective(lambda: dist.all_reduce(per_stage, group=self._control), "the all-reduce of the gradient norm")
         return global_norm(per_stage)
 

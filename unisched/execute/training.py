@@ -74,7 +74,7 @@ def stage_norm_squared(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     gradients' L2 norm (torch's ``get_total_norm``), in float64."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    return torch.nn.utils.get_total_norm(grads, 2.0).double().cpu() ** 2
+    return torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2  # on the gradients' device: no wait
 
 
 def global_norm(per_stage: torch.Tensor) -> float:
@@ -83,7 +83,7 @@ def global_norm(per_stage: torch.Tensor) -> float:
     same numbers in the same order, so both clip alike to the last bit, where
     bf16's rounding and Adam's normalised steps would magnify any difference
     (7.5e-3 after four steps of the GPT-2 example)."""
-    return math.sqrt(float(per_stage.sum()))
+    return math.sqrt(float(per_stage.cpu().sum()))
 
 
 def _splitmix(state, part):

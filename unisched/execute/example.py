@@ -11,7 +11,7 @@ synthetic data; the Trainer does the rest.  Rank 0 prints the loss, step
 time and throughput every ``--log-every`` steps, the measured step next to
 the simulator's prediction with costs calibrated from the first steps, and,
 with ``--check``, the largest difference between the trained weights and one
-process training the same stages on the whole batch for as many steps.
+process training the same stages on the same micro-batches for as many steps.
 ``--checkpoint DIR`` saves checkpoints there, ``--resume DIR`` continues from
 the latest exactly (the data of step k is the same in every run).
 """

@@ -1,5 +1,6 @@
 """The yardstick every distributed run is held to: the same stages, trained
-in one process on the whole batch with the same loss and optimizer.
+in one process with the same loss and optimizer, each batch whole
+(``micro_batches=1``) or in the run's micro-batches, accumulated.
 
 ``Trainer.gather_state_dict()`` after some steps must equal what this gives;
 tests, the examples and ``unisched run --check`` all compare against it.

@@ -128,7 +128,7 @@ def train_one_process(
             tied.reduce(copy_of)
             scaler.unscale_(opt)
             if clip_grad_norm is not None:
-                norm = global_norm(torch.stack([stage_norm_squared([p.grad for p in ps if p.grad is not None])
+                norm = global_norm(torch.stack([stage_norm_squared([p.grad for p in ps if p.grad is not None]).cpu()
                                                 for ps in counted]))
                 torch.nn.utils.clip_grads_with_norm_(params, clip_grad_norm, torch.tensor(norm, device=device))
             before = scaler.get_scale() if scaler.is_enabled() else None

@@ -348,6 +348,7 @@ def _bad_batches(rank: int, world: int, schedule):
             seen[label] = None
         except ShapeError as error:
             seen[label] = str(error)
+    seen["steps counted"] = trainer.training_state()["step"]  # a refused batch is no step (dropout seeds follow it)
     seen["after"] = trainer.step(*batch("tuple", 0))
     trainer.close()
     return seen
@@ -363,4 +364,5 @@ def test_a_batch_that_cannot_be_split_is_refused_naming_the_field():
         assert "targets['weight'] is a scalar tensor" in seen["scalar"]
         assert "inputs has 6 rows, which the schedule's 4 micro-batches do not divide" in seen["indivisible"]
         assert "targets has 4 rows but inputs has 8" in seen["fewer targets"]
+        assert seen["steps counted"] == 0
         assert np.isfinite(seen["after"])

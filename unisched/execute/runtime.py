@@ -337,9 +337,10 @@ class Trainer:
         With ``accumulate=k`` only every k-th step steps the optimizer; the
         others add their gradients up."""
         self._usable()
+        batch = self._split(inputs, targets)  # a batch refused here is no step: the count stays
         self._step_no += 1
         self._recording = self._records(self._step_no)
-        return self._guarded(inputs, targets, self._run)
+        return self._guarded(batch, self._run)
 
     def evaluate(self, inputs: Any, targets: Any) -> float:
         """The mean micro-batch loss of ``inputs`` and ``targets`` on every
@@ -350,7 +351,7 @@ class Trainer:
         nor the step count."""
         self._usable()
         self._recording = False
-        return self._guarded(inputs, targets, self._run_forwards, evaluating=True)
+        return self._guarded(self._split(inputs, targets), self._run_forwards, evaluating=True)
 
     def training_state(self) -> dict:
         """The small state a checkpoint must keep, beside the weights and the
@@ -396,14 +397,19 @@ class Trainer:
             return self.record
         return self.record > 0 and step % self.record == 0
 
-    def _guarded(self, inputs, targets, run: Callable[["_StepState"], float], evaluating: bool = False) -> float:
-        """``run`` a step on the batch under the watchdog, turning any
+    def _split(self, inputs, targets) -> tuple[list, TreeSpec, list]:
+        """The batch in the program's micro-batches (:func:`split_batch`): the inputs' leaves,
+        their structure, and each micro-batch's targets in theirs."""
+        micro_in, spec, micro_t, target_spec = split_batch(inputs, targets, self.program.num_batches, self.device)
+        return micro_in, spec, [leaves[0] if target_spec.is_leaf() else tree_unflatten(list(leaves), target_spec)
+                                for leaves in micro_t]
+
+    def _guarded(self, batch: tuple[list, TreeSpec, list], run: Callable[["_StepState"], float],
+                 evaluating: bool = False) -> float:
+        """``run`` a step on the split batch under the watchdog, turning any
         failure into one that names the first cause on every rank; the
         global RNG state is the caller's again afterwards."""
-        B = self.program.num_batches
-        micro_in, spec, micro_t, target_spec = split_batch(inputs, targets, B, self.device)
-        micro_t = [leaves[0] if target_spec.is_leaf() else tree_unflatten(list(leaves), target_spec)
-                   for leaves in micro_t]
+        micro_in, spec, micro_t = batch
         state = _StepState(self, micro_in, micro_t, evaluating)
         self._state = state
         ticket = self._watchdog.arm()

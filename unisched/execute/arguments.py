@@ -15,6 +15,9 @@ LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_STRATEGY = "gpipe"
 TIMELINE_FORMATS = (".html", ".png", ".svg", ".json", ".txt")
 DEFAULT_TOLERANCE = 1e-5
+CHECK_FAILED = "rank 0: check failed"
+"""The line a run's rank 0 writes to stderr when ``--check`` fails, so that ``unisched run``
+tells it from a rank that failed to train (the report on stdout says how far)."""
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,7 +33,8 @@ import tempfile
 import threading
 
 from unisched.errors import UniSchedError
-from unisched.execute.arguments import add_training_arguments, check_training_arguments, make_schedule, positive_int
+from unisched.execute.arguments import (CHECK_FAILED, add_training_arguments, check_training_arguments, make_schedule,
+                                        positive_int)
 
 DEFAULT_NPROC = 4
 
@@ -73,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULTILINE)
-CHECK_FAILED = re.compile(r"^rank 0: check failed$", re.MULTILINE)  # unisched.execute.example.check_status
 
 
 STOP_GRACE = 45.0
@@ -121,7 +121,7 @@ def _launch(command: list[str]) -> int:
         return 0
     log = _keep_log(stderr)
     found = RANK_ERROR.search(stderr)
-    if found is None and CHECK_FAILED.search(stderr):
+    if found is None and CHECK_FAILED in stderr.splitlines():
         return 1  # trained, and rank 0's report (on stdout) says how far from one process
     if "--json" in command:  # the ranks were asked for JSON: so is the failure
         said = (found.group("message") if found else f"training failed (exit status {process.returncode})")

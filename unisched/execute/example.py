@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from unisched.execute.arguments import (
+    CHECK_FAILED,
     MODELS,
     add_training_arguments,
     check_training_arguments,
@@ -254,21 +255,15 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
 def check_report(difference: float, tolerance: float) -> dict:
     """What ``--check`` adds to a run's report: the largest difference from one process, and
     whether it is within ``tolerance``."""
-    return {"max_difference_vs_one_process": difference,
-            "check": {"max_difference": difference, "tolerance": tolerance, "passed": difference <= tolerance}}
-
-
-CHECK_FAILED = "check failed"
-"""What a rank writes to stderr (``rank 0: check failed``) when ``--check`` fails, so that
-``unisched run`` tells it from a rank that failed to train."""
+    return {"check": {"max_difference": difference, "tolerance": tolerance, "passed": difference <= tolerance}}
 
 
 def check_status(report: dict) -> int:
     """The exit status of a run whose report (on rank 0) may hold a ``--check``: 1 where it
-    failed, said on stderr too."""
+    failed, said on stderr too (:data:`~unisched.execute.arguments.CHECK_FAILED`)."""
     if report.get("check", {}).get("passed", True):
         return 0
-    sys.stderr.write(f"rank 0: {CHECK_FAILED}\n")
+    sys.stderr.write(CHECK_FAILED + "\n")
     return 1
 
 

@@ -119,20 +119,26 @@ def _launch(command: list[str]) -> int:
     if process.returncode == 0:
         sys.stderr.write(stderr)
         return 0
-    log = _keep_log(stderr)
+    return _failed(stderr, process.returncode, as_json="--json" in command)
+
+
+def _failed(stderr: str, returncode: int, as_json: bool) -> int:
+    """Report a run that ended with ``returncode``: the first rank's error as one line (one JSON
+    object when the ranks were asked for JSON), the whole log kept in a file; a failed
+    ``--check`` quietly, since rank 0's report on stdout says how far from one process."""
     found = RANK_ERROR.search(stderr)
     if found is None and CHECK_FAILED in stderr.splitlines():
-        return 1  # trained, and rank 0's report (on stdout) says how far from one process
-    if "--json" in command:  # the ranks were asked for JSON: so is the failure
-        said = (found.group("message") if found else f"training failed (exit status {process.returncode})")
+        return 1
+    log = _keep_log(stderr)
+    if as_json:
+        said = found.group("message") if found else f"training failed (exit status {returncode})"
         print(json.dumps({"error": said, "details": [f"the whole log is in {log}"], "type": "TrainingFailed",
                           "rank": found.group("rank") if found else None}), file=sys.stderr)
     elif found is None:
-        print(f"unisched run: training failed (exit status {process.returncode}); the whole log is in {log}",
-              file=sys.stderr)
+        print(f"unisched run: training failed (exit status {returncode}); the whole log is in {log}", file=sys.stderr)
     else:
         print(f"{found.group(0)} (the whole log is in {log})", file=sys.stderr)
-    return process.returncode if found is None else 2
+    return returncode if found is None else 2
 
 
 def _keep_log(text: str) -> str:

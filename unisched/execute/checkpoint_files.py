@@ -47,10 +47,10 @@ def latest_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if is_checkpoint(path):
         return path
-    found = step_checkpoints(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint in {path}: it does not exist; give what --checkpoint (or "
                               f"save_checkpoint) wrote")
+    found = step_checkpoints(path)
     if not found:
         raise CheckpointError(f"no checkpoint in {path}: neither a checkpoint itself nor a directory of finished "
                               f"step-N checkpoints; give what --checkpoint (or save_checkpoint) wrote")

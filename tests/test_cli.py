@@ -404,8 +404,9 @@ def test_every_verb_reads_the_link_flags_as_plan_does(capsys):
         found = json.loads(out)
         latencies.append(found["results"][0]["latency"] if "results" in found else found["latency"])
         assert code == 0
-    assert latencies[:2] == [39, 39]  # gpipe at W = S = 4, B = 8, each transfer 1: 33 + 2 * 3 on the critical path
-    assert latencies[2] <= 39  # plan replays its orders of gpipe's mapping under the same costs
+    # gpipe at W = S = 4, B = 8, each transfer 1: 33 + 2 * 3 on the critical path; plan's best order of gpipe's
+    # mapping under the same costs is no shorter (33 would mean it read no --comm)
+    assert latencies == [39, 39, 39]
     code, _, err = run(capsys, "simulate", "--strategy", "gpipe", "--comm", "1", "--topology", "dgx_h100")
     assert code == 2 and "drop --comm" in err
 
@@ -435,5 +436,3 @@ def test_the_halves_split_the_backward_as_simulate_splits_it_from_the_costs(caps
         strategy = unisched.policies.get(name, num_workers=4, num_stages=4, num_batches=8)
         python = unisched.simulate(4, 4, 8, strategy, costs=unisched.Costs(backward_input=1, backward_weight=1))
         assert code == 0 and json.loads(out)["latency"] == python.latency, name
-    code, out, _ = run(capsys, "simulate", "--strategy", "one_f_one_b", *halves, "--json")
-    assert json.loads(out)["latency"] == 33  # its order keeps the backward whole

@@ -236,15 +236,17 @@ def _resume(schedule):
         refused = None
     except ShapeError as error:
         refused = str(error)
-    target = Path(tempfile.mkdtemp()) / "mid-accumulation"
-    try:
-        save_checkpoint(accumulating, target)
-        save_refused = None
-    except CheckpointError as error:
-        save_refused = str(error)
+    with tempfile.TemporaryDirectory() as folder:
+        target = Path(folder) / "mid-accumulation"
+        try:
+            save_checkpoint(accumulating, target)
+            save_refused = None
+        except CheckpointError as error:
+            save_refused = str(error)
+        written = target.exists() or partial_checkpoint(target).exists()
     accumulating.close()
     return {"expected": expected, "resumed": resumed, "state": state, "refused": refused,
-            "save refused": save_refused, "written": target.exists() or partial_checkpoint(target).exists()}
+            "save refused": save_refused, "written": written}
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ memory limit 1, 2 or none) this runs ``plan()`` at the command's default time
 limit and prints, per case, the plan's replayed latency, the best lower bound
 it proves (and for which class of schedules), and the gap between the two.
 
-``--reference SECONDS`` also plans every case for that long (a long CP-SAT
-run) and prints the gap of the default run to that reference, the best
+``--reference SECONDS`` also plans every case (with ``--all``, every step) for
+that long (a long CP-SAT run) and prints the gap of the default run to that reference, the best
 schedule known: where the long run proves its schedule optimal, the reference
 is the optimum of the class it names.
 
@@ -121,10 +121,14 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="the 162 steps of the sweep instead of the grid")
     parser.add_argument("--split", action="store_true", help="with --all: each step with a split backward too")
     args = parser.parse_args()
+    if args.split and not args.all:
+        parser.error("--split goes with --all (the grid has its split-backward cases already)")
+    if args.quick and args.all:
+        parser.error("--quick is for the grid; with --all, name the steps with --cases")
     if args.all:
         steps = sweep(args.split)
         numbers = [int(x) for x in args.cases.split(",")] if args.cases else range(len(steps))
-        summarize([(k, steps[k]) for k in numbers], args.time_limit)
+        summarize([(k, steps[k]) for k in numbers], args.time_limit, args.reference)
         return
     rows = list(range(len(GRID)))
     if args.cases:
@@ -157,10 +161,13 @@ def main() -> None:
         print(f"largest gap to the reference: {worst:.1%} (target 2%)")
 
 
-def summarize(cases: list[tuple[int, Case]], seconds: float) -> None:
-    """Plan every (step number, case) (one line each), then count the proofs and the gaps to the
-    plans' own bounds."""
-    print(f"plan() at {seconds:g} s per step, {len(cases)} steps")
+def summarize(cases: list[tuple[int, Case]], seconds: float, reference: float = 0.0) -> None:
+    """Plan every (step number, case) (one line each; with ``reference`` seconds, a long plan of it
+    too, the best known), then count the proofs and the gaps to the plans' own bounds."""
+    print(f"plan() at {seconds:g} s per step, {len(cases)} steps"
+          + (f"; reference: {reference:g} s (best known, whether the long run proved it, gap to it)"
+             if reference else ""))
+    worst = 0.0
     proven: dict[str, int] = {}
     met: dict[str, int] = {}
     close, failed, gaps = 0, 0, []
@@ -173,8 +180,15 @@ def summarize(cases: list[tuple[int, Case]], seconds: float) -> None:
             continue
         gap = result.latency / result.lower_bound - 1 if result.lower_bound else 0.0
         mark = "optimal" if result.optimal else ""
-        print(f"{k:>3} {case.label():<38} {result.latency:>6g} {result.lower_bound:>6g} {gap:>6.1%}  "
-              f"{short_class(result.bound_for):<8} {wall:>5.1f}  {mark}", flush=True)
+        line = (f"{k:>3} {case.label():<38} {result.latency:>6g} {result.lower_bound:>6g} {gap:>6.1%}  "
+                f"{short_class(result.bound_for):<8} {wall:>5.1f}  {mark:<7}")
+        if reference:
+            long, _ = run(case, reference)
+            best = min(long.latency, result.latency)
+            worst = max(worst, result.latency / best - 1)
+            line += (f"  {best:>5g} {long.lower_bound:>5g} {'proven' if long.optimal else '':<6} "
+                     f"{result.latency / best - 1:>6.1%}")
+        print(line.rstrip(), flush=True)
         if result.optimal:
             key = short_class(result.proven_for)
             proven[key] = proven.get(key, 0) + 1
@@ -191,6 +205,8 @@ def summarize(cases: list[tuple[int, Case]], seconds: float) -> None:
           + f"unproven within 2% of their bound: {close}; further: {len(gaps)}"
           + (f" (largest gap {max(gaps)[0]:.1%}, step {max(gaps)[1]})" if gaps else "")
           + (f"; no plan: {failed}" if failed else ""))
+    if reference:
+        print(f"largest gap to the reference: {worst:.1%} (target 2%)")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,19 @@ def test_a_deadlock_of_fixed_orders_does_not_advise_another_priority():
     assert "priority that runs backwards earlier" not in message
 
 
+def test_a_fixed_order_against_the_dependencies_names_each_workers_next_item_and_what_it_waits_for():
+    stage_owner = unisched.policies.strategy(lambda w: ComputeAndWeightWorkers(w.stage, w.stage), name="by_stage")
+    orders = {s: [Work(b, s, d) for b in range(2) for d in (FORWARD, BACKWARD)] for s in range(2)}
+    orders[1][0], orders[1][1] = orders[1][1], orders[1][0]  # worker 1 puts 1B0 before 1F0
+    with pytest.raises(DeadlockError) as caught:
+        simulate(2, 2, 2, stage_owner.with_(worker_orders=orders))
+    lines = str(caught.value).splitlines()
+    assert ("  worker 1: B(stage 1, batch 0) (position 0 of its order) waits for F(stage 1, batch 0) "
+            "(worker 1, position 1 of its order)") in lines
+    assert ("  worker 0: B(stage 0, batch 0) (position 1 of its order) waits for B(stage 1, batch 0) "
+            "(worker 1, position 0 of its order)") in lines
+
+
 def test_memory_limit_below_one_stash_is_a_clear_error():
     with pytest.raises(UniSchedError, match="cannot hold even one stash"):
         simulate(4, 4, 8, gpipe, memory_limit=0.5)

@@ -252,8 +252,12 @@ def cmd_simulate(args) -> int:
     if args.plan is not None:
         sim = _simulate_plan(args)
     elif args.strategy is None:
-        if args.param:
-            raise UniSchedError("--param needs --strategy: it sets a parameter of the strategy simulated")
+        for given, what in ((args.param, "--param needs --strategy: it sets a parameter of the strategy simulated"),
+                            (args.out, "--out needs --strategy (or --plan): it saves the one step simulated, and "
+                                       "without either simulate runs a demo of several strategies"),
+                            (args.time_unit != "s", "--time-unit needs --strategy (or --plan) and --out FILE.json")):
+            if given:
+                raise UniSchedError(what)
         return _demo(args)
     else:
         from unisched.plan.family import parse_params, strategy_spec

@@ -474,9 +474,7 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
                     f"(limit {p.limit[storage]:g}, holding the stashes of {holds or 'nothing'}); "
                 )
     if not blocked:
-        for item in range(p.num_items):
-            if remaining[item] > 0 and p.num_deps[item] and p.worker[item] not in blocked:
-                blocked[p.worker[item]] = f"{p.label(item)} waits for {remaining[item]} unfinished dependencies"
+        blocked = _stuck_heads(p, remaining)
     lines = "\n".join(f"  worker {w}: {text.rstrip('; ')}" for w, text in sorted(blocked.items()))
     if memory is None:
         hint = "check that each worker's fixed order respects the dependencies between work items"
@@ -491,3 +489,40 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
         f"ready or could not start).\n{lines}\nTo fix: {hint}.",
         blocked,
     )
+
+
+def _stuck_heads(p: Problem, remaining) -> dict[int, str]:
+    """Per worker with work left (no memory limit, so every item whose dependencies ended has run):
+    the first item left in its fixed order, and the items it still waits for."""
+    unfinished = np.asarray(remaining) > 0
+    followed = np.zeros(p.num_items, dtype=bool)
+    followed[p.next_fixed[p.next_fixed >= 0]] = True
+    ran_before = np.zeros(p.num_items, dtype=bool)  # its predecessor in its worker's order has run
+    has_next = np.flatnonzero(p.next_fixed >= 0)
+    ran_before[p.next_fixed[has_next]] = ~unfinished[has_next]
+    heads = np.flatnonzero(unfinished & (ran_before | ~followed))
+    data = p.data_followed
+    source = np.repeat(np.arange(p.num_items), np.diff(data.ptr))
+    position = {int(i): k for order in _orders(p) for k, i in enumerate(order)}
+    blocked: dict[int, str] = {}
+    for item in heads:
+        waits = [int(u) for u in source[data.idx == item] if unfinished[u]]
+        said = ", ".join(f"{p.label(u)} (worker {p.worker[u]}" + (f", position {position[u]} of its order)"
+                                                                  if u in position else ")") for u in waits[:4])
+        where = f" (position {position[int(item)]} of its order)" if int(item) in position else ""
+        blocked.setdefault(int(p.worker[item]), f"{p.label(item)}{where} waits for {said or 'nothing left'}")
+    return blocked
+
+
+def _orders(p: Problem) -> list[list[int]]:
+    """Each worker's fixed order as item ids (empty without fixed orders)."""
+    followed = np.zeros(p.num_items, dtype=bool)
+    followed[p.next_fixed[p.next_fixed >= 0]] = True
+    orders = []
+    for first in np.flatnonzero(~followed & (p.next_fixed >= 0)):
+        order, item = [], int(first)
+        while item >= 0:
+            order.append(item)
+            item = int(p.next_fixed[item])
+        orders.append(order)
+    return orders

@@ -620,12 +620,15 @@ def _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stag
     ganged = np.flatnonzero(gang >= 0)
     g, s = gang[ganged], stage[ganged]
     collective = np.asarray(gang_collective, dtype=bool)[g] if len(ganged) else np.zeros(0, bool)
-    # (worker, stage) -> the tensor-parallel gang that worker computes the stage with (the last item's)
-    tensor_parallel = np.full(num_workers * num_stages, -1, np.int64)
+    # (worker, stage) -> the tensor-parallel gang that worker computes the stage with (the last item's),
+    # as sorted keys (worker * S + stage) and their gangs: W * S can be far more than the items
     at = (compute[ganged] * num_stages + s)[collective]
-    last = len(at) - 1 - np.unique(at[::-1], return_index=True)[1]
-    tensor_parallel[at[last]] = g[collective][last]
-    weight_gang = np.where(collective, tensor_parallel[weight[ganged] * num_stages + s], -1)
+    keys, first_reversed = np.unique(at[::-1], return_index=True)
+    gangs = g[collective][len(at) - 1 - first_reversed]
+    wanted = weight[ganged] * num_stages + s
+    found = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
+    known = (keys[found] == wanted) if len(keys) else np.zeros(len(wanted), bool)
+    weight_gang = np.where(collective & known, gangs[found] if len(keys) else -1, -1)
     _check_shards(ganged, g, weight_gang, gang_members, weight, items, name)
     G = len(gang_members)
     combos, which = np.unique((g * num_workers + weight[ganged]) * (G + 1) + weight_gang + 1, return_inverse=True)

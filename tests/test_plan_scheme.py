@@ -8,6 +8,7 @@ import _thread
 import argparse
 import json
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -304,3 +305,17 @@ def test_a_backward_folded_over_the_workers_its_stashes_need_is_a_starting_point
     assert not [m for m in constructed_members(roomy, whole=True) if "folded" in m[0]]
     assert not [m for m in constructed_members(PlanProblem(Shape(4, 4, 8), Costs(), 2, max_stages_per_worker=2),
                                                whole=True) if "folded" in m[0]]
+
+
+def test_ctrl_c_in_the_first_in_first_out_pass_stops_the_staged_order_search(monkeypatch):
+    """The staged order search's middle pass heard Ctrl-C, and the search then ran to its whole
+    time limit saying it had not been interrupted."""
+    from unisched.plan import order
+    solve = order.solve_order
+
+    def heard_in_fifo(*args, **kwargs):
+        solved = solve(*args, **kwargs)
+        return replace(solved, interrupted=True) if kwargs.get("fifo") else solved
+    monkeypatch.setattr(order, "solve_order", heard_in_fifo)
+    result = plan(4, 4, 8, encode_costs(comm=1), memory_limit=2, time_limit=60)
+    assert result.interrupted and result.elapsed < 30

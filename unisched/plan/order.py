@@ -187,22 +187,24 @@ def solve_order_staged(
                         hint_starts=hint_starts, fifo=True, **common)
     best = min((s for s in (cold, first) if s.found), key=lambda s: s.objective, default=None)
     if first.interrupted or left() <= 0.05:
-        return _settled(best, cold, begin)
+        return _settled(best, cold, begin, interrupted=first.interrupted)
     hint = best.starts if best is not None else hint_starts
     full = solve_order(timed, compute, weight, time_limit=left(), hint_starts=hint, **common)
     best = min((s for s in (full, cold, first) if s.found), key=lambda s: s.objective, default=None)
     return _settled(best, full, begin, bound=max(full.bound, cold.bound))
 
 
-def _settled(best: Solved | None, last: Solved, begin: float, bound: int | None = None) -> Solved:
-    """The best solution of a staged search; proven where it meets a full model's bound
-    (a first-in-first-out pass proves nothing)."""
+def _settled(best: Solved | None, last: Solved, begin: float, bound: int | None = None,
+             interrupted: bool = False) -> Solved:
+    """The best solution of a staged search, interrupted where any of its stages was; proven where
+    it meets a full model's bound (a first-in-first-out pass proves nothing)."""
     bound = last.bound if bound is None else bound
     wall = time.perf_counter() - begin
+    interrupted = interrupted or last.interrupted or (best is not None and best.interrupted)
     if best is None:
-        return replace(last, wall=wall, bound=bound)
+        return replace(last, wall=wall, bound=bound, interrupted=interrupted)
     return replace(best, status="OPTIMAL" if best.objective <= bound else "FEASIBLE", bound=bound, wall=wall,
-                   interrupted=last.interrupted or best.interrupted)
+                   interrupted=interrupted)
 
 
 class Improvements(cp_model.CpSolverSolutionCallback):

@@ -248,6 +248,13 @@ def test_a_memory_limit_that_is_no_number_is_refused_by_name(limit):
         simulate(2, 2, 2, gpipe(2, 2, 2), memory_limit=limit)
 
 
+@pytest.mark.parametrize("limit", [[1e19, 1], [1e300, 1]])
+def test_a_memory_limit_beyond_any_need_plans_as_none_on_that_worker(limit):
+    """A limit past what CP-SAT holds in 64 bits raised a C++ cast error from the pooled step."""
+    result = plan(2, 2, 2, memory_limit=limit, time_limit=5)
+    assert result.optimal and result.latency == plan(2, 2, 2, memory_limit=[100, 1], time_limit=5).latency
+
+
 def topology_file(tmp_path, **changes):
     """The dgx_h100 preset with ``changes``, as a file."""
     preset = json.loads((Path(unisched.__file__).parent / "topologies" / "dgx_h100.json").read_text())

@@ -326,9 +326,15 @@ def memory_demands(timed: TimedProblem) -> tuple[dict, Ticks]:
     return demands, unit
 
 
+MOST_TICKS = 2**53
+"""The largest memory limit the CP-SAT models take, in ticks (a larger one is as good as none: more
+than a step's stashes can claim in a model whose sums CP-SAT can hold in 64 bits)."""
+
+
 def capacity(unit: Ticks, limit: float) -> int:
-    """A memory limit in the integer unit of :func:`memory_demands` (rounded down: never looser)."""
-    return int(np.floor(float(limit) * unit.scale + 1e-6))
+    """A memory limit in the integer unit of :func:`memory_demands` (rounded down: never looser),
+    at most :data:`MOST_TICKS`."""
+    return int(min(np.floor(float(limit) * unit.scale + 1e-6), MOST_TICKS))
 
 
 def live_stashes(timed: TimedProblem) -> list[tuple[int, int, int, int, int]]:

@@ -438,3 +438,18 @@ def test_the_halves_split_the_backward_as_simulate_splits_it_from_the_costs(caps
         strategy = unisched.policies.get(name, num_workers=4, num_stages=4, num_batches=8)
         python = unisched.simulate(4, 4, 8, strategy, costs=unisched.Costs(backward_input=1, backward_weight=1))
         assert code == 0 and json.loads(out)["latency"] == python.latency, name
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_outside_a_search_is_one_line_not_a_traceback(capsys, monkeypatch, as_json):
+    import unisched.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(unisched.cli, "_simulate", interrupted)  # e.g. while a strategy file imports
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", *(["--json"] if as_json else []))
+    assert code == 130 and out == "" and "Traceback" not in err
+    if as_json:
+        assert json.loads(err)["type"] == "KeyboardInterrupt"
+    else:
+        assert err == "unisched: error: interrupted (Ctrl-C) before an answer was ready\n"

@@ -80,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(_fail(str(error), as_json, type(error).__name__, prefix=f"{error.prog}: ")) from None
     except (UniSchedError, ValueError, OSError) as error:
         return _fail(str(error), as_json, type(error).__name__)
+    except KeyboardInterrupt:  # outside a search, which answers with its best so far itself
+        _fail("interrupted (Ctrl-C) before an answer was ready", as_json, "KeyboardInterrupt")
+        return 130
 
 
 class CommandLineError(UniSchedError):

@@ -303,6 +303,25 @@ def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path)
     assert "family search" not in err  # refused before the search began
 
 
+def test_plan_refuses_an_out_file_that_is_a_folder_before_planning(capsys, tmp_path):
+    folder = tmp_path / "plan.json"
+    folder.mkdir()
+    code, out, err = run(capsys, "plan", "--strategy", "gpipe", "--out", str(folder), "--time-limit", "60")
+    assert code == 2 and out == "" and f"--out {folder} is a folder" in err
+    assert "family search" not in err
+
+
+def test_plan_prints_its_answer_before_a_file_it_cannot_write(capsys, tmp_path, monkeypatch):
+    from unisched.plan.planfile import Plan
+
+    def full(self, path, **options):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Plan, "save", full)
+    code, out, err = run(capsys, "plan", "-W", "2", "-S", "2", "-B", "2", "--out", str(tmp_path / "plan.json"))
+    assert code == 2 and "No space left on device" in err
+    assert "best: " in out  # the search's answer is not lost
+
+
 def test_your_own_strategy_that_fails_is_an_error_naming_it(capsys, tmp_path):
     mine = tmp_path / "mine.py"
     mine.write_text("def crashes(work):\n    raise RuntimeError('boom')\n\n"

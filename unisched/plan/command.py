@@ -134,11 +134,12 @@ def run(args: argparse.Namespace) -> int:
         scheme=args.scheme,
         search=args.search,
     )
-    written = write_outputs(result, outputs)
     if args.json:
+        write_outputs(result, outputs)
         print(json.dumps(jsonable(summary(result)), indent=1))
         return 0
-    print(report(result, width=args.width, color=args.color))
+    print(report(result, width=args.width, color=args.color), flush=True)  # kept if a file cannot be written
+    written = write_outputs(result, outputs)
     if written:
         print()
     for path, what in written:
@@ -176,6 +177,11 @@ def _outputs(paths) -> list[str]:
         if not folder.is_dir():
             raise PlanInputError(f"--out {path}: there is no folder {str(folder)!r} to write it in; create it first, "
                                  "or name a file in a folder that exists")
+        if Path(path).is_dir():
+            raise PlanInputError(f"--out {path} is a folder; name a file in it (e.g. {Path(path) / 'plan.json'})")
+        if not os.access(Path(path) if Path(path).exists() else folder, os.W_OK):
+            raise PlanInputError(f"--out {path}: this user may not write "
+                                 f"{'it' if Path(path).exists() else 'in ' + repr(str(folder))}; name another path")
     return paths
 
 

@@ -236,6 +236,15 @@ def test_plan_numbers_that_cannot_be_planned_are_clear_errors(capsys, flags, wor
     assert err.startswith("unisched: error:") and words in err and "Traceback" not in err
 
 
+def test_limits_that_cannot_hold_one_micro_batch_together_are_refused_before_the_search(tmp_path):
+    with pytest.raises(PlanInputError, match="limits add up to 2, but every micro-batch holds all its 4 stashes"):
+        plan(4, 4, 4, memory_limit=[1, 1, 0, 0], time_limit=60)
+    sizes = Costs(activation_bytes=1e6, weight_bytes=1e7)
+    plan(2, 4, 2, sizes, memory_budget=4.2e7, time_limit=2)  # per worker; weights and gradients 8e7, stashes 4e6
+    with pytest.raises(PlanInputError, match=r"stashes one micro-batch holds at once after its last forward \(4e\+06\)"):
+        plan(2, 4, 2, sizes, memory_budget=4.1e7, time_limit=60)
+
+
 def test_plan_time_limit_from_the_api():
     for bad in (math.nan, math.inf, 0, -1, "5", True):
         with pytest.raises(UniSchedError, match="time_limit"):

@@ -314,6 +314,14 @@ class PlanProblem:
                 f"{S} stashes at once after its last forward, so some worker needs at least {need:g}; "
                 f"raise memory_limit (--memory-limit) to {need:g} or more"
             )
+        every = float(self.stash_sizes.sum())
+        together = float(self.limits().sum())
+        if together + 1e-9 < every:
+            raise PlanInputError(
+                f"infeasible: the workers' memory limits add up to {together:g}, but every micro-batch holds all its "
+                f"{S} stashes at once after its last forward ({every:g} in all); raise the limits (--memory-limit) "
+                "so that they add up to that much"
+            )
 
     def _check_budget(self) -> None:
         """A budget must hold every stage's weights and optimizer state somewhere, and its stash."""
@@ -339,6 +347,12 @@ class PlanProblem:
                 f"infeasible: the stages' weights, gradients and optimizer state take {owner.sum():.4g} bytes, more "
                 f"than the workers' memory budgets together ({budget.sum():.4g}): raise the memory budget or use more "
                 "workers"
+            )
+        if owner.sum() + stash.sum() > budget.sum() + 1e-9:
+            raise PlanInputError(
+                f"infeasible: the stages' weights, gradients and optimizer state ({owner.sum():.4g} bytes) and the "
+                f"stashes one micro-batch holds at once after its last forward ({stash.sum():.4g}) take more than the "
+                f"workers' memory budgets together ({budget.sum():.4g}): raise the memory budget or use more workers"
             )
 
     def min_memory_free(self) -> float:

@@ -56,6 +56,25 @@ def test_bad_costs_are_refused_by_name(fields, named):
         Costs(**fields)
 
 
+def test_one_half_of_the_backward_leaves_the_other_what_remains_as_the_flags_do(tmp_path, capsys):
+    """A costs file with the whole backward and one half read the other half as half of the whole
+    (backward 3, I 1: W 1.5), where the same flags give W 2; a half longer than the default whole
+    was taken, with a step longer than the pass it splits."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"backward": 3, "backward_input": 1}))
+    assert main(["simulate", "--strategy", "gpipe", "-W", "2", "--costs", str(path), "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)["latency"]
+    assert main(["simulate", "--strategy", "gpipe", "-W", "2", "--backward", "3", "--backward-input", "1",
+                 "--json"]) == 0
+    from_flags = json.loads(capsys.readouterr().out)["latency"]
+    assert main(["simulate", "--strategy", "gpipe", "-W", "2", "--backward-input", "1", "--backward-weight", "2",
+                 "--json"]) == 0
+    assert from_file == from_flags == json.loads(capsys.readouterr().out)["latency"]
+    assert Costs(backward_weight=0.5).backward_input == 1.5
+    with pytest.raises(ShapeError, match="Costs.backward 2.0 is shorter than its half backward_weight 5"):
+        Costs(backward_weight=5)
+
+
 def test_a_costs_file_with_a_null_time_is_refused(tmp_path, capsys):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"forward": None}))

@@ -166,11 +166,25 @@ class Costs:
 
     def _whole_backward(self) -> None:
         """The whole backward and its halves describe one pass: a whole left out is
-        the halves' sum (or 2), and a whole given beside both halves must equal it."""
+        the halves' sum (or 2), a whole given beside both halves must equal it, and
+        one half given leaves the other what remains of the whole (given, or 2)."""
         halves = self.backward_input, self.backward_weight
-        if any(h is None for h in halves):
+        if all(h is None for h in halves):
             if self.backward is None:
                 object.__setattr__(self, "backward", 2.0)
+            return
+        if any(h is None for h in halves):
+            name, other = ("backward_input", "backward_weight")[::1 if halves[1] is None else -1]
+            half = getattr(self, name)
+            check_per_stage(name, half)
+            whole = 2.0 if self.backward is None else self.backward
+            check_per_stage("backward", whole)
+            rest = np.asarray(whole, dtype=float) - np.asarray(half, dtype=float)
+            if np.any(rest < 0):
+                raise ShapeError(f"Costs.backward {whole!r} is shorter than its half {name} {half!r}: give both "
+                                 "halves, or a backward at least as long as the half you give")
+            object.__setattr__(self, other, float(rest) if rest.ndim == 0 else rest.tolist())
+            object.__setattr__(self, "backward", whole)
             return
         for name, value in zip(("backward_input", "backward_weight"), halves):
             check_per_stage(name, value)

@@ -371,7 +371,10 @@ def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True) -
                              f"{', '.join(clashing)} and give the sizes moved in a --costs file (activation_bytes, "
                              "weight_bytes)")
     if clashing and args.costs:
-        raise PlanInputError(f"--costs {args.costs} gives the links; drop {', '.join(clashing)} or the file")
+        raise PlanInputError(f"--costs {args.costs} and {', '.join(clashing)} do not combine: a costs file prices "
+                             "every transfer itself (latency, bandwidth, sizes, links); drop "
+                             f"{', '.join(clashing)} and give the file \"latency\" (each transfer's time when it "
+                             "gives no sizes), or give the pass times as flags beside --comm")
     try:
         if args.costs or args.topology or not (clashing or encode_free_links):
             return ClusterCosts.read(args.costs, times, args.topology)

@@ -69,8 +69,13 @@ def test_bad_files_name_the_field(tmp_path, change, field):
 
 def test_device_count_must_match_the_workers_before_any_simulation():
     costs = ClusterCosts(topology=small(nodes=2))
-    with pytest.raises(ShapeError, match="nodes=2 x devices_per_node=4 = 8 devices but the step has 6 workers"):
+    with pytest.raises(ShapeError, match="nodes=2 x devices_per_node=4 = 8 devices but the step has 6 workers; "
+                                         "use a multiple of 4 workers"):
         simulate(6, 6, 2, policies.get("gpipe", num_workers=6, num_stages=6, num_batches=2), costs=costs)
+    with pytest.raises(ShapeError, match='the step has 12 workers; set "nodes" to 3, or leave it out'):
+        costs.check(12, 12)
+    with pytest.raises(ShapeError, match='the step has 3 workers; leave "nodes" out'):
+        costs.check(3, 3)
     with pytest.raises(ShapeError, match="devices_per_node=4"):
         ClusterCosts(topology=small()).check(6, 6)
     assert ClusterCosts(topology=small()).cluster(8).nodes == 2

@@ -189,10 +189,16 @@ class Topology:
         if self.nodes is None:
             raise ShapeError(f"topology {self.name!r} gives no nodes; call sized(workers) or set \"nodes\"")
         if self.devices != num_devices:
+            per_node = self.devices_per_node
+            if num_devices % per_node == 0:
+                fix = f"set \"nodes\" to {num_devices // per_node}, or leave it out to fit the workers"
+            elif num_devices < per_node:
+                fix = "leave \"nodes\" out: the workers then take part of one node"
+            else:
+                fix = f"use a multiple of {per_node} workers, or fewer than {per_node} without \"nodes\""
             raise ShapeError(
-                f"topology {self.name or ''} has nodes={self.nodes} x devices_per_node={self.devices_per_node} = "
-                f"{self.devices} devices but the step has {num_devices} workers; set \"nodes\" to "
-                f"{num_devices / self.devices_per_node:g} or leave it out to fit the workers"
+                f"{f'topology {self.name!r}' if self.name else 'the topology'} has nodes={self.nodes} x "
+                f"devices_per_node={per_node} = {self.devices} devices but the step has {num_devices} workers; {fix}"
             )
         return self
 

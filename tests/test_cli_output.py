@@ -353,3 +353,15 @@ def test_readme_trainer_snippet_runs_on_every_rank(rank, tmp_path, monkeypatch):
     assert schedule_seen and schedule_seen[0].latency == 33
     assert [what for what, _ in checkpoints] == ["save", "load"], "every rank saves and loads (it is collective)"
     assert (tmp_path / "step.html").exists() == (rank == 0)
+
+
+def test_a_latency_above_a_bound_of_zero_is_not_said_to_be_at_it(capsys):
+    """With passes of no time and transfers of 1 the shape's bound is 0: the summary said the
+    latency was "at" it and --json gave a gap of 0."""
+    from unisched.cli import main
+
+    assert main(["simulate", "--strategy", "gpipe", "--forward", "0", "--backward", "0", "--comm", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["latency"] > 0 and result["lower_bound"] == 0 and result["gap"] is None  # infinite
+    assert main(["simulate", "--strategy", "gpipe", "--forward", "0", "--backward", "0", "--comm", "1"]) == 0
+    assert f"latency {result['latency']:g} (above 0, the shape's lower bound" in capsys.readouterr().out

@@ -585,11 +585,15 @@ def _result_json(sim) -> dict:
 
 def _table(rows: list[dict], columns) -> str:
     header = [title for title, _, _ in columns]
-    body = [[fmt.format(row[key]) for _, key, fmt in columns] for row in rows]
+    body = [[fmt.format(row[key]) if _finite(row[key]) else f"{row[key]:g}" for _, key, fmt in columns] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
     lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in body]
     return "\n".join(lines)
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _dumps(value) -> str:

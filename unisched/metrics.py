@@ -19,6 +19,8 @@ the latency, is what each step costs).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from unisched.memory import memory_curves, own_share, weights_held
@@ -38,8 +40,11 @@ STAT_COLUMNS = (
 
 
 def gap(value: float, bound: float) -> float:
-    """How far ``value`` lies above ``bound``, as a fraction of the bound (0 for a bound of 0 or less)."""
-    return (value - bound) / bound if bound > 0 else 0.0
+    """How far ``value`` lies above ``bound``, as a fraction of the bound (for a bound of 0 or less:
+    0 where ``value`` meets it, else infinite)."""
+    if bound > 0:
+        return (value - bound) / bound
+    return 0.0 if value <= bound else math.inf
 
 
 def worker_stats(timeline: Timeline) -> dict[str, list]:

@@ -294,7 +294,9 @@ class Simulation:
 
 def _above(value: float, bound: float) -> str:
     """How far ``value`` lies above ``bound``, as a fraction of it."""
-    return f"{metrics.gap(value, bound):.1%} above" if bound > 0 else "at"
+    if bound > 0:
+        return f"{metrics.gap(value, bound):.1%} above"
+    return "above" if value > bound else "at"
 
 
 def _compact(values: list) -> str:

@@ -282,6 +282,14 @@ def test_a_fixed_order_against_the_dependencies_names_each_workers_next_item_and
             "(worker 1, position 0 of its order)") in lines
 
 
+def test_numpy_integers_are_counts_like_any_other():
+    W, B = np.arange(3, 5)  # a sweep over np.arange gave numpy integers, refused as "not a positive integer"
+    strategy = unisched.policies.get("gpipe", W, W, B)
+    assert simulate(W, W, B, strategy).latency == simulate(3, 3, 4, unisched.policies.get("gpipe", 3, 3, 4)).latency
+    with pytest.raises(ShapeError, match="num_workers must be a positive integer, got np.True_"):
+        simulate(np.bool_(True), 1, 1, strategy)
+
+
 def test_memory_limit_below_one_stash_is_a_clear_error():
     with pytest.raises(UniSchedError, match="cannot hold even one stash"):
         simulate(4, 4, 8, gpipe, memory_limit=0.5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import numbers
 from typing import NamedTuple
 
 import networkx as nx
@@ -90,10 +91,11 @@ class Shape(NamedTuple):
     num_batches: int
 
     def check(self) -> "Shape":
+        """This shape, each count a positive integer (a numpy integer taken as a Python one)."""
         for name, value in zip(self._fields, self):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ShapeError(f"{name} must be a positive integer, got {value!r}")
-        return self
+        return Shape(*map(int, self))
 
 
 def backward_directions(split_backward: bool) -> tuple[Direction, ...]:

@@ -401,3 +401,12 @@ def test_constraint_checks_without_building_agree_with_building(name):
         except StrategyShapeError:
             buildable = False
         assert policies.fits(name, unisched.Shape(*shape)) == buildable, shape
+
+
+def test_fits_says_a_misfit_but_refuses_a_misspelt_or_mistyped_parameter():
+    assert not policies.fits("looped", unisched.Shape(4, 4, 8), {"group_size": 3})  # 3 does not divide 4
+    assert policies.fits("looped", unisched.Shape(4, 4, 8), {"group_size": 2})
+    with pytest.raises(StrategyParameterError, match="has no parameter 'bogus'"):
+        policies.fits("looped", unisched.Shape(4, 4, 8), {"bogus": 1})
+    with pytest.raises(StrategyParameterError, match="group_size"):
+        policies.fits("looped", unisched.Shape(4, 4, 8), {"group_size": "two"})

@@ -116,12 +116,14 @@ class Entry:
         return self.factory(*shape, **values)
 
     def fits(self, shape: Shape, params: Mapping[str, Any]) -> bool:
+        """Whether the strategy with ``params`` serves ``shape``; a parameter it does not have, or a
+        value of the wrong kind, is an error (StrategyParameterError), not a misfit."""
         try:
             if self.check is not None and not params:
                 self.check(shape)
             else:
                 self.build(shape, params)
-        except (StrategyShapeError, StrategyParameterError):
+        except StrategyShapeError:
             return False
         return True
 

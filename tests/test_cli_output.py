@@ -365,3 +365,13 @@ def test_a_latency_above_a_bound_of_zero_is_not_said_to_be_at_it(capsys):
     assert result["latency"] > 0 and result["lower_bound"] == 0 and result["gap"] is None  # infinite
     assert main(["simulate", "--strategy", "gpipe", "--forward", "0", "--backward", "0", "--comm", "1"]) == 0
     assert f"latency {result['latency']:g} (above 0, the shape's lower bound" in capsys.readouterr().out
+
+
+def test_a_strategy_drawn_with_parameters_is_titled_with_them(capsys):
+    from unisched.cli import main
+
+    assert main(["simulate", "--strategy", "looped", "--param", "group_size=2", "-B", "4"]) == 0
+    assert capsys.readouterr().out.startswith("looped(group_size=2): W=4 S=4 B=4")
+    assert main(["simulate", "--strategy", "looped(group_size=1)", "-B", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["strategy"] == "looped(group_size=1)" and result["params"] == {"group_size": 1}

@@ -548,6 +548,8 @@ def _simulate(args, name: str, params: dict, options: dict):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
         strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
+        if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
+            strategy = strategy.with_(name=label_of(name, params))
     if options["priority_order"] is not None and strategy.worker_orders is None:  # else simulate refuses it
         from unisched.simulate.priorities import priority_key
 

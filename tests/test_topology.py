@@ -265,3 +265,19 @@ def test_simulate_takes_a_topology(tmp_path, capsys):
     assert "nic.bandwidth must be a number >= 1" in capsys.readouterr().err
     assert main(["simulate", "--strategy", "gpipe", "-W", "12", "--topology", "dgx_h100"]) == 2
     assert "devices_per_node=8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(layers=0), "layers must be a positive integer, got 0"),
+    (dict(layers=-4), "layers must be a positive integer, got -4"),
+    (dict(hidden=0), "hidden must be a positive integer, got 0"),
+    (dict(sequence=2.5), "sequence must be a positive integer, got 2.5"),
+    (dict(gpu_flops=float("nan")), "gpu_flops must be a positive number"),
+])
+def test_a_transformer_of_no_layers_or_no_width_is_refused_by_name(changes, words):
+    """layers=0 simulated a step of 0 bytes; hidden=0 raised ZeroDivisionError; layers=-4 was refused
+    as a negative forward time."""
+    with pytest.raises(ShapeError, match=words):
+        Model.transformer(**{**dict(layers=4, hidden=1024, sequence=2048), **changes})
+    with pytest.raises(ShapeError, match="Model.layer_forward must be a finite number >= 0, got -1"):
+        Model(layers=2, layer_forward=-1, layer_weight_bytes=0.0, activation_bytes=0.0, layer_stash_bytes=0.0)

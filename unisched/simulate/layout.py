@@ -25,6 +25,8 @@ Symmetry
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -87,6 +89,16 @@ class Model:
     """Optimizer state per byte of weights (Adam's fp32 copy and two moments
     for bf16 weights: 12 bytes per 2-byte weight)."""
 
+    def __post_init__(self) -> None:
+        _positive_counts(Model=dict(layers=self.layers))
+        for name in ("layer_forward", "layer_weight_bytes", "activation_bytes", "layer_stash_bytes",
+                     "backward_ratio", "optimizer_bytes_per_weight_byte"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ShapeError(f"Model.{name} must be a finite number >= 0, got {value!r}")
+        if self.layer_forward == 0:
+            raise ShapeError("Model.layer_forward must be positive: a layer's forward takes time")
+
     @classmethod
     def transformer(cls, layers: int, hidden: int, sequence: int, micro_batch: int = 1,
                     gpu_flops: float = 400e12) -> "Model":
@@ -96,6 +108,10 @@ class Model:
         Using Megatron-LM", 2021); it keeps 34 s b h bytes for its backward
         with selective recomputation (Korthikanti et al., "Reducing Activation
         Recomputation in Large Transformer Models", 2022)."""
+        _positive_counts(**{"Model.transformer": dict(layers=layers, hidden=hidden, sequence=sequence,
+                                                      micro_batch=micro_batch)})
+        if isinstance(gpu_flops, bool) or not isinstance(gpu_flops, numbers.Real) or not 0 < gpu_flops < math.inf:
+            raise ShapeError(f"Model.transformer: gpu_flops must be a positive number, got {gpu_flops!r}")
         b, s, h = micro_batch, sequence, hidden
         return cls(
             layers=layers, layer_forward=24 * b * s * h * h * (1 + s / (6 * h)) / gpu_flops,
@@ -121,6 +137,14 @@ class Model:
         """Weights, gradients and optimizer state one GPU keeps (its 1/T of a stage)."""
         stage = self.layers // layout.pipeline * self.layer_weight_bytes / layout.tensor
         return stage * (2.0 + self.optimizer_bytes_per_weight_byte)
+
+
+def _positive_counts(**where: dict) -> None:
+    """Refuse any count that is not a positive integer, naming it (``where``: {who: {name: value}})."""
+    for who, counts in where.items():
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ShapeError(f"{who}: {name} must be a positive integer, got {value!r}")
 
 
 @dataclass

@@ -410,3 +410,10 @@ def test_fits_says_a_misfit_but_refuses_a_misspelt_or_mistyped_parameter():
         policies.fits("looped", unisched.Shape(4, 4, 8), {"bogus": 1})
     with pytest.raises(StrategyParameterError, match="group_size"):
         policies.fits("looped", unisched.Shape(4, 4, 8), {"group_size": "two"})
+
+
+@pytest.mark.parametrize("cutoff", ["stage_cutoff", "batch_cutoff"])
+def test_a_negative_cuckoo_cutoff_is_refused_not_run_as_gpipe(cutoff):
+    with pytest.raises(StrategyShapeError, match=f"{cutoff} must be an integer >= 0"):
+        policies.get("cuckoo", 4, 4, 8, **{cutoff: -1})
+    assert policies.get("cuckoo", 4, 4, 2).params["batch_cutoff"] == 0  # B // 2 - 2 < 0: none moves, said as 0

@@ -28,9 +28,10 @@ def cuckoo(num_workers: int, num_stages: int, num_batches: int,
             f"starts from GPipe's one stage per worker (W = S), got W={num_workers}, S={num_stages}; "
             f"set the number of workers to {num_stages}")
     stage_cutoff = num_stages // 2 + 2 if stage_cutoff is None else stage_cutoff
-    batch_cutoff = num_batches // 2 - 2 if batch_cutoff is None else batch_cutoff
+    batch_cutoff = max(0, num_batches // 2 - 2) if batch_cutoff is None else batch_cutoff
     for label, value in (("stage_cutoff", stage_cutoff), ("batch_cutoff", batch_cutoff)):
-        require(isinstance(value, int), "cuckoo", f"{label} must be an integer, got {value!r}")
+        require(isinstance(value, int) and value >= 0, "cuckoo",
+                f"{label} must be an integer >= 0 (0: no backward moves), got {value!r}")
     W = num_workers
 
     def mapping(work: Work) -> ComputeAndWeightWorkers:
@@ -80,7 +81,7 @@ CUCKOO = Entry(
     constraints="W = S",
     params=(
         Param("stage_cutoff", None, "backwards of stages below this move (default S // 2 + 2)"),
-        Param("batch_cutoff", None, "backwards of batches below this move (default B // 2 - 2)"),
+        Param("batch_cutoff", None, "backwards of batches below this move (default B // 2 - 2, at least 0)"),
     ),
 )
 OVERFLOW = Entry(

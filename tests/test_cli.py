@@ -139,6 +139,7 @@ def test_compare_takes_parameters_in_its_list(capsys):
         (["compare", "--strategies", ","], "names no strategy"),
         (["simulate", "--param", "group_size=2"], "--param needs --strategy"),
         (["simulate", "--out", "demo.png"], "--out needs --strategy"),
+        (["simulate", "--strategy", "looped(group_size=2))"], "cannot read strategy 'looped(group_size=2))'"),
         (["simulate", "--time-unit", "ms"], "--time-unit needs --strategy"),
         (["simulate", "--strategy", "looped(group_size=2)", "--param", "group_size=4"], "give it once"),
         (["plan", "--param", "group_size=2"], "--param needs --strategy"),

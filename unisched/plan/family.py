@@ -171,7 +171,7 @@ def parse_label(text: str) -> tuple[str, dict[str, str]]:
     if "(" not in text:
         return text, {}
     name, _, rest = text.partition("(")
-    if not rest.endswith(")"):
+    if not rest.endswith(")") or "(" in rest or ")" in rest[:-1]:
         raise PlanInputError(f"cannot read strategy {text!r}; write NAME or NAME(key=value, ...), e.g. looped(group_size=2)")
     params = {}
     for part in filter(None, (p.strip() for p in rest[:-1].split(","))):

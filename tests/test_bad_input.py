@@ -264,6 +264,15 @@ def test_limits_that_cannot_hold_one_micro_batch_together_are_refused_before_the
         plan(2, 4, 2, sizes, memory_budget=4.1e7, time_limit=60)
 
 
+@pytest.mark.parametrize("limit", [[[1, 2]], [[1], [2, 3]]])
+def test_a_nested_memory_limit_is_refused(limit):
+    """[[1, 2]] was read as one limit per worker, and a ragged list raised numpy's ValueError."""
+    with pytest.raises(PlanInputError, match="memory_limit must be a number or a list of numbers, one per worker"):
+        plan(2, 2, 2, memory_limit=limit, time_limit=1)
+    with pytest.raises(ShapeError, match="memory_limit"):
+        simulate(2, 2, 2, gpipe(2, 2, 2), memory_limit=limit)
+
+
 def test_plan_time_limit_from_the_api():
     for bad in (math.nan, math.inf, 0, -1, "5", True):
         with pytest.raises(UniSchedError, match="time_limit"):

@@ -435,7 +435,13 @@ def _per_worker(name: str, value, count: int, what: str = "worker"):
     if isinstance(value, (str, bytes)):
         numbers = None
     else:
-        numbers = [value] if np.ndim(value) == 0 else list(np.asarray(value, dtype=object).ravel())
+        try:
+            nested = np.ndim(value) > 1  # [[1, 2]] is no list of numbers
+            numbers = [value] if np.ndim(value) == 0 else list(np.asarray(value, dtype=object).ravel())
+        except ValueError:  # ragged nesting
+            nested = True
+        if nested:
+            numbers = None
     if numbers is None or not all(isinstance(v, (int, float, np.number)) and not isinstance(v, (bool, np.bool_))
                                   for v in numbers):
         raise PlanInputError(f"{name} must be a number or a list of numbers, one per {what}, got {value!r}")

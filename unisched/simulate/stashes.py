@@ -118,7 +118,9 @@ def _limits(memory_limit, num_workers: int) -> np.ndarray:
         limits = np.full(num_workers, float(limits))
     else:
         if limits.shape != (num_workers,):
-            raise ShapeError(f"memory_limit has {limits.size} entries but there are {num_workers} workers")
+            given = f"{limits.size} entries" if limits.ndim == 1 else f"shape {limits.shape}"
+            raise ShapeError(f"memory_limit has {given} but there are {num_workers} workers; give one number, "
+                             "or a flat list of one per worker")
     if np.any(limits < 0) or np.any(np.isnan(limits)):
         raise ShapeError(f"memory_limit must be >= 0, got {reprlib.repr(memory_limit)}")
     return limits

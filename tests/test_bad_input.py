@@ -206,6 +206,22 @@ def test_a_plan_file_for_another_world_size_or_model(tmp_path, plan_data):
 
 
 # ---------------------------------------------------------------------- shapes too large to hold
+@pytest.mark.parametrize("arguments, words", [
+    (dict(shape=(2, 2)), r"shape must be \(W, S, B\), got \(2, 2\)"),
+    (dict(shape=(2, 2, 4, 1)), r"shape must be \(W, S, B\)"),
+    (dict(shape=(2, 0, 4)), "shape's S must be a positive integer, got 0"),
+    (dict(num_workers="2"), "num_workers must be a positive integer, got '2'"),
+    (dict(num_stages=True), "num_stages must be a positive integer, got True"),
+])
+def test_load_plan_refuses_arguments_it_cannot_compare_by_name(tmp_path, plan_data, arguments, words):
+    """shape=(2, 2) raised IndexError; (2, 2, 4, 1) said "is for W=2, S=2, B=4 but W=2, S=2, B=4 was
+    asked for"; num_workers='2' said "for 2 workers but the world has 2"."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_data))
+    with pytest.raises(PlanInputError, match=words):
+        load_plan(path, **arguments)
+
+
 def test_a_huge_simulation_is_refused_up_front():
     begin = time.perf_counter()
     with pytest.raises(ShapeError, match="128,000,000 work items.*MAX_ITEMS"):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -53,7 +54,7 @@ from unisched.work import Shape, Work
 
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.mapping import class_breadth
-from unisched.plan.problem import PlanProblem
+from unisched.plan.problem import PlanInputError, PlanProblem
 from unisched.plan.schedule import Schedule
 
 FORMAT = "unisched-plan"
@@ -260,6 +261,12 @@ def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, n
     whose latency, bounds or optimality claim disagree with its replay is
     refused."""
     path = Path(path)
+    if shape is not None:
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 3:
+            raise PlanInputError(f"load_plan: shape must be (W, S, B), got {shape!r}")
+        shape = tuple(_count(f"shape's {name}", n) for name, n in zip("WSB", shape))
+    num_workers = None if num_workers is None else _count("num_workers", num_workers)
+    num_stages = None if num_stages is None else _count("num_stages", num_stages)
     try:
         data = json.loads(path.read_text())
     except OSError as error:
@@ -284,6 +291,13 @@ def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, n
             f"plan again with `unisched plan --stages {num_stages}`"
         )
     return plan
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` as a positive Python integer, or an error naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise PlanInputError(f"load_plan: {name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:

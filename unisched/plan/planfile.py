@@ -52,7 +52,7 @@ from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
 from unisched.work import Shape, Work
 
-from unisched.plan.bounds import ANY_SCHEDULE
+from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.mapping import class_breadth
 from unisched.plan.problem import PlanInputError, PlanProblem
 from unisched.plan.schedule import Schedule
@@ -351,6 +351,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     value = objective_value(replay, texts["objective"])
     optimal = optimal or bool(texts["proven_for"])  # optimal within that class
     _check_claims(source, latency, claims["latency"], value, claims["lower_bound"] or 0.0, bounds, optimal)
+    _check_shape_bounds(source, problem, bounds)
     if starts is not None:
         _check_starts(source, replay, starts)
     return Plan(
@@ -493,6 +494,21 @@ def _check_claims(source: str, latency: float, claimed: float, value: float, low
             f"{source} claims to be optimal but its lower bound {lower_bound:g} is below its value {value:g} "
             "(the planner claims optimality only when a bound reaches it); the file was edited: plan again"
         )
+
+
+def _check_shape_bounds(source: str, problem: PlanProblem, bounds: Mapping[str, float]) -> None:
+    """The work and critical-path bounds (the shape's and its costs' alone) are worked out again: a
+    file whose shape or costs were edited after planning says other ones (and its optimality was
+    proven for another problem).  A plan of one strategy's mapping keeps that mapping's memory-time
+    bound under the same name, so that one is not compared."""
+    again = shape_bounds(problem)
+    for name in ("work", "critical_path"):
+        bound = again.get(name)
+        if bound is not None and name in bounds and abs(bounds[name] - bound) > TOLERANCE * max(1.0, abs(bound)):
+            raise PlanFileError(
+                f"{source} says its bound {name} is {bounds[name]:g} but its problem gives {bound:g}; the file's "
+                "shape or costs were edited after planning: plan again (`unisched plan ... --out`)"
+            )
 
 
 def _shape(fields: Mapping, source: str) -> Shape:

@@ -155,6 +155,7 @@ def test_a_saved_plan_loads_with_its_replayed_latency(tmp_path, plan_data):
         (dict(bounds={"work": 1e6}), "bounds.work"),
         (dict(optimal=True, lower_bound=1.0), "claims to be optimal"),
         (dict(shape__num_workers=3), "says its bound work is 12 but its problem gives 8"),  # its proof was for W=2
+        (dict(starts=None), "is a version 2 plan file without its 'starts'"),
         (dict(latency="fast"), "'latency' must be a finite number"),
         (dict(optimal="yes"), "'optimal' must be true or false"),
         (dict(shape__num_batches=2.9), "num_batches must be a positive integer"),

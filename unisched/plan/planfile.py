@@ -343,6 +343,9 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     candidates = _rows(data, "candidates", ("strategy", "source"), source, CANDIDATE_NUMBERS)
     dropped = _rows(data, "dropped", ("strategy", "reason"), source)
     schedule = _schedule(problem, data["mapping"], data["orders"], source, name)
+    if data.get("version", 1) >= 2 and data.get("starts") is None:
+        raise PlanFileError(f"{source} is a version {data['version']} plan file without its 'starts' (the planned "
+                            "start times, which a replay of its orders keeps to); the file was edited: plan again")
     starts = _starts(problem, data.get("starts"), source)
     if starts is not None:
         schedule = replace(schedule, release=starts)  # replay at the planned times (Schedule.planned)

@@ -280,3 +280,13 @@ def test_plan_takes_a_memory_budget_that_rules_out_replicated_weights(tmp_path, 
     assert budgeted["plan"]["memory_budget"] == 30 and budgeted["latency"] > free["latency"]
     assert main(["plan", "-W", "2", "-S", "2", "-B", "4", "--optimizer-bytes", "5"]) == 2
     assert "give a --memory-budget too" in capsys.readouterr().err
+
+
+def test_a_time_limit_spent_before_any_seed_ran_is_named_as_the_cause():
+    """With 0.01 s the family search simulates one strategy (which deadlocks under the limit) and
+    drops the rest unsimulated; the error blamed the memory limit."""
+    from unisched.errors import UniSchedError
+
+    with pytest.raises(UniSchedError, match=r"within the time limit, so the search has no seed: \d+ of \d+ were not "
+                                            r"simulated .*raise time_limit"):
+        search(PlanProblem(Shape(8, 8, 64), encode_costs(), memory_limit=4), time_limit=0.01)

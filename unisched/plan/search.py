@@ -66,7 +66,8 @@ from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 from unisched.plan.bounds import ANY_SCHEDULE, ramp, shape_bounds
-from unisched.plan.family import Member, constructed_members, measures, registry_members, search_family, unplannable
+from unisched.plan.family import (NOT_SIMULATED, Member, constructed_members, measures, registry_members, search_family,
+                                  unplannable)
 from unisched.plan.mapping import WHOLE_SCHEME, fits
 from unisched.plan.order import capacity as stash_capacity
 from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
@@ -953,5 +954,10 @@ class _Run:
 def _nothing_runs(problem: PlanProblem, family) -> str:
     W, S, B = problem.shape
     reasons = "; ".join(f"{m.label}: {m.reason}" for m in family.dropped[:4])
+    unsimulated = sum(m.reason == NOT_SIMULATED for m in family.dropped)
+    if unsimulated:
+        return (f"no named strategy ran on W={W}, S={S}, B={B} within the time limit, so the search has no seed: "
+                f"{unsimulated} of {len(family.dropped)} were not simulated before it was spent (dropped: {reasons}); "
+                "raise time_limit (--time-limit)")
     return (f"no named strategy runs on W={W}, S={S}, B={B} under these limits, so the search has no seed"
             + (f" (dropped: {reasons})" if reasons else "") + "; raise memory_limit (--memory-limit) or allow more stages per worker")

@@ -186,7 +186,7 @@ def summarize(cases: list[tuple[int, Case]], seconds: float, reference: float = 
             long, _ = run(case, reference)
             best = min(long.latency, result.latency)
             worst = max(worst, result.latency / best - 1)
-            line += (f"  {best:>5g} {long.lower_bound:>5g} {'proven' if long.optimal else '':<6} "
+            line += (f"  {best:>5g} {long.lower_bound:>5g} {'proven ' + short_class(long.proven_for) if long.optimal else '':<12} "
                      f"{result.latency / best - 1:>6.1%}")
         print(line.rstrip(), flush=True)
         if result.optimal:

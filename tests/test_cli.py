@@ -4,9 +4,11 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import unisched
 from unisched.cli import main
 
 
@@ -295,6 +297,16 @@ def test_simulate_topology_flag_replaces_the_costs_files_topology(capsys, tmp_pa
                          "--json")
     assert code == 0, err
     assert json.loads(out)["topology"]["name"] == "dgx_a100"
+
+
+def test_a_costs_file_reads_the_topology_file_it_names_from_its_own_folder(capsys, tmp_path, monkeypatch):
+    preset = json.loads((Path(unisched.__file__).parent / "topologies" / "dgx_h100.json").read_text())
+    (tmp_path / "mine.json").write_text(json.dumps({**preset, "name": "mine"}))
+    (tmp_path / "costs.json").write_text(json.dumps({"topology": "mine.json", "activation_bytes": 1e6}))
+    monkeypatch.chdir(tmp_path.parent)  # not the costs file's folder
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--costs", str(tmp_path / "costs.json"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["topology"]["name"] == "mine"
 
 
 def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path):

@@ -365,6 +365,9 @@ class Costs:
             raise ShapeError(f"cannot read costs file {path}: {error}") from error
         if not isinstance(data, dict):
             raise ShapeError(f"costs file {path} must hold a JSON object")
+        named = data.get("topology")
+        if isinstance(named, str) and (Path(path).parent / named).is_file():  # a file beside it, not a preset
+            data["topology"] = str(Path(path).parent / named)
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as error:

@@ -308,14 +308,17 @@ def test_a_backward_folded_over_the_workers_its_stashes_need_is_a_starting_point
 
 
 def test_ctrl_c_in_the_first_in_first_out_pass_stops_the_staged_order_search(monkeypatch):
-    """The staged order search's middle pass heard Ctrl-C, and the search then ran to its whole
-    time limit saying it had not been interrupted."""
+    """The staged order search's middle pass heard Ctrl-C, and the search then went on to its full
+    model and answered as if it had not been interrupted."""
     from unisched.plan import order
-    solve = order.solve_order
+    calls = []
 
-    def heard_in_fifo(*args, **kwargs):
-        solved = solve(*args, **kwargs)
-        return replace(solved, interrupted=True) if kwargs.get("fifo") else solved
-    monkeypatch.setattr(order, "solve_order", heard_in_fifo)
-    result = plan(4, 4, 8, encode_costs(comm=1), memory_limit=2, time_limit=60)
-    assert result.interrupted and result.elapsed < 30
+    def solve(timed, compute, weight, *, time_limit, fifo=False, **kwargs):
+        calls.append("fifo" if fifo else "full")
+        return order.Solved("FEASIBLE", np.zeros(timed.problem.num_items), compute, weight, 50, 30, 0.0,
+                            interrupted=fifo)
+    monkeypatch.setattr(order, "solve_order", solve)
+    problem = PlanProblem(Shape(4, 4, 8), encode_costs(comm=1), memory_limit=2)
+    compute, weight = mapping_of(problem, policies.get("one_f_one_b", 4, 4, 8))
+    solved = order.solve_order_staged(TimedProblem.build(problem), compute, weight, time_limit=60)
+    assert calls == ["full", "fifo"] and solved.interrupted

@@ -288,6 +288,10 @@ def test_numpy_integers_are_counts_like_any_other():
     assert simulate(W, W, B, strategy).latency == simulate(3, 3, 4, unisched.policies.get("gpipe", 3, 3, 4)).latency
     with pytest.raises(ShapeError, match="num_workers must be a positive integer, got np.True_"):
         simulate(np.bool_(True), 1, 1, strategy)
+    from unisched.policies.pipeline import interleaved
+    from unisched.policies.seed import cuckoo
+    assert cuckoo(*np.array([4, 4, 8])).params == {"stage_cutoff": 4, "batch_cutoff": 2}  # it refused its defaults
+    assert type(interleaved(*np.array([2, 4, 8])).params["virtual_stages"]) is int  # JSON takes it
 
 
 def test_memory_limit_below_one_stash_is_a_clear_error():

@@ -160,7 +160,7 @@ def plan(
     if search not in SEARCHES:
         raise PlanInputError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
     begin = time.perf_counter()
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     if costs is not None and not isinstance(costs, Costs):
         raise PlanInputError(f"costs must be a unisched.Costs, got {type(costs).__name__}")
     costs = (costs or Costs()).check(num_workers, num_stages)

@@ -179,8 +179,7 @@ class PlanProblem:
     objective: str = "latency"
 
     def __post_init__(self):
-        Shape(*self.shape).check()
-        object.__setattr__(self, "shape", Shape(*self.shape))
+        object.__setattr__(self, "shape", Shape(*self.shape).check())
         object.__setattr__(self, "costs", _infinite_links(self.costs))
         W, S = self.shape.num_workers, self.shape.num_stages
         object.__setattr__(self, "memory_limit", _per_worker("memory_limit", self.memory_limit, W))

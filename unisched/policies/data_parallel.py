@@ -21,7 +21,7 @@ from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 def ddp(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """Distributed data parallel: worker b computes batch b with its own replica."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     require(num_workers == num_batches, "ddp",
             f"needs one micro-batch per worker (W = B), got W={num_workers}, B={num_batches}; "
             f"set the number of micro-batches to {num_workers}")
@@ -39,7 +39,7 @@ def ddp(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
 def fsdp(num_workers: int, num_stages: int, num_batches: int, shard: bool = False) -> Strategy:
     """Fully sharded data parallel: worker b computes batch b, stage s's
     weights live on s mod W, or (``shard``) in W shards, one on each worker."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     require(num_workers == num_batches, "fsdp",
             f"needs one micro-batch per worker (W = B), got W={num_workers}, B={num_batches}; "
             f"set the number of micro-batches to {num_workers}")

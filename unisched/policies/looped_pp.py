@@ -56,7 +56,7 @@ def fully_sharded_looped(num_workers: int, num_stages: int, num_batches: int,
 def looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """Stage s on worker s mod W; every forward before any backward, lowest stage first forward,
     highest stage first backward."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     require(num_stages % num_workers == 0, "looped_bfs",
             f"puts stages s, s + W, ... on worker s, so S must be a multiple of W; got S={num_stages}, "
             f"W={num_workers}")
@@ -83,7 +83,7 @@ def _h(R: int, W: int):
 
 
 def _looped_shape(name: str, W: int, S: int, B: int, group_size: int | None) -> tuple[Shape, int]:
-    shape = Shape(W, S, B).check()
+    W, S, B = shape = Shape(W, S, B).check()
     R = group_size if group_size is not None else max(d for d in divisors(W) if d <= S)
     require(isinstance(R, int) and R >= 1, name, f"group_size must be a positive integer, got {R!r}")
     require(W % R == 0, name,

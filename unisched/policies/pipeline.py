@@ -28,7 +28,7 @@ GPIPE_PRIORITIES = ("oldest_batch_first", "oldest_stage_first")
 
 def gpipe(num_workers: int, num_stages: int, num_batches: int, priority: str = "oldest_batch_first") -> Strategy:
     """Stage s on worker s, holding its own weights."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("gpipe", shape)
     mapping, map_arrays = stage_modulo_workers(num_workers)
     return Strategy(
@@ -45,7 +45,7 @@ def gpipe(num_workers: int, num_stages: int, num_batches: int, priority: str = "
 def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """GPipe's mapping in 1F1B's order: S - s warm-up forwards on stage s's
     worker, then one backward one forward; it holds at most S - s stashes."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     _one_stage_per_worker("one_f_one_b", shape)
     mapping, map_arrays = stage_modulo_workers(num_workers)
     s = np.arange(num_workers)
@@ -63,7 +63,7 @@ def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy
 
 def interleaved(num_workers: int, num_stages: int, num_batches: int, virtual_stages: int | None = None) -> Strategy:
     """v = S / W stages per worker (stage s on worker s mod W), in Megatron-LM's interleaved 1F1B order."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     v = num_stages // num_workers
     require(num_stages % num_workers == 0 and v >= 1, "interleaved",
             f"needs S = v * W stages (v virtual stages per worker), got S={num_stages}, W={num_workers}; "

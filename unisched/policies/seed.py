@@ -23,7 +23,7 @@ from unisched.work import FORWARD, ComputeAndWeightWorkers, Shape, Work
 def cuckoo(num_workers: int, num_stages: int, num_batches: int,
            stage_cutoff: int | None = None, batch_cutoff: int | None = None) -> Strategy:
     """GPipe, except B(s, b) with s < stage_cutoff and b < batch_cutoff runs on worker W - s - 1."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     require(num_workers == num_stages, "cuckoo",
             f"starts from GPipe's one stage per worker (W = S), got W={num_workers}, S={num_stages}; "
             f"set the number of workers to {num_stages}")
@@ -50,7 +50,7 @@ def cuckoo(num_workers: int, num_stages: int, num_batches: int,
 
 def overflow(num_workers: int, num_stages: int, num_batches: int, stages: int | None = None) -> Strategy:
     """GPipe on workers 0..S-1; B(s, b) for the first ``stages`` stages on extra worker S + (s mod E)."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     extra = num_workers - num_stages
     require(extra >= 1, "overflow",
             f"needs extra workers beyond one per stage (W > S), got W={num_workers}, S={num_stages}; "

@@ -96,7 +96,7 @@ def schedule_interleaved_1f1b(num_workers: int, num_stages: int, num_batches: in
 def schedule_looped_bfs(num_workers: int, num_stages: int, num_batches: int) -> Strategy:
     """torch's ``ScheduleLoopedBFS``: each local stage for every micro-batch in
     turn, then the backwards from the last local stage and the last micro-batch."""
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     require(num_stages % num_workers == 0, "ScheduleLoopedBFS",
             f"puts stages r, r + W, ... on rank r, so S must be a multiple of W; got S={num_stages}, W={num_workers}")
 
@@ -165,7 +165,7 @@ def _interleaved_orders(p: int, v: int, m: int, per_round: int, zero_bubble: boo
 
 # ---------------------------------------------------------------------- shapes, placements, the strategy
 def _interleaved_shape(name: str, W: int, S: int, B: int) -> tuple[Shape, int, int]:
-    shape = Shape(W, S, B).check()
+    W, S, B = shape = Shape(W, S, B).check()
     require(S % W == 0, name,
             f"puts stages r, r + W, ... on rank r, so S must be a multiple of W; got S={S}, W={W}")
     rounds = max(1, B // W)

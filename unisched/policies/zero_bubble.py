@@ -187,13 +187,13 @@ def _dualpipe_v_shape(shape: Shape) -> Shape:
 
 
 def _pipeline_shape(name: str, W: int, S: int, B: int) -> Shape:
-    shape = Shape(W, S, B).check()
+    W, S, B = shape = Shape(W, S, B).check()
     require(W == S, name, f"needs one stage per worker (W = S), got W={W}, S={S}; set the number of workers to {S}")
     return shape
 
 
 def _v_shape(name: str, W: int, S: int, B: int) -> Shape:
-    shape = Shape(W, S, B).check()
+    W, S, B = shape = Shape(W, S, B).check()
     require(S == 2 * W, name,
             f"places two stages per worker in a V (stage s and 2W - 1 - s on worker s), so S must be 2W; "
             f"got W={W}, S={S}: use an even number of stages and W = S / 2 workers")

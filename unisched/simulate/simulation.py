@@ -51,7 +51,7 @@ def simulate(
     time its halves (``backward_input``/``backward_weight``, as ``plan``
     decides) and the strategy fixes no order of its own.
     """
-    shape = Shape(num_workers, num_stages, num_batches).check()
+    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     strategy = as_strategy(schedule)
     if strategy.shape is not None and tuple(strategy.shape) != tuple(shape):
         raise ShapeError(

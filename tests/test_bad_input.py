@@ -73,6 +73,10 @@ def test_one_half_of_the_backward_leaves_the_other_what_remains_as_the_flags_do(
     assert Costs(backward_weight=0.5).backward_input == 1.5
     with pytest.raises(ShapeError, match="Costs.backward 2.0 is shorter than its half backward_weight 5"):
         Costs(backward_weight=5)
+    with pytest.raises(ShapeError, match="Costs.backward has 3 entries but Costs.backward_input has 2"):
+        Costs(backward=[3, 3, 3], backward_input=[1, 1])
+    assert Costs(backward=0.3, backward_input=0.1 + 0.2).backward_weight == 0.0  # round-off, not a longer half
+    assert Costs(backward=3).with_times(backward_input=1).backward_weight == 2.0  # the flags' rule, the same one
 
 
 def test_a_costs_file_with_a_null_time_is_refused(tmp_path, capsys):

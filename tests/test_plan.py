@@ -458,7 +458,7 @@ def test_plan_command_rejects_zero_and_impossible_split(capsys):
     assert main(["plan", "-W", "0"]) == 2
     assert "positive integer" in capsys.readouterr().err
     assert main(["plan", "-W", "2", "-S", "2", "-B", "2", "--backward-weight", "3"]) == 2
-    assert "the backward 2.0 is shorter than its half backward_weight 3" in capsys.readouterr().err
+    assert "Costs.backward 2.0 is shorter than its half backward_weight 3" in capsys.readouterr().err
 
 
 def test_plan_file_with_a_list_for_its_shape_is_malformed(tmp_path):

@@ -87,9 +87,11 @@ class Costs:
     """A whole backward (default: the sum of the two halves when both are
     given, else 2); where the halves are given too, it must be their sum."""
     backward_input: PerStage | None = None
-    """Input-gradient half of a split backward (default: half of ``backward``)."""
+    """Input-gradient half of a split backward (default: what ``backward`` leaves beside the
+    weight-gradient half where that one is given, else half of ``backward``)."""
     backward_weight: PerStage | None = None
-    """Weight-gradient half of a split backward (default: half of ``backward``)."""
+    """Weight-gradient half of a split backward (default: what ``backward`` leaves beside the
+    input-gradient half where that one is given, else half of ``backward``)."""
     worker_speed: Sequence[float] | None = None
     """Relative speed per worker: a duration on worker w is divided by speed[w]."""
     activation_bytes: PerStage = 0.0
@@ -176,22 +178,21 @@ class Costs:
         if any(h is None for h in halves):
             name, other = ("backward_input", "backward_weight")[::1 if halves[1] is None else -1]
             half = getattr(self, name)
-            check_per_stage(name, half)
             whole = 2.0 if self.backward is None else self.backward
-            check_per_stage("backward", whole)
+            for field_name, value in ((name, half), ("backward", whole)):
+                check_per_stage(field_name, value)
+            _same_length("backward", whole, name, half)
             rest = np.asarray(whole, dtype=float) - np.asarray(half, dtype=float)
-            if np.any(rest < 0):
+            if np.any(rest < -1e-9 * np.maximum(1.0, np.abs(whole))):
                 raise ShapeError(f"Costs.backward {whole!r} is shorter than its half {name} {half!r}: give both "
                                  "halves, or a backward at least as long as the half you give")
+            rest = np.maximum(rest, 0.0)  # round-off of a half that is the whole
             object.__setattr__(self, other, float(rest) if rest.ndim == 0 else rest.tolist())
             object.__setattr__(self, "backward", whole)
             return
         for name, value in zip(("backward_input", "backward_weight"), halves):
             check_per_stage(name, value)
-        shapes = [np.shape(h) for h in halves]
-        if () not in shapes and shapes[0] != shapes[1]:
-            raise ShapeError(f"Costs.backward_input has {shapes[0][0]} entries but Costs.backward_weight has "
-                             f"{shapes[1][0]}: give both halves per stage, one entry for each stage")
+        _same_length("backward_input", halves[0], "backward_weight", halves[1])
         total = np.add(*(np.asarray(h, dtype=float) for h in halves))
         if self.backward is None:
             object.__setattr__(self, "backward", float(total) if total.ndim == 0 else total.tolist())
@@ -215,16 +216,10 @@ class Costs:
         changes = {} if forward is None else {"forward": forward}
         halves = {name: value for name, value in (("backward_input", backward_input),
                                                   ("backward_weight", backward_weight)) if value is not None}
-        if len(halves) == 1:
-            (name, half), = halves.items()
-            whole = self.backward if backward is None else backward
-            rest = np.asarray(whole, dtype=float) - np.asarray(half, dtype=float)
-            if np.any(rest < 0):
-                raise ShapeError(f"the backward {whole!r} is shorter than its half {name} {half!r}: give both "
-                                 "halves, or a backward at least as long as the half you give")
-            other = "backward_weight" if name == "backward_input" else "backward_input"
-            halves[other] = float(rest) if rest.ndim == 0 else rest.tolist()
-        if halves:
+        if len(halves) == 1:  # the other half is what the whole leaves (the rule of __post_init__)
+            other = "backward_weight" if "backward_input" in halves else "backward_input"
+            changes.update(halves, **{other: None}, backward=self.backward if backward is None else backward)
+        elif halves:
             changes.update(halves, backward=backward)  # None: their sum
         elif backward is not None:
             changes.update(backward=backward, backward_input=None, backward_weight=None)
@@ -375,6 +370,13 @@ class Costs:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _same_length(name: str, value: PerStage, other_name: str, other: PerStage) -> None:
+    """Two per-stage fields given as lists must give one entry per stage alike."""
+    if np.ndim(value) and np.ndim(other) and np.shape(value) != np.shape(other):
+        raise ShapeError(f"Costs.{name} has {np.shape(value)[0]} entries but Costs.{other_name} has "
+                         f"{np.shape(other)[0]}: give both per stage, one entry for each stage")
 
 
 def _kinds_of(cls: type) -> list[type]:

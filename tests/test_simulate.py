@@ -280,6 +280,10 @@ def test_a_fixed_order_against_the_dependencies_names_each_workers_next_item_and
             "(worker 1, position 1 of its order)") in lines
     assert ("  worker 0: B(stage 0, batch 0) (position 1 of its order) waits for B(stage 1, batch 0) "
             "(worker 1, position 0 of its order)") in lines
+    with pytest.raises(DeadlockError) as roomy:  # memory to spare: the order, not the memory, is to blame
+        simulate(2, 2, 2, stage_owner.with_(worker_orders=orders), memory_limit=100)
+    assert str(roomy.value).splitlines()[1:3] == lines[1:3]
+    assert "respects the dependencies" in str(roomy.value) and "raise the memory limit" not in str(roomy.value)
 
 
 def test_numpy_integers_are_counts_like_any_other():

@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         search=args.search,
     )
     if args.json:
+        print(json.dumps(jsonable(summary(result)), indent=1), flush=True)  # kept if a file cannot be written
         write_outputs(result, outputs)
-        print(json.dumps(jsonable(summary(result)), indent=1))
         return 0
     print(report(result, width=args.width, color=args.color), flush=True)  # kept if a file cannot be written
     written = write_outputs(result, outputs)
@@ -371,10 +371,13 @@ def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True) -
                              f"{', '.join(clashing)} and give the sizes moved in a --costs file (activation_bytes, "
                              "weight_bytes)")
     if clashing and args.costs:
+        instead = {"--comm": "\"latency\" (each transfer's time where it gives no sizes)",
+                   "--fetch": "\"weight_bytes\" and \"bandwidth\" (a weight fetch takes latency + weight_bytes / "
+                              "bandwidth)"}
         raise PlanInputError(f"--costs {args.costs} and {', '.join(clashing)} do not combine: a costs file prices "
-                             "every transfer itself (latency, bandwidth, sizes, links); drop "
-                             f"{', '.join(clashing)} and give the file \"latency\" (each transfer's time when it "
-                             "gives no sizes), or give the pass times as flags beside --comm")
+                             f"every transfer itself (latency, bandwidth, sizes, links); drop {', '.join(clashing)} "
+                             f"and give the file {' and '.join(instead[flag] for flag in clashing)}, or give the "
+                             "pass times as flags instead of the file")
     try:
         if args.costs or args.topology or not (clashing or encode_free_links):
             return ClusterCosts.read(args.costs, times, args.topology)

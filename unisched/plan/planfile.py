@@ -501,16 +501,17 @@ def _check_claims(source: str, latency: float, claimed: float, value: float, low
 
 def _check_shape_bounds(source: str, problem: PlanProblem, bounds: Mapping[str, float]) -> None:
     """The work and critical-path bounds (the shape's and its costs' alone) are worked out again: a
-    file whose shape or costs were edited after planning says other ones (and its optimality was
-    proven for another problem).  A plan of one strategy's mapping keeps that mapping's memory-time
-    bound under the same name, so that one is not compared."""
+    file that states more than its problem gives had its shape or costs edited after planning (and
+    its optimality was proven for another problem).  Less is no false claim (an earlier unisched
+    worked out some bounds more loosely).  A plan of one strategy's mapping keeps that mapping's
+    memory-time bound under the same name, so that one is not compared."""
     again = shape_bounds(problem)
     for name in ("work", "critical_path"):
         bound = again.get(name)
-        if bound is not None and name in bounds and abs(bounds[name] - bound) > TOLERANCE * max(1.0, abs(bound)):
+        if bound is not None and name in bounds and bounds[name] > bound + TOLERANCE * max(1.0, abs(bound)):
             raise PlanFileError(
-                f"{source} says its bound {name} is {bounds[name]:g} but its problem gives {bound:g}; the file's "
-                "shape or costs were edited after planning: plan again (`unisched plan ... --out`)"
+                f"{source} says its bound {name} is {bounds[name]:g} but its problem gives only {bound:g}; the "
+                "file's shape or costs were edited after planning: plan again (`unisched plan ... --out`)"
             )
 
 

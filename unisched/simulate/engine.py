@@ -473,10 +473,11 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
                     f"{waiting} wait(s) for activation memory on worker {storage} "
                     f"(limit {p.limit[storage]:g}, holding the stashes of {holds or 'nothing'}); "
                 )
+    waits_on_memory = bool(blocked)
     if not blocked:
         blocked = _stuck_heads(p, remaining)
     lines = "\n".join(f"  worker {w}: {text.rstrip('; ')}" for w, text in sorted(blocked.items()))
-    if memory is None:
+    if not waits_on_memory:
         hint = "check that each worker's fixed order respects the dependencies between work items"
     elif np.any(p.next_fixed >= 0):
         hint = ("raise the memory limit of the workers named (the strategy fixes each worker's order: "
@@ -492,8 +493,8 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
 
 
 def _stuck_heads(p: Problem, remaining) -> dict[int, str]:
-    """Per worker with work left (no memory limit, so every item whose dependencies ended has run):
-    the first item left in its fixed order, and the items it still waits for."""
+    """Per worker with work left, where nothing waits for memory (so every item whose dependencies
+    ended has run): the first item left in its fixed order, and the items it still waits for."""
     unfinished = np.asarray(remaining) > 0
     followed = np.zeros(p.num_items, dtype=bool)
     followed[p.next_fixed[p.next_fixed >= 0]] = True

@@ -187,7 +187,8 @@ class Topology:
     def check(self, num_devices: int) -> "Topology":
         """Refuse a topology whose device count is not ``num_devices``."""
         if self.nodes is None:
-            raise ShapeError(f"topology {self.name!r} gives no nodes; call sized(workers) or set \"nodes\"")
+            raise ShapeError(f"{self._called} gives no nodes; "
+                             "call sized(workers) or set \"nodes\"")
         if self.devices != num_devices:
             per_node = self.devices_per_node
             if num_devices % per_node == 0:
@@ -197,10 +198,15 @@ class Topology:
             else:
                 fix = f"use a multiple of {per_node} workers, or fewer than {per_node} without \"nodes\""
             raise ShapeError(
-                f"{f'topology {self.name!r}' if self.name else 'the topology'} has nodes={self.nodes} x "
+                f"{self._called} has nodes={self.nodes} x "
                 f"devices_per_node={per_node} = {self.devices} devices but the step has {num_devices} workers; {fix}"
             )
         return self
+
+    @property
+    def _called(self) -> str:
+        """How messages name this topology."""
+        return f"topology {self.name!r}" if self.name else "the topology"
 
     def _replace(self, **changes) -> "Topology":
         from dataclasses import replace

@@ -47,6 +47,13 @@ def gap(value: float, bound: float) -> float:
     return 0.0 if value <= bound else math.inf
 
 
+def above(value: float, bound: float) -> str:
+    """How far ``value`` lies above ``bound``, in words: "12.5% above", "above" (a bound of 0), "at"."""
+    if value <= bound:
+        return "at"
+    return f"{gap(value, bound):.1%} above" if bound > 0 else "above"
+
+
 def worker_stats(timeline: Timeline) -> dict[str, list]:
     """Column name -> list indexed by worker (columns in ``STAT_COLUMNS``)."""
     t, tr, n = timeline, timeline.transfers, timeline.num_workers

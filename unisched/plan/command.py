@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from unisched.render.text import add_color_arguments
+from unisched import metrics
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
@@ -314,7 +315,7 @@ def _claim(result: Plan) -> str:
     claimed = result.claimed_class()
     if claimed == ANY_SCHEDULE:
         return "proven optimal"
-    above = f"{result.gap:.1%} above the lower bound {result.lower_bound:g}"
+    above = f"{metrics.above(result.value, result.lower_bound)} the lower bound {result.lower_bound:g}"
     unbeaten = result.unbeaten_in()
     if unbeaten:
         above += f"; none of the {unbeaten} is shorter (proven)"

@@ -256,7 +256,7 @@ class Simulation:
         stats = self.worker_stats()
         lines = [
             f"{self.strategy.name}: W={self.shape.num_workers} S={self.shape.num_stages} B={self.shape.num_batches}",
-            f"  latency {self.latency:g} ({_above(self.latency, self.lower_bounds['shape'])} "
+            f"  latency {self.latency:g} ({metrics.above(self.latency, self.lower_bounds['shape'])} "
             f"{self.lower_bounds['shape']:g}, the shape's lower bound; this run's own {self.lower_bound:g})",
             f"  throughput {self.throughput:.4g} micro-batches/time, bubble {self.bubble_fraction:.1%}",
             f"  peak activations per worker {_compact(stats['max_activation_storage'])}",
@@ -290,13 +290,6 @@ class Simulation:
 
     def save(self, path, **options) -> None:
         self.timeline.save(path, **options)
-
-
-def _above(value: float, bound: float) -> str:
-    """How far ``value`` lies above ``bound``, as a fraction of it."""
-    if bound > 0:
-        return f"{metrics.gap(value, bound):.1%} above"
-    return "above" if value > bound else "at"
 
 
 def _compact(values: list) -> str:

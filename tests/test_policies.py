@@ -414,6 +414,8 @@ def test_fits_says_a_misfit_but_refuses_a_misspelt_or_mistyped_parameter():
 
 @pytest.mark.parametrize("cutoff", ["stage_cutoff", "batch_cutoff"])
 def test_a_negative_cuckoo_cutoff_is_refused_not_run_as_gpipe(cutoff):
-    with pytest.raises(StrategyShapeError, match=f"{cutoff} must be an integer >= 0"):
+    with pytest.raises(StrategyParameterError, match=f"{cutoff} must be an integer >= 0"):
         policies.get("cuckoo", 4, 4, 8, **{cutoff: -1})
+    with pytest.raises(StrategyParameterError):
+        policies.fits("cuckoo", unisched.Shape(4, 4, 8), {cutoff: -1})
     assert policies.get("cuckoo", 4, 4, 2).params["batch_cutoff"] == 0  # B // 2 - 2 < 0: none moves, said as 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.policies._registry import Entry, Param, require
+from unisched.policies._registry import Entry, Param, StrategyParameterError, require
 from unisched.strategy import Strategy
 from unisched.work import FORWARD, ComputeAndWeightWorkers, Shape, Work
 
@@ -30,8 +30,9 @@ def cuckoo(num_workers: int, num_stages: int, num_batches: int,
     stage_cutoff = num_stages // 2 + 2 if stage_cutoff is None else stage_cutoff
     batch_cutoff = max(0, num_batches // 2 - 2) if batch_cutoff is None else batch_cutoff
     for label, value in (("stage_cutoff", stage_cutoff), ("batch_cutoff", batch_cutoff)):
-        require(isinstance(value, int) and value >= 0, "cuckoo",
-                f"{label} must be an integer >= 0 (0: no backward moves), got {value!r}")
+        if not isinstance(value, int) or value < 0:  # whatever the shape: a bad value, not a misfit
+            raise StrategyParameterError(
+                f"strategy 'cuckoo': {label} must be an integer >= 0 (0: no backward moves), got {value!r}")
     W = num_workers
 
     def mapping(work: Work) -> ComputeAndWeightWorkers:

@@ -231,7 +231,7 @@ def test_load_plan_refuses_arguments_it_cannot_compare_by_name(tmp_path, plan_da
     asked for"; num_workers='2' said "for 2 workers but the world has 2"."""
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan_data))
-    with pytest.raises(PlanInputError, match=words):
+    with pytest.raises(ShapeError, match=words):  # PlanInputError for the shape's length, a ShapeError
         load_plan(path, **arguments)
 
 

@@ -92,10 +92,15 @@ class Shape(NamedTuple):
 
     def check(self) -> "Shape":
         """This shape, each count a positive integer (a numpy integer taken as a Python one)."""
-        for name, value in zip(self._fields, self):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-                raise ShapeError(f"{name} must be a positive integer, got {value!r}")
-        return Shape(*map(int, self))
+        return Shape(*(positive_count(name, value) for name, value in zip(self._fields, self)))
+
+
+def positive_count(name: str, value, where: str = "") -> int:
+    """``value`` as a positive Python integer (a numpy one taken as such), or an error naming it
+    (after ``where``, e.g. the function it was given to)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:  # numpy's bool is no Integral
+        raise ShapeError(f"{where}{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def backward_directions(split_backward: bool) -> tuple[Direction, ...]:

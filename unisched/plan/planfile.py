@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -50,7 +49,7 @@ from unisched.metrics import gap, stage_spans
 from unisched.render import FORMATS
 from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
-from unisched.work import Shape, Work
+from unisched.work import Shape, Work, positive_count
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.mapping import class_breadth
@@ -262,11 +261,11 @@ def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, n
     refused."""
     path = Path(path)
     if shape is not None:
-        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 3:
+        if isinstance(shape, (str, bytes)) or np.ndim(shape) != 1 or len(shape) != 3:
             raise PlanInputError(f"load_plan: shape must be (W, S, B), got {shape!r}")
-        shape = tuple(_count(f"shape's {name}", n) for name, n in zip("WSB", shape))
-    num_workers = None if num_workers is None else _count("num_workers", num_workers)
-    num_stages = None if num_stages is None else _count("num_stages", num_stages)
+        shape = tuple(positive_count(f"shape's {name}", n, "load_plan: ") for name, n in zip("WSB", shape))
+    num_workers = None if num_workers is None else positive_count("num_workers", num_workers, "load_plan: ")
+    num_stages = None if num_stages is None else positive_count("num_stages", num_stages, "load_plan: ")
     try:
         data = json.loads(path.read_text())
     except OSError as error:
@@ -291,13 +290,6 @@ def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, n
             f"plan again with `unisched plan --stages {num_stages}`"
         )
     return plan
-
-
-def _count(name: str, value: Any) -> int:
-    """``value`` as a positive Python integer, or an error naming it."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise PlanInputError(f"load_plan: {name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:

@@ -38,7 +38,7 @@ from unisched.simulate.simulation import Simulation, simulate
 from unisched.dataflow import Items
 from unisched.strategy import Gang, Strategy, WorkerOrders, works
 from unisched.topology import ClusterCosts, Topology
-from unisched.work import ComputeAndWeightWorkers, Shape, Work
+from unisched.work import ComputeAndWeightWorkers, Shape, Work, positive_count
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Model:
     for bf16 weights: 12 bytes per 2-byte weight)."""
 
     def __post_init__(self) -> None:
-        _positive_counts(Model=dict(layers=self.layers))
+        positive_count("layers", self.layers, "Model: ")
         for name in ("layer_forward", "layer_weight_bytes", "activation_bytes", "layer_stash_bytes",
                      "backward_ratio", "optimizer_bytes_per_weight_byte"):
             value = getattr(self, name)
@@ -108,8 +108,8 @@ class Model:
         Using Megatron-LM", 2021); it keeps 34 s b h bytes for its backward
         with selective recomputation (Korthikanti et al., "Reducing Activation
         Recomputation in Large Transformer Models", 2022)."""
-        _positive_counts(**{"Model.transformer": dict(layers=layers, hidden=hidden, sequence=sequence,
-                                                      micro_batch=micro_batch)})
+        for name, count in (("layers", layers), ("hidden", hidden), ("sequence", sequence), ("micro_batch", micro_batch)):
+            positive_count(name, count, "Model.transformer: ")
         if isinstance(gpu_flops, bool) or not isinstance(gpu_flops, numbers.Real) or not 0 < gpu_flops < math.inf:
             raise ShapeError(f"Model.transformer: gpu_flops must be a positive number, got {gpu_flops!r}")
         b, s, h = micro_batch, sequence, hidden
@@ -137,14 +137,6 @@ class Model:
         """Weights, gradients and optimizer state one GPU keeps (its 1/T of a stage)."""
         stage = self.layers // layout.pipeline * self.layer_weight_bytes / layout.tensor
         return stage * (2.0 + self.optimizer_bytes_per_weight_byte)
-
-
-def _positive_counts(**where: dict) -> None:
-    """Refuse any count that is not a positive integer, naming it (``where``: {who: {name: value}})."""
-    for who, counts in where.items():
-        for name, value in counts.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-                raise ShapeError(f"{who}: {name} must be a positive integer, got {value!r}")
 
 
 @dataclass

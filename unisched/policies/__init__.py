@@ -92,7 +92,7 @@ def get(
         raise StrategyParameterError(
             f"strategy {found.name!r} needs the shape; give {', '.join(missing)}"
         )
-    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
+    shape = Shape(num_workers, num_stages, num_batches).check()
     return found.build(shape, params)
 
 
@@ -112,7 +112,7 @@ def variants(num_workers: int, num_stages: int, num_batches: int,
 
     Settings whose constraints fail are skipped; ``only`` restricts the names.
     """
-    num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
+    shape = Shape(num_workers, num_stages, num_batches).check()
     for e in (entry(n) for n in only) if only is not None else _REGISTRY.values():
         for params in e.grid(shape):
             if e.fits(shape, params):

@@ -99,13 +99,12 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
 
     if args.checkpoint_every is not None and not args.checkpoint:
         raise CheckpointError("--checkpoint-every needs --checkpoint DIR, the directory to save them in")
-    if args.resume:
-        latest_checkpoint(args.resume)
+    resumed = latest_checkpoint(args.resume) if args.resume else None  # refuses a path without one
     if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
         raise CheckpointError(f"--checkpoint {args.checkpoint} is a file; name a directory to save checkpoints in")
     # a run saving among another's checkpoints would replace them one by one, and a later --resume take either
     earlier = step_checkpoints(args.checkpoint) if args.checkpoint else []
-    if earlier and not (args.resume and latest_checkpoint(args.resume).parent.resolve() == Path(args.checkpoint).resolve()):
+    if earlier and not (resumed and resumed.parent.resolve() == Path(args.checkpoint).resolve()):
         raise CheckpointError(f"--checkpoint {args.checkpoint} already holds another run's checkpoints (the latest "
                               f"{earlier[-1].name}); continue that run with --resume {args.checkpoint}, or save this "
                               f"one in another directory")

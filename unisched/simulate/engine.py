@@ -494,24 +494,25 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
 
 def _stuck_heads(p: Problem, remaining) -> dict[int, str]:
     """Per worker with work left, where nothing waits for memory (so every item whose dependencies
-    ended has run): the first item left in its fixed order, and the items it still waits for."""
+    ended has run): the first item left in its fixed order (else its first item left), and the
+    items it still waits for."""
     unfinished = np.asarray(remaining) > 0
-    followed = np.zeros(p.num_items, dtype=bool)
-    followed[p.next_fixed[p.next_fixed >= 0]] = True
-    ran_before = np.zeros(p.num_items, dtype=bool)  # its predecessor in its worker's order has run
-    has_next = np.flatnonzero(p.next_fixed >= 0)
-    ran_before[p.next_fixed[has_next]] = ~unfinished[has_next]
-    heads = np.flatnonzero(unfinished & (ran_before | ~followed))
+    orders = _orders(p)
+    position = {item: k for order in orders for k, item in enumerate(order)}
+    heads = [next(i for i in order if unfinished[i]) for order in orders if unfinished[order].any()]
+    heads += [int(i) for i in np.flatnonzero(unfinished) if int(i) not in position]
     data = p.data_followed
     source = np.repeat(np.arange(p.num_items), np.diff(data.ptr))
-    position = {int(i): k for order in _orders(p) for k, i in enumerate(order)}
+
+    def said(item: int, worker: bool = False) -> str:
+        at = [f"worker {p.worker[item]}"] if worker else []
+        at += [f"position {position[item]} of its order"] if item in position else []
+        return p.label(item) + (f" ({', '.join(at)})" if at else "")
+
     blocked: dict[int, str] = {}
     for item in heads:
-        waits = [int(u) for u in source[data.idx == item] if unfinished[u]]
-        said = ", ".join(f"{p.label(u)} (worker {p.worker[u]}" + (f", position {position[u]} of its order)"
-                                                                  if u in position else ")") for u in waits[:4])
-        where = f" (position {position[int(item)]} of its order)" if int(item) in position else ""
-        blocked.setdefault(int(p.worker[item]), f"{p.label(item)}{where} waits for {said or 'nothing left'}")
+        waits = ", ".join(said(int(u), worker=True) for u in source[data.idx == item] if unfinished[u])
+        blocked.setdefault(int(p.worker[item]), f"{said(item)} waits for {waits or 'nothing left'}")
     return blocked
 
 

@@ -180,9 +180,9 @@ def _outputs(paths) -> list[str]:
                                  "or name a file in a folder that exists")
         if Path(path).is_dir():
             raise PlanInputError(f"--out {path} is a folder; name a file in it (e.g. {Path(path) / 'plan.json'})")
-        if not os.access(Path(path) if Path(path).exists() else folder, os.W_OK):
-            raise PlanInputError(f"--out {path}: this user may not write "
-                                 f"{'it' if Path(path).exists() else 'in ' + repr(str(folder))}; name another path")
+        target = Path(path) if Path(path).exists() else folder
+        if not os.access(target, os.W_OK):
+            raise PlanInputError(f"--out {path}: this user may not write {str(target)!r}; name another path")
     return paths
 
 

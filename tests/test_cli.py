@@ -268,6 +268,15 @@ def test_simulate_priority_is_reported_as_run_and_refused_where_it_changes_nothi
     assert code == 2 and out == "" and "zb_h1 fixes every worker's order" in err and "the command's --priority" in err
 
 
+def test_simulate_gpipe_takes_as_its_parameter_every_priority_the_command_reports(capsys):
+    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe", "--priority", "backward_first", "--json")
+    reported = json.loads(out)
+    assert code == 0 and reported["params"] == {"priority": "backward_first"}
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--param", "priority=backward_first", "--json")
+    assert code == 0, err
+    assert json.loads(out)["latency"] == reported["latency"] and json.loads(out)["params"] == reported["params"]
+
+
 def test_simulate_priority_is_reported_where_the_strategy_has_no_priority_of_its_own(capsys):
     code, out, _ = run(capsys, "simulate", "--strategy", "fsdp", "-B", "4", "--json")
     assert code == 0 and json.loads(out)["params"] == {}

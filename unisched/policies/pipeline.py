@@ -19,11 +19,13 @@ import numpy as np
 
 from unisched.policies._orders import fixed_orders, warmup_steady_orders
 from unisched.policies._registry import Entry, Param, require
-from unisched.simulate.priorities import priority_by_name
+from unisched.simulate.priorities import BUILTIN_PRIORITIES, priority_by_name
 from unisched.strategy import Strategy, WorkerOrders
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
 GPIPE_PRIORITIES = ("oldest_batch_first", "oldest_stage_first")
+"""The tie-breaks the family search tries for gpipe; its ``priority`` takes any of the simulator's
+(:data:`unisched.simulate.priorities.BUILTIN_PRIORITIES`, as ``--priority`` does)."""
 
 
 def gpipe(num_workers: int, num_stages: int, num_batches: int, priority: str = "oldest_batch_first") -> Strategy:
@@ -142,8 +144,9 @@ GPIPE = Entry(
     family="pipeline",
     constraints="W = S",
     params=(Param("priority", "oldest_batch_first",
-                  "tie-break: oldest_batch_first (the seed's default) or oldest_stage_first (fill-drain)",
-                  str, GPIPE_PRIORITIES),),
+                  "tie-break: oldest_batch_first (the seed's default), oldest_stage_first (fill-drain) "
+                  "or backward_first",
+                  str, tuple(BUILTIN_PRIORITIES)),),
     grid=_gpipe_grid,
 )
 ONE_F_ONE_B = Entry(

@@ -92,8 +92,18 @@ def test_a_costs_file_with_a_null_time_is_refused(tmp_path, capsys):
 def test_a_costs_file_that_is_not_text_is_refused_naming_the_file(tmp_path):
     path = tmp_path / "costs.json"
     path.write_bytes(b"\xff\xfe{}")
-    with pytest.raises(ShapeError, match=f"cannot read costs file {path}: 'utf-8' codec can't decode"):
+    with pytest.raises(ShapeError, match=f"costs file {path} is not valid JSON: 'utf-8' codec can't decode"):
         Costs.load(path)
+
+
+@pytest.mark.parametrize("flag, what, fix", [("--costs", "costs", "the fields of unisched.Costs"),
+                                             ("--topology", "topology", "docs/topology.md")])
+def test_a_yaml_file_is_told_it_must_be_json_and_what_to_write(capsys, tmp_path, flag, what, fix):
+    path = tmp_path / "file.yaml"
+    path.write_text("forward: 1\nbackward: 2\n")
+    code = main(["simulate", "--strategy", "gpipe", flag, str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{what} file {path} is not valid JSON" in err and fix in err
 
 
 def test_links_to_workers_that_do_not_exist_are_refused():

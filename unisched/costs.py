@@ -356,8 +356,11 @@ class Costs:
         """Read a JSON costs file (the fields of this class; ``links`` keyed "src,dst")."""
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        except OSError as error:
             raise ShapeError(f"cannot read costs file {path}: {error}") from error
+        except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ShapeError(f"costs file {path} is not valid JSON: {error}; write a JSON object of the fields "
+                             'of unisched.Costs, e.g. {"forward": 1, "backward": 2}') from error
         if not isinstance(data, dict):
             raise ShapeError(f"costs file {path} must hold a JSON object")
         named = data.get("topology")

@@ -149,8 +149,11 @@ class Topology:
                 f"no topology file {text!r} and no preset of that name; give a JSON file (docs/topology.md) "
                 f"or one of the presets {presets()}"
             ) from None
-        except (OSError, json.JSONDecodeError) as error:
+        except OSError as error:
             raise ShapeError(f"cannot read topology file {path}: {error}") from None
+        except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ShapeError(f"topology file {path} is not valid JSON: {error}; write a JSON object of nodes, "
+                             "devices and links (docs/topology.md)") from None
         return cls.from_dict(data, where=f"topology file {path}")
 
     def to_dict(self) -> dict:

@@ -128,6 +128,15 @@ def test_impossible_memory_limit_is_a_clear_error():
         plan(4, 4, 8, memory_limit=0.5, time_limit=5)
 
 
+@pytest.mark.parametrize("search", ["cpsat", "heuristic"])
+def test_a_step_in_which_nothing_takes_time_is_refused_and_one_with_transfers_is_planned(search):
+    nothing = Costs(forward=0, backward=0)
+    with pytest.raises(PlanInputError, match="nothing in the step takes time"):
+        plan(2, 2, 2, nothing, memory_limit=1, time_limit=2, search=search)
+    moved = plan(2, 2, 2, encode_costs(forward=0, backward=0, comm=1), memory_limit=1, time_limit=2, search=search)
+    assert moved.latency > 0 and moved.simulate().latency == moved.latency
+
+
 def test_memory_limit_too_small_for_a_mapping_names_the_worker():
     with pytest.raises(PlanInputError, match="infeasible: .*worker 0.*needs at least 4"):
         plan(4, 4, 4, memory_limit=2, strategy="ddp", time_limit=5)

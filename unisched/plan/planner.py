@@ -170,6 +170,7 @@ def plan(
     check_plan_size(shape, split, heuristic)
     problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split, memory_budget,
                           optimizer_bytes, objective)
+    _check_some_time(problem)
     if members is None and strategy is not None:
         strategy, members = _strategy_members(problem, strategy)
     _refuse_shards(members)
@@ -234,6 +235,15 @@ def _check_one_replica(costs: Costs) -> None:
             "leaves out all-reduces with other replicas; plan with replicas=1 (give every device as a worker), "
             "or compare layouts with unisched.simulate.layout.simulate_layout"
         )
+
+
+def _check_some_time(problem: PlanProblem) -> None:
+    """Refuse a step in which nothing takes time, passes or transfers: every schedule of it takes
+    none, and ties at time 0 leave the replays of fixed orders nothing to go by."""
+    timed = TimedProblem.build(problem)
+    if not any(np.any(times) for times in (timed.duration, timed.comm, timed.fetch, timed.stash)):
+        raise PlanInputError("nothing in the step takes time (every pass and transfer 0), so every schedule "
+                             "takes none: give the passes' times (--forward, --backward, or a costs file)")
 
 
 def uses_heuristic(search: str, shape: Shape, split_backward: bool) -> bool:

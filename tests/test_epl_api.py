@@ -130,6 +130,40 @@ def test_each_scope_is_one_taskgraph_with_its_modules():
     assert [m for m in graphs[1].module()] == [second, third]
 
 
+def test_modules_without_parameters_built_in_a_scope_are_applied_too():
+    with epl.replicate(1):
+        first, act, drop, last = nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4, 2)
+    graph = epl.Env.get().taskgraphs[0]
+    assert graph.top_modules() == [first, act, drop, last] and list(graph.module()) == [first, act, drop, last]
+
+
+def test_a_model_that_annotates_its_parts_in_its_own_init_is_one_taskgraph_per_part():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            with epl.replicate(1, name="body"):
+                self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+            with epl.replicate(1, name="head"):
+                self.head = nn.Linear(4, 2)
+
+    net = Net()
+    graphs = epl.Env.get().checked_taskgraphs()
+    assert [t.name for t in graphs] == ["body", "head"]
+    assert [t.module() for t in graphs] == [net.body, net.head]
+
+
+def test_epl_init_again_leaves_one_listener_and_torch_modules_build_as_before():
+    from unisched.epl.scopes import _BuiltModules
+    torch_init = _BuiltModules.torch_init
+    epl.init()
+    epl.init()
+    assert len(_BuiltModules.listeners) == 1 and nn.Module.__init__ is not torch_init
+    epl.Env.get().close()
+    assert nn.Module.__init__ is torch_init and not _BuiltModules.listeners
+    assert nn.Linear(2, 2).weight.shape == (2, 2)
+    epl.init()
+
+
 def test_modules_outside_scopes_are_not_captured_without_a_default():
     nn.Linear(3, 3)
     with epl.split(2):

@@ -119,6 +119,39 @@ def pipeline(world, **more):
     return x, y, nn.CrossEntropyLoss()
 
 
+class TwoOutputs(nn.Module):
+    """A stage whose output is a pair of tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        return h, 2 * h
+
+
+class TwoInputs(nn.Module):
+    """A stage that takes the pair as two arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, a, b):
+        return self.left(a) + self.right(b)
+
+
+def pair_between_stages_recomputed(world):
+    """Two tensors between TaskGraphs, each stage's forward recomputed in its backward."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": 2, "gradient_checkpoint.type": "auto"}))
+    with epl.replicate(device_count=1, name="pair"):
+        TwoOutputs()
+    with epl.replicate(device_count=1, name="head"):
+        TwoInputs()
+    return torch.randn(8, 6), torch.randint(0, 3, (8,)), nn.CrossEntropyLoss()
+
+
 def resnet_classifier(world, **more):
     """Seed: ``replicate(n)`` ResNet + ``split(n)`` classifier, colocated."""
     epl.init(epl.Config({"cluster.colocate_split_and_replicate": True, **more}))
@@ -220,7 +253,8 @@ SCENARIOS = {
     2: [("data_parallel", data_parallel), ("default_data_parallel", default_data_parallel),
         ("split_whole_model", split_whole_model), ("resnet_classifier", resnet_classifier),
         ("moe", moe), ("pipeline_offload", pipeline_offload), ("data_parallel_offload", data_parallel_offload),
-        ("pipeline", pipeline), ("pipeline_fill_drain", pipeline_fill_drain)],
+        ("pipeline", pipeline), ("pipeline_fill_drain", pipeline_fill_drain),
+        ("pair_between_stages_recomputed", pair_between_stages_recomputed)],
     4: [
         ("data_parallel", data_parallel),
         ("split_whole_model", split_whole_model),

@@ -2,10 +2,13 @@
 inside them into TaskGraphs.
 
 As in EPL, the user only annotates where modules are *built*; every process
-runs the same script.  A scope learns what was built inside it through
-torch's global registration hooks (a module registering a parameter, buffer
-or submodule), so plain ``nn.Module`` code needs no changes.  Loss modules
-are left out: the trainer applies the loss.  The TaskGraphs
+runs the same script.  A scope learns what was built inside it by being told
+of every ``nn.Module`` as ``nn.Module.__init__`` runs (torch has registration
+hooks, but a module without parameters, buffers or submodules, such as
+``nn.ReLU()``, registers nothing), so plain ``nn.Module`` code needs no
+changes, and a model that builds its parts inside scopes in its own
+``__init__`` is annotated part by part.  Loss modules are left out: the
+trainer applies the loss.  The TaskGraphs
 then form a chain: TaskGraph i+1 is fed by TaskGraph i's output, and the
 modules built in one scope are applied in the order they were built.
 
@@ -16,12 +19,12 @@ state lives in one :class:`Env` per process; ``epl.init`` starts a new one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from torch import nn
-from torch.nn.modules import module as torch_module
 from torch.nn.modules.loss import _Loss
 
 from unisched.epl.config import Config, ConfigError
@@ -127,6 +130,38 @@ class Cluster:
     total_gpu_num: int
 
 
+class _BuiltModules:
+    """Tells a listener of every ``nn.Module`` built while it listens: ``nn.Module.__init__``
+    wrapped while anyone listens, and torch's own restored when the last stops."""
+
+    listeners: list = []
+    torch_init = None
+
+    @classmethod
+    def listen(cls, listener) -> "_BuiltModules":
+        if cls.torch_init is None:
+            cls.torch_init = torch_init = nn.Module.__init__
+
+            @functools.wraps(torch_init)
+            def init_and_tell(module, *args, **kwargs):
+                torch_init(module, *args, **kwargs)
+                for told in list(cls.listeners):
+                    told(module)
+
+            nn.Module.__init__ = init_and_tell
+        cls.listeners.append(listener)
+        handle = cls()
+        handle.listener = listener
+        return handle
+
+    def remove(self) -> None:
+        listeners = type(self).listeners
+        if self.listener in listeners:
+            listeners.remove(self.listener)
+        if not listeners and type(self).torch_init is not None:
+            nn.Module.__init__, type(self).torch_init = type(self).torch_init, None
+
+
 class Env:
     """The per-process state of the annotations: config, TaskGraphs, open scope."""
 
@@ -154,11 +189,7 @@ class Env:
         env = cls(config)
         if cls._current is not None:
             cls._current.close()
-        env._handles = [
-            torch_module.register_module_parameter_registration_hook(env._on_register),
-            torch_module.register_module_buffer_registration_hook(env._on_register),
-            torch_module.register_module_module_registration_hook(env._on_register),
-        ]
+        env._handles = [_BuiltModules.listen(env._on_build)]
         cls._current = env
         return env
 
@@ -184,7 +215,7 @@ class Env:
         for t in taskgraphs:
             if not t.modules:
                 raise ScopeError(
-                    f"TaskGraph {t.index} ({t.name!r}) holds no module with parameters or submodules; "
+                    f"TaskGraph {t.index} ({t.name!r}) holds no module; "
                     "build its modules inside the scope or remove the scope"
                 )
             for top in t.top_modules():
@@ -224,7 +255,7 @@ class Env:
         index = len(self.taskgraphs)
         return TaskGraph(index, scope.kind, scope.device_count, scope.name or f"taskgraph_{index}", is_default)
 
-    def _on_register(self, module: nn.Module, name: str, value) -> None:
+    def _on_build(self, module: nn.Module) -> None:
         if not self._capturing or isinstance(module, _Loss):
             return
         if self.scope is not None:

@@ -92,14 +92,14 @@ class Trainer:
         def build(stage: int) -> nn.Module:
             module = modules[stage]
             if stage in self.plans:
-                with self.env.paused():
-                    module = split_module(module, self._group(stage, tensor_parallel), self.plans[stage])
+                module = split_module(module, self._group(stage, tensor_parallel), self.plans[stage])
             if recompute:
                 _recompute_forward(module)
             return module
 
         options["device"] = compute_device(device)
-        self.scheduled = ScheduledTrainer(build, self.simulation, loss_fn, optimizer, **options)
+        with self.env.paused():  # the modules built from here on are the trainer's, not the model's
+            self.scheduled = ScheduledTrainer(build, self.simulation, loss_fn, optimizer, **options)
         self.stages: list[nn.Module] = self.scheduled.stages
         self.device = self.scheduled.device
         self.optimizer = self.scheduled.optimizer
@@ -187,8 +187,10 @@ def _recompute_forward(module: nn.Module) -> None:
     backward (parameter names stay as they are)."""
     forward = module.forward
 
-    def recomputed(x):
-        return checkpoint(forward, x, use_reentrant=False) if torch.is_grad_enabled() else forward(x)
+    def recomputed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     module.forward = recomputed
 

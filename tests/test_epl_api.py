@@ -173,6 +173,25 @@ def test_modules_outside_scopes_are_not_captured_without_a_default():
     assert len(graphs) == 1 and graphs[0].top_modules() == [inside]
 
 
+def test_a_split_with_nothing_to_shard_is_refused_before_it_is_simulated():
+    with epl.split(2, name="convs"):
+        nn.Sequential(nn.Conv1d(2, 3, 1), nn.Flatten(1))
+    with pytest.raises(epl.SplitError, match="TaskGraph 0 \\('convs'\\) has no nn.Linear layer.*epl.replicate"):
+        epl.simulate(world_size=2)
+    assert epl.SplitError is unisched.SplitError
+
+
+def test_a_split_whose_features_do_not_divide_is_refused_before_it_is_placed():
+    with epl.split(3):
+        nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 8))  # a pair: 6 outputs, then 6 inputs: fine
+    epl.placement(world_size=3)
+    epl.init()
+    with epl.split(3):
+        nn.Linear(4, 8)
+    with pytest.raises(epl.SplitError, match="the Linear module of TaskGraph 0 .* 8 output features.* 3 devices"):
+        epl.placement(world_size=3)
+
+
 def test_nesting_is_an_error_and_names_both_scopes():
     with epl.replicate(1, name="outer"):
         with pytest.raises(ScopeError, match=r"epl\.split\(2\).*epl\.replicate\(1, name='outer'\)"):
@@ -652,7 +671,7 @@ def test_every_small_placement_compiles_and_simulates(layout):
                          "pipeline.strategy": order, "zero.level": zero, "offload.level": offload}))
     for kind, count in scopes:
         with (epl.replicate if kind == "replicate" else epl.split)(count):
-            nn.Linear(2, 2)
+            nn.Linear(2, 6)  # 6 features: split over 1, 2 or 3 devices
     per_replica = scopes[0][1] if colocate else sum(count for _, count in scopes)
     world = per_replica * replicas
     placement = epl.placement(world_size=world)

@@ -25,6 +25,12 @@ class DeadlockError(UniSchedError):
         self.blocked = dict(blocked or {})
 
 
+class SplitError(UniSchedError, ValueError):
+    """A model that cannot be split as asked: into pipeline stages (too many for its blocks, a
+    layout the Trainer cannot run, weights shared between stages: ``unisched.split_model``) or
+    over the devices of ``epl.split`` (a layer whose features do not divide, nothing to shard)."""
+
+
 class TimelineError(UniSchedError, ValueError):
     """A Timeline that is not a valid step: an item missing or run twice, a
     dependency broken, two items at once on one worker, or more activation

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules.loss import _Loss
 
 from unisched.epl.config import Config, ConfigError
+from unisched.epl.tensor_parallel import check_split
 from unisched.errors import UniSchedError
 
 
@@ -204,7 +205,8 @@ class Env:
 
     def checked_taskgraphs(self) -> list[TaskGraph]:
         """The TaskGraphs annotated since ``epl.init``, refused (saying what to change) when there
-        are none, one holds no module, or a module belongs to two."""
+        are none, one holds no module, a module belongs to two, or a split one cannot be cut over
+        its devices (:func:`~unisched.epl.tensor_parallel.check_split`)."""
         taskgraphs = self.taskgraphs
         if not taskgraphs:
             raise ScopeError(
@@ -227,6 +229,9 @@ class Env:
                             "a module belongs to one TaskGraph"
                         )
                     owner[id(sub)] = t
+        for t in taskgraphs:
+            if t.kind == SPLIT:
+                check_split(t.module(), t.device_count, f"TaskGraph {t.index} ({t.name!r})")
         return taskgraphs
 
     # ------------------------------------------------------------------ scopes

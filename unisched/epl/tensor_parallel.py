@@ -31,11 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from unisched.errors import UniSchedError
-
-
-class SplitError(UniSchedError, ValueError):
-    """A layer that cannot be split over the requested number of devices."""
+from unisched.errors import SplitError
 
 
 @dataclass(frozen=True)
@@ -153,12 +149,16 @@ def scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- layers
-def _cut(tensor: torch.Tensor, group: Group, dim: int, what: str) -> nn.Parameter:
-    if tensor.shape[dim] % group.size:
+def _check_divides(tensor: torch.Tensor, devices: int, dim: int, what: str) -> None:
+    if tensor.shape[dim] % devices:
         raise SplitError(
             f"{what} has {tensor.shape[dim]} {'output' if dim == 0 else 'input'} features, which cannot be split "
-            f"over {group.size} devices; use a multiple of {group.size} or a different split(device_count)"
+            f"over {devices} devices; use a multiple of {devices} or a different split(device_count)"
         )
+
+
+def _cut(tensor: torch.Tensor, group: Group, dim: int, what: str) -> nn.Parameter:
+    _check_divides(tensor, group.size, dim, what)
     shard = nn.Parameter(tensor.detach().chunk(group.size, dim=dim)[group.index].clone())
     # Megatron's mark of a parameter split over the group (not a copy), which
     # the Trainer's global gradient norm counts on every shard
@@ -314,6 +314,21 @@ def split_plan(module: nn.Module, *, classifier: bool = False) -> list[Sharding]
         return [Sharding("", CLASS if classifier else COLUMN)]
     visit(module, "")
     return plan
+
+
+def check_split(module: nn.Module, devices: int, where: str) -> None:
+    """Refuse what :func:`split_module` could not cut over ``devices`` devices, before any
+    process group: a module with no Linear layer to shard, a layer whose features do not divide."""
+    plan = split_plan(module)
+    if devices > 1 and not plan:
+        raise SplitError(
+            f"{where} has no nn.Linear layer to split over {devices} devices (epl.split shards Linear layers; "
+            "every device would compute the whole of it): annotate it with epl.replicate instead"
+        )
+    for sharding in plan:
+        linear = module.get_submodule(sharding.name)
+        what = f"layer {sharding.name!r}" if sharding.name else "the Linear module"
+        _check_divides(linear.weight, devices, 1 if sharding.style == ROW else 0, f"{what} of {where}")
 
 
 def split_module(

@@ -54,16 +54,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from unisched.errors import UniSchedError, first_line
+from unisched.errors import SplitError, first_line
 from unisched.execute.ties import Tie, as_ties
 
 BALANCES = ("parameters", "uniform", "time")
 TIED = ("share", "untie", "refuse")
-
-
-class SplitError(UniSchedError, ValueError):
-    """A model that cannot be split as asked: too many stages for its blocks,
-    a layout the Trainer cannot run, or weights shared between stages."""
 
 
 # ---------------------------------------------------------------------- the result

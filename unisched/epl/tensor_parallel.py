@@ -318,7 +318,10 @@ def split_plan(module: nn.Module, *, classifier: bool = False) -> list[Sharding]
 
 def check_split(module: nn.Module, devices: int, where: str) -> None:
     """Refuse what :func:`split_module` could not cut over ``devices`` devices, before any
-    process group: a module with no Linear layer to shard, a layer whose features do not divide."""
+    process group: a module with no Linear layer to shard, a layer whose features do not divide.
+    A module a trainer has split already (in place) passes."""
+    if any(isinstance(m, ColumnParallelLinear | RowParallelLinear) for m in module.modules()):
+        return
     plan = split_plan(module)
     if devices > 1 and not plan:
         raise SplitError(

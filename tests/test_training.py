@@ -540,3 +540,22 @@ def test_one_process_refuses_targets_with_fewer_rows_as_the_trainer_does():
     per_token = train_one_process(stages, lambda out, target: ((out - target.reshape(-1, 2).mean(1, keepdim=True)) ** 2)
                                   .mean(), momentum_sgd, [(torch.randn(16, 3), torch.randn(32))], micro_batches=4)
     assert np.isfinite(per_token[0][0]), "a whole multiple of the rows (two targets a row, flattened) passes"
+
+
+def test_a_loss_scale_resumed_in_another_precision_starts_as_that_precision_does():
+    """An fp16 checkpoint resumed in fp32 or bf16 scaled the loss by the saved 65536 without
+    unscaling the gradients (the loss blew up); an fp32 one resumed in fp16 ran unscaled."""
+    from unisched.execute.training import loss_scale
+
+    fp16 = loss_scale("fp16", None)
+    fp16.update(found_inf=True)
+    saved = fp16.state()
+    for precision in ("fp32", "bf16"):
+        resumed = loss_scale(precision, None)
+        resumed.load(saved)
+        assert resumed.scale == 1.0
+    resumed = loss_scale("fp16", None)
+    resumed.load(loss_scale("fp32", None).state())
+    assert resumed.scale == 2.0 ** 16
+    resumed.load(saved)
+    assert (resumed.scale, resumed.good_steps) == (2.0 ** 15, 0)

@@ -167,10 +167,14 @@ class LossScale:
             self.good_steps = 0
 
     def state(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": self.scale, "good_steps": self.good_steps, "enabled": self.enabled}
 
     def load(self, state: dict) -> None:
-        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        """Continue from :meth:`state` of a scaler in force (fp16); one switched off on either side
+        (a run resumed in another precision) leaves this one as it starts: a disabled scaler's scale
+        stays 1, an enabled one starts at its initial scale."""
+        if self.enabled and state.get("enabled", True):
+            self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
 def loss_scale(precision: str, options: dict | None) -> LossScale:

@@ -313,6 +313,10 @@ def _consistent_errors(rank: int, world: int, gpipe4: Timeline, gpipe2: Timeline
         ("world", lambda: Trainer(make_stages(4), gpipe4, nn.functional.mse_loss, optimizer, timeout=10)),
         ("stages", lambda: Trainer(make_stages(3), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)),
         ("one_rank_stages", lambda: Trainer(make_stages(2 + rank), gpipe2, nn.functional.mse_loss, optimizer, timeout=10)),
+        ("one_rank_clips", lambda: Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, optimizer, timeout=10,
+                                           clip_grad_norm=0.01 if rank == 0 else None)),
+        ("one_rank_precision", lambda: Trainer(make_stages(2), gpipe2, nn.functional.mse_loss, optimizer, timeout=10,
+                                               precision="bf16" if rank == 1 else "fp32")),
     ):
         try:
             make()
@@ -358,6 +362,9 @@ def test_bad_input_stops_every_rank_with_the_cause():
     forward, backward, latency = results[0].value["calibrated"]
     assert results[1].value["calibrated"] == results[0].value["calibrated"]
     assert len(forward) == 2 and min(forward) > 0 and min(backward) > 0 and latency >= 0
+    for r in results:  # a clipping norm on one rank alone waited for the other's norm until the step timed out
+        assert "rank 1 was given clip_grad_norm=None but rank 0 clip_grad_norm=0.01" in r.value["one_rank_clips"]
+        assert "rank 1 was given precision='bf16' but rank 0 precision='fp32'" in r.value["one_rank_precision"]
     assert "rank 1 cannot run this schedule" in results[0].value["one_rank_stages"]
     assert "2 stages but 3 stage modules" in results[1].value["one_rank_stages"]
     assert "rank 1 cannot run this schedule: RuntimeError: no optimizer on this host" in results[0].value["optimizer"]

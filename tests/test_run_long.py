@@ -108,8 +108,8 @@ def test_a_resumed_run_trains_at_its_own_learning_rate(capsys, tmp_path):
     argv = example_argv(capsys, "--steps", "1", "--lr", "0.05", "--check", "--lr-schedule", "cosine",
                         "--resume", str(ended))
     argv_constant = example_argv(capsys, "--steps", "1", "--check", "--resume", str(ended))
-    for argv, said in ((argv, "another (ends_at 2 there, 3 here; lr default there, 0.05 here)"),
-                       (argv_constant, "another (ends_at 2 there, none here; schedule cosine there, constant here)")):
+    for argv, said in ((argv, "otherwise (ends_at 2 there, 3 here; lr default there, 0.05 here)"),
+                       (argv_constant, "otherwise (ends_at 2 there, none here; schedule cosine there, constant here)")):
         for rank in run_local(_example, 2, argv, timeout=120):
             assert rank.error is None and rank.value[0] == 2, rank
             assert said in rank.value[2], rank.value[2]
@@ -130,8 +130,15 @@ def test_a_resumed_schedule_continues_at_the_step_reached_and_check_refuses_alik
                         "--check", "--resume", str(constant))
     for rank in run_local(_example, 2, argv, timeout=120):
         assert rank.error is None and rank.value[0] == 2, rank
-        assert ("another (ends_at none there, 3 here; lr default there, 0.05 here; schedule constant there, "
+        assert ("otherwise (ends_at none there, 3 here; lr default there, 0.05 here; schedule constant there, "
                 "cosine here)") in rank.value[2], rank.value[2]
+
+    # a run resumed in another precision or with clipping trains otherwise than the replay of the steps before
+    argv = example_argv(capsys, "--strategy", "overflow", "--steps", "1", "--precision", "bf16", "--clip-grad-norm",
+                        "1", "--check", "--resume", str(constant))
+    for rank in run_local(_example, 2, argv, timeout=120):
+        assert rank.error is None and rank.value[0] == 2, rank
+        assert "otherwise (clip_grad_norm default there, 1.0 here; precision fp32 there, bf16 here)" in rank.value[2]
 
 
 STRATEGY = """

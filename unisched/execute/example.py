@@ -363,7 +363,7 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
     run = RunLog(first, rows, tokens_per_row, flops_per_token, peak_tflops)
     every, logged = log_interval(args), 0
     end = run.first_step + args.steps
-    rate = learning_rate_settings(args, end)
+    settings = training_settings(args, end)
     for step in range(run.first_step, end):
         x, y = data(step, rows)
         start = time.perf_counter()
@@ -378,7 +378,7 @@ def train_steps(trainer, data: Callable[[int, int], tuple], args: argparse.Names
             if trainer.rank == 0 and not quiet:
                 print(log_line(entry, end), flush=True)
         if args.checkpoint and (done == end or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            run.checkpoints.append(str(_save(trainer, args.checkpoint, done, rows, rate)))
+            run.checkpoints.append(str(_save(trainer, args.checkpoint, done, rows, settings)))
     return run
 
 
@@ -419,27 +419,34 @@ def _resume(trainer, args: argparse.Namespace, rows: int) -> int:
             f"--check replays the steps before checkpoint {found} on this run's batches of {rows} rows, but they "
             f"trained on {saved}: resume with the -B and --rows-per-batch they had to check, or drop --check"
         )
-    theirs, ours = extra.get("learning_rate"), learning_rate_settings(args, first + args.steps)
-    if theirs is not None and theirs != ours:
+    theirs, ours = extra.get("training", extra.get("learning_rate")), training_settings(args, first + args.steps)
+    # keys a checkpoint of an earlier version does not keep are not compared
+    differ = [] if theirs is None else [key for key in sorted(set(theirs) | RATE_KEYS) if theirs.get(key) != ours.get(key)]
+    if differ:
         def said(settings: dict, key: str) -> str:
             return "default" if settings.get(key) is None and key in settings else str(settings.get(key, "none"))
 
-        differ = "; ".join(f"{key} {said(theirs, key)} there, {said(ours, key)} here"
-                           for key in sorted(set(theirs) | set(ours)) if theirs.get(key) != ours.get(key))
+        told = "; ".join(f"{key} {said(theirs, key)} there, {said(ours, key)} here" for key in differ)
         raise CheckpointError(
-            f"--check replays the steps before checkpoint {found} at this run's learning rate, but they trained at "
-            f"another ({differ}): resume with the --lr, --lr-schedule and --warmup-steps they had (a cosine that "
-            f"ended at the checkpoint cannot be extended and checked), or drop --check"
+            f"--check replays the steps before checkpoint {found} as this run trains, but they trained otherwise "
+            f"({told}): resume with the --lr, --lr-schedule, --warmup-steps, --precision and --clip-grad-norm they "
+            f"had (a cosine that ended at the checkpoint cannot be extended and checked), or drop --check"
         )
     return first
 
 
-def learning_rate_settings(args: argparse.Namespace, end: int) -> dict:
-    """What decides a run's learning rate at every step, as a checkpoint's ``extra`` keeps it:
-    the optimizer and ``--lr`` (None: the example's default for it), the schedule and its
-    warm-up, and for a cosine the step it ends at (this run's last, counting those before)."""
+RATE_KEYS = {"optimizer", "lr", "schedule", "warmup", "ends_at"}
+"""The keys of :func:`training_settings` that say the learning rate (every checkpoint keeps them)."""
+
+
+def training_settings(args: argparse.Namespace, end: int) -> dict:
+    """What decides how a run trains at every step, as a checkpoint's ``extra`` keeps it: the
+    optimizer and ``--lr`` (None: the example's default for it), the schedule and its warm-up,
+    for a cosine the step it ends at (this run's last, counting those before), the precision
+    and the clipping norm (None: fp32, no clipping)."""
     schedule = args.lr_schedule or "constant"
-    settings = {"optimizer": args.optimizer, "lr": args.lr, "schedule": schedule, "warmup": args.warmup_steps or 0}
+    settings = {"optimizer": args.optimizer, "lr": args.lr, "schedule": schedule, "warmup": args.warmup_steps or 0,
+                "precision": args.precision or "fp32", "clip_grad_norm": args.clip_grad_norm}
     if schedule == "cosine":
         settings["ends_at"] = end
     return settings
@@ -480,11 +487,11 @@ def _saved_step(path, extra: dict | None) -> int:
     return step
 
 
-def _save(trainer, directory: str, step: int, rows: int, rate: dict):
+def _save(trainer, directory: str, step: int, rows: int, settings: dict):
     from unisched.execute.checkpoint import save_checkpoint, step_checkpoint
 
     return save_checkpoint(trainer, step_checkpoint(directory, step),
-                           extra={"step": step, "rows": rows, "learning_rate": rate})
+                           extra={"step": step, "rows": rows, "training": settings})
 
 
 def median_ms(seconds: Sequence[float]) -> float:

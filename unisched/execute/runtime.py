@@ -254,8 +254,12 @@ class Trainer:
             error = failed
         delta = datetime.timedelta(seconds=self.timeout)
         self._control = dist.new_group(backend="gloo", timeout=delta)
+        agreed = None if error is None else {}  # the options every rank must share (none known after an error)
+        if error is None:
+            agreed = {"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+                      "seed": seed, "loss_scale": self._scale.settings(), "record": record}
         try:
-            self._agree(error)
+            self._agree(error, agreed)
             ties = self._agree_ties(ties)
         except BaseException:
             # every rank raises here together, so every rank releases the group
@@ -629,11 +633,12 @@ class Trainer:
         """This rank's weight of truth of parameter ``name`` of stage ``s`` (a host copy where offloaded)."""
         return self.host_weights.get(s, self._params[s])[self._index[s][name]]
 
-    def _agree(self, error: Exception | None) -> None:
+    def _agree(self, error: Exception | None, options: dict) -> None:
         """Every rank learns every rank's verdict, so all raise together
-        instead of hanging; ranks that built the same stage check that they
-        built it alike, and every rank learns the sizes of the stages it did
-        not build."""
+        instead of hanging; every rank was given the same ``options`` (a
+        clipping norm on one rank alone waits for the others' norms); ranks
+        that built the same stage check that they built it alike, and every
+        rank learns the sizes of the stages it did not build."""
         built = {}
         if error is None:
             built = {s: ([tuple(p.shape) for p in self.stages[s].parameters()], self._state_specs[s],
@@ -641,13 +646,19 @@ class Trainer:
         message = None
         if error is not None:
             message = str(error) if isinstance(error, UniSchedError) else f"{type(error).__name__}: {error}"
-        verdicts = all_gather_json([message, _built_json(built)], self._control, self.world_size)
+        verdicts = all_gather_json([message, _built_json(built), options], self._control, self.world_size)
         if error is not None:
             raise error
-        for rank, (message, _) in enumerate(verdicts):
+        for rank, (message, _, _) in enumerate(verdicts):
             if message is not None:
                 raise ProgramError(f"rank {rank} cannot run this schedule: {message}")
-        for rank, (_, theirs) in enumerate(verdicts):
+        first = verdicts[0][2]
+        for rank, (_, _, theirs) in enumerate(verdicts):
+            for key in first:
+                if theirs[key] != first[key]:
+                    raise ProgramError(f"rank {rank} was given {key}={theirs[key]!r} but rank 0 {key}={first[key]!r}; "
+                                       "give every rank the same Trainer options")
+        for rank, (_, theirs, _) in enumerate(verdicts):
             for s, (shapes, specs, nbytes, buffers) in sorted(_built_from_json(theirs).items()):
                 if s in built and shapes != built[s][0]:
                     raise ProgramError(

@@ -166,6 +166,11 @@ class LossScale:
             self.scale *= self.growth_factor
             self.good_steps = 0
 
+    def settings(self) -> dict:
+        """How it scales (not where it stands): the same on every rank."""
+        return {"enabled": self.enabled, "scale": self.scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
+
     def state(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps, "enabled": self.enabled}
 

@@ -206,3 +206,25 @@ def test_a_fresh_run_refuses_a_checkpoint_directory_another_run_filled(capsys, m
     assert "already holds another run's checkpoints" in capsys.readouterr().err
     assert main(["run", "-W", "2", "--checkpoint", str(tmp_path / "other"), "--resume", str(elsewhere)]) == 0
     assert len(launched) == 2
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_refuses_to_save_among_the_later_ones(capsys, monkeypatch, tmp_path):
+    """Rolling back to step 2 of a run saved up to step 4 in the same directory left steps 3 and 4
+    of the old branch there, and the next --resume of the directory took the old step 4."""
+    monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))
+    for step in (2, 3, 4):
+        step_checkpoint(tmp_path, step).mkdir()
+        (step_checkpoint(tmp_path, step) / ".metadata").touch()
+    assert main(["run", "-W", "2", "--checkpoint", str(tmp_path), "--resume", str(step_checkpoint(tmp_path, 2))]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ("holds checkpoints after the resumed step-00000002 (step-00000003, step-00000004): this run would save "
+            "among them") in error
+
+
+def test_places_nothing_can_be_written_are_refused_before_launching(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))
+    (tmp_path / "afile").touch()
+    for flag, path in (("--checkpoint", tmp_path / "afile" / "sub"), ("--timeline", tmp_path / "no" / "x.html")):
+        assert main(["run", "-W", "2", flag, str(path)]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and f"{flag} {path}: cannot write there" in error[0]

@@ -6,6 +6,7 @@ imports torch, so ``unisched run --help`` and a refused option answer at once.""
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from unisched.flags import STRATEGY_HELP
@@ -108,6 +109,31 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
         raise CheckpointError(f"--checkpoint {args.checkpoint} already holds another run's checkpoints (the latest "
                               f"{earlier[-1].name}); continue that run with --resume {args.checkpoint}, or save this "
                               f"one in another directory")
+    later = [path.name for path in earlier if resumed and path.name > resumed.name]
+    if later:
+        raise CheckpointError(f"--checkpoint {args.checkpoint} holds checkpoints after the resumed {resumed.name} "
+                              f"({', '.join(later)}): this run would save among them and a later --resume take the "
+                              f"latest of either; move them out of the directory, or save this run in another")
+    if args.checkpoint:
+        check_writable(args.checkpoint, "--checkpoint", folder=True)
+
+
+def check_writable(path: str, flag: str, folder: bool = False) -> None:
+    """Refuse, before a run starts rather than when it saves, a place nothing can be written:
+    ``path`` a file in a folder that exists, or with ``folder`` a folder (its nearest existing
+    folder must take new files); a file is made there and removed to tell."""
+    from unisched.errors import UniSchedError
+
+    where = Path(path).absolute() if folder else Path(path).absolute().parent
+    while folder and not where.exists():
+        where = where.parent
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as error:
+        made = "a folder" if folder else "a file in a folder that exists and"
+        raise UniSchedError(f"{flag} {path}: cannot write there ({error.strerror or error}); name {made} "
+                            "you may write to") from None
 
 
 def log_interval(args: argparse.Namespace) -> int:
@@ -160,6 +186,8 @@ def check_training_arguments(args: argparse.Namespace) -> None:
             f"--timeline {args.timeline}: the measured step is saved as {', '.join(TIMELINE_FORMATS)}; "
             f"name the file with one of these"
         )
+    if args.timeline:
+        check_writable(args.timeline, "--timeline")
     if args.plan:
         given = [flag for flag, value in (("--strategy", args.strategy), ("--param", args.param or None),
                                           ("--stages", args.stages), ("--batches", args.batches)) if value is not None]

@@ -615,14 +615,23 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
                "sys.exit(1)"]
     assert _launch(failing) == 2
     printed = capsys.readouterr().err.strip().splitlines()
-    assert len(printed) == 1 and printed[0].startswith("rank 1: error: boom; do this (the whole log is in ")
+    assert len(printed) == 1 and printed[0].startswith("unisched run: error: rank 1: boom; do this (the whole log is in ")
     log = printed[0].rsplit(" ", 1)[-1].rstrip(")")
     assert "Traceback" in open(log).read()
 
     assert _launch([*failing, "--json"]) == 2  # the ranks were asked for JSON: the failure is JSON too
     said = json.loads(capsys.readouterr().err)
-    assert said["error"] == "boom; do this" and said["rank"] == "1" and said["type"] == "TrainingFailed"
+    assert said["error"] == "rank 1: boom; do this" and said["rank"] == 1 and said["type"] == "TrainingFailed"
     assert said["details"][0].startswith("the whole log is in ")
+
+    # a rank reporting another's failure: the failing one is named once, in the message and in "rank"
+    reported = [sys.executable, "-c", "import sys; print('rank 1: error: rank 0: cannot write x', file=sys.stderr); "
+                "sys.exit(1)"]
+    assert _launch(reported) == 2
+    assert capsys.readouterr().err.startswith("unisched run: error: rank 0: cannot write x (the whole log is in ")
+    assert _launch([*reported, "--json"]) == 2
+    said = json.loads(capsys.readouterr().err)
+    assert said["error"] == "rank 0: cannot write x" and said["rank"] == 0
 
     checked = [sys.executable, "-c", "import sys; print('rank 0: check failed', file=sys.stderr); sys.exit(1)"]
     logs = set(Path(tempfile.gettempdir()).glob("unisched-run-*.log"))

@@ -133,6 +133,15 @@ def test_a_resumed_schedule_continues_at_the_step_reached_and_check_refuses_alik
         assert ("otherwise (ends_at none there, 3 here; lr default there, 0.05 here; schedule constant there, "
                 "cosine here)") in rank.value[2], rank.value[2]
 
+    # a checkpoint of another optimizer or stage count is refused in the command's own flags, on every rank
+    for more, said in ((["--optimizer", "adam"], "was trained with SGD, this run with --optimizer adam: resume with "
+                                                  "--optimizer sgd"),
+                       (["--strategy", "looped", "-S", "4"], "holds 1 stage but this run has 4: resume with -S 1")):
+        argv = example_argv(capsys, "--strategy", "overflow", "--steps", "1", *more, "--resume", str(constant))
+        for rank in run_local(_example, 2, argv, timeout=120):
+            assert rank.error is None and rank.value[0] == 2, rank
+            assert said in rank.value[2], rank.value[2]
+
     # a run resumed in another precision or with clipping trains otherwise than the replay of the steps before
     argv = example_argv(capsys, "--strategy", "overflow", "--steps", "1", "--precision", "bf16", "--clip-grad-norm",
                         "1", "--check", "--resume", str(constant))

@@ -229,6 +229,15 @@ def load_checkpoint(trainer, path: str | Path, optimizer: bool = True) -> dict |
     return objects.get("trainer.extra")
 
 
+def saved_layout(path: str | Path) -> tuple[int, str | None]:
+    """How many stages the checkpoint at ``path`` holds and its optimizer's class name (None: it
+    keeps none), read by this rank alone: for a command to name the flags that load it."""
+    path = Path(path)
+    metadata = read_metadata(path)
+    stages = {where.partition(":")[0] for key in metadata.state_dict_metadata if (where := _stage_of(key)) is not None}
+    return len(stages), _read_objects(path, metadata).get("trainer.optimizer_class")
+
+
 def read_metadata(path: str | Path) -> Metadata:
     """The checkpoint's DCP metadata: every key, with its shape and dtype."""
     path = Path(path)

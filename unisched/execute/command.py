@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULTILINE)
+"""A rank's error line (:mod:`unisched.execute.example` writes them)."""
+NAMED_RANK = re.compile(r"rank (?P<rank>\d+)\b")
+"""An error message that begins by naming the rank it is about."""
 
 
 STOP_GRACE = 45.0
@@ -130,14 +133,20 @@ def _failed(stderr: str, returncode: int, as_json: bool) -> int:
     if found is None and CHECK_FAILED in stderr.splitlines():
         return 1
     log = _keep_log(stderr)
+    rank, said = None, f"training failed (exit status {returncode})"
+    if found is not None:  # the rank that failed: the one the message names (a peer may report it), else its reporter
+        said = found.group("message")
+        named = NAMED_RANK.match(said)
+        rank = int((named or found).group("rank")) if (named or found).group("rank").isdigit() else None
+        if named is None:
+            said = f"rank {found.group('rank')}: {said}"
     if as_json:
-        said = found.group("message") if found else f"training failed (exit status {returncode})"
         print(json.dumps({"error": said, "details": [f"the whole log is in {log}"], "type": "TrainingFailed",
-                          "rank": found.group("rank") if found else None}), file=sys.stderr)
+                          "rank": rank}), file=sys.stderr)
     elif found is None:
-        print(f"unisched run: training failed (exit status {returncode}); the whole log is in {log}", file=sys.stderr)
+        print(f"unisched run: {said}; the whole log is in {log}", file=sys.stderr)
     else:
-        print(f"{found.group(0)} (the whole log is in {log})", file=sys.stderr)
+        print(f"unisched run: error: {said} (the whole log is in {log})", file=sys.stderr)
     return returncode if found is None else 2
 
 

@@ -403,9 +403,16 @@ def _resume(trainer, args: argparse.Namespace, rows: int) -> int:
     checkpoint whose steps took other batches or another rate is refused (the
     check would fail however right the run), alike on every rank: each reads
     the checkpoint's ``extra``."""
-    from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from unisched.execute.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, saved_layout
 
     found = latest_checkpoint(args.resume)
+    stages, trained_with = saved_layout(found)  # refused here in the command's terms, alike on every rank
+    if stages != trainer.program.num_stages:
+        raise CheckpointError(f"checkpoint {found} holds {stages} stage{'s' * (stages != 1)} but this run has {trainer.program.num_stages}: "
+                              f"resume with -S {stages} (and the model flags it was trained with)")
+    if trained_with is not None and trained_with.lower() != args.optimizer:  # --optimizer names the class
+        raise CheckpointError(f"checkpoint {found} was trained with {trained_with}, this run with --optimizer "
+                              f"{args.optimizer}: resume with --optimizer {trained_with.lower()}")
     optimizer = trainer.optimizer
     chosen = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups] if optimizer is not None else []
     extra = load_checkpoint(trainer, found) or {}

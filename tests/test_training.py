@@ -205,8 +205,19 @@ def _fp16_skips(gpipe):
         loss = trainer.step(*batch(step))
         seen.append({"loss": loss, "skipped": trainer.last_step_skipped, "state": trainer.training_state(),
                      "weights": _as_numpy(trainer.gather_state_dict())})
+    loss = trainer.step(*nan_batch(3))  # a NaN loss under fp16 is an overflow like any other: skipped
+    seen.append({"loss": loss, "skipped": trainer.last_step_skipped, "state": trainer.training_state(),
+                 "weights": _as_numpy(trainer.gather_state_dict())})
     trainer.close()
     return {"initial": initial, "steps": seen}
+
+
+def nan_batch(step: int):
+    """Step ``step``'s batch with one input NaN: its micro-batch's loss is NaN."""
+    x, y = batch(step)
+    x = x.clone()
+    x[0, 0] = float("nan")
+    return x, y
 
 
 def _resume(schedule):
@@ -370,21 +381,24 @@ def test_bf16_trains_close_to_fp32_and_sends_bf16(trained):
 def test_fp16_skips_a_step_with_an_infinite_gradient_on_every_rank(trained):
     """Only rank 0's stage 0 gets an infinite gradient in step 1: every rank
     skips that step and halves the scale, then steps and grows it back, as
-    torch's GradScaler does in one process."""
+    torch's GradScaler does in one process; a NaN loss in step 4 is skipped
+    alike (it raised NonFiniteLossError)."""
     def batches(stages):
         for step, poison in enumerate((True, False, False)):
             stages[0].poison = poison
             yield batch(step)
+        yield nan_batch(3)
 
     stages = make_stages("poison")
     _, expected = train_one_process(stages, loss_fn, momentum_sgd, batches(stages), micro_batches=B,
                                     precision="fp16", loss_scale={"init_scale": 1024.0, "growth_interval": 1})
     for rank, rows in enumerate(trained):
         seen = rows["fp16"]["steps"]
-        assert [s["skipped"] for s in seen] == [True, False, False], rank
-        assert [s["state"]["loss_scale"]["scale"] for s in seen] == [512.0, 1024.0, 2048.0], rank
+        assert [s["skipped"] for s in seen] == [True, False, False, True], rank
+        assert [s["state"]["loss_scale"]["scale"] for s in seen] == [512.0, 1024.0, 2048.0, 1024.0], rank
         assert all(np.array_equal(v, rows["fp16"]["initial"][k]) for k, v in seen[0]["weights"].items())
-        assert all(np.isfinite(s["loss"]) for s in seen)
+        assert all(np.array_equal(v, seen[2]["weights"][k]) for k, v in seen[3]["weights"].items())
+        assert all(np.isfinite(s["loss"]) for s in seen[:3]) and np.isnan(seen[3]["loss"])
         final = seen[-1]["weights"]
         assert max(np.abs(final[k] - expected[k].numpy()).max() for k in expected) < 1e-3
         assert largest_change({k: torch.from_numpy(v) for k, v in final.items()},

@@ -1498,8 +1498,9 @@ class Trainer:
     # ------------------------------------------------------------------ end of step
     def _finish(self, st) -> float:
         """Await everything (taking in the returned gradients), stop on a
-        non-finite loss, update (or hold the gradients for a later update),
-        average buffers, and note the step."""
+        non-finite loss (but under fp16, where its gradients make the update
+        skip, as GradScaler's), update (or hold the gradients for a later
+        update), average buffers, and note the step."""
         self._post_due(st, math.inf)
         self._await_transfers(st)
         self._await_reductions(st)
@@ -1508,7 +1509,7 @@ class Trainer:
         self._collective(st.loss_work.wait, "the exchange of the losses")
         losses = st.loss_sum
         bad = [b for b, loss in enumerate(losses.tolist()) if not math.isfinite(loss)]
-        if bad:
+        if bad and not self._scale.enabled:  # under fp16 an overflow of the loss is one of its gradients: skipped
             self._clear_gradients()
             raise NonFiniteLossError(
                 f"the loss of micro-batch {bad[0]} is {float(losses[bad[0]])} (computed on rank "

@@ -50,8 +50,14 @@ _REGISTRY: dict[str, Entry] = {
     )
 }
 
-_ALIASES: dict[str, Entry] = {entry.name.lower(): entry for entry in torch_interop.ALIASES}
-"""torch's schedule classes by class name (lower case): resolved by name, not listed."""
+_ALIASES: dict[str, Entry] = {
+    **{entry.name.lower().removeprefix("schedule"): entry for entry in torch_interop.ALIASES
+       if entry.name.lower().removeprefix("schedule") not in _REGISTRY},
+    **{entry.name.lower(): entry for entry in torch_interop.ALIASES},
+}
+"""torch's schedule classes by class name and by the short name ``get_schedule_class`` takes
+(``1F1B``, ``Interleaved1F1B``; lower case): resolved by name, not listed.  ``GPipe`` is
+unisched's ``gpipe``; torch's is ``ScheduleGPipe``."""
 
 
 def names() -> list[str]:
@@ -61,7 +67,7 @@ def names() -> list[str]:
 
 def entry(name: str) -> Entry:
     """The registry entry of ``name`` (dashes and case are forgiven), or of
-    one of torch's schedule classes by its class name."""
+    one of torch's schedule classes by its class name or short name."""
     key = str(name).strip().lower().replace("-", "_")
     found = _REGISTRY.get(key) or _ALIASES.get(key.replace("_", ""))
     if found is None:
@@ -74,7 +80,7 @@ def entry(name: str) -> Entry:
 
 def aliases() -> list[str]:
     """torch.distributed.pipelining's schedule classes that ``get`` accepts by name."""
-    return [entry.name for entry in _ALIASES.values()]
+    return [entry.name for entry in torch_interop.ALIASES]
 
 
 def get(

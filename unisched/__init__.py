@@ -5,7 +5,7 @@ worker and a weight worker; unisched simulates it, draws it, plans it and runs
 it for real.
 """
 
-from unisched.errors import DeadlockError, ShapeError, StrategyError, TimelineError, UniSchedError
+from unisched.errors import DeadlockError, ShapeError, SplitError, StrategyError, TimelineError, UniSchedError
 from unisched.memory import memory_curves
 from unisched.metrics import worker_stats
 from unisched.simulate import (
@@ -59,6 +59,7 @@ __all__ = [
     "StageGraph",
     "Strategy",
     "WorkerOrders",
+    "SplitError",
     "StrategyError",
     "Timeline",
     "TiedWeight",
@@ -91,7 +92,6 @@ _LAZY = {
     "stages_from_state_dict": "unisched.execute",
     "split_model": "unisched.execute",
     "ModelStages": "unisched.execute",
-    "SplitError": "unisched.execute",
     "Tie": "unisched.execute",
     "save_checkpoint": "unisched.execute",
     "load_checkpoint": "unisched.execute",
@@ -114,6 +114,11 @@ _LAZY = {
     "TransformerModel": "unisched.simulate.layout",
 }
 _RENAMED = {"ParallelLayout": "Layout", "TransformerModel": "Model"}  # clearer at the package's top level
+
+
+def __dir__() -> list[str]:
+    """Every public name, those imported on first use as well (for completion and ``dir``)."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def __getattr__(name: str):

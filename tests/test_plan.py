@@ -369,7 +369,7 @@ def test_strategy_with_parameters_and_progress_output():
     family = [row["latency"] for row in result.candidates if row["source"] == "family"]
     assert result.latency <= min(family)
     assert "family search" in stream.getvalue() and "CP-SAT order" in stream.getvalue()
-    with pytest.raises(PlanInputError, match="key=value"):
+    with pytest.raises(unisched.policies.StrategyParameterError, match="key=value"):  # as policies.get says it
         plan(4, 4, 8, strategy="looped(group_size)", time_limit=2)
 
 

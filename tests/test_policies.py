@@ -419,3 +419,12 @@ def test_a_negative_cuckoo_cutoff_is_refused_not_run_as_gpipe(cutoff):
     with pytest.raises(StrategyParameterError):
         policies.fits("cuckoo", unisched.Shape(4, 4, 8), {cutoff: -1})
     assert policies.get("cuckoo", 4, 4, 2).params["batch_cutoff"] == 0  # B // 2 - 2 < 0: none moves, said as 0
+
+
+def test_get_takes_parameters_written_in_the_name_as_the_command_line_does():
+    assert policies.get("looped(group_size=2)", 4, 8, 8).params == policies.get("looped", 4, 8, 8, group_size=2).params
+    assert policies.get("looped(group_size=2)", 4, 8, 8, group_size=2).params == {"group_size": 2}
+    with pytest.raises(policies.StrategyParameterError, match="sets group_size=2 but group_size=4 is given beside it"):
+        policies.get("looped(group_size=2)", 4, 8, 8, group_size=4)
+    with pytest.raises(policies.StrategyParameterError, match="cannot read strategy"):
+        policies.get("looped(group_size=2))", 4, 8, 8)

@@ -263,7 +263,7 @@ def cmd_simulate(args) -> int:
                 raise UniSchedError(what)
         return _demo(args)
     else:
-        from unisched.plan.family import parse_params, strategy_spec
+        from unisched.policies.grammar import parse_params, strategy_spec
 
         check_size(_shape(args), splits_backward(args))
         sim = _simulate(args, *strategy_spec(args.strategy, parse_params(args.param)), _step_options(args))
@@ -317,7 +317,7 @@ def _simulate_plan(args):
 def cmd_compare(args) -> int:
     from unisched import policies
     from unisched.plan.command import is_user_strategy, user_strategy
-    from unisched.plan.family import parse_params, strategy_spec
+    from unisched.policies.grammar import parse_params, strategy_spec
 
     shape = _shape(args)
     check_size(shape, splits_backward(args))
@@ -390,7 +390,7 @@ COMPARE_COLUMNS = (
 def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]]:
     """Each (name, params) of ``candidates`` simulated: :func:`_ranked` rows,
     the strategies skipped (and why), and the bound."""
-    from unisched.plan.family import label_of
+    from unisched.policies.grammar import label_of
 
     simulations, skipped = [], []
     options = _step_options(args)
@@ -541,7 +541,7 @@ def _simulate(args, name: str, params: dict, options: dict):
     """Strategy ``name`` with ``params`` on the flags' shape, simulated with ``options`` (:func:`_step_options`)."""
     from unisched import policies, simulate
     from unisched.plan.command import is_user_strategy, user_strategy
-    from unisched.plan.family import label_of
+    from unisched.policies.grammar import label_of
 
     W, S, B = _shape(args)
     if is_user_strategy(name):

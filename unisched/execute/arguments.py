@@ -199,7 +199,7 @@ def check_training_arguments(args: argparse.Namespace) -> None:
         if args.strategy is None:
             args.strategy = DEFAULT_STRATEGY
         from unisched.plan.command import is_user_strategy, load_user_function
-        from unisched.plan.family import parse_params, strategy_spec
+        from unisched.policies.grammar import parse_params, strategy_spec
 
         args.strategy, params = strategy_spec(args.strategy, parse_params(args.param))
         args.param = [f"{k}={v}" for k, v in params.items()]
@@ -243,7 +243,7 @@ def make_schedule(args, workers: int):
             )
         return plan.simulate(), plan.shape.num_stages, plan.shape.num_batches
     from unisched.plan.command import is_user_strategy, user_strategy
-    from unisched.plan.family import label_of, parse_params
+    from unisched.policies.grammar import label_of, parse_params
 
     from unisched.simulate.simulation import check_size
 

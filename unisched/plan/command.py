@@ -35,7 +35,8 @@ from unisched.flags import (COST_FLAGS, DEMO_SHAPE, STRATEGY_HELP, add_cost_argu
 from unisched.strategy import Strategy, as_strategy, required_arguments
 from unisched.work import Shape
 
-from unisched.plan.family import default_progress, label_of, other_backward, parse_params, strategy_spec
+from unisched.plan.family import default_progress, other_backward
+from unisched.policies.grammar import label_of, parse_params, strategy_spec
 from unisched.plan.planfile import ANY_SCHEDULE, OBJECTIVES, Plan, check_plan_path, jsonable
 from unisched.plan.planner import SCHEMES, SEARCHES, plan
 from unisched.plan.problem import PlanInputError, check_plan_size, encode_costs, split_from

@@ -18,6 +18,7 @@ from typing import Iterable, TextIO
 import numpy as np
 
 from unisched.errors import UniSchedError
+from unisched.policies.grammar import label_of, parse_label
 from unisched.simulate import simulate
 from unisched.simulate.simulation import Simulation
 from unisched.simulate.priorities import BackwardFirst
@@ -158,62 +159,6 @@ def constructed_members(problem: PlanProblem, whole: bool = False) -> list[tuple
                 return (batch + group * shift) % W
             members.append(member(f"backward folded over {k} workers (shift {shift})", folded))
     return members
-
-
-def label_of(name: str, params: dict) -> str:
-    """``name(k=v, ...)``, the form the table prints and ``--strategy`` accepts."""
-    return name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
-
-
-def parse_label(text: str) -> tuple[str, dict[str, str]]:
-    """Inverse of :func:`label_of`; values stay strings for the registry to coerce."""
-    text = text.strip()
-    if "(" not in text:
-        return text, {}
-    name, _, rest = text.partition("(")
-    if not rest.endswith(")") or "(" in rest or ")" in rest[:-1]:
-        raise PlanInputError(f"cannot read strategy {text!r}; write NAME or NAME(key=value, ...), e.g. looped(group_size=2)")
-    params = {}
-    for part in filter(None, (p.strip() for p in rest[:-1].split(","))):
-        key, eq, value = part.partition("=")
-        if not eq:
-            raise PlanInputError(f"strategy parameter {part!r} in {text!r} must be key=value")
-        _set_once(params, key.strip(), value.strip(), f"strategy {text!r}")
-    return name.strip(), params
-
-
-def _set_once(params: dict[str, str], key: str, value: str, where: str) -> None:
-    """``params[key] = value``, refusing a second, different value for the key."""
-    if params.get(key, value) != value:
-        raise PlanInputError(f"{where} sets {key} twice ({params[key]} and {value}); give it once")
-    params[key] = value
-
-
-def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict[str, str]]:
-    """``NAME`` or ``NAME(key=value, ...)`` plus the ``--param`` values (see
-    :func:`parse_params`): (name, parameters), the one grammar of every verb.
-
-    A key given both ways must have one value."""
-    params = dict(params or {})
-    name, inline = parse_label(str(text))
-    inline = {key.replace("-", "_"): value for key, value in inline.items()}
-    for key in sorted(inline.keys() & params.keys()):
-        if str(inline[key]).strip() != str(params[key]).strip():
-            raise UniSchedError(
-                f"strategy {text!r} sets {key}={inline[key]} but --param sets {key}={params[key]}; give it once"
-            )
-    return name, {**inline, **params}
-
-
-def parse_params(items: Iterable[str]) -> dict[str, str]:
-    """``--param K=V`` items as ``{K: V}`` (a dash in K reads as an underscore)."""
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UniSchedError(f"--param takes K=V, got {item!r}")
-        _set_once(params, key.strip().replace("-", "_"), value.strip(), "--param")
-    return params
 
 
 def search_family(

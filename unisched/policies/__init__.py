@@ -30,6 +30,7 @@ from unisched.policies._registry import (
     StrategyShapeError,
     UnknownStrategyError,
 )
+from unisched.policies.grammar import strategy_spec
 from unisched.policies.data_parallel import ddp, fsdp
 from unisched.policies.looped_pp import fully_sharded_looped, looped, looped_bfs
 from unisched.policies.pipeline import gpipe, interleaved, megatron_interleaved_orders, one_f_one_b
@@ -90,9 +91,11 @@ def get(
     num_batches: int | None = None,
     **params: Any,
 ) -> Strategy:
-    """Build strategy ``name`` for a shape; ``params`` may be strings (from a command line)."""
+    """Build strategy ``name`` for a shape; ``params`` may be strings (from a command line), or be
+    written in the name as the command line takes them: ``get("looped(group_size=2)", 4, 4, 8)``."""
     missing = [k for k, v in (("num_workers", num_workers), ("num_stages", num_stages),
                               ("num_batches", num_batches)) if v is None]
+    name, params = strategy_spec(name, params)
     found = entry(name)
     if missing:
         raise StrategyParameterError(

@@ -922,3 +922,8 @@ def test_a_priority_made_for_another_shape_is_refused():
         simulate(4, 4, 8, gpipe, unisched.BackwardFirst(2, 2))
     assert simulate(4, 4, 8, gpipe, unisched.BackwardFirst(4, 8)).latency == \
         simulate(4, 4, 8, gpipe, unisched.BackwardFirst).latency
+
+
+def test_a_strategy_given_by_name_is_told_how_to_build_it():
+    with pytest.raises(TypeError, match=r"not its name 'gpipe'.*unisched.policies.get\('gpipe', num_workers"):
+        simulate(4, 4, 8, "gpipe")

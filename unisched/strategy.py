@@ -201,6 +201,10 @@ def as_strategy(schedule: Strategy | Mapping_, name: str | None = None, descript
     """Wrap a user's function (the notebook's style) so it shows with its own name."""
     if isinstance(schedule, Strategy):
         return schedule if name is None else schedule.with_(name=name)
+    if isinstance(schedule, str):
+        raise TypeError(f"a strategy is a Strategy or a function Work -> ComputeAndWeightWorkers, not its name "
+                        f"{schedule!r}: build the named one for the shape with "
+                        f"unisched.policies.get({schedule!r}, num_workers, num_stages, num_batches)")
     if not callable(schedule):
         raise TypeError(f"a strategy must be callable Work -> ComputeAndWeightWorkers, got {schedule!r}")
     if required_arguments(schedule) == 3:

@@ -428,3 +428,9 @@ def test_get_takes_parameters_written_in_the_name_as_the_command_line_does():
         policies.get("looped(group_size=2)", 4, 8, 8, group_size=4)
     with pytest.raises(policies.StrategyParameterError, match="cannot read strategy"):
         policies.get("looped(group_size=2))", 4, 8, 8)
+
+
+def test_a_flag_parameter_takes_true_or_false_only():
+    assert policies.get("fsdp", 4, 4, 4, shard=1).params["shard"] is True
+    with pytest.raises(policies.StrategyParameterError, match="'shard' must be true or false, got 2"):
+        policies.get("fsdp", 4, 4, 4, shard=2)

@@ -448,3 +448,10 @@ def test_torch_runtime_runs_exported_zb_h2_a_plan_and_dualpipe_v_and_matches_one
             assert np.abs(state[key] - expected.numpy()).max() < 1e-5, (label, key)
         last = [r.value[label]["losses"] for r in results if r.value[label]["losses"][0] is not None]
         assert last and np.allclose(last[0], losses, atol=1e-5)
+
+
+def test_torchs_schedule_class_given_as_a_strategy_is_told_to_give_its_name():
+    from torch.distributed.pipelining import Schedule1F1B
+
+    with pytest.raises(TypeError, match=r"Schedule1F1B is torch's class.*policies.get\('Schedule1F1B'"):
+        unisched.simulate(4, 4, 8, Schedule1F1B)

@@ -205,6 +205,10 @@ def as_strategy(schedule: Strategy | Mapping_, name: str | None = None, descript
         raise TypeError(f"a strategy is a Strategy or a function Work -> ComputeAndWeightWorkers, not its name "
                         f"{schedule!r}: build the named one for the shape with "
                         f"unisched.policies.get({schedule!r}, num_workers, num_stages, num_batches)")
+    if isinstance(schedule, type) and schedule.__module__.startswith("torch.distributed.pipelining"):
+        raise TypeError(f"{schedule.__name__} is torch's class, which runs a schedule on torch's runtime: give its "
+                        f"name to simulate its order, unisched.policies.get({schedule.__name__!r}, num_workers, "
+                        "num_stages, num_batches)")
     if not callable(schedule):
         raise TypeError(f"a strategy must be callable Work -> ComputeAndWeightWorkers, got {schedule!r}")
     if required_arguments(schedule) == 3:

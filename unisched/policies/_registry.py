@@ -49,6 +49,8 @@ class Param:
                 if lowered not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError(value)
                 value = lowered in ("true", "1", "yes")
+            elif self.type is bool and value not in (True, False):  # 0 and 1 (numpy's too) are True and False
+                raise ValueError(value)
             elif self.type is int and isinstance(value, float) and value.is_integer():
                 value = int(value)
             elif self.type is int and isinstance(value, bool):

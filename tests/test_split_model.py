@@ -217,6 +217,35 @@ def test_another_model_is_traced_by_pipelining_and_cut_between_blocks():
 
 
 @traced
+def test_a_traced_models_arguments_are_checked_before_the_trace(capsys):
+    model = Residual()
+    x = torch.randint(0, 16, (2, 5))
+    with pytest.raises(SplitError, match="split_spec= asks for a trace.*pass example="):
+        split_model(model, 2, split_spec={"layers.5": SplitPoint.BEGINNING})
+    with pytest.raises(SplitError, match="split_spec names 'nope', which is not a submodule of Residual"):
+        split_model(model, 2, example=x, split_spec={"nope": SplitPoint.BEGINNING})
+    with pytest.raises(SplitError, match=r"split_spec\['layers.5'\] must be a torch.distributed.pipelining.SplitPoint"):
+        split_model(model, 2, example=x, split_spec={"layers.5": "beginning"})
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(SplitError, match="the example does not run through Residual's forward"):
+        split_model(model, 2, example=torch.randn(2, 5, 3))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers())) and model.training
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_split_model_refuses_weights_that_are_not_numbers_and_arguments_it_would_ignore():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    for balance in (["a", "b", "c"], ("parameters",), 5):
+        with pytest.raises(SplitError, match="one weight \\(a number\\) per block"):
+            split_model(model, 2, balance=balance)
+    with pytest.raises(SplitError, match="blocks= names the blocks of a traced model.*drop blocks="):
+        split_model(model, 2, blocks="nope")
+    for repeats in (0, -1, 1.5):
+        with pytest.raises(SplitError, match="repeats must be a whole number of at least 1"):
+            split_model(model, 2, repeats=repeats)
+
+
+@traced
 def test_the_models_own_pipe_split_calls_are_used():
     from torch.distributed.pipelining import pipe_split
 

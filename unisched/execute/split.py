@@ -181,15 +181,38 @@ def split_model(
         raise SplitError(f"tied must be one of {', '.join(TIED)}, got {tied!r}")
     if isinstance(balance, str) and balance not in BALANCES:
         raise SplitError(f"balance must be one of {', '.join(BALANCES)} or one weight per block, got {balance!r}")
+    if not isinstance(balance, str):
+        balance = _block_weights(balance)
     if balance == "time" and example is None:
         raise SplitError("balance='time' measures each block on an input: pass example= (one micro-batch)")
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise SplitError(f"repeats must be a whole number of at least 1 (timed runs of each block), got {repeats!r}")
+    if split_spec is not None and not isinstance(split_spec, dict):
+        raise SplitError(f"split_spec must be a dict {{module name: SplitPoint}}, got {type(split_spec).__name__}")
     num_stages = int(num_stages)
+    traced = split_spec is not None or not (isinstance(model, nn.Sequential) or _gpt2_layout(model) is not None)
+    if blocks is not None and not traced:
+        raise SplitError(f"blocks= names the blocks of a traced model, but a {type(model).__name__} is split at "
+                         f"its {'children' if isinstance(model, nn.Sequential) else 'transformer blocks'}; drop blocks=")
     if split_spec is None and isinstance(model, nn.Sequential):
         return _split_sequential(model, num_stages, balance, example, tied, repeats)
     gpt2 = _gpt2_layout(model)
     if split_spec is None and gpt2 is not None:
         return _split_gpt2(model, gpt2, num_stages, balance, example, tied, repeats)
     return _split_traced(model, num_stages, balance, example, blocks, split_spec, tied, repeats)
+
+
+def _block_weights(balance) -> list[float]:
+    """``balance`` given as one weight per block: numbers, finite and not negative."""
+    try:
+        weights = [float(x) for x in balance if not isinstance(x, (str, bytes, bool))]
+    except TypeError:
+        weights = []
+    given = list(balance) if not isinstance(balance, (str, bytes)) and hasattr(balance, "__iter__") else None
+    if given is None or len(weights) != len(given) or not given:
+        raise SplitError(f"balance must be one of {', '.join(BALANCES)} or one weight (a number) per block, "
+                         f"got {balance!r}")
+    return weights
 
 
 # ---------------------------------------------------------------------- the partition
@@ -208,7 +231,7 @@ def balanced_partition(weights: Sequence[float], num_parts: int) -> list[range]:
     if n < num_parts:
         raise SplitError(f"cannot cut {n} blocks into {num_parts} non-empty stages; ask for at most {n} stages")
     if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise SplitError(f"block weights must be finite and not negative, got {list(w)}")
+        raise SplitError(f"block weights must be finite and not negative, got {w.tolist()}")
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     span = prefix[:, None] - prefix[None, :]                    # span[i, m]: items m..i-1
     before = np.tril(np.ones((n + 1, n + 1), dtype=bool), k=-1)  # m < i: a non-empty part
@@ -388,15 +411,34 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- any other model: the pipelining tracer
 def _split_traced(model: nn.Module, num_stages, balance, example, blocks, split_spec, tied, repeats) -> ModelStages:
+    why = ("split_spec= asks" if split_spec is not None
+           else f"{type(model).__name__} is neither an nn.Sequential nor a GPT-2, so split_model asks")
     if example is None:
-        raise SplitError(
-            f"{type(model).__name__} is neither an nn.Sequential nor a GPT-2, so split_model traces it with "
-            f"torch.distributed.pipelining; pass example= (one micro-batch of input, of the size the Trainer "
-            f"will use) for the trace"
-        )
+        raise SplitError(f"{why} for a trace by torch.distributed.pipelining; pass example= (one micro-batch of "
+                         f"input, of the size the Trainer will use) for the trace")
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    for name, point in (split_spec or {}).items():
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise SplitError(f"split_spec names {name!r}, which is not a submodule of {type(model).__name__}; "
+                             f"name one as model.named_modules() does") from None
+        if not isinstance(point, SplitPoint):
+            raise SplitError(f"split_spec[{name!r}] must be a torch.distributed.pipelining.SplitPoint "
+                             f"(SplitPoint.BEGINNING or SplitPoint.END), got {point!r}")
     args = example if isinstance(example, tuple) else (example,)
+    training = model.training
+    try:  # in eval mode, on a forked RNG: the model's statistics and the caller's random state stay as they were
+        with torch.no_grad(), torch.random.fork_rng():
+            model.eval()
+            model(*args)
+    except Exception as error:  # found here, not by the trace (whose error is buried in torch's logging)
+        raise SplitError(f"the example does not run through {type(model).__name__}'s forward: "
+                         f"{type(error).__name__}: {first_line(error)}; pass one micro-batch the model takes "
+                         "(a tuple for several arguments)") from error
+    finally:
+        model.train(training)
     weights: list[float] = []
     parts: list[range] = []
     names: list[str] = []

@@ -855,3 +855,24 @@ def test_unisched_run_stopped_tells_torchrun_to_stop_its_ranks(tmp_path, signum)
     assert said[0] == f"unisched run: {signum.name}: telling every rank to stop (at most 45 s) ..."
     assert said[1].startswith(f"unisched run: stopped by {signum.name}; every rank stopped (the whole log is in ")
     assert len(said) == 2
+
+
+def test_a_trainer_outside_torchrun_trains_as_a_world_of_one_and_refuses_more_workers_saying_how():
+    code = textwrap.dedent("""
+        import torch, unisched
+        from torch import nn
+        stages = [nn.Linear(4, 4), nn.Linear(4, 2)]
+        trainer = unisched.Trainer(stages, unisched.simulate(1, 2, 2, unisched.policies.get("looped", 1, 2, 2)),
+                                   nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1))
+        assert trainer.step(torch.randn(4, 4), torch.randn(4, 2)) > 0
+        try:
+            unisched.Trainer(stages, unisched.simulate(2, 2, 2, unisched.policies.get("gpipe", 2, 2, 2)),
+                             nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1))
+        except unisched.UniSchedError as error:
+            print(error)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "the schedule is for 2 workers but the world has 1 rank (" in done.stdout
+    assert "launch 2 processes (torchrun --nproc-per-node 2)" in done.stdout

@@ -33,8 +33,6 @@ current GPU when there is one, gloo on the CPU otherwise).  It computes on
 
 from __future__ import annotations
 
-import datetime
-import os
 import warnings
 from typing import Callable, Iterable
 
@@ -74,7 +72,7 @@ class Trainer:
     def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto",
                  device: torch.device | str | None = None, **options):
         _check_runtime(runtime)
-        _ensure_process_group(float(options.get("timeout", 300.0)))
+        ensure_process_group(float(options.get("timeout", 300.0)))
         self.env = Env.get()
         self.config = self.env.config
         taskgraphs = self.env.checked_taskgraphs()
@@ -161,18 +159,6 @@ def _check_runtime(runtime: str) -> None:
         )
     elif runtime not in ("auto", SCHEDULE):
         raise ScopeError(f"runtime must be 'auto' or 'schedule', got {runtime!r}")
-
-
-def _ensure_process_group(timeout: float) -> None:
-    """Start the process group unless one runs: from torchrun's variables
-    as :mod:`unisched.execute` does, or else a world of one process."""
-    if dist.is_initialized():
-        return
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        ensure_process_group(timeout)
-        return
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=timeout))
 
 
 def _tensor_parallel_groups(placement: Placement, plans: dict) -> dict[tuple[int, ...], object]:

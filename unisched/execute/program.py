@@ -425,8 +425,9 @@ def _ranks(timeline: Timeline, world_size: int | None) -> int:
         hosts = (f" (workers {world_size}.. may only hold weights, as rank d's host memory {world_size} + d, "
                  f"but worker {max(busy)} computes)") if W <= 2 * world_size else ""
     raise ProgramError(
-        f"the schedule is for {W} workers but the world has {world_size} ranks{hosts}; "
-        f"launch {W} processes (torchrun --nproc-per-node {W}) or simulate the strategy for {world_size} workers"
+        f"the schedule is for {W} workers but the world has {world_size} rank{'s' * (world_size != 1)}{hosts}; "
+        f"launch {W} processes (torchrun --nproc-per-node {W}) or simulate the strategy for {world_size} "
+        f"worker{'s' * (world_size != 1)}"
     )
 
 

@@ -2182,16 +2182,17 @@ def _unsplittable(name: str, value: Any, parts: int) -> str:
 
 # ---------------------------------------------------------------------- helpers
 def ensure_process_group(timeout: float) -> None:
-    """Start the default process group from torchrun's variables (NCCL with
-    CUDA, gloo otherwise) unless one is running; the one bootstrap of
-    unisched, used by the Trainer, the examples and :mod:`unisched.epl`."""
+    """Start the default process group unless one is running (NCCL with CUDA,
+    gloo otherwise): from torchrun's variables, or without them a world of
+    this one process (a schedule for more workers is then refused, saying to
+    launch them with torchrun).  The one bootstrap of unisched, used by the
+    Trainer, the examples and :mod:`unisched.epl`."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ExecutionError(
-            "no process group: launch with torchrun (e.g. torchrun --nproc-per-node 4 train.py) or call "
-            "torch.distributed.init_process_group before building the Trainer"
-        )
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=timeout))
+        return
     backend, options = "gloo", {}
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

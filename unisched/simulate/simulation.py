@@ -39,7 +39,9 @@ def simulate(
 
     ``schedule`` maps each ``Work`` to ``ComputeAndWeightWorkers``; a named
     :class:`~unisched.Strategy` also brings its own priority, memory limit,
-    split backward and fixed orders, which the arguments here override.
+    split backward and fixed orders, which the arguments here override (but
+    for a priority given to a strategy that fixes every worker's order,
+    which is refused: it would change nothing).
     ``priority_order`` is any callable ``Work -> sortable key``, or a built-in
     priority's class or name ("backward_first") (default
     :class:`OldestBatchFirst`); a strategy's own priority may be either too.

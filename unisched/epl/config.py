@@ -142,11 +142,13 @@ def _flatten(param_dict: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in param_dict.items():
         if not isinstance(key, str):
             raise ConfigError(f"EPL config keys are strings like 'pipeline.num_micro_batch', got {key!r}")
-        if key in OPTIONS and isinstance(value, Mapping):
-            for inner, inner_value in value.items():
-                flat[f"{key}.{inner}"] = inner_value
-        else:
-            flat[key] = value
+        given = ({f"{key}.{inner}": inner_value for inner, inner_value in value.items()}
+                 if key in OPTIONS and isinstance(value, Mapping) else {key: value})
+        for dotted, one in given.items():
+            if dotted in flat and flat[dotted] != one:
+                raise ConfigError(f"EPL config sets {dotted} twice ({flat[dotted]!r} and {one!r}), nested and as "
+                                  f"'{dotted}'; give it once")
+            flat[dotted] = one
     for key in flat:
         section, _, name = key.partition(".")
         if section not in OPTIONS or name not in OPTIONS[section]:

@@ -47,7 +47,7 @@ def test_config_dict_and_nested_dict_agree():
     nested = epl.Config({"pipeline": {"num_micro_batch": 4}, "zero": {"level": "v1"}})
     assert flat == nested
     assert flat.pipeline.num_micro_batch == 4 and flat.zero.level == "v1"
-    assert epl.Config({"pipeline": {"num_micro_batch": 4}, "pipeline.num_micro_batch": 4}) == flat.__class__(
+    assert epl.Config({"pipeline": {"num_micro_batch": 4}, "pipeline.num_micro_batch": 4}) == epl.Config(
         {"pipeline.num_micro_batch": 4})
     with pytest.raises(ConfigError, match=r"sets pipeline.num_micro_batch twice \(2 and 3\)"):
         epl.Config({"pipeline": {"num_micro_batch": 2}, "pipeline.num_micro_batch": 3})

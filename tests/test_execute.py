@@ -633,6 +633,19 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
     said = json.loads(capsys.readouterr().err)
     assert said["error"] == "rank 0: cannot write x" and said["rank"] == 0
 
+    # a rank killed by a signal (torchrun's root cause) is named as the cause, before what the others said
+    root_cause = ("Root Cause (first observed failure):\\n[0]:\\n  rank      : 1 (local_rank: 1)\\n"
+                  "  exitcode  : -9 (pid: 42)  (SIGKILL)\\n  error_file: <N/A>\\n"
+                  "  traceback : Signal 9 (SIGKILL) received by PID 42\\n")
+    for extra, said in (("", "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42), and torchrun stopped the others"),
+                        ("rank 0: error: rank 0 could not complete x\\n",
+                         "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42); then rank 0 could not complete x")):
+        killed = [sys.executable, "-c", f"import sys; sys.stderr.write('{extra}{root_cause}'); sys.exit(1)"]
+        assert _launch(killed) in (1, 2)
+        assert capsys.readouterr().err.startswith(f"unisched run: error: {said} (the whole log is in ")
+        _launch([*killed, "--json"])
+        assert json.loads(capsys.readouterr().err)["rank"] == 1
+
     checked = [sys.executable, "-c", "import sys; print('rank 0: check failed', file=sys.stderr); sys.exit(1)"]
     logs = set(Path(tempfile.gettempdir()).glob("unisched-run-*.log"))
     for json_or_not in ([], ["--json"]):  # a failed --check is not a failure to train: rank 0's report says it

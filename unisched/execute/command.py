@@ -77,6 +77,9 @@ RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULT
 """A rank's error line (:mod:`unisched.execute.example` writes them)."""
 NAMED_RANK = re.compile(r"rank (?P<rank>\d+)\b")
 """An error message that begins by naming the rank it is about."""
+KILLED_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(?P<rank>\d+).*?"
+                         r"exitcode\s*:\s*(?P<code>-?\d+).*?traceback\s*:\s*(?P<why>[^\n]*)", re.S)
+"""torchrun's report of the first rank to fail: a negative exit code is the signal that killed it."""
 
 
 STOP_GRACE = 45.0
@@ -140,10 +143,15 @@ def _failed(stderr: str, returncode: int, as_json: bool) -> int:
         rank = int((named or found).group("rank")) if (named or found).group("rank").isdigit() else None
         if named is None:
             said = f"rank {found.group('rank')}: {said}"
+    killed = KILLED_RANK.search(stderr)
+    if killed is not None and int(killed.group("code")) < 0:  # a rank killed by a signal is the cause of the rest
+        dead = f"rank {killed.group('rank')} was killed ({killed.group('why').strip()})"
+        said = f"{dead}; then {said}" if found is not None else f"{dead}, and torchrun stopped the others"
+        rank = int(killed.group("rank"))
     if as_json:
         print(json.dumps({"error": said, "details": [f"the whole log is in {log}"], "type": "TrainingFailed",
                           "rank": rank}), file=sys.stderr)
-    elif found is None:
+    elif found is None and killed is None:
         print(f"unisched run: {said}; the whole log is in {log}", file=sys.stderr)
     else:
         print(f"unisched run: error: {said} (the whole log is in {log})", file=sys.stderr)

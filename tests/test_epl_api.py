@@ -156,25 +156,23 @@ def test_a_model_that_annotates_its_parts_in_its_own_init_is_one_taskgraph_per_p
     assert [t.module() for t in graphs] == [net.body, net.head]
 
 
-def test_epl_init_again_leaves_one_listener_and_torch_modules_build_as_before():
+def test_modules_are_captured_only_while_a_scope_is_open_or_a_default_is_set():
     from unisched.epl.scopes import _BuiltModules
-    torch_init = _BuiltModules.torch_init
+
+    torch_init = nn.Module.__init__
+    assert _BuiltModules.torch_init is None and not _BuiltModules.listeners, "nothing captures after epl.init"
+    with epl.replicate(1):
+        assert len(_BuiltModules.listeners) == 1 and nn.Module.__init__ is not torch_init
+    assert nn.Module.__init__ is torch_init and not _BuiltModules.listeners
+    epl.set_default_strategy(epl.replicate(1))
+    with pytest.raises(ScopeError):
+        with epl.split(2):
+            with epl.split(2):
+                pass
+    assert len(_BuiltModules.listeners) == 1, "one listener, however often a scope opens"
     epl.init()
-    epl.init()
-    assert len(_BuiltModules.listeners) == 1 and nn.Module.__init__ is not torch_init
-    epl.Env.get().close()
     assert nn.Module.__init__ is torch_init and not _BuiltModules.listeners
     assert nn.Linear(2, 2).weight.shape == (2, 2)
-    epl.init()
-
-
-def test_modules_outside_scopes_are_not_captured_without_a_default():
-    nn.Linear(3, 3)
-    with epl.split(2):
-        inside = nn.Linear(3, 4)
-    nn.Linear(4, 4)
-    graphs = epl.Env.get().taskgraphs
-    assert len(graphs) == 1 and graphs[0].top_modules() == [inside]
 
 
 def test_a_split_with_nothing_to_shard_is_refused_before_it_is_simulated():

@@ -3,7 +3,8 @@ inside them into TaskGraphs.
 
 As in EPL, the user only annotates where modules are *built*; every process
 runs the same script.  A scope learns what was built inside it by being told
-of every ``nn.Module`` as ``nn.Module.__init__`` runs (torch has registration
+of every ``nn.Module`` as ``nn.Module.__init__`` runs, while a scope is open
+or a default strategy is set (torch has registration
 hooks, but a module without parameters, buffers or submodules, such as
 ``nn.ReLU()``, registers nothing), so plain ``nn.Module`` code needs no
 changes, and a model that builds its parts inside scopes in its own
@@ -137,6 +138,7 @@ class _BuiltModules:
 
     listeners: list = []
     torch_init = None
+    wrapper = None
 
     @classmethod
     def listen(cls, listener) -> "_BuiltModules":
@@ -149,7 +151,7 @@ class _BuiltModules:
                 for told in list(cls.listeners):
                     told(module)
 
-            nn.Module.__init__ = init_and_tell
+            nn.Module.__init__ = cls.wrapper = init_and_tell
         cls.listeners.append(listener)
         handle = cls()
         handle.listener = listener
@@ -159,7 +161,8 @@ class _BuiltModules:
         listeners = type(self).listeners
         if self.listener in listeners:
             listeners.remove(self.listener)
-        if not listeners and type(self).torch_init is not None:
+        # restored unless another library wrapped it since (then ours stays under theirs, telling no one)
+        if not listeners and type(self).torch_init is not None and nn.Module.__init__ is type(self).wrapper:
             nn.Module.__init__, type(self).torch_init = type(self).torch_init, None
 
 
@@ -177,7 +180,7 @@ class Env:
         self.default: Scope | None = None
         self._default_open: TaskGraph | None = None
         self._capturing = True
-        self._handles = []
+        self._listening: _BuiltModules | None = None
 
     @classmethod
     def get(cls) -> "Env":
@@ -190,14 +193,23 @@ class Env:
         env = cls(config)
         if cls._current is not None:
             cls._current.close()
-        env._handles = [_BuiltModules.listen(env._on_build)]
         cls._current = env
         return env
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Stop capturing: no module built from now on is this Env's."""
+        self.scope = self.default = None
+        self._listen()
+
+    def _listen(self) -> None:
+        """Be told of the modules built while a scope is open or a default strategy is set, and
+        only then (torch's own ``nn.Module.__init__`` runs otherwise)."""
+        wanted = self.scope is not None or self.default is not None
+        if wanted and self._listening is None:
+            self._listening = _BuiltModules.listen(self._on_build)
+        elif not wanted and self._listening is not None:
+            self._listening.remove()
+            self._listening = None
 
     @property
     def cluster(self) -> Cluster:
@@ -244,17 +256,20 @@ class Env:
         self.scope = scope
         self._default_open = None
         self.taskgraphs.append(self._new_taskgraph(scope, is_default=False))
+        self._listen()
 
     def exit(self, scope: Scope) -> None:
         if self.scope is not scope:
             raise ScopeError(f"{scope!r} was closed but it is not the open scope ({self.scope!r})")
         self.scope = None
+        self._listen()
 
     def set_default(self, scope: Scope) -> None:
         if self.scope is not None:
             raise ScopeError(f"call epl.set_default_strategy outside annotation scopes (inside {self.scope!r})")
         self.default = scope
         self._default_open = None
+        self._listen()
 
     def _new_taskgraph(self, scope: Scope, is_default: bool) -> TaskGraph:
         index = len(self.taskgraphs)

@@ -109,7 +109,9 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
         raise CheckpointError(f"--checkpoint {args.checkpoint} already holds another run's checkpoints (the latest "
                               f"{earlier[-1].name}); continue that run with --resume {args.checkpoint}, or save this "
                               f"one in another directory")
-    later = [path.name for path in earlier if resumed and path.name > resumed.name]
+    steps = [path.resolve() for path in earlier]  # by step number
+    at = steps.index(resumed.resolve()) if resumed and resumed.resolve() in steps else len(steps)
+    later = [path.name for path in earlier[at + 1:]]
     if later:
         raise CheckpointError(f"--checkpoint {args.checkpoint} holds checkpoints after the resumed {resumed.name} "
                               f"({', '.join(later)}): this run would save among them and a later --resume take the "

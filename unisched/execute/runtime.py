@@ -254,10 +254,11 @@ class Trainer:
             error = failed
         delta = datetime.timedelta(seconds=self.timeout)
         self._control = dist.new_group(backend="gloo", timeout=delta)
-        agreed = None if error is None else {}  # the options every rank must share (none known after an error)
-        if error is None:
-            agreed = {"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-                      "seed": seed, "loss_scale": self._scale.settings(), "record": record}
+        # the options every rank must share, as JSON (numpy numbers too); none are known after an error
+        agreed = {} if error is not None else {
+            "precision": precision, "clip_grad_norm": None if clip_grad_norm is None else float(clip_grad_norm),
+            "accumulate": int(accumulate), "seed": int(seed), "loss_scale": self._scale.settings(),
+            "record": record if isinstance(record, bool) else int(record)}
         try:
             self._agree(error, agreed)
             ties = self._agree_ties(ties)

@@ -178,7 +178,9 @@ class LossScale:
         """Continue from :meth:`state` of a scaler in force (fp16); one switched off on either side
         (a run resumed in another precision) leaves this one as it starts: a disabled scaler's scale
         stays 1, an enabled one starts at its initial scale."""
-        if self.enabled and state.get("enabled", True):
+        # a state saved before scalers said whether they were on: an fp32 or bf16 one stood at 1 and never grew
+        saved_enabled = state.get("enabled", float(state["scale"]) != 1.0 or int(state["good_steps"]) != 0)
+        if self.enabled and saved_enabled:
             self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 

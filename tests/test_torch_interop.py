@@ -209,16 +209,19 @@ def test_aliases_resolve_by_torch_class_name_and_stay_out_of_the_listing():
         policies.get("ScheduleNope", 4, 4, 8)
 
 
-@pytest.mark.parametrize("short", ["1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                                   "DualPipeV", "1f1b", "dualpipev"])
+@pytest.mark.parametrize("short", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "1f1b"])
 def test_torchs_short_schedule_names_resolve_to_the_class_torch_gives_them(short):
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     assert policies.entry(short).name == get_schedule_class(short).__name__
 
 
-def test_gpipe_in_any_case_is_unischeds_own_and_torchs_is_named_by_its_class():
+def test_short_names_of_unischeds_own_strategies_stay_theirs_however_spelt():
     assert policies.entry("GPipe").name == "gpipe" and policies.entry("ScheduleGPipe").name == "ScheduleGPipe"
+    for spelt in ("LoopedBFS", "looped_bfs", "Looped-BFS"):
+        assert policies.entry(spelt).name == "looped_bfs"
+    assert policies.entry("DualPipeV").name == "dualpipe_v" and policies.entry("dualpipev").name == "dualpipe_v"
+    assert policies.entry("ScheduleLoopedBFS").name == "ScheduleLoopedBFS"
 
 
 def test_the_command_line_takes_torch_names(capsys):

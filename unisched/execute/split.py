@@ -203,13 +203,14 @@ def split_model(
 
 
 def _block_weights(balance) -> list[float]:
-    """``balance`` given as one weight per block: numbers, finite and not negative."""
+    """``balance`` given as one weight per block: numbers (checked finite and not negative by the
+    partition)."""
+    given = list(balance) if hasattr(balance, "__iter__") else []
     try:
-        weights = [float(x) for x in balance if not isinstance(x, (str, bytes, bool))]
+        weights = [float(x) for x in given if not isinstance(x, (str, bytes, bool))]
     except TypeError:
         weights = []
-    given = list(balance) if not isinstance(balance, (str, bytes)) and hasattr(balance, "__iter__") else None
-    if given is None or len(weights) != len(given) or not given:
+    if not given or len(weights) != len(given):
         raise SplitError(f"balance must be one of {', '.join(BALANCES)} or one weight (a number) per block, "
                          f"got {balance!r}")
     return weights
@@ -428,17 +429,6 @@ def _split_traced(model: nn.Module, num_stages, balance, example, blocks, split_
             raise SplitError(f"split_spec[{name!r}] must be a torch.distributed.pipelining.SplitPoint "
                              f"(SplitPoint.BEGINNING or SplitPoint.END), got {point!r}")
     args = example if isinstance(example, tuple) else (example,)
-    training = model.training
-    try:  # in eval mode, on a forked RNG: the model's statistics and the caller's random state stay as they were
-        with torch.no_grad(), torch.random.fork_rng():
-            model.eval()
-            model(*args)
-    except Exception as error:  # found here, not by the trace (whose error is buried in torch's logging)
-        raise SplitError(f"the example does not run through {type(model).__name__}'s forward: "
-                         f"{type(error).__name__}: {first_line(error)}; pass one micro-batch the model takes "
-                         "(a tuple for several arguments)") from error
-    finally:
-        model.train(training)
     weights: list[float] = []
     parts: list[range] = []
     names: list[str] = []
@@ -448,6 +438,8 @@ def _split_traced(model: nn.Module, num_stages, balance, example, blocks, split_
         names = [f"{name}.{child}" for child, _ in children]
         what = f"{type(model).__name__} ({len(children)} blocks in {name})"
         _check_count(num_stages, len(children), what)
+    _check_example(model, args)
+    if split_spec is None:
         weights = _weights(balance, len(children), lambda: [_count(m) for _, m in children],
                            lambda: _time_blocks(model, [m for _, m in children], args, repeats), what)
         parts = balanced_partition(weights, num_stages)
@@ -474,6 +466,24 @@ def _split_traced(model: nn.Module, num_stages, balance, example, blocks, split_
     untied, ties = _tie_policy(tied, _ties_by_name(stages, model))
     return ModelStages(stages, kind="traced", blocks=parts, weights=weights, block_names=names, untied=untied,
                        ties=ties)
+
+
+def _check_example(model: nn.Module, args: tuple) -> None:
+    """Refuse an example the model's forward does not take, found by running it (the trace's own
+    error is buried in torch's logging): in eval mode and on a forked CPU random state, so every
+    module's mode and statistics and the caller's random state stay as they were."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()
+            model(*args)
+    except Exception as error:
+        raise SplitError(f"the example does not run through {type(model).__name__}'s forward: "
+                         f"{type(error).__name__}: {first_line(error)}; pass one micro-batch the model takes "
+                         "(a tuple for several arguments)") from error
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 @contextlib.contextmanager

@@ -51,14 +51,16 @@ _REGISTRY: dict[str, Entry] = {
     )
 }
 
+_BARE: dict[str, Entry] = {key.replace("_", ""): entry for key, entry in _REGISTRY.items()}
+"""The registered strategies by name without underscores (``LoopedBFS`` is ``looped_bfs``)."""
 _ALIASES: dict[str, Entry] = {
-    **{entry.name.lower().removeprefix("schedule"): entry for entry in torch_interop.ALIASES
-       if entry.name.lower().removeprefix("schedule") not in _REGISTRY},
+    **{entry.name.lower().removeprefix("schedule"): entry for entry in torch_interop.ALIASES},
     **{entry.name.lower(): entry for entry in torch_interop.ALIASES},
 }
 """torch's schedule classes by class name and by the short name ``get_schedule_class`` takes
-(``1F1B``, ``Interleaved1F1B``; lower case): resolved by name, not listed.  ``GPipe`` is
-unisched's ``gpipe``; torch's is ``ScheduleGPipe``."""
+(``1F1B``, ``Interleaved1F1B``; lower case, without underscores): resolved by name, not listed.
+A registered strategy's name comes first: ``GPipe``, ``LoopedBFS`` and ``DualPipeV`` are
+unisched's ``gpipe``, ``looped_bfs`` and ``dualpipe_v``; torch's are ``ScheduleGPipe`` ...."""
 
 
 def names() -> list[str]:
@@ -70,7 +72,7 @@ def entry(name: str) -> Entry:
     """The registry entry of ``name`` (dashes and case are forgiven), or of
     one of torch's schedule classes by its class name or short name."""
     key = str(name).strip().lower().replace("-", "_")
-    found = _REGISTRY.get(key) or _ALIASES.get(key.replace("_", ""))
+    found = _REGISTRY.get(key) or _BARE.get(key.replace("_", "")) or _ALIASES.get(key.replace("_", ""))
     if found is None:
         raise UnknownStrategyError(
             f"unknown strategy {name!r}; choose one of: {', '.join(_REGISTRY)} "

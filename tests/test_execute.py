@@ -632,6 +632,10 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
     assert _launch([*reported, "--json"]) == 2
     said = json.loads(capsys.readouterr().err)
     assert said["error"] == "rank 0: cannot write x" and said["rank"] == 0
+    stopped = [sys.executable, "-c", "import sys; print('rank 2: error: rank 2 stopped at 2F4 in step 1 because rank 0 "
+               "at 0B2 waited', file=sys.stderr); sys.exit(1)"]
+    assert _launch([*stopped, "--json"]) == 2
+    assert json.loads(capsys.readouterr().err)["rank"] == 0, "the rank it stopped for"
 
     # a rank killed by a signal (torchrun's root cause) is named as the cause, before what the others said
     root_cause = ("Root Cause (first observed failure):\\n[0]:\\n  rank      : 1 (local_rank: 1)\\n"

@@ -234,8 +234,13 @@ def saved_layout(path: str | Path) -> tuple[int, str | None]:
     keeps none), read by this rank alone: for a command to name the flags that load it."""
     path = Path(path)
     metadata = read_metadata(path)
-    stages = {where.partition(":")[0] for key in metadata.state_dict_metadata if (where := _stage_of(key)) is not None}
-    return len(stages), _read_objects(path, metadata).get("trainer.optimizer_class")
+    return len(_stored_stages(metadata)), _read_objects(path, metadata).get("trainer.optimizer_class")
+
+
+def _stored_stages(metadata: Metadata) -> list[int]:
+    """The stages a checkpoint holds weights of, in order."""
+    return sorted({int(where.partition(":")[0]) for key in metadata.state_dict_metadata
+                   if (where := _stage_of(key)) is not None})
 
 
 def read_metadata(path: str | Path) -> Metadata:
@@ -277,7 +282,7 @@ def _load_alone(path: Path, destination: dict[str, torch.Tensor]) -> None:
 def _mismatch(trainer, metadata: Metadata, objects: dict, optimizer: bool) -> str | None:
     """Why this rank cannot load the checkpoint, naming the stage and key, or None."""
     saved = metadata.state_dict_metadata
-    stored = sorted({int(where.partition(":")[0]) for key in saved if (where := _stage_of(key)) is not None})
+    stored = _stored_stages(metadata)
     S = trainer.program.num_stages
     hint = "; load a checkpoint of the same model (the same stages, parameter names and shapes)"
     if stored != list(range(S)):

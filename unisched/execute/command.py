@@ -77,6 +77,8 @@ RANK_ERROR = re.compile(r"^rank (?P<rank>\S+): error: (?P<message>.*)$", re.MULT
 """A rank's error line (:mod:`unisched.execute.example` writes them)."""
 NAMED_RANK = re.compile(r"rank (?P<rank>\d+)\b")
 """An error message that begins by naming the rank it is about."""
+BLAMED_RANK = re.compile(r"because rank (?P<rank>\d+)\b")
+"""A rank that stopped says which one it stopped for: ``rank 2 stopped at ... because rank 0 ...``."""
 KILLED_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(?P<rank>\d+).*?"
                          r"exitcode\s*:\s*(?P<code>-?\d+).*?traceback\s*:\s*(?P<why>[^\n]*)", re.S)
 """torchrun's report of the first rank to fail: a negative exit code is the signal that killed it."""
@@ -137,11 +139,12 @@ def _failed(stderr: str, returncode: int, as_json: bool) -> int:
         return 1
     log = _keep_log(stderr)
     rank, said = None, f"training failed (exit status {returncode})"
-    if found is not None:  # the rank that failed: the one the message names (a peer may report it), else its reporter
-        said = found.group("message")
-        named = NAMED_RANK.match(said)
-        rank = int((named or found).group("rank")) if (named or found).group("rank").isdigit() else None
-        if named is None:
+    if found is not None:  # the rank that failed: the one the message blames or names (a peer may report it),
+        said = found.group("message")  # else its reporter
+        named = BLAMED_RANK.search(said) or NAMED_RANK.match(said)
+        culprit = (named or found).group("rank")
+        rank = int(culprit) if culprit.isdigit() else None
+        if NAMED_RANK.match(said) is None:
             said = f"rank {found.group('rank')}: {said}"
     killed = KILLED_RANK.search(stderr)
     if killed is not None and int(killed.group("code")) < 0:  # a rank killed by a signal is the cause of the rest

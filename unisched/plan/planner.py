@@ -56,7 +56,7 @@ from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_c
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.pooled import pooled_bound
 from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
-                                   mapping_of, rows_of, split_from)
+                                   mapping_of, rows_of, seconds_tables, split_from)
 from unisched.plan.schedule import Schedule
 from unisched.plan.search import SEARCH_FROM_ITEMS, Mapped, construct, rules, search as heuristic_search
 
@@ -240,8 +240,7 @@ def _check_one_replica(costs: Costs) -> None:
 def _check_some_time(problem: PlanProblem) -> None:
     """Refuse a step in which nothing takes time, passes or transfers: every schedule of it takes
     none, and ties at time 0 leave the replays of fixed orders nothing to go by."""
-    timed = TimedProblem.build(problem)
-    if not any(np.any(times) for times in (timed.duration, timed.comm, timed.fetch, timed.stash)):
+    if not any(np.any(times) for times in seconds_tables(problem)):
         raise PlanInputError("nothing in the step takes time (every pass and transfer 0), so every schedule "
                              "takes none: give the passes' times (--forward, --backward, or a costs file)")
 

@@ -46,7 +46,7 @@ def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict[str,
     name, inline = parse_label(str(text))
     inline = {key.replace("-", "_"): value for key, value in inline.items()}
     for key in sorted(inline.keys() & params.keys()):
-        if str(inline[key]).strip() != str(params[key]).strip():
+        if str(inline[key]).strip().lower() != str(params[key]).strip().lower():  # true and True alike
             raise StrategyParameterError(
                 f"strategy {text!r} sets {key}={inline[key]} but {key}={params[key]} is given beside it (--param "
                 f"or a keyword); give it once"

@@ -4,13 +4,12 @@ inside them into TaskGraphs.
 As in EPL, the user only annotates where modules are *built*; every process
 runs the same script.  A scope learns what was built inside it by being told
 of every ``nn.Module`` as ``nn.Module.__init__`` runs, while a scope is open
-or a default strategy is set (torch has registration
-hooks, but a module without parameters, buffers or submodules, such as
-``nn.ReLU()``, registers nothing), so plain ``nn.Module`` code needs no
-changes, and a model that builds its parts inside scopes in its own
-``__init__`` is annotated part by part.  Loss modules are left out: the
-trainer applies the loss.  The TaskGraphs
-then form a chain: TaskGraph i+1 is fed by TaskGraph i's output, and the
+or a default strategy is set (torch has registration hooks, but a module
+without parameters, buffers or submodules, such as ``nn.ReLU()``, registers
+nothing), so plain ``nn.Module`` code needs no changes, and a model that
+builds its parts inside scopes in its own ``__init__`` is annotated part by
+part.  Loss modules are left out: the trainer applies the loss.  The
+TaskGraphs then form a chain: TaskGraph i+1 is fed by TaskGraph i's output, and the
 modules built in one scope are applied in the order they were built.
 
 EPL's API is process-global (``epl.init()`` then bare ``with`` blocks), so the

@@ -139,8 +139,9 @@ def _failed(stderr: str, returncode: int, as_json: bool) -> int:
         return 1
     log = _keep_log(stderr)
     rank, said = None, f"training failed (exit status {returncode})"
-    if found is not None:  # the rank that failed: the one the message blames or names (a peer may report it),
-        said = found.group("message")  # else its reporter
+    if found is not None:
+        said = found.group("message")
+        # the rank that failed: the one the message blames or names (a peer may report it), else its reporter
         named = BLAMED_RANK.search(said) or NAMED_RANK.match(said)
         culprit = (named or found).group("rank")
         rank = int(culprit) if culprit.isdigit() else None

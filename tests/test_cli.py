@@ -325,6 +325,14 @@ def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path)
     assert "family search" not in err  # refused before the search began
 
 
+def test_simulate_refuses_an_out_path_it_cannot_write_before_writing_any(capsys, tmp_path):
+    (tmp_path / "folder.png").mkdir()
+    for bad, said in ((tmp_path / "no" / "x.png", "there is no folder"), (tmp_path / "folder.png", "is a folder")):
+        code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", str(tmp_path / "ok.html"),
+                             "--out", str(bad))
+        assert code == 2 and said in err and not (tmp_path / "ok.html").exists()
+
+
 def test_plan_refuses_an_out_file_that_is_a_folder_before_planning(capsys, tmp_path):
     folder = tmp_path / "plan.json"
     folder.mkdir()

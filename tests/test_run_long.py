@@ -233,7 +233,8 @@ def test_a_run_resumed_from_an_earlier_checkpoint_refuses_to_save_among_the_late
 def test_places_nothing_can_be_written_are_refused_before_launching(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(command, "_launch", lambda argv: pytest.fail("launched"))
     (tmp_path / "afile").touch()
-    for flag, path in (("--checkpoint", tmp_path / "afile" / "sub"), ("--timeline", tmp_path / "no" / "x.html")):
+    for flag, path, said in (("--checkpoint", tmp_path / "afile" / "sub", "cannot write there"),
+                             ("--timeline", tmp_path / "no" / "x.html", "there is no folder")):
         assert main(["run", "-W", "2", flag, str(path)]) == 2
         error = capsys.readouterr().err.strip().splitlines()
-        assert len(error) == 1 and f"{flag} {path}: cannot write there" in error[0]
+        assert len(error) == 1 and f"{flag} {path}: {said}" in error[0]

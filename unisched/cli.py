@@ -248,10 +248,12 @@ def _print_entry(entry: dict, pad: int) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from unisched.flags import check_writable
     from unisched.render import check_path
 
     for out in args.out:  # before simulating or writing anything
         check_path(out)
+        check_writable(out, f"--out {out}")
     if args.plan is not None:
         sim = _simulate_plan(args)
     elif args.strategy is None:

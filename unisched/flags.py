@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
+from pathlib import Path
 
 from unisched.errors import UniSchedError
 
@@ -110,3 +112,26 @@ def numbers(flag: str, text: str | None, count: int, what: str,
     if len(values) > 1 and len(values) != count:
         raise error(f"{flag} gives {len(values)} numbers but there are {count} {what}: give one, or {count}")
     return values[0] if len(set(values)) == 1 else tuple(values)
+
+
+def check_writable(path, said: str, folder: bool = False) -> None:
+    """Refuse, before a verb runs rather than when it writes, a place nothing can be written:
+    ``path`` a file in a folder that exists (not a folder itself), or with ``folder`` a folder
+    (its nearest existing folder must take new files); a file is made there and removed to tell.
+    ``said`` names the flag and path in the message."""
+    target = Path(path).absolute()
+    if not folder and target.is_dir():
+        raise UniSchedError(f"{said} is a folder; name a file in it (e.g. {Path(path) / ('out' + target.suffix)})")
+    where = target if folder else target.parent
+    while folder and not where.exists():
+        where = where.parent
+    if not folder and not where.is_dir():
+        raise UniSchedError(f"{said}: there is no folder {str(Path(path).parent)!r} to write it in; create it "
+                            "first, or name a file in a folder that exists")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as error:
+        made = "a folder" if folder else "a file in a folder"
+        raise UniSchedError(f"{said}: cannot write there ({error.strerror or error}); name {made} you may "
+                            "write to") from None

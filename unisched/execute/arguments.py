@@ -6,10 +6,9 @@ imports torch, so ``unisched run --help`` and a refused option answer at once.""
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
-from unisched.flags import STRATEGY_HELP
+from unisched.flags import STRATEGY_HELP, check_writable
 
 MODELS = ("mlp", "transformer")
 LR_SCHEDULES = ("constant", "cosine")
@@ -117,25 +116,7 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
                               f"({', '.join(later)}): this run would save among them and a later --resume take the "
                               f"latest of either; move them out of the directory, or save this run in another")
     if args.checkpoint:
-        check_writable(args.checkpoint, "--checkpoint", folder=True)
-
-
-def check_writable(path: str, flag: str, folder: bool = False) -> None:
-    """Refuse, before a run starts rather than when it saves, a place nothing can be written:
-    ``path`` a file in a folder that exists, or with ``folder`` a folder (its nearest existing
-    folder must take new files); a file is made there and removed to tell."""
-    from unisched.errors import UniSchedError
-
-    where = Path(path).absolute() if folder else Path(path).absolute().parent
-    while folder and not where.exists():
-        where = where.parent
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as error:
-        made = "a folder" if folder else "a file in a folder that exists and"
-        raise UniSchedError(f"{flag} {path}: cannot write there ({error.strerror or error}); name {made} "
-                            "you may write to") from None
+        check_writable(args.checkpoint, f"--checkpoint {args.checkpoint}", folder=True)
 
 
 def log_interval(args: argparse.Namespace) -> int:
@@ -189,7 +170,7 @@ def check_training_arguments(args: argparse.Namespace) -> None:
             f"name the file with one of these"
         )
     if args.timeline:
-        check_writable(args.timeline, "--timeline")
+        check_writable(args.timeline, f"--timeline {args.timeline}")
     if args.plan:
         given = [flag for flag, value in (("--strategy", args.strategy), ("--param", args.param or None),
                                           ("--stages", args.stages), ("--batches", args.batches)) if value is not None]

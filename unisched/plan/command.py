@@ -31,7 +31,7 @@ from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
 from unisched.flags import (COST_FLAGS, DEMO_SHAPE, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
-                            add_shape_arguments, cost_values, numbers, shape_of)
+                            add_shape_arguments, check_writable, cost_values, numbers, shape_of)
 from unisched.strategy import Strategy, as_strategy, required_arguments
 from unisched.work import Shape
 
@@ -175,15 +175,7 @@ def _outputs(paths) -> list[str]:
     paths = [paths] if isinstance(paths, str) else list(paths or [])
     for path in paths:
         check_plan_path(path, said=f"--out {path}")
-        folder = Path(path).parent
-        if not folder.is_dir():
-            raise PlanInputError(f"--out {path}: there is no folder {str(folder)!r} to write it in; create it first, "
-                                 "or name a file in a folder that exists")
-        if Path(path).is_dir():
-            raise PlanInputError(f"--out {path} is a folder; name a file in it (e.g. {Path(path) / 'plan.json'})")
-        target = Path(path) if Path(path).exists() else folder
-        if not os.access(target, os.W_OK):
-            raise PlanInputError(f"--out {path}: this user may not write {str(target)!r}; name another path")
+        check_writable(path, f"--out {path}")
     return paths
 
 

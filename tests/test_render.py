@@ -419,8 +419,13 @@ def test_trace_time_unit_through_save_and_refused_when_unknown(tmp_path):
     for bad in ("minutes", 0, -1, float("nan"), True, "0", "-1", "nan", "inf", ""):
         with pytest.raises(UniSchedError, match="time"):
             to_chrome_trace(gpipe(), time_unit=bad)
-    with pytest.raises(UniSchedError, match="too long for a trace in microseconds; give a smaller time_unit"):
-        to_chrome_trace(gpipe(), time_unit=1e305)
+    for unit in (1e305, 1e30):  # past 2**53 microseconds (1e30 passed and made events of 3e37 us)
+        with pytest.raises(UniSchedError, match="too long for a trace in microseconds .*; give a smaller time_unit"):
+            to_chrome_trace(gpipe(), time_unit=unit)
+    tiny = to_chrome_trace(gpipe(), time_unit="ns")  # forward 1, backward 2 ns: kept, not rounded to 0 or 0.001
+    assert sorted({e["dur"] for e in tiny["traceEvents"] if e.get("cat") == "compute"}) == [0.001, 0.002]
+    tinier = to_chrome_trace(gpipe(), time_unit=1e-15)
+    assert sorted({e["dur"] for e in tinier["traceEvents"] if e.get("cat") == "compute"}) == [1e-9, 2e-9]
 
 
 def test_trace_of_a_simulation_lines_up_with_a_measured_one():

@@ -41,6 +41,10 @@ SEND_TID = 1001
 """Thread ids of the send lanes start here."""
 
 
+LONGEST_US = 2.0 ** 53
+"""The longest step a trace holds, in microseconds: past it a double no longer counts whole ones."""
+
+
 def pid_of(worker: int) -> int:
     """Process id of a worker's tracks."""
     return worker + 1
@@ -80,15 +84,18 @@ def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     scale = seconds * 1e6  # microseconds per time unit
     origin = time_origin(timeline)
-    if not math.isfinite(timeline.latency * scale):
+    span = timeline.latency * scale
+    if not span <= LONGEST_US:
         raise UniSchedError(f"a step of {timeline.latency:g} units of {seconds:g} s is too long for a trace in "
-                            "microseconds; give a smaller time_unit")
+                            f"microseconds (more than 2**53 us, where they stop being whole); give a smaller time_unit")
+    # Rounded to 12 significant digits of the step (and at least to the nanosecond), so that back-to-back
+    # slices touch exactly however small the unit.
+    decimals = max(3, 12 - math.ceil(math.log10(span))) if span > 0 else 3
     W = timeline.num_workers
     events: list[dict] = []
 
     def us(t) -> np.ndarray:
-        # Rounded to the nanosecond so that back-to-back slices touch exactly.
-        return np.round((np.asarray(t, dtype=float) - origin) * scale, 3)
+        return np.round((np.asarray(t, dtype=float) - origin) * scale, decimals)
 
     for w in range(W):
         pid = pid_of(w)
@@ -118,7 +125,7 @@ def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
                 "pid": pid_of(w),
                 "tid": tid,
                 "ts": float(ts[i]),
-                "dur": float(max(te[i] - ts[i], 0.0)),
+                "dur": float(max(round(te[i] - ts[i], decimals), 0.0)),
                 "args": {
                     "batch": batch,
                     "stage": stage,
@@ -156,7 +163,7 @@ def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
                     "pid": pid_of(src),
                     "tid": tid,
                     "ts": float(ss[i]),
-                    "dur": float(max(se[i] - ss[i], 0.0)),
+                    "dur": float(max(round(se[i] - ss[i], decimals), 0.0)),
                     "args": args,
                 }
             )

@@ -21,6 +21,7 @@ from unisched import (
     UniSchedError,
     Work,
     WorkRecord,
+    policies,
     simulate,
 )
 from unisched.render import FORMATS, save
@@ -551,3 +552,11 @@ def test_without_colour_every_cell_keeps_its_space():
                 if re.match(r"w\d+\|", line)]
         cells = [cell for row in rows for cell in row.split()]  # a cell per space-separated token
         assert rows and all(re.fullmatch(r"\d+[FBIW]\d+|\.", cell) for cell in cells), rows
+
+
+def test_a_forced_grid_of_too_many_columns_says_what_to_change():
+    sim = simulate(4, 4, 300, policies.get("gpipe", num_workers=4, num_stages=4, num_batches=300))
+    with pytest.raises(UniSchedError, match="max_columns=600 columns; raise max_columns, or draw it with "
+                                            "mode='proportional'"):
+        sim.to_html(mode="grid")  # a TypeError before
+    assert 'data-mode="grid"' in sim.to_html(mode="grid", max_columns=5000)

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from unisched.errors import UniSchedError
 from unisched.render._common import (
     DIRECTION_NAMES,
     LETTERS,
@@ -178,6 +179,10 @@ def _cell_style(batch: int) -> str:
 def _grid(timeline: Timeline, max_columns: int) -> str:
     grid = time_grid(timeline, max_columns=max_columns)
     q, origin = grid.quantum, grid.origin
+    if q is None:
+        raise UniSchedError(f"mode='grid' draws a column per time quantum, and this step's times fall on no "
+                            f"quantum giving at most max_columns={max_columns} columns; raise max_columns, or "
+                            "draw it with mode='proportional'")
     columns = max(1, int(math.ceil(grid.span / q - 1e-9)))
     c0 = np.rint((timeline.start - origin) / q).astype(np.int64)
     c1 = np.rint((timeline.end - origin) / q).astype(np.int64)

@@ -325,6 +325,19 @@ def test_plan_refuses_an_out_file_in_no_folder_before_planning(capsys, tmp_path)
     assert "family search" not in err  # refused before the search began
 
 
+def test_compare_refuses_a_strategy_named_twice_and_lists_each_by_its_own_name(capsys):
+    for listed, first, second in (("gpipe,gpipe", "gpipe", "gpipe"),
+                                  ("gpipe,gpipe(priority=oldest_batch_first)", "gpipe",
+                                   "gpipe(priority=oldest_batch_first)"),
+                                  ("dualpipe_v,DualPipeV", "dualpipe_v", "DualPipeV")):
+        code, out, err = run(capsys, "compare", "-W", "4", "--strategies", listed)
+        assert code == 2 and f"names {first!r} and {second!r}, the same strategy; name it once" in err
+    code, out, err = run(capsys, "compare", "-W", "4", "--strategies", "GPipe,one-f-one-b,gpipe(priority=oldest_stage_first)",
+                         "--json")
+    assert code == 0 and sorted(row["strategy"] for row in json.loads(out)["results"]) == [
+        "gpipe", "gpipe(priority=oldest_stage_first)", "one_f_one_b"]
+
+
 def test_simulate_refuses_an_out_path_it_cannot_write_before_writing_any(capsys, tmp_path):
     (tmp_path / "folder.png").mkdir()
     for bad, said in ((tmp_path / "no" / "x.png", "there is no folder"), (tmp_path / "folder.png", "is a folder")):

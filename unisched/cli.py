@@ -325,19 +325,26 @@ def cmd_compare(args) -> int:
     check_size(shape, splits_backward(args))
     params = parse_params(args.param)
     if args.strategies is not None:  # "" names none, as "," does
-        candidates = [strategy_spec(text, params) for text in split_strategies(args.strategies)]
+        texts = split_strategies(args.strategies)
+        candidates = [strategy_spec(text, params) for text in texts]
         if not candidates:
             raise UniSchedError(f"--strategies names no strategy: {args.strategies!r}")
-        for name, values in candidates:  # a misspelt name or parameter is an error, not a skipped row
+        named: dict = {}  # each strategy with every parameter's value, defaults too: what was named already
+        for i, (text, (name, values)) in enumerate(zip(texts, candidates)):  # a misspelt name or parameter: an error
             if is_user_strategy(name):
                 try:
                     user_strategy(name, shape, values)
                 except ShapeError:
                     pass  # does not fit the shape: listed as skipped
-                continue
-            entry = policies.entry(name)
-            for key, value in values.items():
-                entry.param(key).coerce(entry.name, value)
+                key = (name, tuple(sorted(values.items())))
+            else:
+                entry = policies.entry(name)
+                candidates[i] = (entry.name, values)  # listed by its own name ("GPipe" is gpipe)
+                given = {key: entry.param(key).coerce(entry.name, value) for key, value in values.items()}
+                key = (entry.name, tuple(sorted({**{p.name: p.default for p in entry.params}, **given}.items())))
+            if key in named:
+                raise UniSchedError(f"--strategies names {named[key]!r} and {text!r}, the same strategy; name it once")
+            named[key] = text
     elif params:
         raise UniSchedError(
             "--param needs --strategies: it sets a parameter of every strategy listed (or write NAME(K=V) in the list)"

@@ -213,6 +213,9 @@ def test_replicas_follow_fixed_orders_given_as_item_ids_or_as_lists():
 
 
 def test_a_layout_that_does_not_divide_is_refused():
+    with pytest.raises(ShapeError, match="the pipeline must be a Strategy built for 2 workers and 2 stages .* got "
+                                         "'one_f_one_b'"):
+        simulate_layout(Layout(2, 2, 4), "dgx_h100", "one_f_one_b", MODEL)  # an AttributeError before
     with pytest.raises(ShapeError, match="does not match the 64 GPUs"):
         Layout(3, 4, 8).check(64)
     with pytest.raises(ShapeError, match="Model.layers=8 does not split into pipeline=3"):

@@ -173,6 +173,9 @@ def simulate_layout(layout: Layout, topology, pipeline: Strategy, model: Model, 
     layout.check()
     topology = Topology.load(topology).sized(layout.devices)
     P, T, D = layout.pipeline, layout.tensor, layout.data
+    if not isinstance(pipeline, Strategy):
+        raise ShapeError(f"the pipeline must be a Strategy built for {P} workers and {P} stages (layout "
+                         f"pipeline={P}), e.g. policies.get('one_f_one_b', {P}, {P}, micro_batches); got {pipeline!r}")
     if pipeline.shape is None or tuple(pipeline.shape)[:2] != (P, P):
         raise ShapeError(f"the pipeline strategy {pipeline.name!r} must be built for {P} workers and {P} stages "
                          f"(layout pipeline={P}), e.g. policies.get('one_f_one_b', {P}, {P}, micro_batches)")

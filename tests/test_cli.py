@@ -338,6 +338,12 @@ def test_compare_refuses_a_strategy_named_twice_and_lists_each_by_its_own_name(c
         "gpipe", "gpipe(priority=oldest_stage_first)", "one_f_one_b"]
 
 
+def test_simulate_draws_a_text_file_as_wide_as_asked(capsys, tmp_path):
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--width", "50", "--out", str(tmp_path / "w.txt"))
+    assert code == 0 and max(len(line) for line in (tmp_path / "w.txt").read_text().splitlines()) <= 50  # was 100
+    unisched.simulate(2, 2, 2, unisched.policies.get("gpipe", 2, 2, 2)).save(tmp_path / "c.txt", color=True)
+
+
 def test_simulate_refuses_an_out_path_it_cannot_write_before_writing_any(capsys, tmp_path):
     (tmp_path / "folder.png").mkdir()
     for bad, said in ((tmp_path / "no" / "x.png", "there is no folder"), (tmp_path / "folder.png", "is a folder")):

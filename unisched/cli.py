@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -273,7 +274,8 @@ def cmd_simulate(args) -> int:
     if args.time_unit != "s" and not traces:
         raise UniSchedError(f"--time-unit {args.time_unit} sets the unit of a Chrome trace: give --out FILE.json too")
     for out in args.out:
-        sim.save(out, **({"time_unit": args.time_unit} if out in traces else {}))
+        text = Path(out).suffix.lower() == ".txt"  # the terminal's diagram, as wide as it is drawn here
+        sim.save(out, **({"time_unit": args.time_unit} if out in traces else {"width": args.width} if text else {}))
     from unisched.topology import cluster_json, describe_cluster
 
     cluster = cluster_json(sim.costs, sim.shape.num_workers)

@@ -69,8 +69,7 @@ def _write(timeline: Timeline, path: Path, suffix: str, options: dict) -> None:
     elif suffix == ".txt":
         from unisched.render.text import to_text
 
-        options.setdefault("stats", True)
-        path.write_text(to_text(timeline, color=False, **options) + "\n", encoding="utf-8")
+        path.write_text(to_text(timeline, **{"stats": True, "color": False, **options}) + "\n", encoding="utf-8")
     else:
         from unisched.render.figure import figure, save_figure
 

@@ -9,8 +9,8 @@ without parameters, buffers or submodules, such as ``nn.ReLU()``, registers
 nothing), so plain ``nn.Module`` code needs no changes, and a model that
 builds its parts inside scopes in its own ``__init__`` is annotated part by
 part.  Loss modules are left out: the trainer applies the loss.  The
-TaskGraphs then form a chain: TaskGraph i+1 is fed by TaskGraph i's output, and the
-modules built in one scope are applied in the order they were built.
+TaskGraphs then form a chain: TaskGraph i+1 is fed by TaskGraph i's output,
+and the modules built in one scope are applied in the order they were built.
 
 EPL's API is process-global (``epl.init()`` then bare ``with`` blocks), so the
 state lives in one :class:`Env` per process; ``epl.init`` starts a new one.

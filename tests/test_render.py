@@ -218,6 +218,12 @@ def test_text_wraps_into_bands_when_wide():
     # The continuation of an item that crosses a band boundary keeps its label.
     bands = [line for line in text.splitlines() if line.startswith("w0|")]
     assert all(re.match(r"(0[FB]\d+|\.)( |$)", band[3:]) for band in bands)
+    # Where the rest of an item is shorter than its label, it shows the label's beginning, as a
+    # short item does: never its tail (``F7`` of ``1F7`` read as stage 7's).
+    uneven = to_text(simulate(4, 4, 8, policies.get("gpipe", 4, 4, 8), costs=Costs(forward=1.5, backward=2.5)).timeline,
+                     width=60, color=False)
+    tokens = [token for line in uneven.splitlines() if re.match(r"w\d\|", line) for token in line[3:].split()]
+    assert len(uneven.splitlines()) > 12 and all(re.fullmatch(r"\d+([FB]\d*)?|\.", token) for token in tokens), tokens
 
 
 def test_text_color_control(capsys):

@@ -298,15 +298,16 @@ def _raster(timeline: Timeline, origin: float, scale: float, total: int, compres
 
 def _relabel(row: list[str], items: np.ndarray, before: int, owner: np.ndarray, timeline: Timeline,
              color: bool) -> None:
-    """Repeat the label of an item that carries over from the previous band."""
+    """Repeat the label of an item that carries over from the previous band: whole where it fits,
+    else its beginning, as a short item shows it (the label's tail left there, ``F7`` of ``1F7``,
+    reads as another item)."""
     first = int(items[0])
     if first < 0 or first != before:
         return
     label = _label(LETTERS[int(timeline.direction[first])], int(timeline.stage[first]), int(timeline.batch[first]),
                    color)
     run = int(np.sum((items == first) & (owner >= 0)))
-    if run >= len(label):
-        row[: len(label)] = label
+    row[: min(run, len(label))] = label[:run]
 
 
 def _axis(lo: int, hi: int, origin: float, scale: float, source: str, cell: int) -> str:

@@ -566,3 +566,10 @@ def test_a_forced_grid_of_too_many_columns_says_what_to_change():
                                             "mode='proportional'"):
         sim.to_html(mode="grid")  # a TypeError before
     assert 'data-mode="grid"' in sim.to_html(mode="grid", max_columns=5000)
+
+
+def test_a_figure_refuses_a_dpi_that_is_not_a_positive_number(tmp_path):
+    for dpi in (0, -1, "x"):  # 0 drew at the default silently
+        with pytest.raises(UniSchedError, match="dpi must be a positive number"):
+            save(gpipe(), tmp_path / "x.png", dpi=dpi)
+    assert save(gpipe(), tmp_path / "x.png", dpi=40).stat().st_size > 0

@@ -23,6 +23,7 @@ as a PNG (the returned figure has ``_repr_png_``).
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch
 
+from unisched.errors import UniSchedError
 from unisched.render._common import (
     DIRECTION_NAMES,
     LETTERS,
@@ -145,8 +147,11 @@ def figure(
 
 
 def save_figure(fig: Figure, path, dpi: float | None = None) -> None:
-    """Write a figure; the format follows the extension (.png, .svg, .pdf)."""
+    """Write a figure; the format follows the extension (.png, .svg, .pdf); ``dpi`` None: 150 for
+    a .png, the figure's own for the others."""
     path = Path(path)
+    if dpi is not None and (isinstance(dpi, bool) or not isinstance(dpi, (int, float, np.number)) or not 0 < dpi < math.inf):
+        raise UniSchedError(f"dpi must be a positive number of dots per inch, got {dpi!r}")
     fig.savefig(path, dpi=dpi or (150 if path.suffix.lower() == ".png" else "figure"))
 
 

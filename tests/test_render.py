@@ -238,6 +238,9 @@ def test_text_color_control(capsys):
 def test_text_too_narrow_is_an_error():
     with pytest.raises(ValueError, match="width"):
         to_text(gpipe(), width=10)
+    for options in ({"width": None}, {"width": 50.5}, {"max_bands": 0}):  # a TypeError, or 0 bands accepted
+        with pytest.raises(ValueError, match="must be a whole number of at least"):
+            to_text(gpipe(), **options)
 
 
 def test_stats_table_columns():

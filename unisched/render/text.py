@@ -155,8 +155,12 @@ def to_text(
     wide step is wrapped into before it is compressed instead (default: as
     many as keep the diagram under about 60 lines, at most 8).
     """
-    if width < MIN_WIDTH:
-        raise ValueError(f"width must be at least {MIN_WIDTH} columns, got {width}")
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < MIN_WIDTH:
+        raise ValueError(f"width must be a whole number of at least {MIN_WIDTH} columns, got {width!r}")
+    if max_bands is not None and (isinstance(max_bands, bool) or not isinstance(max_bands, (int, np.integer))
+                                  or max_bands < 1):
+        raise ValueError(f"max_bands must be a whole number of at least 1 (or None: as many as fit), got "
+                         f"{max_bands!r}")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     color = use_color(color)
     lines = textwrap.wrap(headline(timeline), width, subsequent_indent="  ") or [""]

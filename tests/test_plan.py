@@ -506,3 +506,14 @@ def test_plan_takes_the_stages_and_micro_batches_from_the_workers_as_every_verb_
     assert main(["simulate", "-W", "2", "--strategy", "gpipe", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["latency"] == (4 + 2 - 1) * 3  # as unisched run would run it
 
+
+
+def test_a_strategy_keeps_its_own_stash_limit_when_the_costs_count_bytes():
+    """one_f_one_b's own limit (S - s stashes) was passed on as a memory limit, which costs with
+    sizes read as bytes: it was dropped as not holding one stash."""
+    costs = Costs(forward=[1] * 4, backward=[2] * 4, activation_bytes=1e6)
+    result = plan(4, 4, 8, costs, time_limit=2)
+    assert not any(row["strategy"] == "one_f_one_b" for row in result.dropped)
+    ours = [row for row in result.candidates if row["strategy"] == "one_f_one_b"]
+    assert ours and ours[0]["latency"] == simulate(4, 4, 8, unisched.policies.get("one_f_one_b", 4, 4, 8),
+                                                   costs=costs).latency

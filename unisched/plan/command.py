@@ -329,7 +329,7 @@ def _dropped(dropped) -> str:
     groups: dict[str, list[str]] = {}
     for row in dropped:
         reason = row["reason"].split(":")[0] if row["reason"].startswith("deadlock") else row["reason"]
-        groups.setdefault(reason[:90], []).append(row["strategy"])
+        groups.setdefault(reason, []).append(row["strategy"])  # whole: its end says what to raise, and to what
     return "; ".join(f"{', '.join(names)} ({reason})" for reason, names in groups.items())
 
 

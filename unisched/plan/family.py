@@ -247,8 +247,10 @@ def _evaluate(problem: PlanProblem, member: Member) -> None:
     member.reason = unplannable(strategy, problem.split_backward)
     if member.reason:
         return
-    limit = _limit(problem.memory_limit if member.memory_limit is None else member.memory_limit,
-                   strategy.memory_limit)
+    user = problem.memory_limit if member.memory_limit is None else member.memory_limit
+    # a strategy's own limit counts stashes; the problem's is in bytes when the costs give sizes, where
+    # simulate takes it in place of the strategy's (none given: the strategy keeps its own, in stashes)
+    limit = user if problem.costs.has_sizes else _limit(user, strategy.memory_limit)
     try:
         sim = simulate(W, S, B, strategy, costs=problem.costs, memory_limit=limit,
                        split_backward=problem.split_backward)

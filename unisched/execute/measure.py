@@ -14,6 +14,7 @@ per-message latency), so the simulator can predict the real step.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -249,7 +250,8 @@ def calibrate_costs(
     are replicas), else from the weights and weight gradients sent between
     ranks (the median of their bytes over their spans): a fetch or a
     returned gradient is a whole stage's weights, and how long it is in
-    flight says how long its buffers live.  The simulator times every
+    flight says how long its buffers live.  Steps that move neither leave
+    the bandwidth infinite, with a warning (weight fetches would be free).  The simulator times every
     transfer with it, activations too, whose latency already holds their
     bytes' time: counted twice, which is small where activations are small
     beside weights.  Give a ``Trainer`` instead of timelines with
@@ -308,6 +310,11 @@ def calibrate_costs(
         bandwidth = _allreduce_bandwidth(timelines) or _weight_bandwidth(timelines)
         if bandwidth is not None:
             fields["bandwidth"] = bandwidth
+        elif any(fields["weight_bytes"]):
+            warnings.warn("calibrate_costs: the measured steps moved no weights and ran no all-reduce, so the "
+                          "bandwidth is left infinite and a plan made with these costs fetches weights for free; "
+                          "calibrate under a schedule that moves weights (fsdp, a plan that fetches them), or set "
+                          "Costs.bandwidth", stacklevel=2)
     return Costs(**fields)
 
 

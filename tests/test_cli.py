@@ -344,6 +344,14 @@ def test_simulate_draws_a_text_file_as_wide_as_asked(capsys, tmp_path):
     unisched.simulate(2, 2, 2, unisched.policies.get("gpipe", 2, 2, 2)).save(tmp_path / "c.txt", color=True)
 
 
+def test_plan_names_a_costs_file_for_another_stage_count_as_simulate_does(capsys, tmp_path):
+    path = tmp_path / "c2.json"
+    path.write_text(json.dumps({"forward": [1, 1], "backward": [2, 2]}))
+    for verb in (["plan", "--time-limit", "1"], ["simulate", "--strategy", "gpipe"]):
+        code, out, err = run(capsys, *verb, "-W", "4", "-S", "4", "--costs", str(path))
+        assert code == 2 and f"costs file {path}: Costs.forward has 2 entries" in err and "fix the file or the shape" in err
+
+
 def test_simulate_refuses_an_out_path_it_cannot_write_before_writing_any(capsys, tmp_path):
     (tmp_path / "folder.png").mkdir()
     for bad, said in ((tmp_path / "no" / "x.png", "there is no folder"), (tmp_path / "folder.png", "is a folder")):

@@ -114,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
     costs = costs_from_flags(args)
+    if args.costs and not args.topology:  # found here, naming the file, as simulate does
+        try:
+            costs.check(W, S)
+        except ShapeError as error:
+            raise PlanInputError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
     split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
     optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -135,3 +136,5 @@ def check_writable(path, said: str, folder: bool = False) -> None:
         made = "a folder" if folder else "a file in a folder"
         raise UniSchedError(f"{said}: cannot write there ({error.strerror or error}); name {made} you may "
                             "write to") from None
+    if not folder and target.exists() and not os.access(target, os.W_OK):
+        raise UniSchedError(f"{said}: this user may not write over it; name another file")

@@ -19,10 +19,11 @@ from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.planfile import objective_value
+from unisched.plan import mapping
 from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
 from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
-from unisched.work import Shape
+from unisched.work import FORWARD, Shape
 
 
 # ---------------------------------------------------------------------- exact references
@@ -143,6 +144,49 @@ def test_without_transfer_times_the_whole_schemes_proof_holds_for_every_schedule
     assert not covers(encode_costs(comm=0.5))
     assert not covers(encode_costs(backward_input=1, backward_weight=1, comm=0), split_backward=True)
     assert covers(weighty_costs()) and not covers(weighty_costs(), memory_budget=34.0)
+
+
+@pytest.mark.parametrize("shape, costs, memory", [
+    ((2, 2, 4), encode_costs(backward_input=1, backward_weight=1), 1),
+    ((3, 2, 4), encode_costs(), 1),  # a backward of two ticks
+    ((3, 3, 4), encode_costs(backward_input=1, backward_weight=1), 2),
+])
+def test_forwards_filled_in_after_the_search_lose_no_schedule(monkeypatch, shape, costs, memory):
+    """Without transfer times a forward's worker decides only which worker is busy, so the
+    whole-scheme model leaves forwards unplaced and fills them in afterwards: the same proven
+    optimum as the model placing them, and its solution replays as planned within the limit,
+    each forward on a worker with nothing else to run in its tick."""
+    problem = PlanProblem(Shape(*shape), costs, memory_limit=memory,
+                          split_backward=costs.backward_input is not None)
+    timed = TimedProblem.build(problem)
+    assert mapping.forwards_fill_in(timed, True, False)
+    filled = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(mapping, "forwards_fill_in", lambda *args: False)
+        placed = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False)
+    assert filled.optimal and placed.optimal and filled.objective == placed.objective
+    replay = Schedule.planned(timed, filled.compute, filled.weight, filled.starts).simulate()
+    assert replay.latency == timed.ticks.time(filled.objective)
+    assert max(replay.worker_stats()["max_activation_storage"]) <= memory
+    ends = filled.starts + timed.duration[:, 0]
+    for i in np.flatnonzero(timed.direction == FORWARD):
+        same = (filled.compute == filled.compute[i]) & (np.arange(len(ends)) != i)
+        assert not np.any(same & (filled.starts < ends[i]) & (ends > filled.starts[i]))
+
+
+def test_forwards_are_placed_by_the_model_wherever_their_worker_matters():
+    def fills(costs, objective="latency", whole=True, asap_replay=False, **limits) -> bool:
+        problem = PlanProblem(Shape(2, 2, 4), costs, objective=objective, **limits)
+        return mapping.forwards_fill_in(TimedProblem.build(problem), whole, asap_replay)
+
+    assert fills(encode_costs(), memory_limit=1) and fills(encode_costs())
+    assert not fills(encode_costs(), whole=False)  # the paired class: forwards go with their backward
+    assert not fills(encode_costs(), asap_replay=True)  # a stash away from its forward counts from elsewhere
+    assert not fills(encode_costs(comm=1)) and not fills(encode_costs(fetch=1))  # transfers wait on it
+    assert not fills(encode_costs(), objective="span")  # a worker's span depends on its forwards
+    assert not fills(encode_costs(), max_stages_per_worker=1)  # a forward holds its stage's weights
+    assert not fills(weighty_costs(), memory_budget=34.0)  # and takes their bytes
+    assert not fills(Costs(forward=2, backward=3))  # a forward of two ticks needs a worker free for both
 
 
 # ---------------------------------------------------------------------- split backward

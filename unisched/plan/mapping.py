@@ -229,10 +229,9 @@ class _Collector(Improvements):
     def on_solution_callback(self) -> None:
         W, S, B = self.timed.shape
         owners = np.array([next(w for w in range(W) if self.boolean_value(self.owner[s, w])) for s in range(S)])
-        where = {(s, b, g): w for (s, b, g, w), literal in self.places.x.items() if self.boolean_value(literal)}
-        compute = np.array([where[self.places.group(i)] for i in range(len(self.start))], dtype=np.int64)
-        weight = owners[self.timed.stage].astype(np.int64)
         starts = np.array([self.value(v) for v in self.start], dtype=np.int64)
+        compute = self.places.compute(self.boolean_value, starts)
+        weight = owners[self.timed.stage].astype(np.int64)
         self.solutions.append((compute, weight, starts, int(self.objective_value)))
         if len(self.solutions) > self.limit:
             del self.solutions[0]
@@ -242,19 +241,20 @@ class _Collector(Improvements):
 class _Places:
     """The placement literals: per (stage, batch, group, worker), group 0 the forward and group 1
     the backward passes; in the paired class both groups share the forward's literals.  With a
-    ``period`` p, micro-batch b >= p is placed as micro-batch b - p."""
+    ``period`` p, micro-batch b >= p is placed as micro-batch b - p.  With ``fill_in``
+    (:func:`forwards_fill_in`) forwards have no literals: :meth:`compute` places them afterwards."""
 
-    def __init__(self, model, timed: TimedProblem, whole: bool, period: int = 0):
+    def __init__(self, model, timed: TimedProblem, whole: bool, period: int = 0, fill_in: bool = False):
         W, S, B = timed.shape
-        self.timed, self.whole, self.W = timed, whole, W
-        groups = 2 if whole else 1
+        self.timed, self.whole, self.W, self.fill_in = timed, whole, W, fill_in
+        self.groups = (1,) if fill_in else tuple(range(2 if whole else 1))
         self.model = model
         self.apart: dict = {}
         self.x = {(s, b, g, w): model.new_bool_var(f"x{s},{b},{g},{w}")
-                  for s in range(S) for b in range(B) for g in range(groups) for w in range(W)}
+                  for s in range(S) for b in range(B) for g in self.groups for w in range(W)}
         for s in range(S):
             for b in range(B):
-                for g in range(groups):
+                for g in self.groups:
                     model.add_exactly_one(self.x[s, b, g, w] for w in range(W))
         for (s, b, g, w), literal in self.x.items():
             if period and b >= period:
@@ -265,10 +265,21 @@ class _Places:
         backward = self.whole and self.timed.direction[item] != FORWARD
         return int(self.timed.stage[item]), int(self.timed.batch[item]), int(backward)
 
+    def placed(self, item: int) -> bool:
+        """Whether the model chooses the item's worker (a forward filled in afterwards: no)."""
+        return not (self.fill_in and self.timed.direction[item] == FORWARD)
+
     def of_item(self, item: int, worker: int):
         """The literal "item runs on worker"."""
         s, b, g = self.group(item)
         return self.x[s, b, g, worker]
+
+    def compute(self, chosen: Callable, starts: np.ndarray) -> np.ndarray:
+        """Every item's worker in a solution (``chosen``: a literal's value), forwards filled in."""
+        where = {(s, b, g): w for (s, b, g, w), literal in self.x.items() if chosen(literal)}
+        compute = np.array([where[self.group(i)] if self.placed(i) else -1 for i in range(len(starts))],
+                           dtype=np.int64)
+        return fill_forwards(self.timed, compute, starts) if self.fill_in else compute
 
     def away(self, u: int, v: int):
         """A literal true when items u and v run on different workers (False: they never do)."""
@@ -284,7 +295,47 @@ class _Places:
 
     def on(self, s: int, b: int, w: int):
         """The literals of (stage, batch) on worker w."""
-        return [self.x[s, b, g, w] for g in range(2 if self.whole else 1)]
+        return [self.x[s, b, g, w] for g in self.groups]
+
+
+def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> bool:
+    """Whether the whole-scheme model may leave forwards unplaced, their workers filled in after
+    the search (:func:`fill_forwards`) with no schedule lost.
+
+    It may where a forward's worker decides nothing but which worker is busy: no transfer takes
+    time (so nothing waits on where a forward ran), workers alike in speed, no limit on the stages
+    or bytes a worker holds, every stash charged to the worker of the backward that frees it
+    (:mod:`unisched.dataflow`; counted from the forward's start: no ``asap_replay``), and the
+    makespan the objective (a busy span depends on where forwards run).  If every forward lasts
+    one tick, any tick where at most W items run (the model's cumulative) has a free worker for
+    each forward starting then, since each worker runs at most one backward pass at a time.  Half
+    the placement literals go, and with them the symmetry of swapping forwards between idle
+    workers (docs/planning.md, "Small problems")."""
+    problem = timed.problem
+    forwards = timed.direction == FORWARD
+    moves = (timed.comm, timed.fetch, timed.stash)
+    return (whole and not asap_replay and problem.objective != "span" and problem.memory_budget is None
+            and (problem.max_stages_per_worker is None or problem.max_stages_per_worker >= problem.shape.num_stages)
+            and not any(np.any(m) for m in moves) and bool(np.all(timed.duration == timed.duration[:, :1]))
+            and bool(np.all(timed.duration[forwards] == 1)))
+
+
+def fill_forwards(timed: TimedProblem, compute: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Forwards (``compute`` -1) placed on a worker that runs nothing else in their tick
+    (:func:`forwards_fill_in`'s schedules)."""
+    W = timed.shape.num_workers
+    compute = compute.copy()
+    ends = starts + timed.duration[np.arange(len(starts)), 0]
+    busy = np.zeros((W, int(ends.max(initial=0)) + 1), dtype=bool)
+    for i in np.flatnonzero(compute >= 0):
+        busy[compute[i], starts[i]:ends[i]] = True
+    for i in np.flatnonzero(compute < 0):
+        free = np.flatnonzero(~busy[:, starts[i]])
+        if not len(free):
+            raise AssertionError(f"no worker free for forward {i} at tick {starts[i]}: more than W items run")
+        compute[i] = free[0]
+        busy[compute[i], starts[i]] = True
+    return compute
 
 
 def _solve(
@@ -307,8 +358,10 @@ def _solve(
     problem = timed.problem
     W, S, B = problem.shape
     model = cp_model.CpModel()
+    fill_in = forwards_fill_in(timed, whole, asap_replay)
+    leader = _leader(timed, fill_in)
     if hint is not None:
-        hint = canonical(timed, hint) if free_batches is None else hint
+        hint = canonical(timed, hint, leader) if free_batches is None else hint
     duration = timed.duration  # (items, workers)
     fetch = timed.fetch.max(axis=(0, 1))
     uniform = bool(np.all(duration == duration[:, :1]))
@@ -318,7 +371,7 @@ def _solve(
     if hint is not None and not span:
         horizon = min(horizon, int(hint.makespan))
 
-    places = _Places(model, timed, whole, period)
+    places = _Places(model, timed, whole, period, fill_in)
     owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}
     held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
     for s in range(S):
@@ -346,7 +399,7 @@ def _solve(
             e = model.new_int_var(0, horizon, f"e{i}")
             model.add(e == start[i] + sum(int(duration[i, w]) * places.of_item(i, w) for w in range(W)))
             end.append(e)
-        for w in range(W):
+        for w in range(W) if places.placed(i) else ():
             per_worker[w].append(model.new_optional_fixed_size_interval_var(
                 start[i], int(duration[i, w]), places.of_item(i, w), f"o{i},{w}"))
     for w in range(W):
@@ -370,13 +423,13 @@ def _solve(
         for b in range(B - step):
             model.add(start[grid[b, first, forward]] <= start[grid[b + step, first, forward]])
         if uniform and problem.identical_workers:
-            model.add(places.of_item(int(grid[0, first, forward]), 0) == 1)
+            model.add(places.of_item(leader, 0) == 1)
 
     if hint is not None:
         _add_hint(model, timed, hint, places, owner, held, start, makespan)
         if free_batches is not None:
             for i in range(n):
-                if int(timed.batch[i]) not in free_batches:
+                if int(timed.batch[i]) not in free_batches and places.placed(i):
                     model.add(places.of_item(i, int(hint.compute[i])) == 1)
             for s in range(S):
                 model.add(owner[s, int(hint.weight[grid[0, s, forward]])] == 1)
@@ -515,9 +568,17 @@ def _weight_need(model, problem, unit, owner, held, w: int):
     return total
 
 
-def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
-    """Relabel micro-batches (by first-stage start) and workers (batch 0's first
-    stage on worker 0) so the hint satisfies the model's symmetry breaking."""
+def _leader(timed: TimedProblem, fill_in: bool) -> int:
+    """The item the symmetry breaking of identical workers puts on worker 0: micro-batch 0's
+    forward of the first stage, or its gradient pass where forwards are filled in."""
+    problem = timed.problem
+    direction = dataflow.gradient_pass(problem.split_backward) if fill_in else FORWARD
+    return int(problem.item_grid()[0, problem.stage_graph.sources[0], problem.dirs.index(direction)])
+
+
+def canonical(timed: TimedProblem, hint: Incumbent, leader: int) -> Incumbent:
+    """Relabel micro-batches (by first-stage start) and workers (``leader`` on worker 0)
+    so the hint satisfies the model's symmetry breaking."""
     problem = timed.problem
     W = problem.shape.num_workers
     grid = problem.item_grid()
@@ -527,9 +588,9 @@ def canonical(timed: TimedProblem, hint: Incumbent) -> Incumbent:
     for relabelled, a in ((compute, hint.compute), (weight, hint.weight), (starts, hint.starts)):
         relabelled[grid] = a[grid[order]]
     if bool(np.all(timed.duration == timed.duration[:, :1])) and problem.identical_workers:
-        leader = int(compute[first[0]])
+        lead = int(compute[leader])
         swap = np.arange(W)
-        swap[[0, leader]] = swap[[leader, 0]]
+        swap[[0, lead]] = swap[[lead, 0]]
         compute, weight = swap[compute], swap[weight]
     return replace(hint, compute=compute, weight=weight, starts=starts)
 

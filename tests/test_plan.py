@@ -59,6 +59,17 @@ def test_memory_time_bound_is_the_papers_figure():
     assert bounds["critical_path"] == pytest.approx(12.0)
 
 
+def test_memory_time_bound_under_a_budget_leaves_out_weights_gradients_and_optimizer_state():
+    """A budget of 27 bytes a worker, of which each stage's weight worker keeps 10 of weights, 10 of
+    gradient and 5 of optimizer state, leaves the four workers 8 bytes of stash: the room of a
+    limit of 2 one-byte stashes each."""
+    costs = Costs(activation_bytes=1.0, weight_bytes=10.0)
+    limited = shape_bounds(PlanProblem(Shape(4, 4, 8), costs, memory_limit=2))
+    budgeted = shape_bounds(PlanProblem(Shape(4, 4, 8), costs, memory_budget=27.0, optimizer_bytes=5.0))
+    assert limited["memory_time"] == pytest.approx(30.0)
+    assert budgeted["memory_time"] == pytest.approx(limited["memory_time"])
+
+
 # ---------------------------------------------------------------------- replay and limits
 def test_plan_replays_to_its_latency_and_respects_the_limits(tmp_path):
     costs = encode_costs(comm=1, fetch=2)

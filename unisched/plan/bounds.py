@@ -56,11 +56,12 @@ def shape_bounds(problem: PlanProblem) -> dict[str, float]:
 def stash_room(problem: PlanProblem) -> float:
     """The most stash all workers together may hold at once (inf: unlimited): the sum of the
     stash limits, and with a memory budget in bytes at most the budgets less every stage's
-    weights and optimizer state (each held by at least one worker)."""
+    weights, their gradient and optimizer state (each held by its weight worker:
+    :meth:`PlanProblem.owned_need`)."""
     room = float(problem.limits().sum())
     if problem.memory_budget is not None and problem.costs.has_sizes:
         budget = np.broadcast_to(np.asarray(problem.memory_budget, dtype=float), (problem.shape.num_workers,))
-        room = min(room, float(budget.sum() - problem.owner_bytes().sum()))
+        room = min(room, float(budget.sum() - problem.owned_need().sum()))
     return room
 
 

@@ -255,6 +255,11 @@ class PlanProblem:
         return self.weight_bytes() + np.broadcast_to(np.asarray(self.optimizer_bytes, dtype=float),
                                                      (self.shape.num_stages,))
 
+    def owned_need(self) -> np.ndarray:
+        """Per stage: the bytes its weight worker holds for it through the step (its weights,
+        their gradient and optimizer state), as :meth:`weight_need` counts an owned stage."""
+        return self.owner_bytes() + self.weight_bytes()
+
     def weight_need(self, compute: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """Per worker: the most bytes of weights, their gradients and optimizer state a mapping
         has it hold at once, as :mod:`unisched.memory` counts them, taken for the whole step:
@@ -327,7 +332,7 @@ class PlanProblem:
         if self.memory_budget is None:
             return
         budget = np.broadcast_to(np.asarray(self.memory_budget, dtype=float), (self.shape.num_workers,))
-        owner = self.owner_bytes() + self.weight_bytes()
+        owner = self.owned_need()
         stash = self.stash_sizes if self.costs.has_sizes else np.zeros_like(owner)
         if not np.any(owner > 0) and not np.any(stash > 0):
             raise PlanInputError(

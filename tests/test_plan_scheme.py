@@ -187,6 +187,20 @@ def test_forwards_are_placed_by_the_model_wherever_their_worker_matters():
     assert not fills(encode_costs(), max_stages_per_worker=1)  # a forward holds its stage's weights
     assert not fills(weighty_costs(), memory_budget=34.0)  # and takes their bytes
     assert not fills(Costs(forward=2, backward=3))  # a forward of two ticks needs a worker free for both
+    # a pass of no time leaves its worker free at its tick for the list order to put a forward first
+    assert not fills(Costs(forward=1, backward_input=0, backward_weight=2), split_backward=True)
+
+
+def test_a_periodic_run_keeps_its_forwards_periodic_without_transfer_times():
+    """Forwards filled in after the search would land wherever a worker is free; a periodic
+    run places them itself."""
+    problem = PlanProblem(Shape(3, 3, 6), encode_costs(), memory_limit=2)
+    timed = TimedProblem.build(problem)
+    assert mapping.forwards_fill_in(timed, True, False)
+    solved = solve_mapping(timed, time_limit=3, whole=True, asap_replay=False, period=2)
+    assert solved.found
+    compute = solved.compute[problem.item_grid()]  # (batch, stage, pass)
+    assert np.array_equal(compute[2:], compute[:-2])
 
 
 # ---------------------------------------------------------------------- split backward

@@ -19,8 +19,9 @@ the gradient back ``fetch`` after its last gradient pass.  A worker may hold at
 most ``max_stages_per_worker`` stages (its own and fetched ones), and within a
 memory budget its weights, optimizer state and live stashes.  Data takes its
 transfer time only when the two ends of a dependency run on different
-workers.  Redundant cumulatives (all work with capacity W; all live
-activations with capacity W*M) tighten the bound.
+workers.  Cumulatives of all work with capacity W and of all live activations
+with capacity W*M tighten the bound (the first is also what leaves a free
+worker for each forward filled in after the search: :func:`forwards_fill_in`).
 
 The search starts from a complete feasible hint (the best schedule found so
 far, relabelled to fit the symmetry breaking); when the model is large, a
@@ -307,8 +308,10 @@ def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> boo
     or bytes a worker holds, every stash charged to the worker of the backward that frees it
     (:mod:`unisched.dataflow`; counted from the forward's start: no ``asap_replay``), and the
     makespan the objective (a busy span depends on where forwards run).  If every forward lasts
-    one tick, any tick where at most W items run (the model's cumulative) has a free worker for
-    each forward starting then, since each worker runs at most one backward pass at a time.  Half
+    one tick and no pass lasts none, any tick where at most W items run (the model's cumulative)
+    has a free worker for each forward starting then, since each worker runs at most one backward
+    pass at a time.  (A periodic run, ``period`` > 0, places forwards itself, to keep them
+    periodic.)  Half
     the placement literals go, and with them the symmetry of swapping forwards between idle
     workers (docs/planning.md, "Small problems")."""
     problem = timed.problem
@@ -317,7 +320,7 @@ def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> boo
     return (whole and not asap_replay and problem.objective != "span" and problem.memory_budget is None
             and (problem.max_stages_per_worker is None or problem.max_stages_per_worker >= problem.shape.num_stages)
             and not any(np.any(m) for m in moves) and bool(np.all(timed.duration == timed.duration[:, :1]))
-            and bool(np.all(timed.duration[forwards] == 1)))
+            and bool(np.all(timed.duration[forwards] == 1)) and bool(np.all(timed.duration > 0)))
 
 
 def fill_forwards(timed: TimedProblem, compute: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -358,7 +361,7 @@ def _solve(
     problem = timed.problem
     W, S, B = problem.shape
     model = cp_model.CpModel()
-    fill_in = forwards_fill_in(timed, whole, asap_replay)
+    fill_in = not period and forwards_fill_in(timed, whole, asap_replay)
     leader = _leader(timed, fill_in)
     if hint is not None:
         hint = canonical(timed, hint, leader) if free_batches is None else hint
@@ -605,7 +608,8 @@ def _add_hint(model, timed: TimedProblem, hint: Incumbent, places: _Places, owne
     for s in range(S):
         for w in range(W):
             model.add_hint(owner[s, w], owners[s] == w)
-            model.add_hint(held[w, s], owners[s] == w or any(where[g] == w for g in where if g[0] == s))
+            model.add_hint(held[w, s], owners[s] == w or any(where[g] == w for g in where
+                                                             if g[0] == s and g[2] in places.groups))
     for (gu, gv), literal in places.apart.items():
         model.add_hint(literal, where[gu] != where[gv])
     for i, v in enumerate(start):

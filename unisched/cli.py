@@ -521,11 +521,12 @@ def check_size(shape, split_backward: bool) -> None:
     simulator_check(shape, split_backward)
 
 
-def _costs(args):
-    """The costs of the flags, read as ``unisched plan`` reads them (:func:`unisched.plan.command.costs_from_flags`)."""
+def _costs(args, shape: tuple[int, int]):
+    """The costs of the flags, read as ``unisched plan`` reads them and checked against (W, S) once,
+    rather than once per strategy (:func:`unisched.plan.command.costs_from_flags`)."""
     from unisched.plan.command import costs_from_flags
 
-    return costs_from_flags(args, encode_free_links=False)
+    return costs_from_flags(args, encode_free_links=False, shape=shape)
 
 
 def _step_options(args) -> dict:
@@ -534,13 +535,7 @@ def _step_options(args) -> dict:
     from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
-    costs = _costs(args)
-    try:
-        costs.check(W, S)  # once, naming the file, rather than once per strategy
-    except ShapeError as error:
-        if not args.costs or getattr(args, "topology", None):
-            raise
-        raise UniSchedError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
+    costs = _costs(args, (W, S))
     return {
         "priority_order": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
         "costs": costs,

@@ -40,7 +40,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from unisched.errors import ShapeError
+from unisched.errors import ShapeError, read_json
 from unisched.work import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Direction
 
 PerStage = float | Sequence[float]
@@ -354,13 +354,8 @@ class Costs:
     @classmethod
     def load(cls, path: str | Path) -> "Costs":
         """Read a JSON costs file (the fields of this class; ``links`` keyed "src,dst")."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as error:
-            raise ShapeError(f"cannot read costs file {path}: {error}") from error
-        except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ShapeError(f"costs file {path} is not valid JSON: {error}; write a JSON object of the fields "
-                             'of unisched.Costs, e.g. {"forward": 1, "backward": 2}') from error
+        data = read_json(path, "costs file", 'write a JSON object of the fields of unisched.Costs, e.g. '
+                         '{"forward": 1, "backward": 2}', ShapeError)
         if not isinstance(data, dict):
             raise ShapeError(f"costs file {path} must hold a JSON object")
         named = data.get("topology")

@@ -2,6 +2,11 @@
 :class:`UniSchedError`, with a message that names the offending work item,
 worker, stage or file and says what to change."""
 
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
 
 class UniSchedError(Exception):
     """Base class of every error unisched raises on purpose."""
@@ -46,3 +51,14 @@ def first_line(error: BaseException) -> str:
     """The first line of an error's message (at most 300 characters), or its type's name: for one-line reports."""
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__
+
+
+def read_json(path, what: str, fix: str, error: type[UniSchedError]):
+    """The JSON the file at ``path`` holds, or ``error`` naming it as ``what`` (e.g. "costs file"):
+    that it cannot be read, or that it is not JSON, and then ``fix``, what to write instead."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as failure:
+        raise error(f"cannot read {what} {path}: {failure}") from failure
+    except (ValueError, RecursionError) as failure:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise error(f"{what} {path} is not valid JSON: {failure}; {fix}") from failure

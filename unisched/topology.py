@@ -46,7 +46,6 @@ and ``links``.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from unisched.costs import LARGEST_STEP, Costs, Link, PerStage, check_per_stage
-from unisched.errors import ShapeError
+from unisched.errors import ShapeError, read_json
 
 PRESETS = Path(__file__).resolve().parent / "topologies"
 COLLECTIVES = ("ring", "tree")
@@ -142,18 +141,13 @@ class Topology:
             return cls.from_dict(source)
         text = str(source)
         path = PRESETS / f"{text}.json" if text in presets() else Path(text)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
+        if not path.exists():
             raise ShapeError(
                 f"no topology file {text!r} and no preset of that name; give a JSON file (docs/topology.md) "
                 f"or one of the presets {presets()}"
-            ) from None
-        except OSError as error:
-            raise ShapeError(f"cannot read topology file {path}: {error}") from None
-        except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ShapeError(f"topology file {path} is not valid JSON: {error}; write a JSON object of nodes, "
-                             "devices and links (docs/topology.md)") from None
+            )
+        data = read_json(path, "topology file", "write a JSON object of nodes, devices and links (docs/topology.md)",
+                         ShapeError)
         return cls.from_dict(data, where=f"topology file {path}")
 
     def to_dict(self) -> dict:

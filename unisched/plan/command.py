@@ -113,12 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
-    costs = costs_from_flags(args)
-    if args.costs and not args.topology:  # found here, naming the file, as simulate does
-        try:
-            costs.check(W, S)
-        except ShapeError as error:
-            raise PlanInputError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
+    costs = costs_from_flags(args, shape=(W, S))
     split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
     optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)
@@ -356,12 +351,28 @@ def _is_demo(args: argparse.Namespace) -> bool:
     return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
 
 
-def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True) -> Costs:
+def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True,
+                     shape: tuple[int, int] | None = None) -> Costs:
     """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
     (:meth:`Costs.with_times`); with ``--topology``, on that cluster, from the file (or the
     defaults).  Every verb that takes costs (simulate, compare, plan) reads its flags here.
     Without any of these, ``encode_free_links`` gives the planner's encoding of links that take
-    no time (:func:`encode_costs`), else :class:`Costs`' defaults (what ``simulate`` shows)."""
+    no time (:func:`encode_costs`), else :class:`Costs`' defaults (what ``simulate`` shows).
+    With ``shape`` (W, S) the costs are checked against it once, a costs file's faults named
+    with the file."""
+    costs = _costs_from_flags(args, encode_free_links)
+    if shape is not None:
+        try:
+            costs.check(*shape)
+        except ShapeError as error:
+            if not args.costs or args.topology:
+                raise
+            W, S = shape
+            raise PlanInputError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
+    return costs
+
+
+def _costs_from_flags(args: argparse.Namespace, encode_free_links: bool) -> Costs:
     times = cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
     links = {flag: times.pop(flag) for flag in ("comm", "fetch") if flag in times}
     clashing = [f"--{flag}" for flag, value in links.items() if value]

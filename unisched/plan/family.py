@@ -25,7 +25,7 @@ from unisched.simulate.priorities import BackwardFirst
 from unisched.strategy import Strategy
 from unisched.work import FORWARD, ComputeAndWeightWorkers, Work
 
-from unisched.plan.problem import PlanInputError, PlanProblem, rows_of
+from unisched.plan.problem import PlanProblem, rows_of
 from unisched.plan.schedule import Schedule
 
 

@@ -43,7 +43,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from unisched import dataflow
-from unisched.errors import UniSchedError
+from unisched.errors import UniSchedError, read_json
 from unisched.costs import Costs
 from unisched.metrics import gap, stage_spans
 from unisched.render import FORMATS
@@ -266,12 +266,7 @@ def load_plan(path: str | Path, shape: Shape | Sequence[int] | None = None, *, n
         shape = tuple(positive_count(f"shape's {name}", n, "load_plan: ") for name, n in zip("WSB", shape))
     num_workers = None if num_workers is None else positive_count("num_workers", num_workers, "load_plan: ")
     num_stages = None if num_stages is None else positive_count("num_stages", num_stages, "load_plan: ")
-    try:
-        data = json.loads(path.read_text())
-    except OSError as error:
-        raise PlanFileError(f"cannot read plan file {path}: {error}") from error
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
-        raise PlanFileError(f"plan file {path} is not valid JSON: {error}; write it with `unisched plan --out`") from error
+    data = read_json(path, "plan file", "write it with `unisched plan --out`", PlanFileError)
     plan = plan_from_dict(data, source=str(path))
     W, S, B = plan.shape
     if shape is not None and tuple(shape) != tuple(plan.shape):

@@ -95,10 +95,15 @@ class Shape(NamedTuple):
         return Shape(*(positive_count(name, value) for name, value in zip(self._fields, self)))
 
 
+def is_whole(value, least: int = 1) -> bool:
+    """Whether ``value`` is an integer (a numpy one too, but not a bool) of at least ``least``."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least  # numpy's bool is no Integral
+
+
 def positive_count(name: str, value, where: str = "") -> int:
     """``value`` as a positive Python integer (a numpy one taken as such), or an error naming it
     (after ``where``, e.g. the function it was given to)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:  # numpy's bool is no Integral
+    if not is_whole(value):
         raise ShapeError(f"{where}{name} must be a positive integer, got {value!r}")
     return int(value)
 

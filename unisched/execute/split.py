@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_map_only
 
 from unisched.errors import SplitError, first_line
 from unisched.execute.ties import Tie, as_ties
+from unisched.work import is_whole
 
 BALANCES = ("parameters", "uniform", "time")
 TIED = ("share", "untie", "refuse")
@@ -173,7 +174,7 @@ def split_model(
     ``ties``, which the Trainer and ``train_one_process`` keep one weight),
     "untie" (the copies train apart, named in ``untied``) or "refuse".
     """
-    if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
+    if not is_whole(num_stages):
         raise SplitError(f"num_stages must be a whole number of at least 1, got {num_stages!r}")
     if not isinstance(model, nn.Module):
         raise SplitError(f"split_model takes a torch.nn.Module, got {type(model).__name__}")
@@ -185,7 +186,7 @@ def split_model(
         balance = _block_weights(balance)
     if balance == "time" and example is None:
         raise SplitError("balance='time' measures each block on an input: pass example= (one micro-batch)")
-    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+    if not is_whole(repeats):
         raise SplitError(f"repeats must be a whole number of at least 1 (timed runs of each block), got {repeats!r}")
     if split_spec is not None and not isinstance(split_spec, dict):
         raise SplitError(f"split_spec must be a dict {{module name: SplitPoint}}, got {type(split_spec).__name__}")

@@ -51,7 +51,7 @@ from unisched.network import link_arrays, transfer_matrix, transfer_time
 from unisched.simulate.problem import map_workers
 from unisched.strategy import Strategy
 from unisched.timeline import TRANSFER_KINDS
-from unisched.work import Direction, Shape, StageGraph, chain
+from unisched.work import Direction, Shape, StageGraph, chain, is_whole
 
 PREFETCH_AT_START = 1_000_000
 """A prefetch depth no step reaches: every weight fetch is issued at time 0."""
@@ -187,7 +187,7 @@ class PlanProblem:
         optimizer = _per_worker("optimizer_bytes", self.optimizer_bytes, S, what="stage")
         object.__setattr__(self, "optimizer_bytes", 0.0 if optimizer is None else optimizer)
         K = self.max_stages_per_worker
-        if K is not None and (isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1):
+        if K is not None and not is_whole(K):
             raise PlanInputError(f"max_stages_per_worker (--max-stages-per-worker) must be a positive integer, got {K!r}")
         if self.objective not in OBJECTIVES:
             raise PlanInputError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")

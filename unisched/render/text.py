@@ -43,6 +43,7 @@ from unisched.render._common import (
     time_grid,
 )
 from unisched.timeline import Timeline
+from unisched.work import is_whole
 
 MIN_WIDTH = 24
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -155,10 +156,9 @@ def to_text(
     wide step is wrapped into before it is compressed instead (default: as
     many as keep the diagram under about 60 lines, at most 8).
     """
-    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < MIN_WIDTH:
+    if not is_whole(width, MIN_WIDTH):
         raise ValueError(f"width must be a whole number of at least {MIN_WIDTH} columns, got {width!r}")
-    if max_bands is not None and (isinstance(max_bands, bool) or not isinstance(max_bands, (int, np.integer))
-                                  or max_bands < 1):
+    if max_bands is not None and not is_whole(max_bands):
         raise ValueError(f"max_bands must be a whole number of at least 1 (or None: as many as fit), got "
                          f"{max_bands!r}")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers

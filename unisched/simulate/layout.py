@@ -38,7 +38,7 @@ from unisched.simulate.simulation import Simulation, simulate
 from unisched.dataflow import Items
 from unisched.strategy import Gang, Strategy, WorkerOrders, works
 from unisched.topology import ClusterCosts, Topology
-from unisched.work import ComputeAndWeightWorkers, Shape, Work, positive_count
+from unisched.work import ComputeAndWeightWorkers, Shape, Work, is_whole, positive_count
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Layout:
     def check(self, devices: int | None = None) -> "Layout":
         for name in ("data", "pipeline", "tensor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_whole(value):
                 raise ShapeError(f"Layout.{name} must be an integer >= 1, got {value!r}")
         if devices is not None and self.devices != devices:
             raise ShapeError(

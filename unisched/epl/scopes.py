@@ -132,15 +132,15 @@ class Cluster:
 
 
 class _BuiltModules:
-    """Tells a listener of every ``nn.Module`` built while it listens: ``nn.Module.__init__``
-    wrapped while anyone listens, and torch's own restored when the last stops."""
+    """Tells its listeners of every ``nn.Module`` built while any listens: ``nn.Module.__init__``
+    wrapped from the first :meth:`listen`, and torch's own restored at the last :meth:`stop`."""
 
     listeners: list = []
     torch_init = None
     wrapper = None
 
     @classmethod
-    def listen(cls, listener) -> "_BuiltModules":
+    def listen(cls, listener) -> None:
         if cls.torch_init is None:
             cls.torch_init = torch_init = nn.Module.__init__
 
@@ -152,17 +152,14 @@ class _BuiltModules:
 
             nn.Module.__init__ = cls.wrapper = init_and_tell
         cls.listeners.append(listener)
-        handle = cls()
-        handle.listener = listener
-        return handle
 
-    def remove(self) -> None:
-        listeners = type(self).listeners
-        if self.listener in listeners:
-            listeners.remove(self.listener)
+    @classmethod
+    def stop(cls, listener) -> None:
+        if listener in cls.listeners:
+            cls.listeners.remove(listener)
         # restored unless another library wrapped it since (then ours stays under theirs, telling no one)
-        if not listeners and type(self).torch_init is not None and nn.Module.__init__ is type(self).wrapper:
-            nn.Module.__init__, type(self).torch_init = type(self).torch_init, None
+        if not cls.listeners and cls.torch_init is not None and nn.Module.__init__ is cls.wrapper:
+            nn.Module.__init__, cls.torch_init = cls.torch_init, None
 
 
 class Env:
@@ -179,7 +176,7 @@ class Env:
         self.default: Scope | None = None
         self._default_open: TaskGraph | None = None
         self._capturing = True
-        self._listening: _BuiltModules | None = None
+        self._listening = False
 
     @classmethod
     def get(cls) -> "Env":
@@ -204,11 +201,9 @@ class Env:
         """Be told of the modules built while a scope is open or a default strategy is set, and
         only then (torch's own ``nn.Module.__init__`` runs otherwise)."""
         wanted = self.scope is not None or self.default is not None
-        if wanted and self._listening is None:
-            self._listening = _BuiltModules.listen(self._on_build)
-        elif not wanted and self._listening is not None:
-            self._listening.remove()
-            self._listening = None
+        if wanted != self._listening:
+            (_BuiltModules.listen if wanted else _BuiltModules.stop)(self._on_build)
+            self._listening = wanted
 
     @property
     def cluster(self) -> Cluster:

@@ -341,7 +341,11 @@ def test_compare_refuses_a_strategy_named_twice_and_lists_each_by_its_own_name(c
 def test_simulate_draws_a_text_file_as_wide_as_asked(capsys, tmp_path):
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--width", "50", "--out", str(tmp_path / "w.txt"))
     assert code == 0 and max(len(line) for line in (tmp_path / "w.txt").read_text().splitlines()) <= 50  # was 100
-    unisched.simulate(2, 2, 2, unisched.policies.get("gpipe", 2, 2, 2)).save(tmp_path / "c.txt", color=True)
+    sim = unisched.simulate(2, 2, 2, unisched.policies.get("gpipe", 2, 2, 2))
+    sim.save(tmp_path / "c.txt", color=True)
+    sim.save(tmp_path / "plain.txt")
+    colored = (tmp_path / "c.txt").read_text()
+    assert "\x1b[" in colored and "\x1b[" not in (tmp_path / "plain.txt").read_text()
 
 
 def test_plan_names_a_costs_file_for_another_stage_count_as_simulate_does(capsys, tmp_path):

@@ -644,13 +644,15 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
     root_cause = ("Root Cause (first observed failure):\\n[0]:\\n  rank      : 1 (local_rank: 1)\\n"
                   "  exitcode  : -9 (pid: 42)  (SIGKILL)\\n  error_file: <N/A>\\n"
                   "  traceback : Signal 9 (SIGKILL) received by PID 42\\n")
-    for extra, said in (("", "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42), and torchrun stopped the others"),
-                        ("rank 0: error: rank 0 could not complete x\\n",
-                         "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42); then rank 0 could not complete x")):
+    # (torchrun's exit status where no rank said why; 2, a usage error, where one did)
+    for extra, said, status in (
+            ("", "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42), and torchrun stopped the others", 1),
+            ("rank 0: error: rank 0 could not complete x\\n",
+             "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42); then rank 0 could not complete x", 2)):
         killed = [sys.executable, "-c", f"import sys; sys.stderr.write('{extra}{root_cause}'); sys.exit(1)"]
-        assert _launch(killed) in (1, 2)
+        assert _launch(killed) == status
         assert capsys.readouterr().err.startswith(f"unisched run: error: {said} (the whole log is in ")
-        _launch([*killed, "--json"])
+        assert _launch([*killed, "--json"]) == status
         assert json.loads(capsys.readouterr().err)["rank"] == 1
 
     checked = [sys.executable, "-c", "import sys; print('rank 0: check failed', file=sys.stderr); sys.exit(1)"]

@@ -8,7 +8,6 @@ import _thread
 import argparse
 import json
 import threading
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -27,6 +26,11 @@ from unisched.work import FORWARD, Shape
 
 
 # ---------------------------------------------------------------------- exact references
+def timed_2_2_4(costs, **options) -> TimedProblem:
+    """The CP-SAT models' tables of W = S = 2, B = 4 under ``costs`` and the problem's ``options``."""
+    return TimedProblem.build(PlanProblem(Shape(2, 2, 4), costs, **options))
+
+
 def test_smallest_case_is_13_over_every_schedule_and_15_only_with_paired_passes():
     """W = S = 2, B = 2, memory 1, comm 1: a backward away from its forward gives 13, which the
     pooled step proves for every schedule; keeping the passes of a (stage, micro-batch) together
@@ -129,16 +133,16 @@ def test_without_transfer_times_the_whole_schemes_proof_holds_for_every_schedule
     for _ in range(400):  # few run under a limit of one stash
         table = {w: ComputeAndWeightWorkers(int(rng.integers(2)), int(rng.integers(2))) for w in all_work(2, 4)}
         mappings.append(lambda w, table=table: table[w])
-    for mapping in mappings:
+    for strategy in mappings:
         try:
-            sim = simulate(2, 2, 4, mapping, costs=encode_costs(comm=0), memory_limit=1)
+            sim = simulate(2, 2, 4, strategy, costs=encode_costs(comm=0), memory_limit=1)
         except UniSchedError:
             continue  # it deadlocks under the limit
         spans.append(objective_value(sim, "span"))
     assert len(spans) >= 10 and min(spans) >= 19
 
     def covers(costs, **limits) -> bool:
-        return whole_scheme_is_any(TimedProblem.build(PlanProblem(Shape(2, 2, 4), costs, **limits)))
+        return whole_scheme_is_any(timed_2_2_4(costs, **limits))
 
     assert covers(encode_costs(comm=0), memory_limit=1) and covers(encode_costs(comm=0))
     assert not covers(encode_costs(comm=0.5))
@@ -175,9 +179,8 @@ def test_forwards_filled_in_after_the_search_lose_no_schedule(monkeypatch, shape
 
 
 def test_forwards_are_placed_by_the_model_wherever_their_worker_matters():
-    def fills(costs, objective="latency", whole=True, asap_replay=False, **limits) -> bool:
-        problem = PlanProblem(Shape(2, 2, 4), costs, objective=objective, **limits)
-        return mapping.forwards_fill_in(TimedProblem.build(problem), whole, asap_replay)
+    def fills(costs, whole=True, asap_replay=False, **limits) -> bool:
+        return mapping.forwards_fill_in(timed_2_2_4(costs, **limits), whole, asap_replay)
 
     assert fills(encode_costs(), memory_limit=1) and fills(encode_costs())
     assert not fills(encode_costs(), whole=False)  # the paired class: forwards go with their backward

@@ -21,7 +21,6 @@ from unisched import (
     UniSchedError,
     Work,
     WorkRecord,
-    policies,
     simulate,
 )
 from unisched.render import FORMATS, save
@@ -220,8 +219,7 @@ def test_text_wraps_into_bands_when_wide():
     assert all(re.match(r"(0[FB]\d+|\.)( |$)", band[3:]) for band in bands)
     # Where the rest of an item is shorter than its label, it shows the label's beginning, as a
     # short item does: never its tail (``F7`` of ``1F7`` read as stage 7's).
-    uneven = to_text(simulate(4, 4, 8, policies.get("gpipe", 4, 4, 8), costs=Costs(forward=1.5, backward=2.5)).timeline,
-                     width=60, color=False)
+    uneven = to_text(gpipe(costs=Costs(forward=1.5, backward=2.5)), width=60, color=False)
     tokens = [token for line in uneven.splitlines() if re.match(r"w\d\|", line) for token in line[3:].split()]
     assert len(uneven.splitlines()) > 12 and all(re.fullmatch(r"\d+([FB]\d*)?|\.", token) for token in tokens), tokens
 
@@ -564,7 +562,7 @@ def test_without_colour_every_cell_keeps_its_space():
 
 
 def test_a_forced_grid_of_too_many_columns_says_what_to_change():
-    sim = simulate(4, 4, 300, policies.get("gpipe", num_workers=4, num_stages=4, num_batches=300))
+    sim = simulate(4, 4, 300, gpipe_strategy)
     with pytest.raises(UniSchedError, match="max_columns=600 columns; raise max_columns, or draw it with "
                                             "mode='proportional'"):
         sim.to_html(mode="grid")  # a TypeError before

@@ -45,6 +45,7 @@ def run_example(argv: list[str]) -> str:
         assert r.error is None, f"rank {r.rank}: {r.error}"
         assert r.value[0] == 0, f"rank {r.rank} exited {r.value[0]}: {r.value[2]}"
     assert results[1].value[1] == "", "only rank 0 prints"
+    assert "calibrate_costs" not in results[0].value[2], "predicting the schedule measured warns of nothing"
     return results[0].value[1]
 
 

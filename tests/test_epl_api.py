@@ -546,12 +546,14 @@ def test_a_module_in_two_taskgraphs_is_an_error():
 
 
 def test_an_empty_scope_is_an_error():
+    started = torch.distributed.is_initialized()
     with epl.replicate(1, name="empty"):
         pass
     for use in (epl.simulate, epl.strategy, epl.placement,
                 lambda: epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))):
         with pytest.raises(ScopeError, match="'empty'"):
             use()
+    assert torch.distributed.is_initialized() == started  # refused before a process group was started
 
 
 def test_groups_are_gangs_in_the_simulation():

@@ -72,10 +72,10 @@ class Trainer:
     def __init__(self, loss_fn: Callable, optimizer: OptimizerFactory, *, runtime: str = "auto",
                  device: torch.device | str | None = None, **options):
         _check_runtime(runtime)
-        ensure_process_group(float(options.get("timeout", 300.0)))
         self.env = Env.get()
         self.config = self.env.config
-        taskgraphs = self.env.checked_taskgraphs()
+        taskgraphs = self.env.checked_taskgraphs()  # refused before any process group is started
+        ensure_process_group(float(options.get("timeout", 300.0)))
         self.placement: Placement = place(taskgraphs, self.config, world_size())
         self.strategy: Strategy = compile_strategy(self.placement, self.config)
         self.loss_fn = loss_fn

@@ -45,7 +45,7 @@ from unisched.epl.placement import Placement, compile_strategy, place
 from unisched.epl.scopes import SPLIT, Env, ScopeError, world_size
 from unisched.epl.tensor_parallel import Group, shard_dims, split_module, split_plan
 from unisched.execute.runtime import Trainer as ScheduledTrainer
-from unisched.execute.runtime import compute_device, ensure_process_group
+from unisched.execute.process_group import compute_device, ensure_process_group
 from unisched.strategy import Strategy
 from unisched.work import Work
 

@@ -107,3 +107,20 @@ def _named_tuple_names(node: Any) -> list[str]:
         for value in node:
             found += _named_tuple_names(value)
     return found
+
+
+def built_json(built: dict) -> dict:
+    """What a rank built, per stage (parameter shapes, state dict specs,
+    weight bytes, buffer specs), as JSON for the set-up agreement."""
+    return {str(s): [[list(shape) for shape in shapes],
+                     {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in specs.items()},
+                     nbytes, [[list(shape), dtype_name(dtype)] for shape, dtype in buffers]]
+            for s, (shapes, specs, nbytes, buffers) in built.items()}
+
+
+def built_from_json(data: dict) -> dict:
+    """The stages :func:`built_json` wrote, keyed by stage index again."""
+    return {int(s): ([tuple(shape) for shape in shapes],
+                     {name: (torch.Size(shape), dtype_of(dtype)) for name, (shape, dtype) in specs.items()},
+                     float(nbytes), [(tuple(shape), dtype_of(dtype)) for shape, dtype in buffers])
+            for s, (shapes, specs, nbytes, buffers) in data.items()}

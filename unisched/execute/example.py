@@ -207,7 +207,7 @@ def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,
     import torch.distributed as dist
 
     import unisched
-    from unisched.execute.runtime import ensure_process_group
+    from unisched.execute.process_group import ensure_process_group
 
     try:
         check_training_arguments(args)

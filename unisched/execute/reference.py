@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from unisched.execute.program import loss_stage, topological_order
-from unisched.execute.runtime import _step_scheduler, split_batch, stage_arguments
 from unisched.execute.ties import Tie, TiedGradients, check_ties
 from unisched.execute.training import (
     LOSS_SCALE_DEFAULTS,
@@ -29,8 +28,10 @@ from unisched.execute.training import (
     scalar_loss,
     seed_rng,
     stage_norm_squared,
+    step_scheduler,
     to_compute_dtype,
 )
+from unisched.execute.values import split_batch, stage_arguments
 from unisched.work import StageGraph, as_stage_graph
 
 
@@ -58,7 +59,7 @@ def train_one_process(
     ``stage_graph`` (a chain by default) the stages run in topological order
     as the Trainer calls them: each on its predecessors' outputs in stage
     order, a source on the inputs, a tuple or list unpacked into positional
-    arguments (:func:`~unisched.execute.runtime.stage_arguments`); the loss
+    arguments (:func:`~unisched.execute.values.stage_arguments`); the loss
     takes the one sink's output.
 
     The Trainer's options mean the same here: each batch is split into
@@ -135,7 +136,7 @@ def train_one_process(
             scaler.step(opt)
             scaler.update()
             if lr_scheduler is not None and (before is None or scaler.get_scale() >= before):
-                _step_scheduler(lr_scheduler, losses[-1])
+                step_scheduler(lr_scheduler, losses[-1])
             opt.zero_grad()
     return losses, {
         f"{s}.{name}": value.detach().clone() for s, stage in enumerate(stages) for name, value in stage.state_dict().items()

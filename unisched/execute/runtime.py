@@ -53,7 +53,6 @@ import contextlib
 import dataclasses
 import datetime
 import math
-import os
 import queue
 import socket
 import threading
@@ -63,17 +62,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from unisched.errors import ShapeError, UniSchedError, first_line
-from unisched.execute.agreement import (
-    all_gather_json,
-    broadcast_json,
-    dtype_name,
-    dtype_of,
-    spec_dumps,
-    spec_loads,
-)
+from unisched.execute.agreement import all_gather_json, broadcast_json, built_from_json, built_json
 from unisched.execute.faults import (
     CommunicationError,
     ExecutionError,
@@ -83,8 +75,26 @@ from unisched.execute.faults import (
     hosts_store,
 )
 from unisched.execute.measure import Clock, NotesLayout, assemble
+from unisched.execute.process_group import compute_device, default_store, ensure_process_group
 from unisched.execute.stages import is_factory, materialize
 from unisched.execute.ties import Tie, TiedGradients, as_ties, check_ties, tied_weights
+from unisched.execute.values import (
+    Agreed,
+    Layout,
+    Wire,
+    departure,
+    describe,
+    detached,
+    facts_from_json,
+    facts_json,
+    input_bytes,
+    layout_arguments,
+    needing_grad,
+    output_bytes,
+    rows_of,
+    rows_shape,
+    split_batch,
+)
 from unisched.execute.training import (
     PRECISIONS,
     autocast,
@@ -99,6 +109,7 @@ from unisched.execute.training import (
     scalar_loss,
     seed_rng,
     stage_norm_squared,
+    step_scheduler,
     to_compute_dtype,
 )
 from unisched.dataflow import first_backward
@@ -278,7 +289,7 @@ class Trainer:
         self._collective(self._equalize_replicas, "making the replicas' weights equal")
         self._release_weights()  # after: an offloaded replica's device copy takes part in the broadcast
         self._collective(lambda: self._ties.synchronize(self._truth), "making the copies of tied weights equal")
-        store = _default_store()
+        store = default_store()
         self._offsets, host = self._clock_offsets(store)
         self._board = FaultBoard(store, f"unisched/{self._control.group_name}", host)
 
@@ -313,8 +324,8 @@ class Trainer:
         self._counts_norm = {s for s in self._owned if self.program.reduce_group(self.rank, s)[0] == self.rank}
         self._counted_elsewhere = {(s, self._index[s][name]) for s, name in self._ties.counted_elsewhere
                                    if s in self._counts_norm}
-        self._meta: _Agreed | None = None
-        self._metas: dict[tuple, _Agreed] = {}
+        self._meta: Agreed | None = None
+        self._metas: dict[tuple, Agreed] = {}
         self._failed: str | None = None
         self._step_no = 0
         self._accumulated = 0
@@ -647,7 +658,7 @@ class Trainer:
         message = None
         if error is not None:
             message = str(error) if isinstance(error, UniSchedError) else f"{type(error).__name__}: {error}"
-        verdicts = all_gather_json([message, _built_json(built), options], self._control, self.world_size)
+        verdicts = all_gather_json([message, built_json(built), options], self._control, self.world_size)
         if error is not None:
             raise error
         for rank, (message, _, _) in enumerate(verdicts):
@@ -660,7 +671,7 @@ class Trainer:
                     raise ProgramError(f"rank {rank} was given {key}={theirs[key]!r} but rank 0 {key}={first[key]!r}; "
                                        "give every rank the same Trainer options")
         for rank, (_, theirs, _) in enumerate(verdicts):
-            for s, (shapes, specs, nbytes, buffers) in sorted(_built_from_json(theirs).items()):
+            for s, (shapes, specs, nbytes, buffers) in sorted(built_from_json(theirs).items()):
                 if s in built and shapes != built[s][0]:
                     raise ProgramError(
                         f"rank {rank}'s stage {s} has parameters of shapes {shapes[:4]} but rank {self.rank}'s "
@@ -701,7 +712,7 @@ class Trainer:
             return [0.0] * self.world_size, host
         return [t for _, t, _ in seen], host
 
-    def _layouts_for(self, spec: TreeSpec, leaves: tuple[torch.Tensor, ...]) -> "_Agreed":
+    def _layouts_for(self, spec: TreeSpec, leaves: tuple[torch.Tensor, ...]) -> "Agreed":
         """The layouts agreed for micro-batches like ``leaves``: remembered
         (a few, so that evaluating on other shapes does not probe again at
         every switch), or found by the shape probe, which every rank runs at
@@ -716,13 +727,13 @@ class Trainer:
             del self._metas[next(iter(self._metas))]
         return meta
 
-    def _agree_layouts(self, signature, sample) -> "_Agreed":
+    def _agree_layouts(self, signature, sample) -> "Agreed":
         """What travels in steps whose micro-batches look like ``sample``:
         its own layout and every stage's output's, from the shape probe."""
-        source = Layout.make(*_describe(sample, "inputs", grads=False)[1])
+        source = Layout.make(*describe(sample, "inputs", grads=False)[1])
         outputs = self._infer_shapes(sample, self._graph)
         inputs = [[outputs[p] for p in preds] or [source] for preds in self._graph.predecessors]
-        return _Agreed(signature, source, outputs, inputs)
+        return Agreed(signature, source, outputs, inputs)
 
     def _infer_shapes(self, sample: Any, graph: StageGraph | None = None) -> list[Layout]:
         """The :class:`Layout` of every stage's output for one micro-batch
@@ -739,7 +750,7 @@ class Trainer:
         autograd on, the inputs that carry a gradient needing one, so that
         it learns which outputs do; each stage's graph is dropped at once."""
         graph = as_stage_graph(len(self.stages), graph)
-        source = Layout.make(*_describe(sample, "inputs", grads=False)[1])
+        source = Layout.make(*describe(sample, "inputs", grads=False)[1])
         sample_leaves = tuple(tree_flatten(sample)[0])
         layouts: dict[int, Layout] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -749,19 +760,19 @@ class Trainer:
                 told = None
                 if s in self._runs:
                     preds = graph.predecessors[s]
-                    xs = [_needing_grad(layouts[p], outputs[p] if p in outputs else layouts[p].zeros(self.device))
+                    xs = [needing_grad(layouts[p], outputs[p] if p in outputs else layouts[p].zeros(self.device))
                           for p in preds]
-                    mine, told = self._probe(s, _arguments([layouts[p] for p in preds] or [source],
+                    mine, told = self._probe(s, layout_arguments([layouts[p] for p in preds] or [source],
                                                            xs or [sample_leaves]))
                     if mine is not None:
                         outputs[s] = mine
-                heard = [_facts_json(told)]
+                heard = [facts_json(told)]
                 if self.world_size > 1:
                     heard = all_gather_json(heard[0], self._control, self.world_size)
                 failed = next((h for h in heard if isinstance(h, str)), None)
                 if failed is not None:
                     raise _ProbeFailed(failed)
-                layouts[s] = Layout.make(*_facts_from_json(heard[self._first_forward[s]]))
+                layouts[s] = Layout.make(*facts_from_json(heard[self._first_forward[s]]))
         return [layouts[s] for s in range(len(self.stages))]
 
     @contextlib.contextmanager
@@ -781,8 +792,8 @@ class Trainer:
         tensors (detached: its graph goes with this call) and the facts of
         its layout, or what went wrong."""
         try:
-            leaves, facts = _describe(self._call(s, args), f"stage {s} output", grads=True)
-            return _detached(leaves), facts
+            leaves, facts = describe(self._call(s, args), f"stage {s} output", grads=True)
+            return detached(leaves), facts
         except ShapeError as error:
             return None, f"{error} (on rank {self.rank})"
         except Exception as error:
@@ -1040,7 +1051,7 @@ class Trainer:
         if keep_graph:
             if self._graph.predecessors[s]:
                 xs = self._needing_grad(s, xs, b)
-            out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
+            out = self._call(s, layout_arguments(self._meta.inputs[s], xs), b)
             leaves = self._leaves(s, out)
             st.graphs[(s, b)] = (xs, out, leaves)
             if (s, b) in self._fused:
@@ -1048,11 +1059,11 @@ class Trainer:
                 return
         else:
             with torch.no_grad():
-                out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
+                out = self._call(s, layout_arguments(self._meta.inputs[s], xs), b)
                 leaves = self._leaves(s, out)
                 if st.evaluating and s == self._loss_stage:
                     st.losses[b] = self._loss(st, b, out).detach()
-        st.put(output(s, b), _detached(leaves))
+        st.put(output(s, b), detached(leaves))
 
     def _loss(self, st, b: int, out: Any) -> torch.Tensor:
         """Micro-batch ``b``'s loss of the last stage's output ``out``, a scalar, under the precision's autocast."""
@@ -1080,12 +1091,12 @@ class Trainer:
                 for y, shape, dtype, need in zip(leaves, layout.shapes, layout.dtypes, layout.needs_grad)
             ):
                 return tuple(leaves)
-        raise ShapeError(_departure(f"stage {s} output", out, layout))
+        raise ShapeError(departure(f"stage {s} output", out, layout))
 
     def _needing_grad(self, s: int, xs: list[tuple], b: int | None = None) -> list[tuple]:
         """Stage ``s``'s inputs, those that carry a gradient back made leaves
         of a new graph (but for micro-batch ``b``, not those of a fused edge)."""
-        return [group if self._fused.get((p, b)) == s else _needing_grad(layout, group)
+        return [group if self._fused.get((p, b)) == s else needing_grad(layout, group)
                 for p, layout, group in zip(self._graph.predecessors[s], self._meta.inputs[s], xs)]
 
     # ------------------------------------------------------------------ gangs
@@ -1109,9 +1120,9 @@ class Trainer:
                       for x, lay, p in zip(xs, self._meta.inputs[s], preds)]
                 xs = self._needing_grad(s, xs)
             else:
-                xs = [tuple(_rows_of(x, members, self.rank, s) for x in st.micro_in[b]) if rows else st.micro_in[b]]
-            leaves = self._leaves(s, self._call(s, _arguments(self._meta.inputs[s], xs), b), len(members) if rows else 1)
-            whole = _detached(leaves)
+                xs = [tuple(rows_of(x, members, self.rank, s) for x in st.micro_in[b]) if rows else st.micro_in[b]]
+            leaves = self._leaves(s, self._call(s, layout_arguments(self._meta.inputs[s], xs), b), len(members) if rows else 1)
+            whole = detached(leaves)
             if rows:
                 whole = tuple(self._collect(y, members, group, rows) for y in whole)
             if not st.evaluating:
@@ -1125,7 +1136,7 @@ class Trainer:
         grads = None
         if lead:
             if s == self._loss_stage:
-                whole = _needing_grad(layout, whole)
+                whole = needing_grad(layout, whole)
                 (loss,), _ = self._root(st, s, b, layout.tree(whole), whole, (), record_loss=True)
                 wanted = [whole[i] for i in layout.grads]
                 grads = tuple(_or_zeros(g, y) for g, y in zip(_gradients((loss,), None, wanted, False), wanted))
@@ -1150,7 +1161,7 @@ class Trainer:
             buffer = x.detach().contiguous() if self.rank == first else torch.empty(shape, dtype=dtype, device=self.device)
             self._collective(lambda: dist.broadcast(buffer, src=first, group=group), f"handing out {what}")
             return buffer
-        share = _rows_shape(shape, len(members), what)
+        share = rows_shape(shape, len(members), what)
         buffer = torch.empty(share, dtype=dtype, device=self.device)
         pieces = [c.contiguous() for c in x.detach().chunk(len(members))] if self.rank == first else None
         self._collective(lambda: dist.scatter(buffer, pieces, src=first, group=group), f"handing out {what}")
@@ -1254,7 +1265,7 @@ class Trainer:
         if needs_input_grad and self._graph.predecessors[s]:
             xs = self._needing_grad(s, xs)
         with self._buffers_kept(s):
-            out = self._call(s, _arguments(self._meta.inputs[s], xs), b)
+            out = self._call(s, layout_arguments(self._meta.inputs[s], xs), b)
         return xs, out, self._leaves(s, out)
 
     @contextlib.contextmanager
@@ -1605,7 +1616,7 @@ class Trainer:
         if self.optimizer is not None:
             self.optimizer.step()
             if self.scheduler is not None:
-                _step_scheduler(self.scheduler, loss)
+                step_scheduler(self.scheduler, loss)
         for host in self.host_weights.values():
             for h in host:
                 h.grad = None
@@ -1681,7 +1692,7 @@ class Trainer:
             flats, meta = self._notes
             notes = [self._notes_layout.unpack(r, flat.numpy()) for r, flat in enumerate(flats)]
             self._timeline = assemble(
-                self.program, notes, _input_bytes(meta), _output_bytes(meta), self.weight_bytes, self._offsets,
+                self.program, notes, input_bytes(meta), output_bytes(meta), self.weight_bytes, self._offsets,
                 label=self.label, gradient_bytes=[layout.grad_wire.nbytes for layout in meta.outputs],
             )
         return self._timeline
@@ -1866,134 +1877,10 @@ class _StepState:
         return value
 
 
-# ---------------------------------------------------------------------- values between stages
-ALIGNMENT = 16
-"""Bytes each tensor's place in a packed message is aligned to (any dtype views it in place)."""
-
-
-class Wire(NamedTuple):
-    """How the tensors of one value travel as one message: a lone tensor as
-    itself; several (or none) packed into one byte buffer, each at an offset
-    aligned to :data:`ALIGNMENT`, which the receiver views in place, without
-    a copy.  One message per value, not per tensor: on gloo (2 ranks, one
-    CPU each), a tuple of hidden states, token ids and a mask made a round
-    trip in 0.3 ms packed against 1.0 to 1.4 ms as three sends when small
-    (8 rows of 64 floats, 16 ids and 16 mask entries), and about as fast
-    either way when large (64 rows of 1024 floats, 512 ids and 512 mask
-    entries), where the copy into the buffer costs what the two extra sends
-    save."""
-
-    shapes: tuple[torch.Size, ...]
-    dtypes: tuple[torch.dtype, ...]
-    spans: tuple[tuple[int, int], ...]
-    size: int
-    single: bool
-
-    @classmethod
-    def of(cls, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> "Wire":
-        spans, at = [], 0
-        for shape, dtype in zip(shapes, dtypes):
-            n = math.prod(shape) * _itemsize(dtype)
-            spans.append((at, at + n))
-            at += -(-n // ALIGNMENT) * ALIGNMENT
-        return cls(tuple(shapes), tuple(dtypes), tuple(spans), at, len(spans) == 1)
-
-    @property
-    def nbytes(self) -> float:
-        """The bytes of the tensors themselves (without the alignment)."""
-        return float(sum(end - start for start, end in self.spans))
-
-    def empty(self, device) -> torch.Tensor:
-        if self.single:
-            return torch.empty(self.shapes[0], dtype=self.dtypes[0], device=device)
-        return torch.empty(self.size, dtype=torch.uint8, device=device)
-
-    def pack(self, tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-        if self.single:
-            return tensors[0].contiguous()
-        buffer = torch.empty(self.size, dtype=torch.uint8, device=device)
-        for tensor, (start, end), shape, dtype in zip(tensors, self.spans, self.shapes, self.dtypes):
-            buffer[start:end].view(dtype).view(shape).copy_(tensor)
-        return buffer
-
-    def unpack(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.single:
-            return (buffer,)
-        return tuple(buffer[start:end].view(dtype).view(shape)
-                     for (start, end), shape, dtype in zip(self.spans, self.shapes, self.dtypes))
-
-
-class _ShapeAndDtype(NamedTuple):
-    shape: Any
-    dtype: Any
-
-
-class Layout(_ShapeAndDtype):
-    """What one value between stages is, as the shape probe agreed it.
-
-    As a pair it reads ``(shape, dtype)`` in the value's own structure: a
-    ``torch.Size`` and a dtype for a tensor (what the probe told before
-    values could be pytrees), a dict of them for a dict of tensors.  The
-    runtime uses its flat form, made once by :meth:`make`:
-    the structure (``spec``, a pytree TreeSpec), each tensor's ``path``
-    (``['mask']``, ``[1]``; empty for a lone tensor), ``shapes`` and
-    ``dtypes``, the tensors that carry a gradient back (``grads``: floating
-    ones that needed one in the probe), and the :class:`Wire` of the value
-    and of its gradient."""
-
-    @classmethod
-    def make(cls, skeleton: Any, paths, shapes, dtypes, grads) -> "Layout":
-        """From the facts :func:`_describe` finds, which travel in the probe:
-        the structure as a *skeleton*, the value with a 0 in place of each
-        tensor."""
-        spec = tree_flatten(skeleton)[1]
-        shapes = tuple(torch.Size(shape) for shape in shapes)
-        layout = cls(tree_unflatten(list(shapes), spec), tree_unflatten(list(dtypes), spec))
-        layout.skeleton, layout.spec, layout.paths = skeleton, spec, tuple(paths)
-        layout.shapes, layout.dtypes = shapes, tuple(dtypes)
-        layout.grads = tuple(grads)
-        layout.needs_grad = tuple(i in layout.grads for i in range(len(shapes)))
-        layout.single = spec.is_leaf()
-        layout.wire = Wire.of(shapes, layout.dtypes)
-        layout.grad_wire = Wire.of([shapes[i] for i in layout.grads], [layout.dtypes[i] for i in layout.grads])
-        layout.shares = {1: layout}
-        return layout
-
-    def share(self, parts: int, what: str) -> "Layout":
-        """The layout of one of ``parts`` equal shares of the value's rows
-        (what a member of a gang that shares rows computes), made once."""
-        if parts not in self.shares:
-            shapes = [_rows_shape(shape, parts, f"{what}{path}") for shape, path in zip(self.shapes, self.paths)]
-            self.shares[parts] = Layout.make(self.skeleton, self.paths, shapes, self.dtypes, self.grads)
-        return self.shares[parts]
-
-    def tree(self, leaves: Sequence[torch.Tensor]) -> Any:
-        """The value itself, from its tensors."""
-        return leaves[0] if self.single else tree_unflatten(list(leaves), self.spec)
-
-    def zeros(self, device) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in zip(self.shapes, self.dtypes))
-
-
+# ---------------------------------------------------------------------- the shape probe and losses
 class _ProbeFailed(ShapeError):
     """A stage failed in the shape probe; every rank heard which, on which rank, and raises this
     alike (so that no rank is blamed for another's failure)."""
-
-
-class _Agreed(NamedTuple):
-    """The layouts for micro-batches of one ``signature`` (structure, shapes
-    and dtypes): the micro-batch's, every stage's output's, and per stage
-    the layouts of the values it takes."""
-
-    signature: tuple
-    source: Layout
-    outputs: list[Layout]
-    inputs: list[list[Layout]]
-
-
-SPREAD = (tuple, list)
-"""Values of these types are unpacked into a stage's positional arguments
-(as torch.distributed.pipelining does); any other value is one argument."""
 
 
 def _loss_source(program: Program, forward_only: bool) -> int | None:
@@ -2003,251 +1890,7 @@ def _loss_source(program: Program, forward_only: bool) -> int | None:
     return ranks.pop() if len(ranks) == 1 else None
 
 
-def _input_bytes(meta: _Agreed) -> list[float]:
-    """Per stage, the bytes of its inputs for one micro-batch (what a forward stashes)."""
-    return [sum(layout.wire.nbytes for layout in layouts) for layouts in meta.inputs]
-
-
-def _output_bytes(meta: _Agreed) -> list[float]:
-    """Per stage, the bytes of its output for one micro-batch (what its messages carry)."""
-    return [layout.wire.nbytes for layout in meta.outputs]
-
-
-def stage_arguments(values: Sequence) -> list:
-    """The positional arguments of a stage that takes ``values`` (one per
-    predecessor, or the micro-batch), unpacked as :data:`SPREAD` says."""
-    args = []
-    for value in values:
-        args.extend(value) if type(value) in SPREAD else args.append(value)
-    return args
-
-
-def _arguments(layouts: Sequence[Layout], values: Sequence[Sequence[torch.Tensor]]) -> list:
-    """The positional arguments of a stage that takes ``values`` (each the
-    tensors of one value, in its ``layouts``), by :func:`stage_arguments`."""
-    if len(layouts) == 1 and layouts[0].single:
-        return [values[0][0]]
-    return stage_arguments([layout.tree(leaves) for layout, leaves in zip(layouts, values)])
-
-
-def _needing_grad(layout: Layout, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``leaves``, those that carry a gradient back detached and needing one (leaves of a new graph)."""
-    if layout.single:
-        return (leaves[0].detach().requires_grad_(),) if layout.grads else tuple(leaves)
-    return tuple([x.detach().requires_grad_() if need else x for x, need in zip(leaves, layout.needs_grad)])
-
-
-def _detached(leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return (leaves[0].detach(),) if len(leaves) == 1 else tuple([y.detach() for y in leaves])
-
-
-def _describe(value: Any, what: str, grads: bool) -> tuple[list[torch.Tensor], tuple]:
-    """The tensors of ``value`` and the facts a :class:`Layout` is made of
-    (structure, paths, shapes, dtypes, the tensors that need a gradient when
-    ``grads``), all plain values; a value that is not a tensor
-    pytree is refused, naming the field."""
-    found, spec = tree_flatten_with_path(value)
-    for path, leaf in found:
-        if not isinstance(leaf, torch.Tensor):
-            raise ShapeError(_not_a_tensor(what + keystr(path), leaf))
-    if not found:
-        raise ShapeError(f"{what} holds no tensor; pass a tensor, or a tuple, list or dict of tensors")
-    leaves = [leaf for _, leaf in found]
-    needs = tuple(i for i, leaf in enumerate(leaves) if grads and leaf.requires_grad)
-    return leaves, (tree_unflatten([0] * len(leaves), spec), [keystr(path) for path, _ in found],
-                    [tuple(t.shape) for t in leaves], [t.dtype for t in leaves], needs)
-
-
-def _facts_json(facts: tuple | str | None) -> dict | str | None:
-    """:func:`_describe`'s facts (or a probe's error, or None) as JSON for the probe's gather."""
-    if facts is None or isinstance(facts, str):
-        return facts
-    skeleton, paths, shapes, dtypes, needs = facts
-    return {"spec": spec_dumps(tree_flatten(skeleton)[1]), "paths": list(paths),
-            "shapes": [list(shape) for shape in shapes], "dtypes": [dtype_name(d) for d in dtypes],
-            "grads": list(needs)}
-
-
-def _facts_from_json(data: dict) -> tuple:
-    """The facts :func:`_facts_json` wrote, as :meth:`Layout.make` takes them."""
-    spec = spec_loads(data["spec"])
-    skeleton = tree_unflatten([0] * spec.num_leaves, spec)
-    return (skeleton, [str(p) for p in data["paths"]], [tuple(int(n) for n in shape) for shape in data["shapes"]],
-            [dtype_of(d) for d in data["dtypes"]], tuple(int(i) for i in data["grads"]))
-
-
-def _built_json(built: dict) -> dict:
-    """What a rank built, per stage (parameter shapes, state dict specs,
-    weight bytes, buffer specs), as JSON for the set-up agreement."""
-    return {str(s): [[list(shape) for shape in shapes],
-                     {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in specs.items()},
-                     nbytes, [[list(shape), dtype_name(dtype)] for shape, dtype in buffers]]
-            for s, (shapes, specs, nbytes, buffers) in built.items()}
-
-
-def _built_from_json(data: dict) -> dict:
-    """The stages :func:`_built_json` wrote, keyed by stage index again."""
-    return {int(s): ([tuple(shape) for shape in shapes],
-                     {name: (torch.Size(shape), dtype_of(dtype)) for name, (shape, dtype) in specs.items()},
-                     float(nbytes), [(tuple(shape), dtype_of(dtype)) for shape, dtype in buffers])
-            for s, (shapes, specs, nbytes, buffers) in data.items()}
-
-
-def _departure(what: str, value: Any, layout: Layout) -> str:
-    """How ``value`` departs from the agreed ``layout``, naming the first field that does."""
-    found, spec = tree_flatten_with_path(value)
-    for path, leaf in found:
-        if not isinstance(leaf, torch.Tensor):
-            return _not_a_tensor(what + keystr(path), leaf)
-    paths = [keystr(path) for path, _ in found]
-    hint = "; a stage must return the same structure, shapes and dtypes for every micro-batch and step"
-    if spec != layout.spec:
-        if paths == list(layout.paths):
-            return (f"{what} is a {_kind(spec)} but a {_kind(layout.spec)} was agreed by the shape probe{hint}")
-        new = [p for p in paths if p not in layout.paths]
-        gone = [p for p in layout.paths if p not in paths]
-        return (f"{what} has fields {_fields(paths)} but {_fields(layout.paths)} were agreed by the shape probe "
-                f"(new: {_fields(new)}, missing: {_fields(gone)}){hint}")
-    for (_, y), path, shape, dtype, need in zip(found, paths, layout.shapes, layout.dtypes, layout.needs_grad):
-        if y.shape != shape:
-            return f"{what}{path}: shape {tuple(y.shape)} but {tuple(shape)} was agreed by the shape probe{hint}"
-        if y.dtype != dtype:
-            return f"{what}{path}: dtype {y.dtype} but {dtype} was agreed by the shape probe{hint}"
-        if y.requires_grad and not need:
-            return (f"{what}{path} needs a gradient, but the shape probe found it needs none (did some parameters "
-                    f"start to train?); build a new Trainer after changing which parameters train")
-    return f"{what} does not match what the shape probe agreed"
-
-
-def _not_a_tensor(where: str, leaf: Any) -> str:
-    return (f"{where} is a {type(leaf).__name__}, not a tensor; a stage takes and returns a tensor, "
-            f"or a tuple, list or dict of tensors")
-
-
-def _kind(spec: TreeSpec) -> str:
-    return "tensor" if spec.is_leaf() else getattr(spec.type, "__name__", str(spec.type))
-
-
-def _fields(paths: Sequence[str]) -> str:
-    return ", ".join(path or "(the whole value)" for path in paths) or "none"
-
-
-def _micro_batches(name: str, value: Any, parts: int, device) -> tuple[list[tuple[torch.Tensor, ...]], TreeSpec]:
-    """``value``'s tensors split along their first dimension into ``parts``
-    micro-batches (on ``device``), and its structure."""
-    leaves, spec = tree_flatten(value)
-    rows = {t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in leaves}
-    if len(rows) != 1 or None in rows or 0 in rows or next(iter(rows)) % parts:
-        raise ShapeError(_unsplittable(name, value, parts))
-    pieces = [t.to(device).chunk(parts) for t in leaves]
-    return [tuple(piece[b] for piece in pieces) for b in range(parts)], spec
-
-
-def split_batch(inputs: Any, targets: Any, parts: int, device):
-    """A step's batch in ``parts`` micro-batches (:func:`_micro_batches`): the inputs' leaves
-    and structure, the targets' leaves and structure; the Trainer and ``train_one_process``
-    split alike.  Targets with fewer rows than the inputs, or a count they do not divide, are
-    refused: each micro-batch takes the same share of both, so 16 input rows with 4 target rows
-    would pair every 4 inputs with 1 target (a loss broadcasting over them trains silently,
-    where one process on the whole batch fails).  A whole multiple passes (per-token targets
-    flattened beside batch-first inputs)."""
-    micro_in, in_spec = _micro_batches("inputs", inputs, parts, device)
-    micro_t, target_spec = _micro_batches("targets", targets, parts, device)
-    rows, target_rows = micro_in[0][0].shape[0] * parts, micro_t[0][0].shape[0] * parts
-    if target_rows % rows:
-        raise ShapeError(f"targets has {target_rows} rows but inputs has {rows}; each micro-batch takes the same "
-                         f"share of both, so give targets as many rows as inputs (or a whole multiple of them)")
-    return micro_in, in_spec, micro_t, target_spec
-
-
-def _unsplittable(name: str, value: Any, parts: int) -> str:
-    """Why ``value`` cannot be split into ``parts`` micro-batches, naming the field."""
-    found, _ = tree_flatten_with_path(value)
-    if not found:
-        return f"{name} holds no tensor; pass a tensor, or a tuple, list or dict of tensors"
-    for path, leaf in found:
-        if not isinstance(leaf, torch.Tensor):
-            return _not_a_tensor(name + keystr(path), leaf)
-        if leaf.dim() == 0:
-            return (f"{name}{keystr(path)} is a scalar tensor; every tensor of a batch is split along its first "
-                    f"dimension into the micro-batches")
-    first_path, rows = found[0][0], found[0][1].shape[0]
-    for path, leaf in found[1:]:
-        if leaf.shape[0] != rows:
-            return (f"{name}{keystr(path)} has {leaf.shape[0]} rows but {name}{keystr(first_path)} has {rows}; "
-                    f"every tensor of {name} is split along its first dimension into the micro-batches, "
-                    f"so they must agree on it")
-    return (f"{name} has {rows} rows, which the schedule's {parts} micro-batches do not divide; "
-            f"pass a batch whose first dimension is a multiple of {parts}")
-
-
 # ---------------------------------------------------------------------- helpers
-def ensure_process_group(timeout: float) -> None:
-    """Start the default process group unless one is running (NCCL with CUDA,
-    gloo otherwise): from torchrun's variables, or without them a world of
-    this one process (a schedule for more workers is then refused, saying to
-    launch them with torchrun).  The one bootstrap of unisched, used by the
-    Trainer, the examples and :mod:`unisched.epl`."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=timeout))
-        return
-    backend, options = "gloo", {}
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        backend, options = "nccl", {"device_id": device}
-    try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
-    except RuntimeError as error:  # the store's and the backends' errors (torch.distributed.DistError) among them
-        raise ExecutionError(_start_failure(error, timeout)) from error
-
-
-def _start_failure(error: RuntimeError, timeout: float) -> str:
-    """What to say when the process group does not start: a port in use, a timeout, or another cause."""
-    cause = first_line(error)
-    where = f"MASTER_ADDR:MASTER_PORT ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
-    if "EADDRINUSE" in cause or "address already in use" in cause:
-        return (f"rank {os.environ.get('RANK')} could not listen on {where}: the port is in use, by another job or "
-                f"a run still ending ({cause}); pick another port (torchrun --master-port, or MASTER_PORT)")
-    if "timed out" in cause.lower() or "timeout" in cause.lower():
-        return (f"the process group did not start within the timeout of {timeout:g} s ({cause}): raise the timeout "
-                f"(unisched run: --timeout), or check that every rank reaches {where}")
-    return (f"the process group did not start ({cause}): check that every rank reaches {where} and that "
-            f"WORLD_SIZE and RANK are right")
-
-
-def compute_device(device: torch.device | str | None = None) -> torch.device:
-    """Where this rank computes: ``device`` if given; with an NCCL process
-    group (or none and CUDA present) ``cuda:LOCAL_RANK`` (else the current
-    CUDA device); the CPU otherwise (gloo moves CPU tensors)."""
-    if device is not None:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as error:
-            raise ShapeError(f"device={device!r} is not a device torch knows ({first_line(error)}); pass e.g. "
-                             f"'cpu' or 'cuda:0', or leave it out") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ShapeError(f"device={str(device)!r} but this torch sees no CUDA device (torch {torch.__version__}); "
-                             f"leave device out to compute on the CPU with gloo, or install a CUDA build of torch")
-        return device
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        return torch.device("cpu")
-    local = os.environ.get("LOCAL_RANK")
-    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-
-
-def _default_store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
 def _differentiate(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None, inputs=None) -> None:
     """Backpropagate from those ``roots`` that need a gradient (with their
     ``grads``; None for the loss), unless none does (a stage without
@@ -2284,15 +1927,6 @@ class _Done:
 _DONE = _Done()
 
 
-def _step_scheduler(scheduler, loss: float) -> None:
-    """Step an LR scheduler after an optimizer step; one that adapts to the
-    loss (``ReduceLROnPlateau``) is given the step's loss."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(loss)
-    else:
-        scheduler.step()
-
-
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(like)
 
@@ -2313,27 +1947,6 @@ def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host-memory copy of ``tensor`` (pinned when it feeds a GPU)."""
     copy = tensor.detach().to("cpu", copy=True)
     return copy.pin_memory() if pin else copy
-
-
-def _rows_shape(shape: torch.Size, parts: int, what: str) -> torch.Size:
-    """The shape of one of ``parts`` equal shares of the rows of ``shape``."""
-    if not len(shape) or shape[0] % parts:
-        rows = shape[0] if len(shape) else 0
-        raise ShapeError(
-            f"{what} has {rows} rows, which a gang of {parts} ranks cannot share evenly; "
-            f"use micro-batches whose rows are a multiple of {parts}"
-        )
-    return torch.Size((shape[0] // parts, *shape[1:]))
-
-
-def _rows_of(x: torch.Tensor, members: tuple[int, ...], rank: int, stage: int) -> torch.Tensor:
-    """``rank``'s share of the rows of a micro-batch, as a gang member of a source stage."""
-    _rows_shape(x.shape, len(members), f"the micro-batch of stage {stage}")
-    return x.chunk(len(members))[members.index(rank)]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -300,3 +300,12 @@ def caught(check: Callable[[], None]) -> Exception | None:
     except Exception as error:
         return error
     return None
+
+
+def step_scheduler(scheduler, loss: float) -> None:
+    """Step an LR scheduler after an optimizer step; one that adapts to the
+    loss (``ReduceLROnPlateau``) is given the step's loss."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(loss)
+    else:
+        scheduler.step()

@@ -375,7 +375,7 @@ def test_a_process_group_that_does_not_start_in_time_is_a_clear_error():
     with socket.socket() as probe:  # a port no one listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    code = ("from unisched.execute.runtime import ensure_process_group\n"
+    code = ("from unisched.execute.process_group import ensure_process_group\n"
             "try:\n    ensure_process_group(0.5)\n"
             "except Exception as error:\n    print(type(error).__name__, error)\n")
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -388,7 +388,7 @@ def test_a_process_group_that_does_not_start_in_time_is_a_clear_error():
 def test_a_master_port_in_use_is_named_as_such_not_as_a_timeout():
     import socket
 
-    code = ("from unisched.execute.runtime import ensure_process_group\n"
+    code = ("from unisched.execute.process_group import ensure_process_group\n"
             "try:\n    ensure_process_group(30)\n"
             "except Exception as error:\n    print(type(error).__name__, error)\n")
     with socket.socket() as taken:  # rank 0 must listen on MASTER_PORT, and cannot

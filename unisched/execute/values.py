@@ -180,6 +180,7 @@ def needing_grad(layout: Layout, leaves: Sequence[torch.Tensor]) -> tuple[torch.
 
 
 def detached(leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``leaves`` cut from their autograd graph."""
     return (leaves[0].detach(),) if len(leaves) == 1 else tuple([y.detach() for y in leaves])
 
 

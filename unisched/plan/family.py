@@ -129,7 +129,7 @@ def constructed_members(problem: PlanProblem, whole: bool = False) -> list[tuple
       workers on from the last (one gradient transfer per group, no activation transfer).  This
       is the shape of the shortest schedules the whole-scheme search finds on W = S = 4, B = 8,
       memory 2, comm 1, and seeding it there gives shorter plans within 10 s
-      (docs/planning.md, "Small problems"); the heuristic search of large steps, where it was
+      (docs/planner-measurements.md); the heuristic search of large steps, where it was
       not measured, does not ask for it."""
     W, S, B = problem.shape
     priority = BackwardFirst(S, B)

@@ -313,7 +313,7 @@ def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> boo
     pass at a time.  (A periodic run, ``period`` > 0, places forwards itself, to keep them
     periodic.)  Half
     the placement literals go, and with them the symmetry of swapping forwards between idle
-    workers (docs/planning.md, "Small problems")."""
+    workers (docs/planner-measurements.md)."""
     problem = timed.problem
     forwards = timed.direction == FORWARD
     moves = (timed.comm, timed.fetch, timed.stash)

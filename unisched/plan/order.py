@@ -226,7 +226,7 @@ PORTFOLIO = ("fixed", "quick_restart")
 neighbourhoods): the fixed search (the model's decision strategy, a list scheduler under a memory
 limit), which proves the small memory-limited steps, and the default search restarting often,
 which finds shorter schedules than CP-SAT's default search with its LP in the same time
-(docs/planning.md, "Small problems").  With more workers CP-SAT's own portfolio runs, both among
+(docs/planner-measurements.md).  With more workers CP-SAT's own portfolio runs, both among
 its searches."""
 
 

@@ -70,7 +70,7 @@ REPLAY_MARGIN = 0.03
 """Share of the time limit kept for replaying the candidates at the end."""
 PAIRED_SHARE = 0.25
 """Share of the mapping search's time for the paired model under memory limits, when the whole scheme is
-searched after it (what each share gave: docs/planning.md, "Small problems")."""
+searched after it (what each share gave: docs/planner-measurements.md)."""
 UNLIMITED_PAIRED_SHARE = 0.2
 """The same without memory limits, where the whole-scheme model finds and proves good schedules by
 itself (W = 2, S = 4, B = 8, comm 1: 49 proven in 2.3 s instead of 5.4 s at a share of 0.5)."""
@@ -80,14 +80,14 @@ comes first; the unrestricted run after it starts from the best found."""
 MAPPING_PERIOD = 2
 """The periodic run places micro-batch b as b - 2.  On the hard small cases of
 ``benchmarks/planner_small.py`` it found shorter plans than the same time spent on the
-unrestricted model alone (docs/planning.md, "Small problems")."""
+unrestricted model alone (docs/planner-measurements.md)."""
 POOLED_SHARE = 0.15
 """Most of the time limit the pooled step (:mod:`unisched.plan.pooled`) may take for its bound under
 a memory limit (docs/planning.md, "Bounds")."""
 SEARCH_WORKERS = len(PORTFOLIO) + 1
 """CP-SAT's search workers per solve: the searches of :data:`unisched.plan.order.PORTFOLIO`
 and one for neighbourhoods.  More share the two cores of the machine measured more thinly and lose
-the small steps' proofs (docs/planning.md, "Small problems")."""
+the small steps' proofs (docs/planner-measurements.md)."""
 SEARCHES = ("auto", "cpsat", "heuristic")
 """Which search :func:`plan` runs: :func:`uses_heuristic` says which ``auto`` picks."""
 SCHEMES = ("auto", "whole", "paired")
@@ -315,7 +315,7 @@ class _Search:
     def pooled(self) -> None:
         """CP-SAT's bound on the pooled step (:func:`unisched.plan.pooled.pooled_bound`), for every
         schedule, for the latency and under a memory limit only (without one, 5 s of it did not
-        reach the work bound on the small steps measured: docs/planning.md, "Small problems")."""
+        reach the work bound on the small steps measured: docs/planner-measurements.md)."""
         problem = self.problem
         if not problem.memory_limited or problem.objective != "latency" or self.done():
             return

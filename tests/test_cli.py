@@ -284,6 +284,48 @@ def test_simulate_priority_is_reported_where_the_strategy_has_no_priority_of_its
     assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}
 
 
+def test_simulate_refuses_two_priorities_and_reads_a_priority_parameter_as_the_flag_does(capsys):
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe(priority=backward_first)", "--priority",
+                         "oldest_stage_first", "--json")
+    assert code == 2 and out == "" and "priority=backward_first and --priority oldest_stage_first" in err
+    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe(priority=backward_first)", "--priority",
+                       "Backward-First", "--json")
+    assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}
+    flag = json.loads(run(capsys, "simulate", "--strategy", "gpipe", "--priority", "oldest_stage_first", "--json")[1])
+    for given in ("Oldest-Stage-First", "'oldest_stage_first'", '"oldest_stage_first"'):
+        code, out, err = run(capsys, "simulate", "--strategy", f"gpipe(priority={given})", "--json")
+        assert code == 0, err
+        assert json.loads(out)["params"] == flag["params"] and json.loads(out)["latency"] == flag["latency"]
+        assert json.loads(out)["worker_stats"] == flag["worker_stats"]
+    code, _, err = run(capsys, "simulate", "--strategy", "gpipe(priority=newest)")
+    assert code == 2 and "must be one of oldest_batch_first" in err
+
+
+def test_an_unknown_priority_is_a_unisched_error():
+    from unisched import policies
+
+    with pytest.raises(unisched.UniSchedError, match="unknown priority 'nope'"):
+        unisched.simulate(4, 4, 8, policies.get("gpipe", 4, 4, 8), "nope")
+
+
+@pytest.mark.parametrize("verb", [["simulate", "--strategy", "gpipe"], ["plan", "-W", "2", "-S", "2", "-B", "2"]])
+@pytest.mark.parametrize("flag", ["--topology", "--costs"])
+def test_an_empty_file_name_is_refused_not_ignored(capsys, verb, flag):
+    code, out, err = run(capsys, *verb, flag, "")
+    assert code == 2 and out == "" and f"{flag} was given an empty name" in err
+
+
+def test_a_bad_width_is_refused_before_anything_runs_or_is_written(capsys, tmp_path):
+    drawing = tmp_path / "a.png"
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--out", str(drawing), "--width", "5")
+    assert code == 2 and out == "" and "--width must be a whole number of at least 24" in err
+    assert not drawing.exists()
+    code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--json", "--width", "5")
+    assert code == 2 and out == "" and "--width" in err
+    code, out, err = run(capsys, "plan", "-W", "2", "-S", "2", "-B", "2", "--width", "5")
+    assert code == 2 and out == "" and "--width" in err and "family search" not in err
+
+
 def test_simulate_on_a_topology_takes_the_cost_flags(capsys):
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--topology", "dgx_h100", "--forward", "0.5",
                          "--backward", "1", "--json")

@@ -293,6 +293,8 @@ def test_simulate_a_saved_plan(capsys, plan_file, tmp_path):
 def test_simulate_plan_refuses_what_the_file_fixes_and_edited_files(capsys, plan_file, tmp_path):
     code, _, err = run(capsys, "simulate", "--plan", str(plan_file), "-W", "8", "--strategy", "gpipe")
     assert code == 2 and "drop --strategy, --workers" in err
+    code, _, err = run(capsys, "simulate", "--plan", str(plan_file), "--comm", "0")  # 0 is given too
+    assert code == 2 and "drop --comm" in err
     data = json.loads(plan_file.read_text())
     data["latency"] = 1.0  # an edited claim: the replay disagrees
     edited = tmp_path / "edited.json"

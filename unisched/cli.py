@@ -250,8 +250,9 @@ def _print_entry(entry: dict, pad: int) -> None:
 
 def cmd_simulate(args) -> int:
     from unisched.flags import check_writable
-    from unisched.render import check_path
+    from unisched.render import check_path, check_width
 
+    check_width(args.width)
     for out in args.out:  # before simulating or writing anything
         check_path(out)
         check_writable(out, f"--out {out}")
@@ -305,8 +306,8 @@ def _simulate_plan(args):
         ("--stages", args.stages), ("--batches", args.batches), ("--forward", args.forward),
         ("--backward", args.backward), ("--backward-input", args.backward_input),
         ("--backward-weight", args.backward_weight), ("--costs", args.costs), ("--memory-limit", args.memory_limit),
-        ("--priority", args.priority), ("--topology", args.topology), ("--comm", args.comm or None),
-        ("--fetch", args.fetch or None),
+        ("--priority", args.priority), ("--topology", args.topology), ("--comm", args.comm),
+        ("--fetch", args.fetch),
     ) if value is not None]
     if given:
         raise UniSchedError(
@@ -550,6 +551,7 @@ def _simulate(args, name: str, params: dict, options: dict):
     from unisched.policies.grammar import label_of
 
     W, S, B = _shape(args)
+    _check_one_priority(args, name, params)
     if is_user_strategy(name):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
@@ -562,6 +564,18 @@ def _simulate(args, name: str, params: dict, options: dict):
         # the run breaks ties by --priority, so the strategy it reports says so
         strategy = strategy.with_(params={**strategy.params, "priority": priority_key(args.priority)})
     return simulate(W, S, B, strategy, **options)
+
+
+def _check_one_priority(args, name: str, params: dict) -> None:
+    """Refuse a strategy's ``priority`` parameter and ``--priority`` with two values: the run would
+    break ties by one and be titled by the other."""
+    from unisched.simulate.priorities import priority_key
+
+    given = params.get("priority")
+    flag = getattr(args, "priority", None)  # compare has no --priority
+    if flag is not None and given is not None and priority_key(str(given)) != priority_key(flag):
+        raise UniSchedError(f"{name} is given priority={given} and --priority {flag}; give the priority "
+                            f"once")
 
 
 def _rho(sim) -> float:

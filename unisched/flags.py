@@ -67,11 +67,11 @@ def add_cost_arguments(parser: argparse.ArgumentParser):
     costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
     costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from "
                        "calibration; time flags given beside it replace its times")
-    costs.add_argument("--comm", type=float, default=0.0,
-                       help="time to move an activation or gradient between workers (a weight fetch pays it too; "
-                       "with --comm or --fetch, weights are fetched from the step's start and kept, as plan "
-                       "models them); not with --costs, which gives the links")
-    costs.add_argument("--fetch", type=float, default=0.0, help="time to fetch a stage's weights from another worker")
+    costs.add_argument("--comm", type=float,
+                       help="time to move an activation or gradient between workers (a weight fetch and each "
+                       "ring step of an all-reduce pay it too; with --comm or --fetch, weights are fetched from the "
+                       "step's start and kept, as plan models them); not with --costs, which gives the links")
+    costs.add_argument("--fetch", type=float, help="time to fetch a stage's weights from another worker")
     return costs
 
 

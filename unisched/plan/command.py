@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from unisched.render import check_width
 from unisched.render.text import add_color_arguments
 from unisched import metrics
 from unisched.errors import ShapeError, StrategyError, UniSchedError
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
+    check_width(args.width)
     costs = costs_from_flags(args, shape=(W, S))
     split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
@@ -373,6 +375,10 @@ def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True,
 
 
 def _costs_from_flags(args: argparse.Namespace, encode_free_links: bool) -> Costs:
+    for flag, value in (("--costs", args.costs), ("--topology", args.topology)):
+        if value is not None and not str(value).strip():
+            raise PlanInputError(f"{flag} was given an empty name: give a file (or, for --topology, a preset such "
+                                 f"as dgx_h100), or leave {flag} out")
     times = cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
     links = {flag: times.pop(flag) for flag in ("comm", "fetch") if flag in times}
     clashing = [f"--{flag}" for flag, value in links.items() if value]
@@ -391,7 +397,7 @@ def _costs_from_flags(args: argparse.Namespace, encode_free_links: bool) -> Cost
     try:
         if args.costs or args.topology or not (clashing or encode_free_links):
             return ClusterCosts.read(args.costs, times, args.topology)
-        return encode_costs(comm=args.comm, fetch=args.fetch).with_times(**times)
+        return encode_costs(comm=links.get("comm", 0.0), fetch=links.get("fetch", 0.0)).with_times(**times)
     except ShapeError as error:
         raise PlanInputError(str(error)) from None
 

@@ -57,6 +57,8 @@ class Param:
                 raise ValueError(value)
             elif self.type is int and not isinstance(value, (int, str)):
                 raise ValueError(value)
+            elif self.type is str and isinstance(value, str):
+                value = _name_of(value, self.choices)
             else:
                 value = self.type(value)
         except (TypeError, ValueError):
@@ -77,6 +79,16 @@ class Param:
         if self.choices is not None:
             data["choices"] = list(self.choices)
         return data
+
+
+def _name_of(value: str, choices: tuple | None) -> str:
+    """A string parameter as given, quotes stripped; one of ``choices`` also in another case or with
+    dashes (``Backward-First``: ``backward_first``), as ``--priority`` and strategy names read."""
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    folded = value.replace("-", "_").lower()
+    return folded if choices is not None and value not in choices and folded in choices else value
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}

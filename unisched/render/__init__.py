@@ -12,6 +12,7 @@ from pathlib import Path
 
 from unisched.errors import UniSchedError
 from unisched.timeline import Timeline
+from unisched.work import is_whole
 
 FORMATS = {
     ".html": "HTML diagram and stats (open in a browser)",
@@ -23,7 +24,7 @@ FORMATS = {
 }
 """Extension -> what :func:`save` writes there."""
 
-__all__ = ["FORMATS", "check_path", "figure", "save", "stats_table", "to_chrome_trace", "to_html", "to_text"]
+__all__ = ["FORMATS", "check_path", "check_width", "figure", "save", "stats_table", "to_chrome_trace", "to_html", "to_text"]
 
 
 def save(timeline, path, **options) -> Path:
@@ -41,6 +42,16 @@ def save(timeline, path, **options) -> Path:
         raise UniSchedError(f"cannot write {str(path)!r}: {error.strerror or error}; name a file in a folder that "
                             "exists and that you may write to") from None
     return path
+
+
+def check_width(width) -> int:
+    """``width`` if a terminal diagram can be drawn that wide, else an error saying how wide it must be
+    (checked before anything slow is run)."""
+    from unisched.render.text import MIN_WIDTH
+
+    if not is_whole(width, MIN_WIDTH):
+        raise UniSchedError(f"--width must be a whole number of at least {MIN_WIDTH} columns, got {width!r}")
+    return width
 
 
 def check_path(path) -> str:

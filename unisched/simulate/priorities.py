@@ -96,7 +96,7 @@ def priority_by_name(name: str, num_stages: int, num_batches: int) -> _BuiltinPr
     try:
         return BUILTIN_PRIORITIES[priority_key(name)](num_stages, num_batches)
     except KeyError:
-        raise ValueError(
+        raise ShapeError(
             f"unknown priority {name!r}; choose one of {', '.join(BUILTIN_PRIORITIES)}"
         ) from None
 

@@ -149,7 +149,8 @@ def test_compare_takes_parameters_in_its_list(capsys):
         (["plan", "--strategy", "gpipe", "--memory-limit", "1,2"], "gives 2 numbers but there are 4 workers"),
         (["plan", "--strategy", "gpipe", "--memory-limit", "4,x"], "comma-separated numbers"),
         (["simulate", "--strategy", "gpipe", "--memory-limit", "1,2"], "--memory-limit gives 2 numbers"),
-        (["compare", "--memory-limit", "nan"], "--memory-limit must be non-negative numbers"),
+        (["compare", "--memory-limit", "nan"], "--memory-limit must be finite numbers >= 0"),
+        (["simulate", "--strategy", "gpipe", "--memory-limit", "inf"], "--memory-limit must be finite numbers >= 0"),
     ],
 )
 def test_grammar_mistakes_are_errors(capsys, argv, words):

@@ -573,9 +573,8 @@ def _check_one_priority(args, name: str, params: dict) -> None:
 
     given = params.get("priority")
     flag = getattr(args, "priority", None)  # compare has no --priority
-    if flag is not None and given is not None and priority_key(str(given)) != priority_key(flag):
-        raise UniSchedError(f"{name} is given priority={given} and --priority {flag}; give the priority "
-                            f"once")
+    if flag is not None and given is not None and priority_key(str(given).strip().strip("\"'")) != priority_key(flag):
+        raise UniSchedError(f"{name} is given priority={given} and --priority {flag}; give the priority once")
 
 
 def _rho(sim) -> float:

@@ -109,7 +109,7 @@ def numbers(flag: str, text: str | None, count: int, what: str,
     except ValueError:
         raise error(f"{flag} takes a number or comma-separated numbers, got {text!r}") from None
     if not all(v >= 0 and math.isfinite(v) for v in values):
-        raise error(f"{flag} must be non-negative numbers, got {text!r}")
+        raise error(f"{flag} must be finite numbers >= 0, got {text!r}")
     if len(values) > 1 and len(values) != count:
         raise error(f"{flag} gives {len(values)} numbers but there are {count} {what}: give one, or {count}")
     return values[0] if len(set(values)) == 1 else tuple(values)

@@ -186,8 +186,10 @@ def test_a_factory_takes_the_shape_and_the_parameters(capsys, own_module):
                  ["--strategy", f"{own_module}:looped_by_hand", "--param", "group_size=2"]):
         code, out, _ = run(capsys, "simulate", *argv, "--json")
         assert code == 0 and json.loads(out)["latency"] == looped["latency"] == 28
+        assert json.loads(out)["params"] == looped["params"] == {"group_size": 2}  # reported as the registry's
     code, out, _ = run(capsys, "simulate", "--strategy", f"{own_module}:mapping_factory(shift=1)", "--json")
     assert code == 0 and json.loads(out)["worker_stats"]["max_activation_storage"] == [1, 8, 7, 4]
+    assert json.loads(out)["params"] == {"shift": 1}
     code, out, _ = run(capsys, "simulate", "--strategy", f"{own_module}:READY", "--json")
     assert code == 0 and json.loads(out)["strategy"] == "ready"
 

@@ -446,10 +446,10 @@ def user_strategy(target: str, shape: Shape | tuple[int, int, int], params: Mapp
             raise StrategyError(f"strategy factory {target!r} failed on W={W}, S={S}, B={B}"
                                 f"{''.join(f', {k}={v!r}' for k, v in params.items())}: "
                                 f"{type(error).__name__}: {error}") from error
-        if isinstance(made, Strategy):
-            return made if made.name else made.with_(name=label)
+        if isinstance(made, Strategy):  # the parameters it was made with are reported, as the registry's are
+            return made.with_(name=made.name or label, params={**params, **dict(made.params)})
         if callable(made):
-            return as_strategy(made, name=label)
+            return as_strategy(made, name=label).with_(params=params)
         raise UniSchedError(f"strategy factory {target!r} returned {type(made).__name__}; "
                             "return a unisched.Strategy or a function Work -> ComputeAndWeightWorkers")
     _no_params(target, params, "is a function of one argument (a Work)")

@@ -289,9 +289,10 @@ def test_simulate_refuses_two_priorities_and_reads_a_priority_parameter_as_the_f
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe(priority=backward_first)", "--priority",
                          "oldest_stage_first", "--json")
     assert code == 2 and out == "" and "priority=backward_first and --priority oldest_stage_first" in err
-    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe(priority=backward_first)", "--priority",
-                       "Backward-First", "--json")
-    assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}
+    for given in ("backward_first", "'backward_first'", "Backward-First"):  # one value, however written
+        code, out, _ = run(capsys, "simulate", "--strategy", f"gpipe(priority={given})", "--priority",
+                           "Backward-First", "--json")
+        assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}
     flag = json.loads(run(capsys, "simulate", "--strategy", "gpipe", "--priority", "oldest_stage_first", "--json")[1])
     for given in ("Oldest-Stage-First", "'oldest_stage_first'", '"oldest_stage_first"'):
         code, out, err = run(capsys, "simulate", "--strategy", f"gpipe(priority={given})", "--json")

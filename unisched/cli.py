@@ -551,7 +551,6 @@ def _simulate(args, name: str, params: dict, options: dict):
     from unisched.policies.grammar import label_of
 
     W, S, B = _shape(args)
-    _check_one_priority(args, name, params)
     if is_user_strategy(name):
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
     else:
@@ -561,20 +560,13 @@ def _simulate(args, name: str, params: dict, options: dict):
     if options["priority_order"] is not None and strategy.worker_orders is None:  # else simulate refuses it
         from unisched.simulate.priorities import priority_key
 
+        flag = priority_key(args.priority)
+        if "priority" in params and strategy.params.get("priority") != flag:  # the value as the strategy read it
+            raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
+                                "give the priority once")
         # the run breaks ties by --priority, so the strategy it reports says so
-        strategy = strategy.with_(params={**strategy.params, "priority": priority_key(args.priority)})
+        strategy = strategy.with_(params={**strategy.params, "priority": flag})
     return simulate(W, S, B, strategy, **options)
-
-
-def _check_one_priority(args, name: str, params: dict) -> None:
-    """Refuse a strategy's ``priority`` parameter and ``--priority`` with two values: the run would
-    break ties by one and be titled by the other."""
-    from unisched.simulate.priorities import priority_key
-
-    given = params.get("priority")
-    flag = getattr(args, "priority", None)  # compare has no --priority
-    if flag is not None and given is not None and priority_key(str(given).strip().strip("\"'")) != priority_key(flag):
-        raise UniSchedError(f"{name} is given priority={given} and --priority {flag}; give the priority once")
 
 
 def _rho(sim) -> float:

@@ -252,7 +252,7 @@ def cmd_simulate(args) -> int:
     from unisched.flags import check_writable
     from unisched.render import check_path, check_width
 
-    check_width(args.width)
+    check_width(args.width, "--width")
     for out in args.out:  # before simulating or writing anything
         check_path(out)
         check_writable(out, f"--out {out}")

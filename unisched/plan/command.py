@@ -25,8 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from unisched.render import check_width
-from unisched.render.text import add_color_arguments
+from unisched.render.text import add_color_arguments, check_width
 from unisched import metrics
 from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
@@ -114,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
-    check_width(args.width)
+    check_width(args.width, "--width")
     costs = costs_from_flags(args, shape=(W, S))
     split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from unisched.errors import UniSchedError
 from unisched.timeline import Timeline
-from unisched.work import is_whole
 
 FORMATS = {
     ".html": "HTML diagram and stats (open in a browser)",
@@ -42,16 +41,6 @@ def save(timeline, path, **options) -> Path:
         raise UniSchedError(f"cannot write {str(path)!r}: {error.strerror or error}; name a file in a folder that "
                             "exists and that you may write to") from None
     return path
-
-
-def check_width(width) -> int:
-    """``width`` if a terminal diagram can be drawn that wide, else an error saying how wide it must be
-    (checked before anything slow is run)."""
-    from unisched.render.text import MIN_WIDTH
-
-    if not is_whole(width, MIN_WIDTH):
-        raise UniSchedError(f"--width must be a whole number of at least {MIN_WIDTH} columns, got {width!r}")
-    return width
 
 
 def check_path(path) -> str:
@@ -91,6 +80,7 @@ def _write(timeline: Timeline, path: Path, suffix: str, options: dict) -> None:
 _HOMES = {
     "to_text": "unisched.render.text",
     "stats_table": "unisched.render.text",
+    "check_width": "unisched.render.text",
     "to_html": "unisched.render.html",
     "figure": "unisched.render.figure",
     "to_chrome_trace": "unisched.render.trace",

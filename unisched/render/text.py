@@ -42,6 +42,7 @@ from unisched.render._common import (
     stat_columns,
     time_grid,
 )
+from unisched.errors import ShapeError
 from unisched.timeline import Timeline
 from unisched.work import is_whole
 
@@ -60,6 +61,14 @@ TEXT_HEADERS = {
     "bytes_received": "recv",
     "peak_memory_bytes": "peak.mem",
 }
+
+
+def check_width(width, name: str = "width") -> int:
+    """``width`` if a diagram can be drawn that many columns wide, else an error naming it as
+    ``name`` (``--width`` on the command line, checked before anything slow runs)."""
+    if not is_whole(width, MIN_WIDTH):
+        raise ShapeError(f"{name} must be a whole number of at least {MIN_WIDTH} columns, got {width!r}")
+    return width
 
 
 def visible_len(line: str) -> int:
@@ -156,8 +165,7 @@ def to_text(
     wide step is wrapped into before it is compressed instead (default: as
     many as keep the diagram under about 60 lines, at most 8).
     """
-    if not is_whole(width, MIN_WIDTH):
-        raise ValueError(f"width must be a whole number of at least {MIN_WIDTH} columns, got {width!r}")
+    check_width(width)
     if max_bands is not None and not is_whole(max_bands):
         raise ValueError(f"max_bands must be a whole number of at least 1 (or None: as many as fit), got "
                          f"{max_bands!r}")

@@ -142,10 +142,10 @@ def _failed(stderr: str, returncode: int, as_json: bool) -> int:
     if found is not None:
         said = found.group("message")
         # the rank that failed: the one the message blames or names (a peer may report it), else its reporter
-        named = BLAMED_RANK.search(said) or NAMED_RANK.match(said)
-        culprit = (named or found).group("rank")
+        leading = NAMED_RANK.match(said)
+        culprit = (BLAMED_RANK.search(said) or leading or found).group("rank")
         rank = int(culprit) if culprit.isdigit() else None
-        if NAMED_RANK.match(said) is None:
+        if leading is None:
             said = f"rank {found.group('rank')}: {said}"
     killed = KILLED_RANK.search(stderr)
     if killed is not None and int(killed.group("code")) < 0:  # a rank killed by a signal is the cause of the rest

@@ -93,8 +93,7 @@ def whole_scheme_is_any(timed: TimedProblem) -> bool:
     F = I = W = 1: 3 on one worker, 2 with I and W side by side); under a budget replicated and
     fetched weights take memory differently."""
     problem = timed.problem
-    moves = (timed.comm, timed.fetch, timed.stash)
-    return not problem.split_backward and problem.memory_budget is None and not any(np.any(m) for m in moves)
+    return not problem.split_backward and problem.memory_budget is None and timed.free_transfers
 
 
 def class_breadth(name: str) -> int:
@@ -316,10 +315,9 @@ def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> boo
     workers (docs/planner-measurements.md)."""
     problem = timed.problem
     forwards = timed.direction == FORWARD
-    moves = (timed.comm, timed.fetch, timed.stash)
     return (whole and not asap_replay and problem.objective != "span" and problem.memory_budget is None
             and (problem.max_stages_per_worker is None or problem.max_stages_per_worker >= problem.shape.num_stages)
-            and not any(np.any(m) for m in moves) and bool(np.all(timed.duration == timed.duration[:, :1]))
+            and timed.free_transfers and timed.uniform
             and bool(np.all(timed.duration[forwards] == 1)) and bool(np.all(timed.duration > 0)))
 
 
@@ -367,7 +365,7 @@ def _solve(
         hint = canonical(timed, hint, leader) if free_batches is None else hint
     duration = timed.duration  # (items, workers)
     fetch = timed.fetch.max(axis=(0, 1))
-    uniform = bool(np.all(duration == duration[:, :1]))
+    uniform = timed.uniform
     horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
                   + 2 * fetch.max(initial=0) + 1)
     span = problem.objective == "span"
@@ -590,7 +588,7 @@ def canonical(timed: TimedProblem, hint: Incumbent, leader: int) -> Incumbent:
     compute, weight, starts = (np.empty_like(a) for a in (hint.compute, hint.weight, hint.starts))
     for relabelled, a in ((compute, hint.compute), (weight, hint.weight), (starts, hint.starts)):
         relabelled[grid] = a[grid[order]]
-    if bool(np.all(timed.duration == timed.duration[:, :1])) and problem.identical_workers:
+    if timed.uniform and problem.identical_workers:
         lead = int(compute[leader])
         swap = np.arange(W)
         swap[[0, lead]] = swap[[lead, 0]]

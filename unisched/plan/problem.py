@@ -585,6 +585,16 @@ class TimedProblem:
     def shape(self) -> Shape:
         return self.problem.shape
 
+    @property
+    def uniform(self) -> bool:
+        """Whether every item takes as long on each worker."""
+        return bool(np.all(self.duration == self.duration[:, :1]))
+
+    @property
+    def free_transfers(self) -> bool:
+        """Whether no transfer takes time: activations, gradients, weights and stashes alike."""
+        return not any(np.any(table) for table in (self.comm, self.fetch, self.stash))
+
     def data_edges(self) -> DataEdges:
         """Every dependency of the step, from :func:`unisched.dataflow.edges` over the problem's stage graph."""
         table = dataflow.edges(self.problem.items, self.problem.stage_graph)

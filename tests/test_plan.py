@@ -248,11 +248,13 @@ def test_cli_report_shows_table_bounds_and_diagram(capsys):
 
 
 def test_report_names_the_class_each_bound_holds_for(capsys):
-    """W = S = B = 2, comm 1: replicas (ddp) take 8, which no schedule with one weight worker per
-    stage beats (CP-SAT proves 8 there; the ramp bound of that class is 7), while the bounds for
-    every schedule stay at 6.  The report lists each bound under its class and claims no more than
-    that."""
-    code = run(parse(["-W", "2", "-S", "2", "-B", "2", "--comm", "1", "--time-limit", "10", "--no-color"]))
+    """W = S = B = 2, comm 1, the whole scheme's model alone (``--scheme whole``): replicas (ddp)
+    take 8, which no schedule with one weight worker per stage beats (CP-SAT proves 8 there; the
+    ramp bound of that class is 7), while the bounds for every schedule stay at 6.  The report
+    lists each bound under its class and claims no more than that.  By default every schedule's
+    model runs after it and proves 8 for every schedule."""
+    code = run(parse(["-W", "2", "-S", "2", "-B", "2", "--comm", "1", "--time-limit", "10", "--no-color",
+                      "--scheme", "whole"]))
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     bounds = next(i for i, line in enumerate(lines) if line.startswith("lower bounds"))
@@ -263,6 +265,11 @@ def test_report_names_the_class_each_bound_holds_for(capsys):
     best = next(line for line in lines if line.startswith("best:"))
     assert "latency 8, 33.3% above the lower bound 6; none of the schedules with one weight worker" in best
     assert best.endswith("is shorter (proven)") and "proven optimal" not in best
+
+    assert run(parse(["-W", "2", "-S", "2", "-B", "2", "--comm", "1", "--time-limit", "10", "--no-color"])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "lower bounds (latency), for any schedule: critical path 6, work 6, cpsat every schedule 8" in lines
+    assert "best: ddp: latency 8, proven optimal" in lines
 
 
 def test_cli_costs_file_clashes_with_flags(tmp_path):

@@ -340,11 +340,22 @@ def stash_needs(work: Work, worker: int, compute_of, graph: StageGraph) -> tuple
     weight pass after its input pass elsewhere also needs them unless it ran
     the forward, and the output gradient unless it ran the input pass of
     every consumer (a sink's comes from the loss, recomputed there)."""
+    forward, consumers = stash_sources(work, graph)
+    has_inputs = forward is not None and compute_of(forward) != worker
+    return has_inputs, any(compute_of(consumer) != worker for consumer in consumers)
+
+
+def stash_sources(work: Work, graph: StageGraph) -> tuple[Work | None, tuple[Work, ...]]:
+    """The passes whose workers decide what :func:`stash_needs` says the stash of ``work`` (a
+    backward pass) carries: the forward, whose inputs it needs unless it ran there (None at a
+    source stage); and for a weight pass the input passes of the stage's consumers, whose
+    output gradient it needs unless it ran every one (none at a sink: the loss's gradient is
+    recomputed where it runs)."""
     b, s = work.batch, work.stage
-    has_inputs = bool(graph.predecessors[s]) and compute_of(Work(b, s, FORWARD)) != worker
+    forward = Work(b, s, FORWARD) if graph.predecessors[s] else None
     if Direction(work.direction) is not BACKWARD_WEIGHT:
-        return has_inputs, False
-    return has_inputs, any(compute_of(Work(b, t, BACKWARD_INPUT)) != worker for t in graph.successors[s])
+        return forward, ()
+    return forward, tuple(Work(b, t, BACKWARD_INPUT) for t in graph.successors[s])
 
 
 # ---------------------------------------------------------------------- memory

@@ -15,7 +15,14 @@ schedule where no transfer takes time: :func:`proven_class`):
 
 A stage has one weight worker, chosen apart from its compute workers; a worker
 computing a stage it does not hold waits ``fetch`` for the weights and sends
-the gradient back ``fetch`` after its last gradient pass.  A worker may hold at
+the gradient back ``fetch`` after its last gradient pass.  A third model,
+over every schedule (``every``, on small problems once the whole scheme's
+is proven: :func:`every_schedule_applies`), places each pass alone (a split
+backward's I and W too) and lets a stage have several weight workers,
+whose end-of-step all-reduce takes as long as :func:`allreduce_ticks` says;
+it is a relaxation of the simulator's rules (it leaves out link contention,
+a stash a weight pass fetches from its input pass, and which replica a
+fetch comes from), so its bound holds for every schedule.  A worker may hold at
 most ``max_stages_per_worker`` stages (its own and fetched ones), and within a
 memory budget its weights, optimizer state and live stashes.  Data takes its
 transfer time only when the two ends of a dependency run on different
@@ -41,12 +48,13 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
+from unisched.network import allreduce_time, transfer_time
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.order import (Improvements, Solved, busy_span, capacity, earliest_forwards, live_start,
                                  live_stashes, make_solver, memory_demands, run_solver)
 from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
-from unisched.work import FORWARD
+from unisched.work import BACKWARD_WEIGHT, FORWARD
 
 WHOLE_MODEL_LIMIT = 160
 """Above this many (stage, batch) pairs the whole model is too slow to improve: use LNS."""
@@ -62,6 +70,9 @@ WHOLE_SCHEME_UP_TO = (4, 4, 8)
 WHOLE_SCHEME = ("schedules with one weight worker per stage (a forward and its backward may run on different "
                 "workers; a split backward's I and W on one)")
 PAIRED = "schedules with one worker per (stage, micro-batch) and one weight worker per stage"
+EVERY = ("every schedule (a stage's weights on several workers, all-reduced at the end; every pass, a split "
+         "backward's I and W too, on any worker)")
+"""What the every-schedule model searches; its proofs are of :data:`ANY_SCHEDULE`."""
 
 
 def whole_scheme_by_default(shape) -> bool:
@@ -69,15 +80,39 @@ def whole_scheme_by_default(shape) -> bool:
     return all(n <= most for n, most in zip(shape, WHOLE_SCHEME_UP_TO))
 
 
-def searched_class(whole: bool) -> str:
-    """The class of schedules the mapping model searches (over the whole scheme, or paired)."""
-    return WHOLE_SCHEME if whole else PAIRED
+def searched_class(whole: bool, every: bool = False) -> str:
+    """The class of schedules the mapping model searches (every one, the whole scheme, or paired)."""
+    return EVERY if every else WHOLE_SCHEME if whole else PAIRED
 
 
-def proven_class(timed: TimedProblem, whole: bool) -> str:
-    """The class of schedules a proof of the mapping model covers: the whole scheme's, or every
-    schedule where those are as short as any (:func:`whole_scheme_is_any`); else the paired ones."""
-    return ANY_SCHEDULE if whole and whole_scheme_is_any(timed) else searched_class(whole)
+def proven_class(timed: TimedProblem, whole: bool, every: bool = False) -> str:
+    """The class of schedules a proof of the mapping model covers: every schedule for the
+    every-schedule model, and for the whole scheme's where those are as short as any
+    (:func:`whole_scheme_is_any`); else the class searched."""
+    return ANY_SCHEDULE if every or whole and whole_scheme_is_any(timed) else searched_class(whole)
+
+
+def every_schedule_applies(timed: TimedProblem) -> bool:
+    """Whether the every-schedule model (``every``) may run and prove something the whole scheme's
+    does not: a small problem (:func:`whole_scheme_by_default`) whose whole scheme is not already
+    as short as any schedule, with every link alike (:func:`exact_links`) and no memory budget
+    (replicated weights would take bytes the model does not count)."""
+    return (whole_scheme_by_default(timed.shape) and not whole_scheme_is_any(timed) and exact_links(timed)
+            and timed.problem.memory_budget is None)
+
+
+def allreduce_ticks(timed: TimedProblem) -> np.ndarray:
+    """(S, W + 1) table: the ticks, rounded down, of a stage's end-of-step all-reduce among k weight
+    workers (k = 0, 1: none), as :func:`unisched.network.allreduce_time` prices it over the first k
+    workers (every link alike: :func:`exact_links`)."""
+    problem = timed.problem
+    W, S, _ = problem.shape
+    nbytes = problem.costs.per_stage("weight_bytes", S)
+    table = np.zeros((S, W + 1), dtype=np.int64)
+    for k in range(2, W + 1):
+        seconds = np.asarray(allreduce_time(problem.costs, list(range(k)), nbytes), dtype=float)
+        table[:, k] = np.floor(seconds * timed.ticks.scale + 1e-6).astype(np.int64)
+    return table
 
 
 def whole_scheme_is_any(timed: TimedProblem) -> bool:
@@ -145,11 +180,13 @@ def solve_mapping(
     asap_replay: bool = True,
     period: int = 0,
     report=None,
+    every: bool = False,
 ) -> Solved:
     """Search mappings and orders together; LNS when the model is large (or ``lns=True``).
 
     ``whole`` (default: :func:`whole_scheme_by_default`) searches the whole
-    scheme rather than one worker per (stage, batch); ``period`` p > 0 searches
+    scheme rather than one worker per (stage, batch), ``every`` every schedule
+    (:data:`EVERY`: replicated weights, each pass on its own worker); ``period`` p > 0 searches
     only mappings that repeat every p micro-batches (micro-batch b placed as
     b - p), where CP-SAT finds good schedules sooner; its bound then holds for
     that restriction alone, so the result carries none (bound 0); ``lower_bound`` (ticks),
@@ -163,14 +200,14 @@ def solve_mapping(
     W, S, B = timed.shape
     if whole is None:
         whole = whole_scheme_by_default(timed.shape)
-    if hint is not None and not fits(timed, hint.compute, hint.weight, whole):
+    if hint is not None and not fits(timed, hint.compute, hint.weight, whole, every):
         hint = None
     if lns is None:
         lns = S * B > (WHOLE_SCHEME_LNS if whole else WHOLE_MODEL_LIMIT) and hint is not None
     if hint is not None and score is not None:
         hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay, period=period, report=report)
+                  asap_replay=asap_replay, period=period, report=report, every=every)
     if not lns or hint is None:
         return _solve(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
     return _lns(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
@@ -178,7 +215,7 @@ def solve_mapping(
 
 def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int,
          score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool, period: int = 0,
-         report=None) -> Solved:
+         report=None, every: bool = False) -> Solved:
     """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
     begin = time.perf_counter()
     deadline = begin + time_limit
@@ -188,7 +225,7 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     window = max(2, min(B, LNS_PAIRS // S))
     round_limit = max(1.0, min(LNS_ROUND_SECONDS, time_limit / 6))
     common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay, period=period, report=report)
+                  asap_replay=asap_replay, period=period, report=report, every=every)
     first = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, seed=seed, **common)
     bound = first.bound
     best = _better(best, first)
@@ -228,10 +265,10 @@ class _Collector(Improvements):
 
     def on_solution_callback(self) -> None:
         W, S, B = self.timed.shape
-        owners = np.array([next(w for w in range(W) if self.boolean_value(self.owner[s, w])) for s in range(S)])
+        holders = np.array([[self.boolean_value(self.owner[s, w]) for w in range(W)] for s in range(S)])
         starts = np.array([self.value(v) for v in self.start], dtype=np.int64)
         compute = self.places.compute(self.boolean_value, starts)
-        weight = owners[self.timed.stage].astype(np.int64)
+        weight = weights_of(self.timed.stage, compute, holders)
         self.solutions.append((compute, weight, starts, int(self.objective_value)))
         if len(self.solutions) > self.limit:
             del self.solutions[0]
@@ -240,14 +277,18 @@ class _Collector(Improvements):
 
 class _Places:
     """The placement literals: per (stage, batch, group, worker), group 0 the forward and group 1
-    the backward passes; in the paired class both groups share the forward's literals.  With a
-    ``period`` p, micro-batch b >= p is placed as micro-batch b - p.  With ``fill_in``
+    the backward passes; in the paired class both groups share the forward's literals, and in
+    every schedule (``every``) each pass has its own group, its index among the problem's passes.
+    With a ``period`` p, micro-batch b >= p is placed as micro-batch b - p.  With ``fill_in``
     (:func:`forwards_fill_in`) forwards have no literals: :meth:`compute` places them afterwards."""
 
-    def __init__(self, model, timed: TimedProblem, whole: bool, period: int = 0, fill_in: bool = False):
+    def __init__(self, model, timed: TimedProblem, whole: bool, period: int = 0, fill_in: bool = False,
+                 every: bool = False):
         W, S, B = timed.shape
-        self.timed, self.whole, self.W, self.fill_in = timed, whole, W, fill_in
-        self.groups = (1,) if fill_in else tuple(range(2 if whole else 1))
+        self.timed, self.whole, self.every, self.W, self.fill_in = timed, whole or every, every, W, fill_in
+        dirs = timed.problem.dirs
+        self.kind = {int(d): k if every else min(k, 1) for k, d in enumerate(dirs)}
+        self.groups = tuple(range(1 if fill_in else 0, len(dirs) if every else 2 if whole else 1))
         self.model = model
         self.apart: dict = {}
         self.x = {(s, b, g, w): model.new_bool_var(f"x{s},{b},{g},{w}")
@@ -262,8 +303,8 @@ class _Places:
 
     def group(self, item: int) -> tuple[int, int, int]:
         """(stage, batch, group) of an item."""
-        backward = self.whole and self.timed.direction[item] != FORWARD
-        return int(self.timed.stage[item]), int(self.timed.batch[item]), int(backward)
+        kind = self.kind[int(self.timed.direction[item])] if self.whole else 0
+        return int(self.timed.stage[item]), int(self.timed.batch[item]), kind
 
     def placed(self, item: int) -> bool:
         """Whether the model chooses the item's worker (a forward filled in afterwards: no)."""
@@ -296,6 +337,13 @@ class _Places:
     def on(self, s: int, b: int, w: int):
         """The literals of (stage, batch) on worker w."""
         return [self.x[s, b, g, w] for g in self.groups]
+
+
+def weights_of(stage: np.ndarray, compute: np.ndarray, holders: np.ndarray) -> np.ndarray:
+    """Every item's weight worker, given which workers hold each stage (``holders``, S x W):
+    its own worker where that holds the stage, else the stage's first holder."""
+    own = holders[stage, compute]
+    return np.where(own, compute, np.argmax(holders, axis=1)[stage]).astype(np.int64)
 
 
 def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> bool:
@@ -353,6 +401,7 @@ def _solve(
     lower_bound: int = 0,
     asap_replay: bool = True,
     report=None,
+    every: bool = False,
 ) -> Solved:
     begin = time.perf_counter()
     proves = free_batches is None and not period  # whether the model's bound holds for its whole class
@@ -366,17 +415,21 @@ def _solve(
     duration = timed.duration  # (items, workers)
     fetch = timed.fetch.max(axis=(0, 1))
     uniform = timed.uniform
+    reduce = allreduce_ticks(timed) if every else np.zeros((S, W + 1), dtype=np.int64)
     horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
-                  + 2 * fetch.max(initial=0) + 1)
+                  + 2 * fetch.max(initial=0) + reduce.max(initial=0) + 1)
     span = problem.objective == "span"
     if hint is not None and not span:
         horizon = min(horizon, int(hint.makespan))
 
-    places = _Places(model, timed, whole, period, fill_in)
-    owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}
+    places = _Places(model, timed, whole, period, fill_in, every)
+    owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}  # a weight worker
     held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
     for s in range(S):
-        model.add_exactly_one(owner[s, w] for w in range(W))
+        if every:
+            model.add_bool_or(owner[s, w] for w in range(W))
+        else:
+            model.add_exactly_one(owner[s, w] for w in range(W))
         for w in range(W):
             mine = [v for b in range(B) for v in places.on(s, b, w)]
             for v in mine:
@@ -413,7 +466,7 @@ def _solve(
         model.add(makespan >= end[i])
 
     _transfers(model, timed, places, start, end)
-    _weights(model, timed, places, owner, start, end, makespan, fetch)
+    _weights(model, timed, places, owner, start, end, makespan, fetch, _allreduces(model, timed, owner, reduce))
     _memory(model, timed, places, owner, held, start, end, horizon, asap_replay)
 
     grid = problem.item_grid()
@@ -432,8 +485,9 @@ def _solve(
             for i in range(n):
                 if int(timed.batch[i]) not in free_batches and places.placed(i):
                     model.add(places.of_item(i, int(hint.compute[i])) == 1)
-            for s in range(S):
-                model.add(owner[s, int(hint.weight[grid[0, s, forward]])] == 1)
+            for s, holders in enumerate(dataflow.replicas(timed.stage, hint.weight, S)):
+                for w in holders:
+                    model.add(owner[s, w] == 1)
     _search_order(model, problem, start)
     if span:
         workers = [[(start[i], end[i], places.of_item(i, w)) for i in range(n)] for w in range(W)]
@@ -482,6 +536,9 @@ def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
     is_stash = edges.moves == TRANSFER_KINDS.index("stash")
     for u, v, s, moves, stashed in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist(),
                                        edges.moves.tolist(), is_stash.tolist()):
+        if places.every and stashed and timed.direction[v] == BACKWARD_WEIGHT:
+            _weight_stash(model, timed, places, u, v, start, end)
+            continue
         delay = int(stash[s] if stashed else comm[s])
         away = places.away(u, v) if moves != dataflow.MOVES_NOTHING and delay else False
         if away is False:
@@ -490,21 +547,63 @@ def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
             model.add(start[v] >= end[u] + delay * away)
 
 
-def _weights(model, timed: TimedProblem, places: _Places, owner, start, end, makespan, fetch) -> None:
-    """A pass away from its stage's weight worker starts after the fetch arrives; the gradient
-    pass's worker returns the gradient within the step."""
+def _weight_stash(model, timed: TimedProblem, places: _Places, u: int, v: int, start, end) -> None:
+    """A weight pass v after its input pass u (every schedule's model): apart from u, it waits for
+    each part of its stash it needs (:func:`unisched.dataflow.stash_sources`): its stage's inputs
+    where it runs away from the forward, its output gradient where it runs away from a consumer's
+    input pass.  Each part alone is waited for: a bound on their sum."""
+    problem = timed.problem
+    items, graph = problem.items, problem.stage_graph
+    s = int(timed.stage[v])
+    model.add(start[v] >= end[u])
+    forward, consumers = dataflow.stash_sources(items.work(v), graph)
+    act = problem.costs.per_stage("activation_bytes", problem.shape.num_stages)
+    parts = [(forward, dataflow.input_bytes(act, graph)[s])] \
+        + [(consumer, dataflow.output_bytes(act, graph)[s]) for consumer in consumers]
+    for source, nbytes in parts:
+        if source is None:
+            continue
+        delay = int(np.floor(transfer_time(problem.costs, 0, 1, float(nbytes)) * timed.ticks.scale + 1e-6))
+        where = items.id(source.batch, source.stage, source.direction)
+        if delay:
+            model.add(start[v] >= end[u] + delay).only_enforce_if([places.away(u, v), places.away(where, v)])
+
+
+def _weights(model, timed: TimedProblem, places: _Places, owner, start, end, makespan, fetch, reduce) -> None:
+    """A pass away from its stage's weight workers starts after the fetch arrives; the gradient
+    pass's worker returns the gradient, and the stage's weight workers all-reduce it (``reduce``:
+    per stage, its ticks), within the step."""
     problem = timed.problem
     W, S, B = problem.shape
     gradient = dataflow.gradient_pass(problem.split_backward)
     for i in range(problem.num_items):
         s = int(timed.stage[i])
+        if timed.direction[i] == gradient and not isinstance(reduce[s], int):
+            model.add(makespan >= end[i] + reduce[s])
         if not fetch[s]:
             continue
         for w in range(W):
             away = [places.of_item(i, w), owner[s, w].Not()]
             model.add(start[i] >= int(fetch[s])).only_enforce_if(away)
             if timed.direction[i] == gradient:
-                model.add(makespan >= end[i] + int(fetch[s])).only_enforce_if(away)
+                model.add(makespan >= end[i] + int(fetch[s]) + reduce[s]).only_enforce_if(away)
+
+
+def _allreduces(model, timed: TimedProblem, owner, table: np.ndarray) -> list:
+    """Per stage, the ticks of its end-of-step all-reduce among its weight workers (``table``:
+    :func:`allreduce_ticks`, by how many): 0 where it never takes time."""
+    W, S, _ = timed.shape
+    reduce: list = []
+    for s in range(S):
+        if not table[s].any():
+            reduce.append(0)
+            continue
+        holders = model.new_int_var(1, W, f"holders{s}")
+        model.add(holders == sum(owner[s, w] for w in range(W)))
+        ticks = model.new_int_var(0, int(table[s].max()), f"reduce{s}")
+        model.add_element(holders, table[s].tolist(), ticks)
+        reduce.append(ticks)
+    return reduce
 
 
 def _memory(model, timed: TimedProblem, places: _Places, owner, held, start, end, horizon,
@@ -602,12 +701,12 @@ def _add_hint(model, timed: TimedProblem, hint: Incumbent, places: _Places, owne
     where = {places.group(i): int(hint.compute[i]) for i in range(problem.num_items)}
     for (s, b, g, w), literal in places.x.items():
         model.add_hint(literal, where[s, b, g] == w)
-    owners = [int(hint.weight[problem.items.id(0, s, FORWARD)]) for s in range(S)]
+    holders = dataflow.replicas(timed.stage, hint.weight, S)
     for s in range(S):
         for w in range(W):
-            model.add_hint(owner[s, w], owners[s] == w)
-            model.add_hint(held[w, s], owners[s] == w or any(where[g] == w for g in where
-                                                             if g[0] == s and g[2] in places.groups))
+            model.add_hint(owner[s, w], w in holders[s])
+            model.add_hint(held[w, s], w in holders[s] or any(where[g] == w for g in where
+                                                              if g[0] == s and g[2] in places.groups))
     for (gu, gv), literal in places.apart.items():
         model.add_hint(literal, where[gu] != where[gv])
     for i, v in enumerate(start):
@@ -615,9 +714,12 @@ def _add_hint(model, timed: TimedProblem, hint: Incumbent, places: _Places, owne
     model.add_hint(makespan, int(hint.makespan))
 
 
-def fits(timed: TimedProblem, compute, weight, whole: bool) -> bool:
+def fits(timed: TimedProblem, compute, weight, whole: bool, every: bool = False) -> bool:
     """Whether a mapping lies in the model's class: one weight worker per stage, and all passes of a
-    (stage, batch) on one worker (paired) or all its backward passes on one (whole scheme)."""
+    (stage, batch) on one worker (paired) or all its backward passes on one (whole scheme); every
+    mapping lies in every schedule's."""
+    if every:
+        return True
     problem = timed.problem
     grid = problem.item_grid()
     per_pair = np.asarray(compute)[grid]
@@ -628,19 +730,32 @@ def fits(timed: TimedProblem, compute, weight, whole: bool) -> bool:
     return not np.any(owners != owners[:1, :, :1])
 
 
-def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = False) -> Incumbent | None:
-    """A hint for the mapping model, if the schedule fits its class (:func:`fits`) and its timing rules."""
+def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = False,
+                   every: bool = False) -> Incumbent | None:
+    """A hint for the mapping model, if the schedule fits its class (:func:`fits`), with the makespan
+    the model's rules give its start times (the returned gradients and, in every schedule's model,
+    the all-reduces among replicas)."""
     problem = timed.problem
     W, S, B = problem.shape
     compute = np.asarray(compute, dtype=np.int64)
     weight = np.asarray(weight, dtype=np.int64)
-    if not fits(timed, compute, weight, whole):
+    if not fits(timed, compute, weight, whole, every):
         return None
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]
     fetch = timed.fetch.max(axis=(0, 1))
+    holders = dataflow.replicas(timed.stage, weight, S)
+    if every:  # the model's weight workers: a pass on a holder of its stage fetches nothing
+        held = np.zeros((S, W), dtype=bool)
+        for s, workers in enumerate(holders):
+            held[s, list(workers)] = True
+        weight = weights_of(timed.stage, compute, held)
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails = np.where(returning, fetch[timed.stage], 0)
+    if every:
+        gradient = timed.direction == dataflow.gradient_pass(problem.split_backward)
+        reduce = allreduce_ticks(timed)[np.arange(S), [len(h) for h in holders]]
+        tails = tails + np.where(gradient, reduce[timed.stage], 0)
     makespan = int(np.max(ends + tails))
     objective = None
     if problem.objective == "span":

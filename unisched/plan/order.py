@@ -296,7 +296,7 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails[returning] = timed.fetch[compute[returning], weight[returning], timed.stage[returning]]
     wbytes = problem.costs.per_stage("weight_bytes", S)
-    holders = dataflow.replicas(timed.stage[last], weight[last], S)
+    holders = dataflow.replicas(timed.stage, weight, S)
     for s, replicas in enumerate(holders):
         if len(replicas) > 1:
             tails[last & (timed.stage == s)] += timed.ticks(allreduce_time(problem.costs, replicas, wbytes[s]))

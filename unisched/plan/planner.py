@@ -50,8 +50,9 @@ from unisched.work import Shape, Work
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, ramp, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
-from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, exact_links, fits, incumbent_from,
-                                   proven_class, searched_class, solve_mapping, whole_scheme_by_default)
+from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, every_schedule_applies, exact_links, fits,
+                                   incumbent_from, proven_class, searched_class, solve_mapping,
+                                   whole_scheme_by_default)
 from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.pooled import pooled_bound
@@ -92,7 +93,8 @@ SEARCHES = ("auto", "cpsat", "heuristic")
 """Which search :func:`plan` runs: :func:`uses_heuristic` says which ``auto`` picks."""
 SCHEMES = ("auto", "whole", "paired")
 """Which class the mapping search covers: the whole scheme, one worker per (stage, micro-batch),
-or the whole scheme on small problems only (:func:`unisched.plan.mapping.whole_scheme_by_default`)."""
+or the whole scheme on small problems only (:func:`unisched.plan.mapping.whole_scheme_by_default`),
+followed there by every schedule's model with the time its proofs leave (``auto``)."""
 
 
 @dataclass(eq=False)
@@ -189,7 +191,7 @@ def plan(
             run.pooled()
         run.orders(run.targets(family))
         if strategy is None:
-            run.mapping(whole)
+            run.mapping(whole, every=scheme == "auto" and whole)
     except KeyboardInterrupt:
         run.interrupted = True
     _say(progress, "")
@@ -416,7 +418,7 @@ class _Search:
         self.candidates.append(best)
         return _start_ticks(timed, best.replay.timeline)
 
-    def mapping(self, whole: bool) -> None:
+    def mapping(self, whole: bool, every: bool = False) -> None:
         """CP-SAT over mappings and orders, each run warm-started from the best candidate that fits
         its class.
 
@@ -424,23 +426,27 @@ class _Search:
         replay with their planned starts as release times, so no model needs ``asap_replay``'s
         restriction: the proofs and solutions are of the unrestricted classes.  The whole scheme
         is searched with periodic mappings first (:data:`MAPPING_PERIOD`; no proof comes of it),
-        then without."""
-        runs = [(False, 1.0, 0)]
+        then without.  With ``every``, the time left after that (the whole scheme's proof came
+        early, or a bound for the whole scheme alone was met before) goes to the every-schedule
+        model where it applies (:func:`unisched.plan.mapping.every_schedule_applies`), to lift the
+        proof to every schedule or find a shorter schedule outside the whole scheme."""
+        runs = [(False, 1.0, 0, False)]  # (whole, share of the time left, period, every)
         if whole:
             paired = PAIRED_SHARE if self.problem.memory_limited else UNLIMITED_PAIRED_SHARE
-            runs = [(False, paired, 0), (True, 1.0, 0)]
+            runs = [(False, paired, 0, False), (True, 1.0, 0, False)]
             if self.problem.shape.num_batches >= 2 * MAPPING_PERIOD:
-                runs.insert(1, (True, PERIODIC_SHARE, MAPPING_PERIOD))
-        for whole_run, share, period in runs:
+                runs.insert(1, (True, PERIODIC_SHARE, MAPPING_PERIOD, False))
+        if whole and every and every_schedule_applies(self.timed):
+            runs.append((True, 1.0, 0, True))
+        for whole_run, share, period, every_run in runs:
             left = self.deadline - time.perf_counter()
-            if left <= 0.5 or self.done():
-                return
-            self._map(whole_run, left * share, period)
+            if left > 0.5 and not self.done(widest=every_run):
+                self._map(whole_run, left * share, period, every_run)
 
-    def _map(self, whole: bool, seconds: float, period: int = 0) -> None:
-        searched, proven = searched_class(whole), proven_class(self.timed, whole)
-        key = "cpsat_whole_scheme" if whole else "cpsat_paired"  # its bound's key in Plan.bounds
-        hint = _best_incumbent(self.timed, self.candidates, whole)
+    def _map(self, whole: bool, seconds: float, period: int = 0, every: bool = False) -> None:
+        searched, proven = searched_class(whole, every), proven_class(self.timed, whole, every)
+        key = "cpsat_every_schedule" if every else "cpsat_whole_scheme" if whole else "cpsat_paired"  # in Plan.bounds
+        hint = _best_incumbent(self.timed, self.candidates, whole, every)
         restricted = f", micro-batches placed alike every {period}" if period else ""
         _say(self.progress, f"CP-SAT mapping search over {searched}{restricted} ({seconds:.1f} s) ...")
         objective = self.problem.objective
@@ -450,8 +456,8 @@ class _Search:
             return float("inf") if found is None else objective_value(found[1], objective)
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
-                               seed=self.seed, score=score, whole=whole, asap_replay=False, period=period,
-                               lower_bound=self._ticks_below(max(self.floor(), self.ramp_bound)),
+                               seed=self.seed, score=score, whole=whole, asap_replay=False, period=period, every=every,
+                               lower_bound=self._ticks_below(max(self.floor(), 0 if every else self.ramp_bound)),
                                report=self._reporter(f"CP-SAT mapping ({key.removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
@@ -538,8 +544,9 @@ class _Search:
         return name == WHOLE_SCHEME or candidate.searched == name \
             or fits(self.timed, schedule.compute, schedule.weight, whole=False)
 
-    def done(self) -> bool:
-        """Whether to stop searching: Ctrl-C, the time limit, or a candidate meeting a lower bound."""
+    def done(self, widest: bool = False) -> bool:
+        """Whether to stop searching: Ctrl-C, the time limit, or a candidate meeting a lower bound
+        (``widest``: one for every schedule)."""
         if self.interrupted or time.perf_counter() >= self.deadline:
             return True
         best = self.best()
@@ -548,7 +555,8 @@ class _Search:
         bound = self.floor()
         if self.fixed:
             bound = max(mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
-        bound = max(bound, self._ramp_for(best.schedule.compute, best.schedule.weight))
+        if not widest:
+            bound = max(bound, self._ramp_for(best.schedule.compute, best.schedule.weight))
         return best.value(self.problem.objective) <= bound + 1e-9
 
     def _ramp_for(self, compute, weight) -> float:
@@ -700,11 +708,12 @@ def _start_ticks(timed: TimedProblem, t) -> np.ndarray:
     return timed.ticks.table(t.start[rows_of(timed.problem, t)])
 
 
-def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: bool):
+def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: bool, every: bool = False):
     """The shortest candidate that fits the mapping model's class, as its warm start."""
     for candidate in sorted(candidates, key=lambda c: c.latency):
         starts = _start_ticks(timed, candidate.replay.timeline)
-        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, whole)
+        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, whole,
+                                   every)
         if incumbent is not None:
             return incumbent
     return None

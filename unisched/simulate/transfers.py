@@ -218,10 +218,12 @@ def _no_allreduces() -> AllReduces:
 
 def allreduce_table(p: Problem, end: np.ndarray, returned_stage, returned_end) -> AllReduces:
     """An all-reduce per share of a stage held by several workers (the
-    holders of :meth:`Problem.weight_links`), or by one when the costs say
-    the step is one of several data-parallel replicas; ``returned_*`` are the
-    stage and arrival of every weight gradient returned to a holder."""
-    item, holder, share, size = p.gradient_links
+    holders of :meth:`Problem.weight_links`, whichever pass they serve: a
+    holder that only lends weights to forwards takes the update as well), or
+    by one when the costs say the step is one of several data-parallel
+    replicas; ``returned_*`` are the stage and arrival of every weight
+    gradient returned to a holder."""
+    item, _, holder, share, size = p.weight_links
     stage = p.stage[item]
     S = p.shape.num_stages
     shares, holders = int(share.max(initial=0)) + 1, int(holder.max(initial=0)) + 1
@@ -253,7 +255,7 @@ def tie_table(p: Problem, end: np.ndarray, returned_stage, returned_end, reduced
     ties = p.costs.tied_weights
     if not ties:
         return _no_allreduces()
-    item, holder, _, _ = p.gradient_links
+    item, _, holder, _, _ = p.weight_links
     holders = dataflow.replicas(p.stage[item], holder, p.shape.num_stages)
     ready = _gradient_ready(p, end, returned_stage, returned_end)
     np.maximum.at(ready, np.asarray(reduced_stage, dtype=np.int64), np.asarray(reduced_end, dtype=float))

@@ -280,6 +280,9 @@ TRAFFIC_CASES = {
                                           tensor_parallel_by_batch),
     "backwards_away_from_a_source": (None, lambda w: ComputeAndWeightWorkers(
         (w.stage + (w.direction != Direction.FORWARD)) % W, w.stage), False, None),
+    # a worker holding a stage's weights for its forwards alone is a replica all the same
+    "a_holder_for_forwards_only": (None, lambda w: ComputeAndWeightWorkers(
+        w.batch % 2, w.batch % 2 if w.direction == Direction.FORWARD else 0), False, None),
 }
 
 
@@ -312,6 +315,21 @@ def test_the_simulator_books_the_weights_stashes_and_all_reduces_the_program_sen
     program_groups = {(s, program.reduce_group(r, s)) for s, shares in enumerate(program.shares) for r in shares
                       if len(program.reduce_group(r, s)) > 1}
     assert booked_groups == program_groups
+
+
+def test_a_worker_holding_a_replica_computes_with_its_own_copy():
+    """W = 2, S = 1, B = 2, comm 1: micro-batch b on worker b, each forward with its own worker's
+    weights, each backward naming worker 0's.  Worker 1 holds a replica (for its forward), so its
+    backward uses that copy, fetching nothing and returning nothing, and both replicas
+    all-reduce: 3 + 2 = 5, as the executor runs it."""
+    def mixed(w):
+        return ComputeAndWeightWorkers(w.batch, w.batch if w.direction == Direction.FORWARD else 0)
+
+    sim = simulate(2, 1, 2, Strategy(mapping=mixed), costs=unisched.Costs(forward=1, backward=2, latency=1.0))
+    assert sim.latency == 5
+    assert sim.timeline.weight_worker.tolist() == sim.timeline.worker.tolist()
+    assert traffic(sim.timeline.transfers, "weights weight_gradient") == set()
+    assert traffic(sim.timeline.transfers, "allreduce") == {(0, 1, 0), (1, 0, 0)}
 
 
 def test_a_replicated_tensor_parallel_stage_all_reduces_each_shard_among_its_holders():

@@ -375,6 +375,23 @@ def stash_share_array(direction: np.ndarray, split_backward: bool, input_grad_fr
 
 
 # ---------------------------------------------------------------------- weights
+def own_copies(stage: np.ndarray, compute: np.ndarray, weight: np.ndarray, num_stages: int,
+               whole: np.ndarray | None = None) -> np.ndarray:
+    """Per item: the weight worker it computes with.  A worker that is a weight worker of a stage
+    (for any of its items) holds a replica of it, and computes every item of that stage with its
+    own copy, whichever weight worker the mapping names for the item; only a worker holding no
+    replica fetches.  ``whole`` (per item; default all) marks the items whose stage each
+    worker holds whole (not in shards, not for a gang), the only ones this applies to."""
+    stage, compute, weight = (np.asarray(a, dtype=np.int64) for a in (stage, compute, weight))
+    whole = np.ones(len(stage), dtype=bool) if whole is None else np.asarray(whole, dtype=bool)
+    if not whole.any():
+        return weight
+    workers = int(max(compute.max(), weight.max())) + 1
+    held = np.zeros((num_stages, workers), dtype=bool)
+    held[stage[whole], weight[whole]] = True
+    return np.where(whole & held[stage, compute], compute, weight)
+
+
 def fetches_weights(compute: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """Per item: whether it computes with weights fetched from another worker."""
     return np.asarray(compute) != np.asarray(weight)
@@ -509,6 +526,7 @@ __all__ = [
     "dependencies",
     "edges",
     "fetches_weights",
+    "own_copies",
     "first_backward",
     "flows",
     "gang_moves",

@@ -341,7 +341,8 @@ class _Places:
 
 def weights_of(stage: np.ndarray, compute: np.ndarray, holders: np.ndarray) -> np.ndarray:
     """Every item's weight worker, given which workers hold each stage (``holders``, S x W):
-    its own worker where that holds the stage, else the stage's first holder."""
+    its own worker where that holds the stage (:func:`unisched.dataflow.own_copies`), else the
+    stage's first holder."""
     own = holders[stage, compute]
     return np.where(own, compute, np.argmax(holders, axis=1)[stage]).astype(np.int64)
 
@@ -744,12 +745,8 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]
     fetch = timed.fetch.max(axis=(0, 1))
+    weight = dataflow.own_copies(timed.stage, compute, weight, S)
     holders = dataflow.replicas(timed.stage, weight, S)
-    if every:  # the model's weight workers: a pass on a holder of its stage fetches nothing
-        held = np.zeros((S, W), dtype=bool)
-        for s, workers in enumerate(holders):
-            held[s, list(workers)] = True
-        weight = weights_of(timed.stage, compute, held)
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails = np.where(returning, fetch[timed.stage], 0)
     if every:

@@ -333,9 +333,12 @@ def build(
     moves_in_gang = _moves_in_gangs(gang, gang_members, gang_collective, stage, direction,
                                     dataflow.input_bytes(act_bytes, stage_graph),
                                     dataflow.output_bytes(act_bytes, stage_graph))
+    shards = weight_shards(strategy, stage, weight, W)
+    sharded = np.zeros(S, dtype=bool)
+    sharded[[s for s, _ in shards]] = True
+    weight = dataflow.own_copies(stage, compute, weight, S, whole=(gang < 0) & ~sharded[stage])
     weight_shares = _weights_in_gangs(gang, gang_members, gang_collective, compute, weight, stage, W, S,
                                       weight_bytes, items, strategy.name)
-    shards = weight_shards(strategy, stage, weight, W)
     if shards:
         weight_shares = _sharded_rows(shards, gang, compute, weight, stage, W, S, weight_bytes, items,
                                       strategy.name, weight_shares, max_gathers)

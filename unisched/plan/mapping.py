@@ -16,13 +16,15 @@ schedule where no transfer takes time: :func:`proven_class`):
 A stage has one weight worker, chosen apart from its compute workers; a worker
 computing a stage it does not hold waits ``fetch`` for the weights and sends
 the gradient back ``fetch`` after its last gradient pass.  A third model,
-over every schedule (``every``, on small problems once the whole scheme's
-is proven: :func:`every_schedule_applies`), places each pass alone (a split
-backward's I and W too) and lets a stage have several weight workers,
-whose end-of-step all-reduce takes as long as :func:`allreduce_ticks` says;
-it is a relaxation of the simulator's rules (it leaves out link contention,
-a stash a weight pass fetches from its input pass, and which replica a
-fetch comes from), so its bound holds for every schedule.  A worker may hold at
+over every schedule (``every``: on small problems, with the time the whole
+scheme's proof leaves, :func:`every_schedule_applies`), places each pass
+alone (a split backward's I and W too) and lets a stage have several
+weight workers, each computing with its own copy
+(:func:`unisched.dataflow.own_copies`), whose end-of-step all-reduce takes
+:func:`allreduce_ticks`; it relaxes the simulator's rules (it leaves out
+link contention, and waits for the parts of a weight pass's stash one at
+a time rather than summed: :func:`_weight_stash`), so its bound holds for
+every schedule.  A worker may hold at
 most ``max_stages_per_worker`` stages (its own and fetched ones), and within a
 memory budget its weights, optimizer state and live stashes.  Data takes its
 transfer time only when the two ends of a dependency run on different

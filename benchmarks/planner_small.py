@@ -33,6 +33,7 @@ from typing import NamedTuple
 from unisched.errors import UniSchedError
 from unisched.plan import encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
+from unisched.plan.mapping import EVERY
 from unisched.plan.command import DEFAULT_TIME_LIMIT
 
 
@@ -103,6 +104,8 @@ def short_class(name: str) -> str:
     """A few words for the class of schedules a bound holds for."""
     if name == ANY_SCHEDULE:
         return "any"
+    if name == EVERY:
+        return "every"
     if name.startswith("schedules with one worker per"):
         return "paired"
     if name.startswith("schedules with one weight worker"):

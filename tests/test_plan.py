@@ -16,6 +16,7 @@ from unisched import Costs, Strategy, simulate
 from unisched.plan import PlanFileError, PlanInputError, encode_costs, load_plan, plan, shape_bounds
 from unisched.plan.command import add_arguments, run
 from unisched.plan.family import stages_held
+from unisched.plan.mapping import EVERY
 from unisched.plan.order import solve_order
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
@@ -251,8 +252,8 @@ def test_report_names_the_class_each_bound_holds_for(capsys):
     """W = S = B = 2, comm 1, the whole scheme's model alone (``--scheme whole``): replicas (ddp)
     take 8, which no schedule with one weight worker per stage beats (CP-SAT proves 8 there; the
     ramp bound of that class is 7), while the bounds for every schedule stay at 6.  The report
-    lists each bound under its class and claims no more than that.  By default every schedule's
-    model runs after it and proves 8 for every schedule."""
+    lists each bound under its class and claims no more than that.  By default the model over
+    every schedule a plan can hold runs after it and proves 8 for that class."""
     code = run(parse(["-W", "2", "-S", "2", "-B", "2", "--comm", "1", "--time-limit", "10", "--no-color",
                       "--scheme", "whole"]))
     assert code == 0
@@ -268,8 +269,9 @@ def test_report_names_the_class_each_bound_holds_for(capsys):
 
     assert run(parse(["-W", "2", "-S", "2", "-B", "2", "--comm", "1", "--time-limit", "10", "--no-color"])) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "lower bounds (latency), for any schedule: critical path 6, work 6, cpsat every schedule 8" in lines
-    assert "best: ddp: latency 8, proven optimal" in lines
+    assert "lower bounds (latency), for any schedule: critical path 6, work 6" in lines
+    assert f"  for {EVERY} only: cpsat every schedule 8" in lines
+    assert f"best: ddp: latency 8, proven optimal among {EVERY} only" in lines
 
 
 def test_cli_costs_file_clashes_with_flags(tmp_path):

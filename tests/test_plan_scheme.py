@@ -19,7 +19,7 @@ from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.planfile import objective_value
 from unisched.plan import mapping
-from unisched.plan.mapping import PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
+from unisched.plan.mapping import EVERY, PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
 from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
 from unisched.work import FORWARD, Shape
@@ -89,7 +89,7 @@ def test_small_steps_are_planned_to_their_proven_optimum(shape, costs, memory, o
     result = plan(*shape, costs, memory_limit=memory, time_limit=10)
     assert result.latency == optimum and result.simulate().latency == optimum
     assert result.optimal and result.lower_bound == optimum
-    assert result.proven_for in (WHOLE_SCHEME, ANY_SCHEDULE)
+    assert result.proven_for in (WHOLE_SCHEME, EVERY, ANY_SCHEDULE)
 
 
 SPLIT_COMM_1 = encode_costs(backward_input=1, backward_weight=1, comm=1)
@@ -98,14 +98,14 @@ SPLIT_COMM_1 = encode_costs(backward_input=1, backward_weight=1, comm=1)
 def test_every_schedule_beats_the_whole_schemes_optimum_with_a_split_backward():
     """W = 2, S = 3, B = 2, split backward, memory 2, comm 1: the whole scheme (one weight worker
     per stage, a split backward's I and W on one worker) cannot beat 14; running some I and W
-    apart gives 12, which every schedule's model proves."""
+    apart gives 12, which the model over every schedule a plan can hold proves."""
     problem = PlanProblem(Shape(2, 3, 2), SPLIT_COMM_1, memory_limit=2, split_backward=True)
     timed = TimedProblem.build(problem)
     whole = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False)
     assert whole.optimal and timed.ticks.time(whole.objective) == 14
 
     result = plan(2, 3, 2, SPLIT_COMM_1, memory_limit=2, split_backward=True, time_limit=10)
-    assert result.latency == 12 and result.optimal and result.proven_for == ANY_SCHEDULE
+    assert result.latency == 12 and result.optimal and result.proven_for == EVERY
     assert result.bounds["cpsat_every_schedule"] == 12
     replay = result.simulate()
     assert replay.latency == 12 and max(replay.worker_stats()["max_activation_storage"]) <= 2
@@ -114,18 +114,19 @@ def test_every_schedule_beats_the_whole_schemes_optimum_with_a_split_backward():
     assert np.any(compute[:, :, 1] != compute[:, :, 2])  # some I and W run apart
 
 
-@pytest.mark.parametrize("split, optimum, replicated", [(False, 8, "ddp"), (True, 9, None)])
-def test_replicated_weights_are_searched_and_proven_over_every_schedule(split, optimum, replicated):
+@pytest.mark.parametrize("split, optimum, replicated, proven", [(False, 8, "ddp", EVERY),
+                                                                 (True, 9, None, ANY_SCHEDULE)])
+def test_replicated_weights_are_searched_and_proven_beyond_the_whole_scheme(split, optimum, replicated, proven):
     """W = 2, B = 2, comm 1, no memory limit: replicas all-reduce their gradient at the end
-    (2 (k - 1) comm), and every schedule's model weighs that against fetching.  S = 2: ddp's 8,
-    proven for every schedule (the whole scheme's model proved it for one weight worker per
-    stage only).  S = 3 with a split backward: 9, stage 0 held by both workers, where the whole
-    scheme's optimum is 10."""
+    (2 (k - 1) comm), and the model over every schedule a plan can hold weighs that against
+    fetching.  S = 2: ddp's 8, proven for that class (the whole scheme's model proved it for one
+    weight worker per stage only).  S = 3 with a split backward: 9, stage 0 held by both workers,
+    where the whole scheme's optimum is 10; 9 is the work bound, for any schedule."""
     S = 3 if split else 2
     costs = SPLIT_COMM_1 if split else encode_costs(comm=1)
     result = plan(2, S, 2, costs, split_backward=split, time_limit=10)
     assert result.latency == optimum and result.simulate().latency == optimum
-    assert result.optimal and result.proven_for == ANY_SCHEDULE
+    assert result.optimal and result.proven_for == proven
     holders = [len(h) for h in dataflow.replicas(result.problem.items.arrays()[1], result.schedule.weight, S)]
     assert max(holders) == 2
     if replicated:
@@ -142,11 +143,11 @@ def test_replicated_weights_are_searched_and_proven_over_every_schedule(split, o
     ((2, 3, 2), encode_costs(comm=1), None),
 ])
 def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memory):
-    """Every schedule's model leaves out what it cannot know (link contention, which replica a
-    fetch comes from, the sum of a weight pass's stash parts), so its bound must stay at or below
-    any schedule the simulator runs: the registry's strategies and random mappings (compute and
-    weight worker per pass: replicas, passes of a (stage, micro-batch) apart) under the same costs
-    and limit.  Its own solution replays to it where the all-reduces take whole ticks."""
+    """The model over every schedule a plan can hold leaves out link contention and the sum of a
+    weight pass's stash parts, so its bound must stay at or below any such schedule the simulator
+    runs: the registry's strategies and random mappings (compute and weight worker per pass:
+    replicas, passes of a (stage, micro-batch) apart) under the same costs and limit.  Its own
+    solution replays to it where the all-reduces take whole ticks."""
     W, S, B = shape
     split = costs.backward_input is not None
     problem = PlanProblem(Shape(*shape), costs, memory_limit=memory, split_backward=split)
@@ -172,6 +173,21 @@ def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memor
     assert replay.latency >= bound - 1e-9
     if shape != (3, 1, 3):
         assert replay.latency == bound
+
+
+def test_weights_in_shards_can_beat_the_model_over_every_schedule_so_it_claims_no_more():
+    """Shards move part of a stage's weights at a time, which no plan holds and the model does not
+    price: W = S = B = 2, latency 0, bandwidth 1, stage 1's weights 3 bytes: fsdp(shard=true)
+    takes 6.5 where the model proves 7 for its class (ddp), so the plan says its class, not
+    "any schedule"."""
+    costs = Costs(forward=1, backward=2, latency=0.0, bandwidth=1.0, weight_bytes=[0.0, 3.0])
+    timed = TimedProblem.build(PlanProblem(Shape(2, 2, 2), costs))
+    solved = solve_mapping(timed, time_limit=30, whole=True, every=True, asap_replay=False)
+    assert solved.optimal and timed.ticks.time(solved.bound) == 7
+    assert simulate(2, 2, 2, policies.get("fsdp", 2, 2, 2, shard=True), costs=costs).latency == 6.5
+    result = plan(2, 2, 2, costs, time_limit=10)
+    assert result.latency == 7 and result.optimal and result.proven_for == EVERY
+    assert result.bound_classes["cpsat_every_schedule"] == EVERY
 
 
 def test_a_mapping_whose_greedy_replay_deadlocks_starts_from_a_list_schedule():
@@ -209,8 +225,8 @@ def test_without_transfer_times_the_whole_schemes_proof_holds_for_every_schedule
     assert paid.optimal and paid.proven_for == WHOLE_SCHEME
     # the every-schedule model, which follows the whole scheme's by default, lifts that proof
     lifted = plan(2, 2, 4, encode_costs(comm=1), memory_limit=1, time_limit=10, objective="span")
-    assert lifted.objective_value == paid.objective_value and lifted.proven_for == ANY_SCHEDULE
-    assert lifted.bound_classes["cpsat_every_schedule"] == ANY_SCHEDULE
+    assert lifted.objective_value == paid.objective_value and lifted.proven_for == EVERY
+    assert lifted.bound_classes["cpsat_every_schedule"] == EVERY
     # and no schedule beats it: the registry's strategies and random mappings (replicated weights,
     # backwards away from their forwards) under the same costs and limit
     rng = np.random.default_rng(0)

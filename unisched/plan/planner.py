@@ -50,7 +50,7 @@ from unisched.work import Shape, Work
 from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, ramp, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
-from unisched.plan.mapping import (PAIRED, WHOLE_SCHEME, class_breadth, every_schedule_applies, exact_links, fits,
+from unisched.plan.mapping import (EVERY, PAIRED, WHOLE_SCHEME, class_breadth, every_schedule_applies, exact_links, fits,
                                    incumbent_from, proven_class, searched_class, solve_mapping,
                                    whole_scheme_by_default)
 from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
@@ -535,8 +535,8 @@ class _Search:
     def contains(self, name: str, candidate: Candidate) -> bool:
         """Whether a candidate lies in a class of schedules, so that a bound for the class bounds it."""
         schedule = candidate.schedule
-        if name == ANY_SCHEDULE or name.startswith("orders of"):
-            return True  # with a fixed strategy every candidate has its mapping
+        if name in (ANY_SCHEDULE, EVERY) or name.startswith("orders of"):
+            return True  # with a fixed strategy every candidate has its mapping; no plan holds shards or gangs
         if name == PAIRED:
             return fits(self.timed, schedule.compute, schedule.weight, whole=False)
         if not fits(self.timed, schedule.compute, schedule.weight, whole=True):

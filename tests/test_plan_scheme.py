@@ -18,7 +18,7 @@ from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.planfile import objective_value
-from unisched.plan import mapping
+from unisched.plan import mapping, order
 from unisched.plan.mapping import EVERY, PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
 from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
@@ -188,6 +188,18 @@ def test_weights_in_shards_can_beat_the_model_over_every_schedule_so_it_claims_n
     result = plan(2, 2, 2, costs, time_limit=10)
     assert result.latency == 7 and result.optimal and result.proven_for == EVERY
     assert result.bound_classes["cpsat_every_schedule"] == EVERY
+
+
+def test_the_order_models_weights_follow_the_simulators_replicas():
+    """Worker 1 holds stage 0 (for its forward), so its backward, though naming worker 0's
+    weights, fetches nothing and returns nothing; both replicas all-reduce (2 (k - 1) comm plus
+    2 (k - 1) / k of the 2 weight bytes at bandwidth 1: 4), as the simulator books it."""
+    timed = TimedProblem.build(PlanProblem(Shape(2, 1, 2), encode_costs(comm=1, fetch=3)))
+    compute, weight = np.array([0, 0, 1, 1]), np.array([0, 0, 1, 0])  # F, B of micro-batch 0, then 1
+    assert order.releases(timed, compute, weight).tolist() == [0, 0, 0, 0]
+    assert order.step_tails(timed, compute, weight).tolist() == [0, 4, 0, 4]
+    replay = Schedule.planned(timed, compute, weight, np.array([0, 1, 0, 1])).simulate()
+    assert replay.latency == 3 + 4
 
 
 def test_a_mapping_whose_greedy_replay_deadlocks_starts_from_a_list_schedule():

@@ -22,6 +22,7 @@ from unisched.plan import mapping, order
 from unisched.plan.mapping import EVERY, PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
 from unisched.plan.problem import PlanProblem, TimedProblem, mapping_of, rows_of
 from unisched.plan.schedule import Schedule
+from unisched.strategy import Strategy
 from unisched.work import FORWARD, Shape
 
 
@@ -161,6 +162,8 @@ def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memor
         table = {w: ComputeAndWeightWorkers(int(rng.integers(W)), int(rng.integers(W)))
                  for w in all_work(S, B, split_backward=split)}
         mappings.append(lambda w, table=table: table[w])
+    # data parallel, but worker 0 named for every backward: worker b holds each stage for its forwards
+    mappings.append(lambda w: ComputeAndWeightWorkers(w.batch % W, w.batch % W if w.direction == FORWARD else 0))
     latencies = []
     for strategy in mappings:
         try:
@@ -190,16 +193,22 @@ def test_weights_in_shards_can_beat_the_model_over_every_schedule_so_it_claims_n
     assert result.bound_classes["cpsat_every_schedule"] == EVERY
 
 
-def test_the_order_models_weights_follow_the_simulators_replicas():
-    """Worker 1 holds stage 0 (for its forward), so its backward, though naming worker 0's
-    weights, fetches nothing and returns nothing; both replicas all-reduce (2 (k - 1) comm plus
-    2 (k - 1) / k of the 2 weight bytes at bandwidth 1: 4), as the simulator books it."""
-    timed = TimedProblem.build(PlanProblem(Shape(2, 1, 2), encode_costs(comm=1, fetch=3)))
-    compute, weight = np.array([0, 0, 1, 1]), np.array([0, 0, 1, 0])  # F, B of micro-batch 0, then 1
+def test_the_planners_mappings_read_replicas_as_the_simulator_does():
+    """Micro-batch b on worker b, each forward naming its own worker's weights, each backward
+    worker 0's: worker 1 holds stage 0 (for its forward), so its backward computes with that copy,
+    fetching and returning nothing, and both replicas all-reduce (2 (k - 1) comm plus
+    2 (k - 1) / k of the 2 weight bytes at bandwidth 1: 4).  The planner's mapping of the strategy
+    says so, and the order model's releases and tails follow, as the simulator books them."""
+    def mixed(w):
+        return ComputeAndWeightWorkers(w.batch, w.batch if w.direction == FORWARD else 0)
+
+    problem = PlanProblem(Shape(2, 1, 2), encode_costs(comm=1, fetch=3))
+    timed = TimedProblem.build(problem)
+    compute, weight = mapping_of(problem, Strategy(mapping=mixed))  # F, B of micro-batch 0, then 1
+    assert compute.tolist() == [0, 0, 1, 1] and weight.tolist() == [0, 0, 1, 1]
     assert order.releases(timed, compute, weight).tolist() == [0, 0, 0, 0]
     assert order.step_tails(timed, compute, weight).tolist() == [0, 4, 0, 4]
-    replay = Schedule.planned(timed, compute, weight, np.array([0, 1, 0, 1])).simulate()
-    assert replay.latency == 3 + 4
+    assert simulate(2, 1, 2, mixed, costs=encode_costs(comm=1, fetch=3)).latency == 3 + 4
 
 
 def test_a_mapping_whose_greedy_replay_deadlocks_starts_from_a_list_schedule():

@@ -275,10 +275,8 @@ def run_solver(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None
 
 
 def releases(timed: TimedProblem, compute, weight) -> np.ndarray:
-    """Ticks before which an item cannot start: its borrowed weights' arrival (none on a worker
-    holding a replica of its stage: :func:`unisched.dataflow.own_copies`)."""
+    """Ticks before which an item cannot start: its borrowed weights' arrival."""
     stage = timed.stage
-    weight = dataflow.own_copies(stage, compute, weight, timed.shape.num_stages)
     borrowed = dataflow.fetches_weights(compute, weight)
     release = np.zeros(len(compute), dtype=np.int64)
     release[borrowed] = timed.fetch[weight[borrowed], compute[borrowed], stage[borrowed]]
@@ -293,7 +291,6 @@ def step_tails(timed: TimedProblem, compute, weight) -> np.ndarray:
     the waits for busy links the simulator adds)."""
     problem = timed.problem
     W, S, B = problem.shape
-    weight = dataflow.own_copies(timed.stage, compute, weight, S)
     last = timed.direction == dataflow.gradient_pass(problem.split_backward)
     tails = np.zeros(len(compute), dtype=np.int64)
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)

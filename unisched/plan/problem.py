@@ -417,9 +417,12 @@ def rows_of(problem: PlanProblem, t) -> np.ndarray:
 
 def mapping_of(problem: PlanProblem, strategy: Strategy) -> tuple[np.ndarray, np.ndarray]:
     """Every item's compute and weight worker under ``strategy``, in the
-    problem's item order (the simulator's mapping, checked as it checks it)."""
+    problem's item order: the simulator's mapping, checked as it checks it, with each
+    worker holding a replica of a stage computing it with its own copy
+    (:func:`unisched.dataflow.own_copies`; plans hold no shards or gangs)."""
     batch, stage, direction = problem.items.arrays()
-    return map_workers(strategy, problem.shape, batch, stage, direction)
+    compute, weight = map_workers(strategy, problem.shape, batch, stage, direction)
+    return compute, dataflow.own_copies(stage, compute, weight, problem.shape.num_stages)
 
 
 def _one_link_time(costs: Costs, num_workers: int) -> bool:

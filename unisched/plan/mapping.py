@@ -91,11 +91,9 @@ def searched_class(whole: bool, every: bool = False) -> str:
 
 
 def proven_class(timed: TimedProblem, whole: bool, every: bool = False) -> str:
-    """The class of schedules a proof of the mapping model covers: for the whole scheme's, every
-    schedule where those are as short as any (:func:`whole_scheme_is_any`); else the class searched."""
-    if every:
-        return EVERY
-    return ANY_SCHEDULE if whole and whole_scheme_is_any(timed) else searched_class(whole)
+    """The class of schedules a proof of the mapping model covers: the class searched, or for the
+    whole scheme's every schedule where those are as short as any (:func:`whole_scheme_is_any`)."""
+    return ANY_SCHEDULE if whole and not every and whole_scheme_is_any(timed) else searched_class(whole, every)
 
 
 def every_schedule_applies(timed: TimedProblem) -> bool:
@@ -540,11 +538,12 @@ def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
     edges = timed.data_edges()
     comm = timed.comm.max(axis=(0, 1))
     stash = timed.stash.max(axis=(0, 1))
+    outputs = _output_ticks(timed) if places.every else None
     is_stash = edges.moves == TRANSFER_KINDS.index("stash")
     for u, v, s, moves, stashed in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist(),
                                        edges.moves.tolist(), is_stash.tolist()):
         if places.every and stashed and timed.direction[v] == BACKWARD_WEIGHT:
-            _weight_stash(model, timed, places, u, v, start, end)
+            _weight_stash(model, timed, places, u, v, start, end, (int(stash[s]), int(outputs[s])))
             continue
         delay = int(stash[s] if stashed else comm[s])
         away = places.away(u, v) if moves != dataflow.MOVES_NOTHING and delay else False
@@ -554,25 +553,28 @@ def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
             model.add(start[v] >= end[u] + delay * away)
 
 
-def _weight_stash(model, timed: TimedProblem, places: _Places, u: int, v: int, start, end) -> None:
-    """A weight pass v after its input pass u (every schedule's model): apart from u, it waits for
-    each part of its stash it needs (:func:`unisched.dataflow.stash_sources`): its stage's inputs
-    where it runs away from the forward, its output gradient where it runs away from a consumer's
-    input pass.  Each part alone is waited for: a bound on their sum."""
+def _output_ticks(timed: TimedProblem) -> np.ndarray:
+    """Per stage: the ticks, rounded down, its output gradient takes to another worker."""
     problem = timed.problem
-    items, graph = problem.items, problem.stage_graph
-    s = int(timed.stage[v])
-    model.add(start[v] >= end[u])
-    forward, consumers = dataflow.stash_sources(items.work(v), graph)
     act = problem.costs.per_stage("activation_bytes", problem.shape.num_stages)
-    parts = [(forward, dataflow.input_bytes(act, graph)[s])] \
-        + [(consumer, dataflow.output_bytes(act, graph)[s]) for consumer in consumers]
-    for source, nbytes in parts:
-        if source is None:
-            continue
-        delay = int(np.floor(transfer_time(problem.costs, 0, 1, float(nbytes)) * timed.ticks.scale + 1e-6))
-        where = items.id(source.batch, source.stage, source.direction)
+    seconds = np.asarray(transfer_time(problem.costs, 0, 1, dataflow.output_bytes(act, problem.stage_graph)))
+    return np.floor(seconds * timed.ticks.scale + 1e-6).astype(np.int64)
+
+
+def _weight_stash(model, timed: TimedProblem, places: _Places, u: int, v: int, start, end,
+                  delays: tuple[int, int]) -> None:
+    """A weight pass v after its input pass u (every schedule's model): apart from u, it waits for
+    each part of its stash it needs (:func:`unisched.dataflow.stash_sources`), ``delays`` ticks
+    each: its stage's inputs where it runs away from the forward, its output gradient where it
+    runs away from a consumer's input pass.  Each part alone is waited for: a bound on their sum."""
+    items = timed.problem.items
+    model.add(start[v] >= end[u])
+    forward, consumers = dataflow.stash_sources(items.work(v), timed.problem.stage_graph)
+    inputs, output = delays
+    parts = ([(forward, inputs)] if forward is not None else []) + [(consumer, output) for consumer in consumers]
+    for source, delay in parts:
         if delay:
+            where = items.id(source.batch, source.stage, source.direction)
             model.add(start[v] >= end[u] + delay).only_enforce_if([places.away(u, v), places.away(where, v)])
 
 
@@ -741,7 +743,8 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
                    every: bool = False) -> Incumbent | None:
     """A hint for the mapping model, if the schedule fits its class (:func:`fits`), with the makespan
     the model's rules give its start times (the returned gradients and, in every schedule's model,
-    the all-reduces among replicas)."""
+    the all-reduces among replicas).  Its weight workers are read as given: a plan's, as the
+    simulator reads them (:func:`unisched.plan.problem.mapping_of`)."""
     problem = timed.problem
     W, S, B = problem.shape
     compute = np.asarray(compute, dtype=np.int64)
@@ -751,13 +754,12 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]
     fetch = timed.fetch.max(axis=(0, 1))
-    weight = dataflow.own_copies(timed.stage, compute, weight, S)
-    holders = dataflow.replicas(timed.stage, weight, S)
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
     tails = np.where(returning, fetch[timed.stage], 0)
     if every:
         gradient = timed.direction == dataflow.gradient_pass(problem.split_backward)
-        reduce = allreduce_ticks(timed)[np.arange(S), [len(h) for h in holders]]
+        holders = [len(h) for h in dataflow.replicas(timed.stage, weight, S)]
+        reduce = allreduce_ticks(timed)[np.arange(S), holders]
         tails = tails + np.where(gradient, reduce[timed.stage], 0)
     makespan = int(np.max(ends + tails))
     objective = None

@@ -1,7 +1,9 @@
 """The ramp bound (unisched.plan.bounds.ramp): the work bound with the idle time at a step's two
 ends, for the whole scheme's schedules (one weight worker per stage, a split backward's I and W on
 one worker).  Never above that class's optimum
-(proven by the whole-scheme CP-SAT model), often equal to it, and what it lets the planner claim."""
+(proven by the whole-scheme CP-SAT model), often equal to it, and what it lets the planner claim.
+And its like for every schedule a plan can hold (unisched.plan.bounds.every_ramp: replicas, each
+pass on any worker), never above the replay of any such schedule."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import pytest
 
 from unisched import Costs
 from unisched.plan import encode_costs, plan
-from unisched.plan.bounds import ANY_SCHEDULE, ramp, shape_bounds
-from unisched.plan.mapping import WHOLE_SCHEME, fits, solve_mapping
+from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, ramp, shape_bounds
+from unisched.plan.mapping import EVERY, WHOLE_SCHEME, fits, solve_mapping
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 from unisched.work import Shape
@@ -73,31 +75,37 @@ def test_without_transfers_the_ramp_is_the_work_bound():
 
 
 def test_the_planner_proves_the_unlimited_step_with_transfers_optimal_in_its_class():
-    """W = S = 4, B = 8, comm 1: the work bound is 24 and CP-SAT's whole-scheme bound stays below 26
-    within the time limit; the ramp (4 T >= 96 + 3 + 3) proves the plan's 26.  The claim names its
-    class, and the report lists the ramp under it."""
+    """W = S = 4, B = 8, comm 1: the work bound is 24 and CP-SAT's bounds stay below 26 within the
+    time limit; the replica ramp (one holder of stage 0: 4 T >= 96 + 3 + 3; replicas of it: 4 T
+    >= 96 + 4 x 2, their all-reduce) proves the plan's 26 for every schedule a plan can hold, and
+    the planner stops there.  The claim names that class, and the report lists the bound under it
+    (the whole scheme's ramp, 26 too, says no more and is left out)."""
     result = plan(4, 4, 8, encode_costs(comm=1), time_limit=20)
-    assert result.latency == 26 and result.bounds["ramp"] == 26
-    assert result.bound_classes["ramp"] == WHOLE_SCHEME
-    assert result.optimal and result.proven_for == WHOLE_SCHEME
+    assert result.latency == 26 and result.bounds["replica_ramp"] == 26 and "ramp" not in result.bounds
+    assert result.bound_classes["replica_ramp"] == EVERY
+    assert result.optimal and result.proven_for == EVERY
     assert result.bounds["work"] == 24 and result.bound_classes["work"] == ANY_SCHEDULE
+    assert result.elapsed < 19  # it stops at the bound, before the time limit
 
 
 def test_the_ramp_is_left_out_where_it_says_no_more_or_bounds_nothing():
-    assert "ramp" not in plan(2, 2, 4, time_limit=2).bounds  # no transfers: the work bound
-    assert "ramp" not in plan(2, 2, 4, encode_costs(comm=1), objective="span", time_limit=2).bounds
+    for bounds in (plan(2, 2, 4, time_limit=2).bounds,  # no transfers: the work bound
+                   plan(2, 2, 4, encode_costs(comm=1), objective="span", time_limit=2).bounds):
+        assert "ramp" not in bounds and "replica_ramp" not in bounds
 
 
 def test_replicas_escape_the_ramp_and_the_plan_claims_nothing_of_it():
     """W = B = 3, one stage, no transfer time, weights fetched in 1: ddp (every worker holds
     the stage) starts every worker at once and takes 4.33, under the ramp's 5, which holds for one
     weight worker per stage only.  The plan is ddp, and the ramp, above it, is left out of its
-    bounds rather than claimed."""
+    bounds rather than claimed.  The replica ramp counts the all-reduce of replicas (4/3, taken
+    as 1 in whole ticks) and stays below: 4."""
     costs = encode_costs(comm=0, fetch=1)
     timed = timed_of((3, 1, 3), costs)
     result = plan(3, 1, 3, costs, time_limit=5)
     assert result.strategy_name == "ddp" and result.latency < timed.ticks.time(ramp(timed)) == 5
     assert "ramp" not in result.bounds and not result.optimal
+    assert result.bounds["replica_ramp"] == timed.ticks.time(every_ramp(timed)) == 4 < result.latency
 
 
 def test_a_split_backwards_passes_apart_escape_the_ramp():
@@ -120,15 +128,51 @@ def test_a_split_backwards_passes_apart_escape_the_ramp():
                         {w: [int(items.id(b, 0, d)) for b, d in passes] for w, passes in orders.items()})
     assert schedule.simulate().latency == 11 < ramp(timed) == 12
     assert not fits(timed, compute, weight, whole=True)
+    assert every_ramp(timed) == 11  # a W pass may be a worker's first, and an I its last
 
 
 def test_the_heuristic_search_stops_at_the_ramp_and_claims_its_class():
     """W = S = 8, B = 32, comm 1 with the heuristic search (large steps): the work bound is 96 and
-    the ramp 98 (8 T >= 768 + 7 + 7), which the seed with every micro-batch on one worker meets;
-    the search stops there and claims the whole scheme, not every schedule."""
+    the replica ramp 98 (8 T >= 768 + 7 + 7; replicas of stage 0 would idle every worker for their
+    all-reduce, 2 at the least), which the seed with every micro-batch on one worker meets; the
+    search stops there and claims every schedule a plan can hold, not every schedule."""
     result = plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=20)
-    assert result.bounds["work"] == 96 and result.bounds["ramp"] == 98 == result.latency
-    assert result.optimal and result.proven_for == result.bound_for == WHOLE_SCHEME
-    assert result.lower_bound == 98
-    assert "ramp" not in plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=2,
-                              objective="span").bounds
+    assert result.bounds["work"] == 96 and result.bounds["replica_ramp"] == 98 == result.latency
+    assert result.optimal and result.proven_for == result.bound_for == EVERY
+    assert result.lower_bound == 98 and result.elapsed < 19
+    bounds = plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=2, objective="span").bounds
+    assert "ramp" not in bounds and "replica_ramp" not in bounds
+
+
+@pytest.mark.parametrize("shape, costs, split, optimum", [
+    ((2, 2, 2), encode_costs(comm=1, fetch=3), False, 9),
+    ((3, 2, 4), encode_costs(comm=1), False, 10),
+    ((3, 2, 4), encode_costs(comm=1, **SPLIT), True, 9),
+    ((2, 3, 2), encode_costs(comm=1, **SPLIT), True, 9),
+    ((3, 1, 3), encode_costs(comm=0, fetch=1), False, 4.0),
+])
+def test_the_replica_ramp_is_never_above_the_proven_optimum_of_every_schedule_a_plan_can_hold(
+        shape, costs, split, optimum):
+    """Never above the every-schedule model's proven optimum (replicas and passes apart allowed;
+    the model's all-reduces are rounded down to whole ticks, as the replica ramp's are)."""
+    timed = timed_of(shape, costs, None, split)
+    solved = solve_mapping(timed, time_limit=60, whole=True, every=True, num_workers=2)
+    assert solved.optimal and timed.ticks.time(solved.objective) == optimum
+    assert timed.ticks.time(every_ramp(timed)) <= optimum
+
+
+def test_the_replica_ramp_counts_the_all_reduce_of_replicated_source_stages():
+    """W = S = 2, B = 8, comm 1 (an all-reduce among two takes 2): with one holder of stage 0,
+    2 T >= 48 + 1 + 1; with two, both start at once but every pass comes before stage 0's
+    backward, so both idle 2 at the end: 2 T >= 48 + 2 + 2.  The least, 25, above the work
+    bound 24, proves the plan's 25 for every schedule a plan can hold.  With a split backward the other stages' W passes may fill that end, and a W pass
+    need not wait for its I's worker, so the bound falls below the whole scheme's ramp; without
+    a link time it is the work bound."""
+    timed = timed_of((2, 2, 8), encode_costs(comm=1))
+    assert timed.allreduce()[:, 2].tolist() == [2, 2]
+    assert shape_bounds(timed.problem)["work"] == 24 and every_ramp(timed) == 25
+    result = plan(2, 2, 8, encode_costs(comm=1), time_limit=20)  # CP-SAT's bounds stay at 24 here
+    assert result.latency == 25 and result.optimal and result.proven_for == EVERY
+    split = timed_of((2, 3, 8), encode_costs(comm=1, **SPLIT), split=True)
+    assert every_ramp(split) == 36 < ramp(split) == 37
+    assert every_ramp(timed_of((4, 4, 8), Costs())) == 24

@@ -16,7 +16,7 @@ from unisched import ComputeAndWeightWorkers, Costs, all_work, dataflow, policie
 from unisched.errors import UniSchedError
 from unisched.memory import memory_curves
 from unisched.plan import PlanInputError, encode_costs, plan
-from unisched.plan.bounds import ANY_SCHEDULE
+from unisched.plan.bounds import ANY_SCHEDULE, every_ramp
 from unisched.plan.planfile import objective_value
 from unisched.plan import mapping, order
 from unisched.plan.mapping import EVERY, PAIRED, WHOLE_SCHEME, solve_mapping, whole_scheme_is_any
@@ -148,7 +148,8 @@ def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memor
     weight pass's stash parts, so its bound must stay at or below any such schedule the simulator
     runs: the registry's strategies and random mappings (compute and weight worker per pass:
     replicas, passes of a (stage, micro-batch) apart) under the same costs and limit.  Its own
-    solution replays to it where the all-reduces take whole ticks."""
+    solution replays to it where the all-reduces take whole ticks.  The replica ramp, for the
+    same class, too."""
     W, S, B = shape
     split = costs.backward_input is not None
     problem = PlanProblem(Shape(*shape), costs, memory_limit=memory, split_backward=split)
@@ -174,6 +175,7 @@ def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memor
     assert len(latencies) >= 20 and min(latencies) >= bound - 1e-9
     replay = Schedule.planned(timed, solved.compute, solved.weight, solved.starts).simulate()
     assert replay.latency >= bound - 1e-9
+    assert min(latencies + [replay.latency]) >= timed.ticks.time(every_ramp(timed)) - 1e-9  # the same class
     if shape != (3, 1, 3):
         assert replay.latency == bound
 

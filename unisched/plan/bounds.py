@@ -18,7 +18,9 @@ for the latency objective; for the span objective only the work bound does
 (a worker's busy span is at least its work).  One more holds for the
 planner's whole scheme only (one weight worker per stage, a split
 backward's I and W on one worker: :func:`ramp`): the work
-bound with the time workers must stand idle at the step's two ends.  For a
+bound with the time workers must stand idle at the step's two ends; and a
+weaker one like it for every schedule a plan can hold, replicas among them
+(:func:`every_ramp`).  For a
 fixed mapping the same ideas apply per worker: its own work, and the
 memory-time of the stashes it keeps against its own limit.
 """
@@ -26,6 +28,7 @@ memory-time of the stashes it keeps against its own limit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -89,41 +92,122 @@ def ramp(timed: TimedProblem) -> int:
 
     Within the class a W pass follows its I on one worker, so it is never a worker's first pass,
     nor an I pass its last (apart, W may need nothing moved and end the step sooner).  Replicated
-    weights escape it: every replica of a source stage starts at once."""
-    problem = timed.problem
-    if problem.objective != "latency":
+    weights escape it: every replica of a source stage starts at once (:func:`every_ramp` covers
+    them)."""
+    if timed.problem.objective != "latency":
         return 0
-    W, _, B = problem.shape
-    edges = timed.data_edges()
-    first = np.flatnonzero(timed.batch == 0)  # a micro-batch's dependencies are every micro-batch's
-    mine = np.isin(edges.src, first)
-    delay = timed.least_delays(edges)[mine]
-    fastest = timed.duration.min(axis=1)
-    graph = nx.DiGraph()
-    graph.add_nodes_from(first.tolist())
-    graph.add_weighted_edges_from(zip(edges.src[mine].tolist(), edges.dst[mine].tolist(), delay.tolist()))
-    order = list(nx.topological_sort(graph))
-    done_by, to_end = {}, {}  # earliest end; longest path from an item's start to the step's end
-    for i in order:
-        done_by[i] = max((done_by[u] for u in graph.predecessors(i)), default=0) + int(fastest[i])
-    for i in reversed(order):
-        to_end[i] = int(fastest[i]) + max((to_end[v] for v in graph.successors(i)), default=0)
-    stage = timed.stage
-    sources = {int(stage[i]) for i in first if graph.in_degree(i) == 0}
-    sinks = {int(stage[i]) for i in first if graph.out_degree(i) == 0}
-    gradient = dataflow.gradient_pass(problem.split_backward)
-    fetch = timed.shortest(timed.fetch)
-    direction = timed.direction
-    head = min(max(max((done_by[u] + graph[u][i]["weight"] for u in graph.predecessors(i)), default=0),
-                   int(fetch[stage[i]]) if stage[i] in sources else 0)
-               for i in first if direction[i] != BACKWARD_WEIGHT)
-    tail = min(max(max((graph[i][v]["weight"] + to_end[v] for v in graph.successors(i)), default=0),
-                   int(fetch[stage[i]]) if stage[i] in sinks and direction[i] == gradient else 0)
-               for i in first if direction[i] != BACKWARD_INPUT)
-    late, early = W - min(W, len(sources)), W - min(W, len(sinks))
+    W = timed.shape.num_workers
+    ends = _Ends.of(timed, every=False)
+    return _least_step(timed, ends.work, W - min(W, len(ends.sources)), ends.head, W - min(W, len(ends.sinks)),
+                       ends.tail)
+
+
+def every_ramp(timed: TimedProblem) -> int:
+    """:func:`ramp` for every schedule a plan can hold (:data:`unisched.plan.mapping.EVERY`: whole-stage
+    weights on one or several workers, each pass on any one), in ticks; 0 for the span objective.
+
+    Any pass may now be a worker's first or last, and a stage's replicas end the step with its
+    all-reduce (:meth:`TimedProblem.allreduce`).  Either every source stage has one weight worker,
+    and then, as in :func:`ramp`, only those start at once, and only the sole holders of sink stages
+    end with the step: any other worker's last pass passes data on, returns a gradient or is
+    followed by its stage's all-reduce.  Or some source stage s has several: every worker may start
+    at once, but s's gradient passes end an all-reduce before the step does, so only the sole
+    holders of the other sink stages end with it; and where every pass of a micro-batch comes
+    before s's gradient pass (an unsplit backward), every worker idles for that all-reduce at the
+    end.  The bound is the least over these cases.  (Where links differ, the all-reduces are
+    taken as 0: which workers hold a stage decides how long theirs takes.)  For W = S = 2, B = 8, comm 1 (an all-reduce
+    of 2), unsplit and without a memory limit: one holder of stage 0 gives 2 T >= 48 + 1 + 1,
+    replicas of it 2 T >= 48 + 2 + 2, so T >= 25, where the work bound is 24."""
+    if timed.problem.objective != "latency":
+        return 0
+    W, S, _ = timed.shape
+    reduce = np.zeros(S, dtype=np.int64)  # the least all-reduce among several holders (0: unknown)
+    if W > 1 and timed.problem.links_alike:
+        reduce = timed.allreduce()[:, 2:].min(axis=1)
+    ends = _Ends.of(timed, every=True, reduce=reduce)
+    cases = [_least_step(timed, ends.work, W - min(W, len(ends.sources)), ends.head,
+                         W - min(W, len(ends.sinks)), ends.tail)]
+    for s in ends.sources if W > 1 else ():  # replicas of source stage s
+        others = _least_step(timed, ends.work, 0, 0, W - min(W, len(ends.sinks - {s})), ends.tail)
+        closing = _least_step(timed, ends.work, 0, 0, W, int(reduce[s])) if s in ends.closing else 0
+        cases.append(max(others, closing))
+    return min(cases)
+
+
+class _Ends(NamedTuple):
+    """What a micro-batch's dependencies say about the step's two ends (:func:`ramp`)."""
+
+    work: float
+    """Every pass at its fastest, at speed 1."""
+    sources: set[int]
+    """Stages with a pass that needs nothing: only their weight workers start at once."""
+    sinks: set[int]
+    """Stages with a pass nothing needs: only their weight workers can be busy until the step ends."""
+    head: int
+    """The least time any other worker's first pass waits."""
+    tail: int
+    """The least time from any other worker's last pass's end to the step's."""
+    closing: set[int]
+    """Source stages whose gradient pass comes after every pass of its micro-batch."""
+
+    @classmethod
+    def of(cls, timed: TimedProblem, every: bool, reduce: np.ndarray | None = None) -> "_Ends":
+        """The ends of the whole scheme's schedules, where a W pass follows its I on one worker
+        (never a worker's first pass, nor an I its last); with ``every``, of every schedule a plan
+        can hold, where a sink stage's gradient pass may end before its all-reduce (``reduce``,
+        per stage) instead of returning its gradient."""
+        problem = timed.problem
+        W, _, B = problem.shape
+        edges = timed.data_edges()
+        first = np.flatnonzero(timed.batch == 0)  # a micro-batch's dependencies are every micro-batch's
+        mine = np.isin(edges.src, first)
+        delay = timed.least_delays(edges)
+        if every:  # a W pass apart from its I may need nothing from I's worker (dataflow.stash_needs)
+            delay[(timed.direction[edges.src] == BACKWARD_INPUT) & (timed.direction[edges.dst] == BACKWARD_WEIGHT)] = 0
+        delay = delay[mine]
+        fastest = timed.duration.min(axis=1)
+        graph = nx.DiGraph()
+        graph.add_nodes_from(first.tolist())
+        graph.add_weighted_edges_from(zip(edges.src[mine].tolist(), edges.dst[mine].tolist(), delay.tolist()))
+        order = list(nx.topological_sort(graph))
+        done_by, to_end = {}, {}  # earliest end; longest path from an item's start to the step's end
+        for i in order:
+            done_by[i] = max((done_by[u] for u in graph.predecessors(i)), default=0) + int(fastest[i])
+        for i in reversed(order):
+            to_end[i] = int(fastest[i]) + max((to_end[v] for v in graph.successors(i)), default=0)
+        stage, direction = timed.stage, timed.direction
+        sources = {int(stage[i]) for i in first if graph.in_degree(i) == 0}
+        sinks = {int(stage[i]) for i in first if graph.out_degree(i) == 0}
+        gradient = dataflow.gradient_pass(problem.split_backward)
+        fetch = timed.shortest(timed.fetch)
+
+        def waits(i: int) -> int:  # for the worker whose first pass is i
+            arrival = max((done_by[u] + graph[u][i]["weight"] for u in graph.predecessors(i)), default=0)
+            return max(arrival, int(fetch[stage[i]]) if stage[i] in sources else 0)
+
+        def leaves(i: int) -> int:  # for the worker whose last pass is i
+            if graph.out_degree(i):
+                return max(graph[i][v]["weight"] + to_end[v] for v in graph.successors(i))
+            if direction[i] != gradient:
+                return 0
+            back = int(fetch[stage[i]])  # the gradient goes back to the stage's weight worker
+            return min(back, int(reduce[stage[i]])) if every else back
+
+        head = min(waits(i) for i in first if every or direction[i] != BACKWARD_WEIGHT)
+        tail = min(leaves(i) for i in first if every or direction[i] != BACKWARD_INPUT)
+        closing = {int(stage[i]) for i in first if stage[i] in sources and direction[i] == gradient
+                   and len(nx.ancestors(graph, int(i))) == len(first) - 1}
+        work = B * float((timed.duration[first] * problem.costs.speeds(W)).min(axis=1).sum())
+        return cls(work, sources, sinks, head, tail, closing)
+
+
+def _least_step(timed: TimedProblem, work: float, late: int, head: int, early: int, tail: int) -> int:
+    """The shortest step, in ticks, in which the workers do ``work`` (at speed 1) while ``late`` of
+    them idle ``head`` at its start and ``early`` idle ``tail`` at its end: the shortest T with
+    ``sum(v) T >= work + sum(v idle(T))``, the idle time on the slowest workers (a worker of speed
+    v does v units of work a unit of time; one idle throughout idles for the whole step)."""
     both = min(late, early)
-    speeds = np.sort(problem.costs.speeds(W))  # the slowest first: they idle
-    work = B * float((timed.duration[first] * problem.costs.speeds(W)).min(axis=1).sum())  # at speed 1
+    speeds = np.sort(timed.problem.costs.speeds(timed.shape.num_workers))  # the slowest first: they idle
     idle_each = [head + tail] * both + [head] * (late - both) + [tail] * (early - both)
 
     def fits_in(T: int) -> bool:

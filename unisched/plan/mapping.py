@@ -20,10 +20,11 @@ over every schedule (``every``: on small problems, with the time the whole
 scheme's proof leaves, :func:`every_schedule_applies`), places each pass
 alone (a split backward's I and W too) and lets a stage have several
 weight workers, each computing with its own copy
-(:func:`unisched.dataflow.own_copies`), whose end-of-step all-reduce takes
-:func:`allreduce_ticks`; it relaxes the simulator's rules (it leaves out
-link contention, and waits for the parts of a weight pass's stash one at
-a time rather than summed: :func:`_weight_stash`), so its bound holds for
+(:func:`unisched.dataflow.own_copies`), whose end-of-step all-reduce
+takes :meth:`~unisched.plan.problem.TimedProblem.allreduce`; it relaxes
+the simulator's rules (it leaves out link contention, and waits for the
+parts of a weight pass's stash one at a time rather than summed:
+:func:`_weight_stash`), so its bound holds for
 every schedule a plan can hold (:data:`EVERY`).  A worker may hold at
 most ``max_stages_per_worker`` stages (its own and fetched ones), and within a
 memory budget its weights, optimizer state and live stashes.  Data takes its
@@ -50,11 +51,11 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.network import allreduce_time, transfer_time
+from unisched.network import transfer_time
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.order import (Improvements, Solved, busy_span, capacity, earliest_forwards, live_start,
                                  live_stashes, make_solver, memory_demands, run_solver)
-from unisched.plan.problem import TimedProblem
+from unisched.plan.problem import TimedProblem, exact_links
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
@@ -105,20 +106,6 @@ def every_schedule_applies(timed: TimedProblem) -> bool:
             and timed.problem.memory_budget is None)
 
 
-def allreduce_ticks(timed: TimedProblem) -> np.ndarray:
-    """(S, W + 1) table: the ticks, rounded down, of a stage's end-of-step all-reduce among k weight
-    workers (k = 0, 1: none), as :func:`unisched.network.allreduce_time` prices it over the first k
-    workers (every link alike: :func:`exact_links`)."""
-    problem = timed.problem
-    W, S, _ = problem.shape
-    nbytes = problem.costs.per_stage("weight_bytes", S)
-    table = np.zeros((S, W + 1), dtype=np.int64)
-    for k in range(2, W + 1):
-        seconds = np.asarray(allreduce_time(problem.costs, list(range(k)), nbytes), dtype=float)
-        table[:, k] = np.floor(seconds * timed.ticks.scale + 1e-6).astype(np.int64)
-    return table
-
-
 def whole_scheme_is_any(timed: TimedProblem) -> bool:
     """Whether every schedule has one of the whole scheme as short: with an unsplit backward, no
     memory budget and no time to any transfer.
@@ -139,14 +126,6 @@ def class_breadth(name: str) -> int:
     """How wide a class of schedules is (0: every schedule), to state the widest claim proven."""
     order = (ANY_SCHEDULE, EVERY, WHOLE_SCHEME, PAIRED)
     return order.index(name) if name in order else len(order)
-
-
-def exact_links(timed: TimedProblem) -> bool:
-    """Whether the model's one transfer time per stage is every link's (else it takes the
-    worst link and its bound proves nothing)."""
-    W = timed.shape.num_workers
-    off = ~np.eye(W, dtype=bool)
-    return all(np.all(m[off] == m[off][:1]) for m in (timed.comm, timed.fetch, timed.stash)) if W > 1 else True
 
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], float]
@@ -420,7 +399,7 @@ def _solve(
     duration = timed.duration  # (items, workers)
     fetch = timed.fetch.max(axis=(0, 1))
     uniform = timed.uniform
-    reduce = allreduce_ticks(timed) if every else np.zeros((S, W + 1), dtype=np.int64)
+    reduce = timed.allreduce() if every else np.zeros((S, W + 1), dtype=np.int64)
     horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
                   + 2 * fetch.max(initial=0) + reduce.max(initial=0) + 1)
     span = problem.objective == "span"
@@ -600,7 +579,7 @@ def _weights(model, timed: TimedProblem, places: _Places, owner, start, end, mak
 
 def _allreduces(model, timed: TimedProblem, owner, table: np.ndarray) -> list:
     """Per stage, the ticks of its end-of-step all-reduce among its weight workers (``table``:
-    :func:`allreduce_ticks`, by how many): 0 where it never takes time."""
+    :meth:`TimedProblem.allreduce`, by how many): 0 where it never takes time."""
     W, S, _ = timed.shape
     reduce: list = []
     for s in range(S):
@@ -759,7 +738,7 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
     if every:
         gradient = timed.direction == dataflow.gradient_pass(problem.split_backward)
         holders = [len(h) for h in dataflow.replicas(timed.stage, weight, S)]
-        reduce = allreduce_ticks(timed)[np.arange(S), holders]
+        reduce = timed.allreduce()[np.arange(S), holders]
         tails = tails + np.where(gradient, reduce[timed.stage], 0)
     makespan = int(np.max(ends + tails))
     objective = None

@@ -47,7 +47,7 @@ from unisched.simulate.simulation import Simulation
 from unisched.strategy import Strategy, as_strategy
 from unisched.work import Shape, Work
 
-from unisched.plan.bounds import ANY_SCHEDULE, mapping_bounds, ramp, shape_bounds
+from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, mapping_bounds, ramp, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
 from unisched.plan.mapping import (EVERY, PAIRED, WHOLE_SCHEME, class_breadth, every_schedule_applies, exact_links, fits,
@@ -282,6 +282,9 @@ class _Search:
     ramp_bound: float = field(init=False)
     """:func:`unisched.plan.bounds.ramp`, for the whole scheme's schedules (:data:`WHOLE_SCHEME`); 0
     with the span objective, which it does not bound."""
+    replica_ramp: float = field(init=False)
+    """:func:`unisched.plan.bounds.every_ramp`, for every schedule a plan can hold (:data:`EVERY`,
+    every candidate among them); 0 with the span objective."""
     interrupted: bool = False
     mapped: dict[bytes, tuple[Schedule, Simulation] | None] = field(default_factory=dict)
     """CP-SAT mapping solutions replayed (:meth:`replay_mapped`), by their compute, weight and starts."""
@@ -289,6 +292,7 @@ class _Search:
     def __post_init__(self):
         self.shape_bounds = shape_bounds(self.problem)
         self.ramp_bound = self.timed.ticks.time(ramp(self.timed))
+        self.replica_ramp = self.timed.ticks.time(every_ramp(self.timed))
 
     # ------------------------------------------------------------------ phases
     def family(self, members, whole: bool) -> FamilyResult:
@@ -360,7 +364,7 @@ class _Search:
                 break
             _say(self.progress, f"CP-SAT order of {label} ({share:.1f} s) ...")
             bound = max(max(mapping_bounds(self.problem, compute, weight).values()), self.pooled_bound,
-                        self._ramp_for(compute, weight))
+                        self.replica_ramp, self._ramp_for(compute, weight))
             solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
                                         num_workers=self.search_workers, seed=self.seed,
                                         lower_bound=self._ticks_below(bound), asap_replay=False,
@@ -457,7 +461,8 @@ class _Search:
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=score, whole=whole, asap_replay=False, period=period, every=every,
-                               lower_bound=self._ticks_below(max(self.floor(), 0 if every else self.ramp_bound)),
+                               lower_bound=self._ticks_below(max(self.floor(), self.replica_ramp,
+                                                                 0 if every else self.ramp_bound)),
                                report=self._reporter(f"CP-SAT mapping ({key.removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
@@ -517,7 +522,9 @@ class _Search:
         if self.pooled_bound:
             bounds["cpsat_pooled"] = self.pooled_bound
         classes = {k: ANY_SCHEDULE for k in bounds}
-        if self.ramp_bound > max(bounds.values()) + 1e-9:  # else it says no more than those
+        if self.replica_ramp > max(bounds.values()) + 1e-9:  # else it says no more than those
+            bounds["replica_ramp"], classes["replica_ramp"] = self.replica_ramp, EVERY
+        if self.ramp_bound > max(bounds.values()) + 1e-9:
             bounds["ramp"], classes["ramp"] = self.ramp_bound, WHOLE_SCHEME
         if self.fixed:
             best = self.best()
@@ -529,7 +536,8 @@ class _Search:
         for key, name, bound in self.proofs:
             if bound > bounds.get(key, -math.inf):
                 bounds[key], classes[key] = bound, name
-        keep = [k for k in bounds if classes[k] == ANY_SCHEDULE or bounds[k] <= value + 1e-9]
+        keep = [k for k in bounds if classes[k] == ANY_SCHEDULE
+                or (bounds[k] <= value + 1e-9 and not _said_wider(k, bounds, classes))]
         return {k: bounds[k] for k in keep}, {k: classes[k] for k in keep}
 
     def contains(self, name: str, candidate: Candidate) -> bool:
@@ -546,15 +554,15 @@ class _Search:
 
     def done(self, widest: bool = False) -> bool:
         """Whether to stop searching: Ctrl-C, the time limit, or a candidate meeting a lower bound
-        (``widest``: one for every schedule)."""
+        (``widest``: one for every schedule a plan can hold, not the whole scheme's ramp)."""
         if self.interrupted or time.perf_counter() >= self.deadline:
             return True
         best = self.best()
         if best is None:
             return False
-        bound = self.floor()
+        bound = max(self.floor(), self.replica_ramp)  # every candidate is a schedule a plan can hold
         if self.fixed:
-            bound = max(mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
+            bound = max(bound, *mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
         if not widest:
             bound = max(bound, self._ramp_for(best.schedule.compute, best.schedule.weight))
         return best.value(self.problem.objective) <= bound + 1e-9
@@ -606,6 +614,17 @@ class _Search:
             bound_classes=classes,
             interrupted=self.interrupted,
         )
+
+
+def _said_wider(key: str, bounds: dict[str, float], classes: dict[str, str]) -> bool:
+    """Whether a bound of a wider class that contains ``key``'s says as much: a restricted class's
+    bound then adds nothing (the classes nest: every schedule, those a plan can hold, the whole
+    scheme, the paired; a fixed mapping's orders lie among those a plan can hold)."""
+    breadth = class_breadth(classes[key])
+    if classes[key].startswith("orders of"):
+        breadth = class_breadth(WHOLE_SCHEME)  # within EVERY, not within the whole scheme
+    return any(class_breadth(classes[other]) < breadth and bounds[other] >= bounds[key] - 1e-9
+               for other in bounds if other != key)
 
 
 MAX_TICKS = 2**53

@@ -47,7 +47,7 @@ import numpy as np
 from unisched import dataflow
 from unisched.costs import Costs, Link
 from unisched.errors import ShapeError
-from unisched.network import link_arrays, transfer_matrix, transfer_time
+from unisched.network import allreduce_time, link_arrays, transfer_matrix, transfer_time
 from unisched.simulate.problem import map_workers
 from unisched.strategy import Strategy
 from unisched.timeline import TRANSFER_KINDS
@@ -242,9 +242,14 @@ class PlanProblem:
     @property
     def identical_workers(self) -> bool:
         """Whether every worker is alike (same speed, links, limits): workers can then be relabelled."""
-        costs = self.costs
-        return (costs.worker_speed is None and not costs.links and _one_link_time(costs, self.shape.num_workers)
+        return (self.costs.worker_speed is None and self.links_alike
                 and np.ndim(self.memory_limit) == 0 and np.ndim(self.memory_budget) == 0)
+
+    @property
+    def links_alike(self) -> bool:
+        """Whether every pair of workers has the same latency and bandwidth, so that a transfer or
+        a collective takes as long among any workers."""
+        return not self.costs.links and _one_link_time(self.costs, self.shape.num_workers)
 
     def weight_bytes(self) -> np.ndarray:
         """Per stage: the bytes of its weights a worker holds (owned or fetched)."""
@@ -516,6 +521,16 @@ class Ticks:
         return float(ticks) / self.scale
 
 
+def exact_links(timed: TimedProblem) -> bool:
+    """Whether every link between two workers takes as long for each kind of data and stage, so
+    that one transfer time per stage is every link's (the mapping models' bounds need it: with
+    one time per stage they take the worst link) and an all-reduce takes as long among any k
+    workers."""
+    W = timed.shape.num_workers
+    off = ~np.eye(W, dtype=bool)
+    return all(np.all(m[off] == m[off][:1]) for m in (timed.comm, timed.fetch, timed.stash)) if W > 1 else True
+
+
 class DataEdges(NamedTuple):
     """Every dependency between items, as parallel arrays (see :func:`unisched.dataflow.edges`)."""
 
@@ -611,6 +626,18 @@ class TimedProblem:
         if W == 1:
             return np.zeros(self.shape.num_stages, dtype=np.int64)
         return table[~np.eye(W, dtype=bool)].min(axis=0)
+
+    def allreduce(self) -> np.ndarray:
+        """(S, W + 1) table: the ticks, rounded down, of a stage's end-of-step all-reduce among k
+        holders of its weights (k = 0, 1: none), as :func:`unisched.network.allreduce_time` prices it
+        over the first k workers (exact where every link is alike)."""
+        W, S, _ = self.shape
+        nbytes = self.problem.costs.per_stage("weight_bytes", S)
+        table = np.zeros((S, W + 1), dtype=np.int64)
+        for k in range(2, W + 1):
+            seconds = np.asarray(allreduce_time(self.problem.costs, list(range(k)), nbytes), dtype=float)
+            table[:, k] = np.floor(seconds * self.ticks.scale + 1e-6).astype(np.int64)
+        return table
 
     def least_delays(self, edges: DataEdges) -> np.ndarray:
         """Ticks each edge's data takes at least to reach another worker, where it moves: the

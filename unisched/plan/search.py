@@ -43,8 +43,9 @@ strategies' own replays, so the plan is never worse than the best of them.
 Anytime: the search stops at its time limit (less the time two simulations
 of the step took, kept for that replay and its measures), on Ctrl-C (the best plan so far is
 returned) or as soon as the best meets the lower bound of
-:mod:`unisched.plan.bounds` (the ramp bound where the best lies in the whole
-scheme, for which alone it holds).  ``objective="span"`` minimizes the longest
+:mod:`unisched.plan.bounds` (the replica ramp, which holds for every schedule a
+plan can hold, and the ramp where the best lies in the whole scheme, for
+which alone it holds).  ``objective="span"`` minimizes the longest
 per-worker busy span (first item's start to last item's end), the measure of
 the zero-bubble paper's bubble rate; the default is the step's latency.
 """
@@ -65,10 +66,10 @@ from unisched.metrics import gap
 from unisched.strategy import Strategy
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
-from unisched.plan.bounds import ANY_SCHEDULE, ramp, shape_bounds
+from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, ramp, shape_bounds
 from unisched.plan.family import (NOT_SIMULATED, Member, constructed_members, measures, registry_members, search_family,
                                   unplannable)
-from unisched.plan.mapping import WHOLE_SCHEME, fits
+from unisched.plan.mapping import EVERY, WHOLE_SCHEME, fits
 from unisched.plan.order import capacity as stash_capacity
 from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
@@ -756,6 +757,8 @@ class _Run:
         self.bound = max(self.bounds.values())
         self.ramp = self.timed.ticks.time(ramp(self.timed))
         """The ramp bound (:func:`unisched.plan.bounds.ramp`), for the whole scheme alone."""
+        self.replica_ramp = self.timed.ticks.time(every_ramp(self.timed))
+        """:func:`unisched.plan.bounds.every_ramp`, for every schedule a plan can hold (every candidate)."""
         self.best_bound = self.bound
         """The strongest bound for the class the best lies in."""
 
@@ -764,10 +767,12 @@ class _Run:
         return self.best_value <= self.best_bound * (1 + 1e-9)
 
     def class_bound(self, compute, weight) -> float:
-        """The strongest bound for a mapping's class: the ramp too where it lies in the whole scheme."""
-        if self.ramp > self.bound and fits(self.timed, compute, weight, whole=True):
+        """The strongest bound for a mapping's class: the replica ramp, and the ramp too where it
+        lies in the whole scheme."""
+        bound = max(self.bound, self.replica_ramp)
+        if self.ramp > bound and fits(self.timed, compute, weight, whole=True):
             return self.ramp
-        return self.bound
+        return bound
 
     def offer_seed(self, member: Member) -> None:
         self.best_value = objective_value(member.simulation, self.objective)
@@ -895,9 +900,12 @@ class _Run:
         self._announce(final=stop)
         value = self.best_value
         bounds, classes = dict(self.bounds), {name: ANY_SCHEDULE for name in self.bounds}
-        if self.bound < self.ramp <= value * (1 + 1e-9):  # above the best: it only says the best lies outside
+        held = max(self.bound, self.replica_ramp)  # for every schedule a plan can hold
+        if self.replica_ramp > self.bound:
+            bounds["replica_ramp"], classes["replica_ramp"] = self.replica_ramp, EVERY
+        if held < self.ramp <= value * (1 + 1e-9):  # above the best: it only says the best lies outside
             bounds["ramp"], classes["ramp"] = self.ramp, WHOLE_SCHEME
-        bound_for = WHOLE_SCHEME if self.best_bound > self.bound else ANY_SCHEDULE
+        bound_for = WHOLE_SCHEME if self.best_bound > held else EVERY if self.best_bound > self.bound else ANY_SCHEDULE
         proven_for = bound_for if value <= self.best_bound * (1 + 1e-9) else ""
         rows = [self._row(label, source, sim, bool(proven_for))]
         rows += [dict(row, gap=gap(seed_value, self.best_bound)) for row, seed_value in self.seed_rows

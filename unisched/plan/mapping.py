@@ -16,8 +16,8 @@ schedule where no transfer takes time: :func:`proven_class`):
 A stage has one weight worker, chosen apart from its compute workers; a worker
 computing a stage it does not hold waits ``fetch`` for the weights and sends
 the gradient back ``fetch`` after its last gradient pass.  A third model,
-over every schedule (``every``: on small problems, with the time the whole
-scheme's proof leaves, :func:`every_schedule_applies`), places each pass
+over every schedule (``every``: on small problems, after the whole
+scheme's, :func:`every_schedule_applies`), places each pass
 alone (a split backward's I and W too) and lets a stage have several
 weight workers, each computing with its own copy
 (:func:`unisched.dataflow.own_copies`), whose end-of-step all-reduce

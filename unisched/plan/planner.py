@@ -78,6 +78,12 @@ itself (W = 2, S = 4, B = 8, comm 1: 49 proven in 2.3 s instead of 5.4 s at a sh
 PERIODIC_SHARE = 0.3
 """Share of the whole-scheme search's time for its periodic run (:data:`MAPPING_PERIOD`), which
 comes first; the unrestricted run after it starts from the best found."""
+WHOLE_SHARE = 0.5
+"""Share of the time left for the whole scheme's unrestricted run when the every-schedule model runs
+after it (which then has the rest, and whatever that run's proof leaves): on the thirteen hardest
+small steps, two runs each, it gave 552 and 554 in all against 566 and 566 with the whole scheme
+taking all it needed (W = 3, S = 3, B = 8, memory 2, comm 1, split: 29 against 32; W = S = 4, B =
+8, memory 1, comm 1, split: 67 against 75; docs/planner-measurements.md)."""
 MAPPING_PERIOD = 2
 """The periodic run places micro-batch b as b - 2.  On the hard small cases of
 ``benchmarks/planner_small.py`` it found shorter plans than the same time spent on the
@@ -94,7 +100,7 @@ SEARCHES = ("auto", "cpsat", "heuristic")
 SCHEMES = ("auto", "whole", "paired")
 """Which class the mapping search covers: the whole scheme, one worker per (stage, micro-batch),
 or the whole scheme on small problems only (:func:`unisched.plan.mapping.whole_scheme_by_default`),
-followed there by every schedule's model with the time its proofs leave (``auto``)."""
+followed there by every schedule's model with at least half the time left (``auto``)."""
 
 
 @dataclass(eq=False)
@@ -430,17 +436,20 @@ class _Search:
         replay with their planned starts as release times, so no model needs ``asap_replay``'s
         restriction: the proofs and solutions are of the unrestricted classes.  The whole scheme
         is searched with periodic mappings first (:data:`MAPPING_PERIOD`; no proof comes of it),
-        then without.  With ``every``, the time left after that (the whole scheme's proof came
-        early, or a bound for the whole scheme alone was met before) goes to the every-schedule
-        model where it applies (:func:`unisched.plan.mapping.every_schedule_applies`), to lift the
-        proof to every schedule or find a shorter schedule outside the whole scheme."""
+        then without.  With ``every``, where the every-schedule model applies
+        (:func:`unisched.plan.mapping.every_schedule_applies`), that run has :data:`WHOLE_SHARE`
+        of the time left, and the rest (more where the whole scheme's proof came early, or a bound
+        for the whole scheme alone was met before) goes to the every-schedule model, to lift the
+        proof to every schedule a plan can hold or find a shorter schedule outside the whole
+        scheme."""
         runs = [(False, 1.0, 0, False)]  # (whole, share of the time left, period, every)
+        every = whole and every and every_schedule_applies(self.timed)
         if whole:
             paired = PAIRED_SHARE if self.problem.memory_limited else UNLIMITED_PAIRED_SHARE
-            runs = [(False, paired, 0, False), (True, 1.0, 0, False)]
+            runs = [(False, paired, 0, False), (True, WHOLE_SHARE if every else 1.0, 0, False)]
             if self.problem.shape.num_batches >= 2 * MAPPING_PERIOD:
                 runs.insert(1, (True, PERIODIC_SHARE, MAPPING_PERIOD, False))
-        if whole and every and every_schedule_applies(self.timed):
+        if every:
             runs.append((True, 1.0, 0, True))
         for whole_run, share, period, every_run in runs:
             left = self.deadline - time.perf_counter()

@@ -13,7 +13,7 @@ import pytest
 from unisched import Costs
 from unisched.plan import encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, ramp, shape_bounds
-from unisched.plan.mapping import EVERY, WHOLE_SCHEME, fits, solve_mapping
+from unisched.plan.mapping import EVERY, fits, solve_mapping
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 from unisched.work import Shape
@@ -162,12 +162,12 @@ def test_the_replica_ramp_is_never_above_the_proven_optimum_of_every_schedule_a_
 
 
 def test_the_replica_ramp_counts_the_all_reduce_of_replicated_source_stages():
-    """W = S = 2, B = 8, comm 1 (an all-reduce among two takes 2): with one holder of stage 0,
-    2 T >= 48 + 1 + 1; with two, both start at once but every pass comes before stage 0's
-    backward, so both idle 2 at the end: 2 T >= 48 + 2 + 2.  The least, 25, above the work
-    bound 24, proves the plan's 25 for every schedule a plan can hold.  With a split backward the other stages' W passes may fill that end, and a W pass
-    need not wait for its I's worker, so the bound falls below the whole scheme's ramp; without
-    a link time it is the work bound."""
+    """W = S = 2, B = 8, comm 1 (an all-reduce among two takes 2): with one holder of stage 0, 2 T
+    >= 48 + 1 + 1; with two, both start at once but every pass comes before stage 0's backward, so
+    both idle 2 at the end: 2 T >= 48 + 2 + 2. The least, 25, above the work bound 24, proves the
+    plan's 25 for every schedule a plan can hold.  With a split backward the other stages' W passes
+    may fill that end, and a W pass need not wait for its I's worker, so the bound falls below the
+    whole scheme's ramp; without a link time it is the work bound."""
     timed = timed_of((2, 2, 8), encode_costs(comm=1))
     assert timed.allreduce()[:, 2].tolist() == [2, 2]
     assert shape_bounds(timed.problem)["work"] == 24 and every_ramp(timed) == 25

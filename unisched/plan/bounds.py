@@ -103,19 +103,20 @@ def ramp(timed: TimedProblem) -> int:
 
 
 def every_ramp(timed: TimedProblem) -> int:
-    """:func:`ramp` for every schedule a plan can hold (:data:`unisched.plan.mapping.EVERY`: whole-stage
-    weights on one or several workers, each pass on any one), in ticks; 0 for the span objective.
+    """:func:`ramp` for every schedule a plan can hold (:data:`unisched.plan.mapping.EVERY`:
+    whole-stage weights on one or several workers, each pass on any one), in ticks; 0 for the span
+    objective.
 
     Any pass may now be a worker's first or last, and a stage's replicas end the step with its
-    all-reduce (:meth:`TimedProblem.allreduce`).  Either every source stage has one weight worker,
+    all-reduce (:meth:`TimedProblem.allreduce`). Either every source stage has one weight worker,
     and then, as in :func:`ramp`, only those start at once, and only the sole holders of sink stages
     end with the step: any other worker's last pass passes data on, returns a gradient or is
     followed by its stage's all-reduce.  Or some source stage s has several: every worker may start
     at once, but s's gradient passes end an all-reduce before the step does, so only the sole
-    holders of the other sink stages end with it; and where every pass of a micro-batch comes
-    before s's gradient pass (an unsplit backward), every worker idles for that all-reduce at the
-    end.  The bound is the least over these cases.  (Where links differ, the all-reduces are
-    taken as 0: which workers hold a stage decides how long theirs takes.)  For W = S = 2, B = 8, comm 1 (an all-reduce
+    holders of the other sink stages end with it; and where every pass of a micro-batch comes before
+    s's gradient pass (an unsplit backward), every worker idles for that all-reduce at the end.  The
+    bound is the least over these cases.  (Where links differ, the all-reduces are taken as 0: which
+    workers hold a stage decides how long theirs takes.) For W = S = 2, B = 8, comm 1 (an all-reduce
     of 2), unsplit and without a memory limit: one holder of stage 0 gives 2 T >= 48 + 1 + 1,
     replicas of it 2 T >= 48 + 2 + 2, so T >= 25, where the work bound is 24."""
     if timed.problem.objective != "latency":
@@ -135,7 +136,8 @@ def every_ramp(timed: TimedProblem) -> int:
 
 
 class _Ends(NamedTuple):
-    """What a micro-batch's dependencies say about the step's two ends (:func:`ramp`)."""
+    """What a micro-batch's dependencies say about the step's two ends (:func:`ramp`,
+    :func:`every_ramp`)."""
 
     work: float
     """Every pass at its fastest, at speed 1."""

@@ -169,7 +169,7 @@ def test_the_replica_ramp_counts_the_all_reduce_of_replicated_source_stages():
     may fill that end, and a W pass need not wait for its I's worker, so the bound falls below the
     whole scheme's ramp; without a link time it is the work bound."""
     timed = timed_of((2, 2, 8), encode_costs(comm=1))
-    assert timed.allreduce()[:, 2].tolist() == [2, 2]
+    assert timed.allreduce[:, 2].tolist() == [2, 2]
     assert shape_bounds(timed.problem)["work"] == 24 and every_ramp(timed) == 25
     result = plan(2, 2, 8, encode_costs(comm=1), time_limit=20)  # CP-SAT's bounds stay at 24 here
     assert result.latency == 25 and result.optimal and result.proven_for == EVERY

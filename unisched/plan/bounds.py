@@ -97,7 +97,7 @@ def ramp(timed: TimedProblem) -> int:
     if timed.problem.objective != "latency":
         return 0
     W = timed.shape.num_workers
-    ends = _Ends.of(timed, every=False)
+    ends = _Ends.of(timed)
     return _least_step(timed, ends.work, W - min(W, len(ends.sources)), ends.head, W - min(W, len(ends.sinks)),
                        ends.tail)
 
@@ -108,7 +108,7 @@ def every_ramp(timed: TimedProblem) -> int:
     objective.
 
     Any pass may now be a worker's first or last, and a stage's replicas end the step with its
-    all-reduce (:meth:`TimedProblem.allreduce`). Either every source stage has one weight worker,
+    all-reduce (:attr:`TimedProblem.allreduce`). Either every source stage has one weight worker,
     and then, as in :func:`ramp`, only those start at once, and only the sole holders of sink stages
     end with the step: any other worker's last pass passes data on, returns a gradient or is
     followed by its stage's all-reduce.  Or some source stage s has several: every worker may start
@@ -124,8 +124,8 @@ def every_ramp(timed: TimedProblem) -> int:
     W, S, _ = timed.shape
     reduce = np.zeros(S, dtype=np.int64)  # the least all-reduce among several holders (0: unknown)
     if W > 1 and timed.problem.links_alike:
-        reduce = timed.allreduce()[:, 2:].min(axis=1)
-    ends = _Ends.of(timed, every=True, reduce=reduce)
+        reduce = timed.allreduce[:, 2:].min(axis=1)
+    ends = _Ends.of(timed, reduce)
     cases = [_least_step(timed, ends.work, W - min(W, len(ends.sources)), ends.head,
                          W - min(W, len(ends.sinks)), ends.tail)]
     for s in ends.sources if W > 1 else ():  # replicas of source stage s
@@ -153,13 +153,14 @@ class _Ends(NamedTuple):
     """Source stages whose gradient pass comes after every pass of its micro-batch."""
 
     @classmethod
-    def of(cls, timed: TimedProblem, every: bool, reduce: np.ndarray | None = None) -> "_Ends":
+    def of(cls, timed: TimedProblem, reduce: np.ndarray | None = None) -> "_Ends":
         """The ends of the whole scheme's schedules, where a W pass follows its I on one worker
-        (never a worker's first pass, nor an I its last); with ``every``, of every schedule a plan
-        can hold, where a sink stage's gradient pass may end before its all-reduce (``reduce``,
-        per stage) instead of returning its gradient."""
+        (never a worker's first pass, nor an I its last); given ``reduce`` (per stage, the least
+        all-reduce among its holders), of every schedule a plan can hold, where a sink stage's
+        gradient pass may end before its all-reduce instead of returning its gradient."""
         problem = timed.problem
         W, _, B = problem.shape
+        every = reduce is not None
         edges = timed.data_edges()
         first = np.flatnonzero(timed.batch == 0)  # a micro-batch's dependencies are every micro-batch's
         mine = np.isin(edges.src, first)

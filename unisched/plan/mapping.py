@@ -21,7 +21,7 @@ scheme's, :func:`every_schedule_applies`), places each pass
 alone (a split backward's I and W too) and lets a stage have several
 weight workers, each computing with its own copy
 (:func:`unisched.dataflow.own_copies`), whose end-of-step all-reduce
-takes :meth:`~unisched.plan.problem.TimedProblem.allreduce`; it relaxes
+takes :attr:`~unisched.plan.problem.TimedProblem.allreduce`; it relaxes
 the simulator's rules (it leaves out link contention, and waits for the
 parts of a weight pass's stash one at a time rather than summed:
 :func:`_weight_stash`), so its bound holds for
@@ -126,6 +126,24 @@ def class_breadth(name: str) -> int:
     """How wide a class of schedules is (0: every schedule), to state the widest claim proven."""
     order = (ANY_SCHEDULE, EVERY, WHOLE_SCHEME, PAIRED)
     return order.index(name) if name in order else len(order)
+
+
+def claimable(bounds: dict[str, float], classes: dict[str, str], value: float) -> tuple[dict, dict]:
+    """The bounds (and their classes) worth reporting beside a plan whose objective is ``value``:
+    every bound for every schedule; a restricted class's only where it is not above ``value`` (else
+    it says only that the plan lies outside the class) and no bound of a wider class that contains
+    it says as much (the classes nest: every schedule, those a plan can hold, the whole scheme, the
+    paired; a fixed mapping's orders lie among those a plan can hold)."""
+    def breadth(key: str) -> int:
+        name = classes[key]
+        return class_breadth(WHOLE_SCHEME) if name.startswith("orders of") else class_breadth(name)
+
+    def said_wider(key: str) -> bool:
+        return any(class_breadth(classes[other]) < breadth(key) and bounds[other] >= bounds[key] - 1e-9
+                   for other in bounds if other != key)
+
+    keep = [k for k in bounds if classes[k] == ANY_SCHEDULE or (bounds[k] <= value + 1e-9 and not said_wider(k))]
+    return {k: bounds[k] for k in keep}, {k: classes[k] for k in keep}
 
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], float]
@@ -399,7 +417,7 @@ def _solve(
     duration = timed.duration  # (items, workers)
     fetch = timed.fetch.max(axis=(0, 1))
     uniform = timed.uniform
-    reduce = timed.allreduce() if every else np.zeros((S, W + 1), dtype=np.int64)
+    reduce = timed.allreduce if every else np.zeros((S, W + 1), dtype=np.int64)
     horizon = int(duration.max(axis=1).sum() + 2 * B * S * max(timed.comm.max(initial=0), timed.stash.max(initial=0))
                   + 2 * fetch.max(initial=0) + reduce.max(initial=0) + 1)
     span = problem.objective == "span"
@@ -579,7 +597,7 @@ def _weights(model, timed: TimedProblem, places: _Places, owner, start, end, mak
 
 def _allreduces(model, timed: TimedProblem, owner, table: np.ndarray) -> list:
     """Per stage, the ticks of its end-of-step all-reduce among its weight workers (``table``:
-    :meth:`TimedProblem.allreduce`, by how many): 0 where it never takes time."""
+    :attr:`TimedProblem.allreduce`, by how many): 0 where it never takes time."""
     W, S, _ = timed.shape
     reduce: list = []
     for s in range(S):
@@ -738,7 +756,7 @@ def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = F
     if every:
         gradient = timed.direction == dataflow.gradient_pass(problem.split_backward)
         holders = [len(h) for h in dataflow.replicas(timed.stage, weight, S)]
-        reduce = timed.allreduce()[np.arange(S), holders]
+        reduce = timed.allreduce[np.arange(S), holders]
         tails = tails + np.where(gradient, reduce[timed.stage], 0)
     makespan = int(np.max(ends + tails))
     objective = None

@@ -50,8 +50,8 @@ from unisched.work import Shape, Work
 from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, mapping_bounds, ramp, shape_bounds
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
-from unisched.plan.mapping import (EVERY, PAIRED, WHOLE_SCHEME, class_breadth, every_schedule_applies, exact_links, fits,
-                                   incumbent_from, proven_class, searched_class, solve_mapping,
+from unisched.plan.mapping import (EVERY, PAIRED, WHOLE_SCHEME, claimable, class_breadth, every_schedule_applies,
+                                   exact_links, fits, incumbent_from, proven_class, searched_class, solve_mapping,
                                    whole_scheme_by_default)
 from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
@@ -523,18 +523,15 @@ class _Search:
                                    ic[0]))[1]
 
     def bounds(self, value: float) -> tuple[dict[str, float], dict[str, str]]:
-        """Every lower bound known and the class of schedules each holds for; a bound of a
-        restricted class above ``value`` (the best replay) only says the best lies outside
-        that class, and is left out."""
+        """Every lower bound known and the class of schedules each holds for, as far as each
+        says something of a plan of ``value`` (the best replay: :func:`claimable`)."""
         problem = self.problem
         bounds = dict(self.shape_bounds)
         if self.pooled_bound:
             bounds["cpsat_pooled"] = self.pooled_bound
         classes = {k: ANY_SCHEDULE for k in bounds}
-        if self.replica_ramp > max(bounds.values()) + 1e-9:  # else it says no more than those
-            bounds["replica_ramp"], classes["replica_ramp"] = self.replica_ramp, EVERY
-        if self.ramp_bound > max(bounds.values()) + 1e-9:
-            bounds["ramp"], classes["ramp"] = self.ramp_bound, WHOLE_SCHEME
+        bounds["replica_ramp"], classes["replica_ramp"] = self.replica_ramp, EVERY
+        bounds["ramp"], classes["ramp"] = self.ramp_bound, WHOLE_SCHEME
         if self.fixed:
             best = self.best()
             mapping = mapping_bounds(problem, best.schedule.compute, best.schedule.weight)
@@ -545,9 +542,7 @@ class _Search:
         for key, name, bound in self.proofs:
             if bound > bounds.get(key, -math.inf):
                 bounds[key], classes[key] = bound, name
-        keep = [k for k in bounds if classes[k] == ANY_SCHEDULE
-                or (bounds[k] <= value + 1e-9 and not _said_wider(k, bounds, classes))]
-        return {k: bounds[k] for k in keep}, {k: classes[k] for k in keep}
+        return claimable(bounds, classes, value)
 
     def contains(self, name: str, candidate: Candidate) -> bool:
         """Whether a candidate lies in a class of schedules, so that a bound for the class bounds it."""
@@ -623,17 +618,6 @@ class _Search:
             bound_classes=classes,
             interrupted=self.interrupted,
         )
-
-
-def _said_wider(key: str, bounds: dict[str, float], classes: dict[str, str]) -> bool:
-    """Whether a bound of a wider class that contains ``key``'s says as much: a restricted class's
-    bound then adds nothing (the classes nest: every schedule, those a plan can hold, the whole
-    scheme, the paired; a fixed mapping's orders lie among those a plan can hold)."""
-    breadth = class_breadth(classes[key])
-    if classes[key].startswith("orders of"):
-        breadth = class_breadth(WHOLE_SCHEME)  # within EVERY, not within the whole scheme
-    return any(class_breadth(classes[other]) < breadth and bounds[other] >= bounds[key] - 1e-9
-               for other in bounds if other != key)
 
 
 MAX_TICKS = 2**53

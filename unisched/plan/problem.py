@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from fractions import Fraction
 from typing import NamedTuple, Sequence
 
@@ -627,16 +628,18 @@ class TimedProblem:
             return np.zeros(self.shape.num_stages, dtype=np.int64)
         return table[~np.eye(W, dtype=bool)].min(axis=0)
 
+    @cached_property
     def allreduce(self) -> np.ndarray:
         """(S, W + 1) table: the ticks, rounded down, of a stage's end-of-step all-reduce among k
         holders of its weights (k = 0, 1: none), as :func:`unisched.network.allreduce_time` prices it
-        over the first k workers (exact where every link is alike)."""
+        over the first k workers (exact where every link is alike); worked out once per problem."""
         W, S, _ = self.shape
         nbytes = self.problem.costs.per_stage("weight_bytes", S)
         table = np.zeros((S, W + 1), dtype=np.int64)
         for k in range(2, W + 1):
             seconds = np.asarray(allreduce_time(self.problem.costs, list(range(k)), nbytes), dtype=float)
             table[:, k] = np.floor(seconds * self.ticks.scale + 1e-6).astype(np.int64)
+        table.setflags(write=False)
         return table
 
     def least_delays(self, edges: DataEdges) -> np.ndarray:

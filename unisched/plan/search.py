@@ -69,7 +69,7 @@ from unisched.work import BACKWARD_WEIGHT, FORWARD
 from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, ramp, shape_bounds
 from unisched.plan.family import (NOT_SIMULATED, Member, constructed_members, measures, registry_members, search_family,
                                   unplannable)
-from unisched.plan.mapping import EVERY, WHOLE_SCHEME, fits
+from unisched.plan.mapping import EVERY, WHOLE_SCHEME, claimable, fits
 from unisched.plan.order import capacity as stash_capacity
 from unisched.plan.order import live_stashes, memory_demands, releases, solve_order, step_tails
 from unisched.plan.planfile import Plan, objective_value
@@ -900,11 +900,10 @@ class _Run:
         self._announce(final=stop)
         value = self.best_value
         bounds, classes = dict(self.bounds), {name: ANY_SCHEDULE for name in self.bounds}
+        bounds["replica_ramp"], classes["replica_ramp"] = self.replica_ramp, EVERY
+        bounds["ramp"], classes["ramp"] = self.ramp, WHOLE_SCHEME
+        bounds, classes = claimable(bounds, classes, value)
         held = max(self.bound, self.replica_ramp)  # for every schedule a plan can hold
-        if self.replica_ramp > self.bound:
-            bounds["replica_ramp"], classes["replica_ramp"] = self.replica_ramp, EVERY
-        if held < self.ramp <= value * (1 + 1e-9):  # above the best: it only says the best lies outside
-            bounds["ramp"], classes["ramp"] = self.ramp, WHOLE_SCHEME
         bound_for = WHOLE_SCHEME if self.best_bound > held else EVERY if self.best_bound > self.bound else ANY_SCHEDULE
         proven_for = bound_for if value <= self.best_bound * (1 + 1e-9) else ""
         rows = [self._row(label, source, sim, bool(proven_for))]

@@ -545,15 +545,29 @@ def test_a_module_in_two_taskgraphs_is_an_error():
             use()
 
 
-def test_an_empty_scope_is_an_error():
-    started = torch.distributed.is_initialized()
+def test_an_empty_scope_is_an_error(monkeypatch):
+    def start(*args):
+        pytest.fail("a process group was started before the annotations were checked")
+
+    monkeypatch.setattr("unisched.epl.trainer.ensure_process_group", start)
     with epl.replicate(1, name="empty"):
         pass
     for use in (epl.simulate, epl.strategy, epl.placement,
                 lambda: epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))):
         with pytest.raises(ScopeError, match="'empty'"):
             use()
-    assert torch.distributed.is_initialized() == started  # refused before a process group was started
+
+
+def test_a_placement_that_cannot_be_made_is_refused_before_a_process_group_starts(monkeypatch):
+    def start(*args):
+        pytest.fail("a process group was started before the placement was made")
+
+    monkeypatch.setattr("unisched.epl.trainer.ensure_process_group", start)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # or the group an earlier test left, of 1: neither holds 2 devices a replica
+    with epl.replicate(2, name="a"):
+        nn.Linear(2, 2)
+    with pytest.raises(unisched.UniSchedError, match="not divisible by the 2 devices"):
+        epl.Trainer(nn.MSELoss(), lambda params: torch.optim.SGD(params, lr=0.1))
 
 
 def test_groups_are_gangs_in_the_simulation():

@@ -74,10 +74,10 @@ class Trainer:
         _check_runtime(runtime)
         self.env = Env.get()
         self.config = self.env.config
-        taskgraphs = self.env.checked_taskgraphs()  # refused before any process group is started
-        ensure_process_group(float(options.get("timeout", 300.0)))
+        taskgraphs = self.env.checked_taskgraphs()  # annotations refused before any process group is started
         self.placement: Placement = place(taskgraphs, self.config, world_size())
         self.strategy: Strategy = compile_strategy(self.placement, self.config)
+        ensure_process_group(float(options.get("timeout", 300.0)))
         self.loss_fn = loss_fn
         self.rank = dist.get_rank()
         self.runtime = SCHEDULE

@@ -32,6 +32,7 @@ from unisched.execute import (
     train_one_process,
 )
 from unisched.execute.launch import run_local
+from unisched.execute.measure import UnmeasuredBandwidth
 from unisched.timeline import Timeline, TransferRecord, WorkRecord
 
 WIDTH = 8
@@ -240,7 +241,7 @@ def test_calibrate_costs_fits_the_bandwidth_of_fetched_weights_and_returned_grad
     alone = Timeline.from_records((2, 2, 2), records, transfers[3:], source="measured")  # none with a span
     assert calibrate_costs(alone).bandwidth == float("inf")  # nothing says how long bytes take
     weighed = Timeline.from_records((2, 2, 2), records, transfers[3:], weight_bytes=[400, 400], source="measured")
-    with pytest.warns(UserWarning, match="moved no weights and ran no all-reduce, so the bandwidth is left infinite"):
+    with pytest.warns(UnmeasuredBandwidth, match="moved no weights and ran no all-reduce, so the bandwidth is left"):
         assert calibrate_costs(weighed).bandwidth == float("inf")  # weights a plan may fetch: said
 
 

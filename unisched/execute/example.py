@@ -277,6 +277,7 @@ def check_line(check: dict) -> str:
 
 def _train(args, trainer, schedule, data, B: int) -> dict:
     from unisched.execute import calibrate_costs, predict
+    from unisched.execute.measure import UnmeasuredBandwidth
 
     run = train_steps(trainer, data, args, B * args.rows_per_batch, tokens_per_row=TOKENS_PER_ROW[args.model],
                       quiet=args.json)
@@ -289,7 +290,7 @@ def _train(args, trainer, schedule, data, B: int) -> dict:
     }
     if trainer.rank == 0 and len(timelines) >= 3:
         with warnings.catch_warnings():  # it predicts the schedule measured: what that moves is priced
-            warnings.filterwarnings("ignore", message="calibrate_costs: the measured steps moved no weights")
+            warnings.simplefilter("ignore", UnmeasuredBandwidth)
             costs = calibrate_costs(timelines[1 : len(timelines) // 2 + 1])
         measured = [t.latency for t in timelines[len(timelines) // 2 + 1 :]]
         predicted = predict(schedule, costs).latency

@@ -229,6 +229,11 @@ def _served_work(program, msg) -> Work | None:
 
 
 # ---------------------------------------------------------------------- calibration
+class UnmeasuredBandwidth(UserWarning):
+    """:func:`calibrate_costs` found nothing to measure the bandwidth by (no weights moved, no
+    all-reduce ran) while the stages have weights: it is left infinite."""
+
+
 def calibrate_costs(
     timelines: Timeline | Iterable[Timeline],
     *,
@@ -314,7 +319,7 @@ def calibrate_costs(
             warnings.warn("calibrate_costs: the measured steps moved no weights and ran no all-reduce, so the "
                           "bandwidth is left infinite and a plan made with these costs fetches weights for free; "
                           "calibrate under a schedule that moves weights (fsdp, a plan that fetches them), or set "
-                          "Costs.bandwidth", stacklevel=2)
+                          "Costs.bandwidth", UnmeasuredBandwidth, stacklevel=2)
     return Costs(**fields)
 
 

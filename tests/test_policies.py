@@ -137,6 +137,22 @@ def test_zero_bubble_h2_bubble_and_memory(p, m):
     assert 1.5 <= ratio < 2
 
 
+@pytest.mark.parametrize("times, h1_bubble, h2_idle", [
+    ((1, 2, 1), 6, [3, 2, 1, 0]),  # the ZB-H1 form holds (3 x 2); ZB-H2 idles inside the spans
+    ((2, 1, 1), 6, [3, 2, 1, 0]),
+    ((1, 1, 2), 3, [0, 0, 0, 0]),  # the ZB-H1 form says 0: W passes longer than F and I leave its fill
+])
+def test_the_zero_bubble_forms_hold_at_the_papers_equal_times_only(times, h1_bubble, h2_idle):
+    """The closed forms above are the paper's, at T_F = T_B = T_W.  W = S = 4, B = 8 under other
+    times: ZB-H1's bubble is (p - 1)(T_F + T_B - T_W) on the two where T_W is not the longest, and
+    ZB-H2 leaves no idle time inside the workers' spans on the one where T_F = T_B (README)."""
+    F, I, W = times
+    costs = Costs(forward=F, backward_input=I, backward_weight=W)
+    h1 = run("zb_h1", 4, 4, 8, costs=costs)
+    assert h1.latency - h1.timeline.busy_time.max() == h1_bubble
+    assert spans_idle(run("zb_h2", 4, 4, 8, costs=costs).timeline).tolist() == h2_idle
+
+
 @pytest.mark.parametrize("p, m", [(4, 8), (2, 4), (3, 9), (6, 12)])
 def test_zbv_reaches_the_fill_bound_at_one_f_one_b_memory(p, m):
     sim = run("zbv", p, 2 * p, m, costs=SPLIT)

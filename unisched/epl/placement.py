@@ -27,7 +27,7 @@ from unisched.epl.config import Config
 from unisched.epl.scopes import SPLIT, ScopeError, TaskGraph
 from unisched.simulate import BackwardFirst, Costs, OldestStageFirst, simulate
 from unisched.strategy import Gang, Strategy
-from unisched.work import ComputeAndWeightWorkers, Shape, Work
+from unisched.work import ComputeAndWeightWorkers, Shape, Work, is_whole
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Placement:
 
 def place(taskgraphs: Sequence[TaskGraph | StageInfo], config: Config, world_size: int) -> Placement:
     """EPL's placement of ``taskgraphs`` on ``world_size`` devices."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+    if not is_whole(world_size):
         raise ShapeError(f"the world size must be a positive number of devices, got {world_size!r}")
     if not taskgraphs:
         raise ScopeError(

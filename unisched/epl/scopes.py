@@ -30,6 +30,7 @@ from torch.nn.modules.loss import _Loss
 from unisched.epl.config import Config, ConfigError
 from unisched.epl.tensor_parallel import check_split
 from unisched.errors import UniSchedError
+from unisched.work import is_whole
 
 
 class ScopeError(UniSchedError):
@@ -80,7 +81,7 @@ class Scope:
     or an argument to :func:`set_default_strategy`."""
 
     def __init__(self, kind: str, device_count: int | None, name: str | None):
-        if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 1:
+        if not is_whole(device_count):
             raise ScopeError(
                 f"epl.{kind}(device_count=...) needs a positive integer number of devices per model replica, "
                 f"got {device_count!r}"

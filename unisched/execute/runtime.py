@@ -128,7 +128,7 @@ from unisched.execute.program import (
     value_stage,
 )
 from unisched.timeline import Timeline
-from unisched.work import BACKWARD, BACKWARD_WEIGHT, FORWARD, StageGraph, Work, as_stage_graph
+from unisched.work import BACKWARD, BACKWARD_WEIGHT, FORWARD, StageGraph, Work, as_stage_graph, is_whole
 
 DEFAULT_TIMEOUT = 300.0
 SETTLE_WITHIN = 8
@@ -481,7 +481,7 @@ class Trainer:
         weights the Trainer keeps (``Costs.tied_weights``)."""
         from unisched.execute.measure import calibrate_costs
 
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        if not is_whole(steps, 2):
             raise ShapeError(
                 f"calibrate needs steps >= 2 (the first is a warm-up the costs leave out), got {steps!r}"
             )

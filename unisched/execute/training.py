@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 
 from unisched.errors import ShapeError
 from unisched.execute.stages import is_factory
+from unisched.work import is_whole
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Precision name -> the compute dtype autocast runs in (None: no autocast)."""
@@ -198,10 +199,10 @@ def check_options(stages, loss_fn, optimizer, *, timeout, lookahead, record, **t
     check_training_options(stages, loss_fn, optimizer, **training)
     if not _positive(timeout):
         raise ShapeError(f"timeout must be a positive, finite number of seconds, got {_shown(timeout)}")
-    if not _whole(lookahead) or lookahead < 0:
+    if not is_whole(lookahead, 0):
         raise ShapeError(f"lookahead must be a whole number of items >= 0 (how early a receive is posted), "
                          f"got {_shown(lookahead)}")
-    if not isinstance(record, bool) and (not _whole(record) or record < 1):
+    if not isinstance(record, bool) and not is_whole(record):
         raise ShapeError(f"record must be True, False or a whole number N >= 1 (record every N-th step), "
                          f"got {_shown(record)}")
 
@@ -216,7 +217,7 @@ def check_training_options(stages, loss_fn, optimizer, *, seed, precision, clip_
             raise ShapeError(f"{name} must be callable, got {_shown(value)}"
                              + ("; pass a factory: lambda params: torch.optim.SGD(params, lr=0.1)"
                                 if name == "optimizer" else "; pass loss_fn(output, target) -> scalar tensor"))
-    if not _whole(seed):
+    if not is_whole(seed, -math.inf):
         raise ShapeError(f"seed must be a whole number, got {_shown(seed)}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ShapeError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {_shown(precision)}")
@@ -226,7 +227,7 @@ def check_training_options(stages, loss_fn, optimizer, *, seed, precision, clip_
     if scheduler is not None and not callable(scheduler):
         raise ShapeError(f"scheduler must be a factory optimizer -> LRScheduler (e.g. lambda opt: "
                          f"torch.optim.lr_scheduler.StepLR(opt, 10)) or None, got {_shown(scheduler)}")
-    if not _whole(accumulate) or accumulate < 1:
+    if not is_whole(accumulate):
         raise ShapeError(f"accumulate must be a whole number >= 1 (steps whose gradients add up before one "
                          f"optimizer step), got {_shown(accumulate)}")
     _check_loss_scale(precision, loss_scale_options)
@@ -270,17 +271,13 @@ def _check_loss_scale(precision: str, options) -> None:
     merged = {**LOSS_SCALE_DEFAULTS, **options}
     if not (_positive(merged["init_scale"]) and _positive(merged["growth_factor"]) and merged["growth_factor"] >= 1
             and _positive(merged["backoff_factor"]) and merged["backoff_factor"] < 1
-            and _whole(merged["growth_interval"]) and merged["growth_interval"] >= 1):
+            and is_whole(merged["growth_interval"])):
         raise ShapeError(f"loss_scale {options!r}: init_scale must be > 0, growth_factor >= 1, 0 < "
                          f"backoff_factor < 1 and growth_interval a whole number >= 1")
 
 
 def _positive(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _shown(value) -> str:

@@ -49,7 +49,7 @@ from unisched.metrics import gap, stage_spans
 from unisched.render import FORMATS
 from unisched.simulate.simulation import Simulation, check_size
 from unisched.strategy import Strategy
-from unisched.work import Shape, Work, positive_count
+from unisched.work import Shape, Work, is_whole, positive_count
 
 from unisched.plan.bounds import ANY_SCHEDULE, shape_bounds
 from unisched.plan.mapping import class_breadth
@@ -507,7 +507,7 @@ def _shape(fields: Mapping, source: str) -> Shape:
         raise PlanFileError(f"{source} is malformed: 'shape' must have exactly the fields {list(Shape._fields)}, "
                             f"got {sorted(fields)}")
     for key, value in fields.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not is_whole(value):
             raise PlanFileError(f"{source} is malformed: shape.{key} must be a positive integer, got {value!r}")
     return Shape(**{k: fields[k] for k in Shape._fields})
 

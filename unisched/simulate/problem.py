@@ -221,13 +221,9 @@ class Problem:
                      for column, extra in zip(rows, self.weight_share_table))
 
     @cached_property
-    def gradient_links(self) -> tuple[np.ndarray, ...]:
-        """(item, holder, share, bytes) of the rows of :attr:`weight_links`
-        whose pass makes the stage's weight gradient (what its all-reduces
-        sum)."""
-        item, _, holder, share, size = self.weight_links
-        last = self.direction[item] == dataflow.gradient_pass(self.split_backward)
-        return item[last], holder[last], share[last], size[last]
+    def gradient_items(self) -> np.ndarray:
+        """The items whose pass makes their stage's weight gradient, in id order."""
+        return np.flatnonzero(self.direction == dataflow.gradient_pass(self.split_backward))
 
     @cached_property
     def weight_pieces(self) -> np.ndarray:

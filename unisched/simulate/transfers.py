@@ -190,7 +190,7 @@ def _gradient_ready(p: Problem, end: np.ndarray, returned_stage, returned_end) -
     """Per stage, when its holders have all of its gradient: the end of its
     last gradient pass and the arrival of every gradient returned to a
     holder (``returned_*``: their stage and arrival)."""
-    item = p.gradient_links[0]
+    item = p.gradient_items
     ready = np.full(p.shape.num_stages, -np.inf)
     np.maximum.at(ready, p.stage[item], end[item])
     np.maximum.at(ready, np.asarray(returned_stage, dtype=np.int64), np.asarray(returned_end, dtype=float))
@@ -199,7 +199,7 @@ def _gradient_ready(p: Problem, end: np.ndarray, returned_stage, returned_end) -
 
 def _first_gradient_pass(p: Problem) -> np.ndarray:
     """Per stage, its first gradient pass (an item), which transfer rows of its all-reduces name."""
-    item = p.gradient_links[0]
+    item = p.gradient_items
     first = np.full(p.shape.num_stages, -1)
     first[p.stage[item][::-1]] = item[::-1]
     return first

@@ -48,7 +48,7 @@ from unisched.flags import (
     splits_backward,
 )
 from unisched.render.text import add_color_arguments
-from unisched.work import FORWARD, directions
+from unisched.work import FORWARD, directions, name_key
 
 DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
 
@@ -558,9 +558,7 @@ def _simulate(args, name: str, params: dict, options: dict):
         if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
             strategy = strategy.with_(name=label_of(name, params))
     if options["priority_order"] is not None and strategy.worker_orders is None:  # else simulate refuses it
-        from unisched.simulate.priorities import priority_key
-
-        flag = priority_key(args.priority)
+        flag = name_key(args.priority)
         if "priority" in params and strategy.params.get("priority") != flag:  # the value as the strategy read it
             raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
                                 "give the priority once")

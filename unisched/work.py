@@ -100,6 +100,19 @@ def is_whole(value, least: int = 1) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least  # numpy's bool is no Integral
 
 
+def name_key(text: str) -> str:
+    """A name as given (a strategy, a priority, a parameter's value) as it is looked up and compared:
+    without surrounding spaces and one pair of quotes, dashes as underscores, in lower case
+    (``"'Backward-First'"`` -> ``backward_first``)."""
+    return unquoted(text).replace("-", "_").lower()
+
+
+def unquoted(text: str) -> str:
+    """``text`` without surrounding spaces and one pair of matching quotes around the rest."""
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
 def positive_count(name: str, value, where: str = "") -> int:
     """``value`` as a positive Python integer (a numpy one taken as such), or an error naming it
     (after ``where``, e.g. the function it was given to)."""

@@ -38,7 +38,7 @@ from unisched.policies.seed import cuckoo, overflow
 from unisched.policies.torch_interop import TorchCSVError, from_torch_csv, to_torch_csv, torch_orders
 from unisched.policies.zero_bubble import dualpipe_v, dualpipe_v_order, zb_h1, zb_h2, zbv
 from unisched.strategy import Strategy, as_strategy
-from unisched.work import Shape
+from unisched.work import Shape, name_key
 
 _REGISTRY: dict[str, Entry] = {
     entry.name: entry
@@ -71,7 +71,7 @@ def names() -> list[str]:
 def entry(name: str) -> Entry:
     """The registry entry of ``name`` (dashes and case are forgiven), or of
     one of torch's schedule classes by its class name or short name."""
-    key = str(name).strip().lower().replace("-", "_")
+    key = name_key(str(name))
     found = _REGISTRY.get(key) or _BARE.get(key.replace("_", "")) or _ALIASES.get(key.replace("_", ""))
     if found is None:
         raise UnknownStrategyError(

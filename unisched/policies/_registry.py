@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from unisched.errors import ShapeError, UniSchedError
 from unisched.strategy import Strategy
-from unisched.work import Shape
+from unisched.work import Shape, name_key, unquoted
 
 
 class UnknownStrategyError(UniSchedError, ValueError):
@@ -82,13 +82,11 @@ class Param:
 
 
 def _name_of(value: str, choices: tuple | None) -> str:
-    """A string parameter as given, quotes stripped; one of ``choices`` also in another case or with
-    dashes (``Backward-First``: ``backward_first``), as ``--priority`` and strategy names read."""
-    value = value.strip()
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        value = value[1:-1]
-    folded = value.replace("-", "_").lower()
-    return folded if choices is not None and value not in choices and folded in choices else value
+    """A string parameter as given, quotes stripped; one of ``choices`` as it is looked up
+    (:func:`unisched.work.name_key`: ``Backward-First`` is ``backward_first``), as ``--priority``
+    and strategy names read."""
+    key = name_key(value)
+    return key if choices is not None and key in choices else unquoted(value)
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from unisched.policies._registry import StrategyParameterError
+from unisched.work import name_key
 
 
 def label_of(name: str, params: dict) -> str:
@@ -46,7 +47,7 @@ def strategy_spec(text: str, params: dict | None = None) -> tuple[str, dict[str,
     name, inline = parse_label(str(text))
     inline = {key.replace("-", "_"): value for key, value in inline.items()}
     for key in sorted(inline.keys() & params.keys()):
-        if str(inline[key]).strip().lower() != str(params[key]).strip().lower():  # true and True alike
+        if name_key(str(inline[key])) != name_key(str(params[key])):  # true and True, a-b and a_b alike
             raise StrategyParameterError(
                 f"strategy {text!r} sets {key}={inline[key]} but {key}={params[key]} is given beside it (--param "
                 f"or a keyword); give it once"

@@ -19,7 +19,7 @@ import numpy as np
 
 from unisched.errors import ShapeError
 from unisched.strategy import works
-from unisched.work import FORWARD, Work
+from unisched.work import FORWARD, Work, name_key
 
 Priority = Callable[[Work], Any]
 
@@ -87,14 +87,9 @@ BUILTIN_PRIORITIES = {
 }
 
 
-def priority_key(name: str) -> str:
-    """A priority's name as :data:`BUILTIN_PRIORITIES` keys it ("Backward-First" -> "backward_first")."""
-    return name.replace("-", "_").lower()
-
-
 def priority_by_name(name: str, num_stages: int, num_batches: int) -> _BuiltinPriority:
     try:
-        return BUILTIN_PRIORITIES[priority_key(name)](num_stages, num_batches)
+        return BUILTIN_PRIORITIES[name_key(name)](num_stages, num_batches)
     except KeyError:
         raise ShapeError(
             f"unknown priority {name!r}; choose one of {', '.join(BUILTIN_PRIORITIES)}"

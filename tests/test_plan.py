@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import unisched
 from unisched import Costs, Strategy, simulate
 from unisched.plan import PlanFileError, PlanInputError, encode_costs, load_plan, plan, shape_bounds
-from unisched.plan.command import add_arguments, run
+from unisched.plan.command import _is_demo, add_arguments, run
 from unisched.plan.family import stages_held
 from unisched.plan.mapping import EVERY
 from unisched.plan.order import solve_order
@@ -539,3 +539,11 @@ def test_a_strategy_keeps_its_own_stash_limit_when_the_costs_count_bytes():
     ours = [row for row in result.candidates if row["strategy"] == "one_f_one_b"]
     assert ours and ours[0]["latency"] == simulate(4, 4, 8, unisched.policies.get("one_f_one_b", 4, 4, 8),
                                                    costs=costs).latency
+
+
+def test_any_cost_flag_plans_that_problem_not_the_demo():
+    """``--comm 0`` and ``--fetch 0`` are flags of the problem as much as ``--comm 1``: given, the
+    step is planned as given, without the demo's memory limit (as ``simulate --plan`` reads them)."""
+    assert _is_demo(parse([]))
+    for flags in (["--comm", "0"], ["--fetch", "0"], ["--comm", "1"]):
+        assert not _is_demo(parse(flags))

@@ -522,21 +522,14 @@ def check_size(shape, split_backward: bool) -> None:
     simulator_check(shape, split_backward)
 
 
-def _costs(args, shape: tuple[int, int]):
-    """The costs of the flags, read as ``unisched plan`` reads them and checked against (W, S) once,
-    rather than once per strategy (:func:`unisched.plan.command.costs_from_flags`)."""
-    from unisched.plan.command import costs_from_flags
-
-    return costs_from_flags(args, encode_free_links=False, shape=shape)
-
-
 def _step_options(args) -> dict:
     """What every strategy of a command is simulated with (the costs, the
     memory limit, a priority), read once from the flags."""
+    from unisched.plan.command import costs_from_flags  # read as ``unisched plan`` reads them
     from unisched.simulate.priorities import priority_by_name
 
     W, S, B = _shape(args)
-    costs = _costs(args, (W, S))
+    costs = costs_from_flags(args, (W, S), encode_free_links=False)
     return {
         "priority_order": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
         "costs": costs,

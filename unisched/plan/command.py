@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--time-limit must be a positive number of seconds, got {time_limit:g}")
     outputs = _outputs(args.out)
     check_width(args.width, "--width")
-    costs = costs_from_flags(args, shape=(W, S))
+    costs = costs_from_flags(args, (W, S))
     split = split_from(costs, None)  # the flags' halves are in the costs now
     budget = numbers("--memory-budget", args.memory_budget, W, "workers", error=PlanInputError)
     optimizer = numbers("--optimizer-bytes", args.optimizer_bytes, S, "stages", error=PlanInputError)
@@ -349,32 +349,30 @@ def _diagram(result: Plan, width: int, color: bool | str | None) -> str:
 def _is_demo(args: argparse.Namespace) -> bool:
     given = (args.workers, args.stages, args.batches, args.forward, args.backward, args.backward_input,
              args.backward_weight, args.costs, args.memory_limit, args.max_stages_per_worker, args.strategy,
-             args.memory_budget, args.optimizer_bytes, args.topology)
-    return all(value is None for value in given) and not args.comm and not args.fetch and not args.param
+             args.memory_budget, args.optimizer_bytes, args.topology, args.comm, args.fetch)
+    return all(value is None for value in given) and not args.param
 
 
-def costs_from_flags(args: argparse.Namespace, encode_free_links: bool = True,
-                     shape: tuple[int, int] | None = None) -> Costs:
+def costs_from_flags(args: argparse.Namespace, shape: tuple[int, int], encode_free_links: bool = True) -> Costs:
     """The costs file, or the costs ``--comm`` and ``--fetch`` encode, with the time flags put in
     (:meth:`Costs.with_times`); with ``--topology``, on that cluster, from the file (or the
     defaults).  Every verb that takes costs (simulate, compare, plan) reads its flags here.
     Without any of these, ``encode_free_links`` gives the planner's encoding of links that take
     no time (:func:`encode_costs`), else :class:`Costs`' defaults (what ``simulate`` shows).
-    With ``shape`` (W, S) the costs are checked against it once, a costs file's faults named
-    with the file."""
-    costs = _costs_from_flags(args, encode_free_links)
-    if shape is not None:
-        try:
-            costs.check(*shape)
-        except ShapeError as error:
-            if not args.costs or args.topology:
-                raise
-            W, S = shape
-            raise PlanInputError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
+    The costs are checked against ``shape`` (W, S) before anything runs, a costs file's faults
+    named with the file."""
+    costs = _read_costs(args, encode_free_links)
+    try:
+        costs.check(*shape)
+    except ShapeError as error:
+        if not args.costs or args.topology:
+            raise
+        W, S = shape
+        raise PlanInputError(f"costs file {args.costs}: {error} (W={W}, S={S}): fix the file or the shape") from None
     return costs
 
 
-def _costs_from_flags(args: argparse.Namespace, encode_free_links: bool) -> Costs:
+def _read_costs(args: argparse.Namespace, encode_free_links: bool) -> Costs:
     for flag, value in (("--costs", args.costs), ("--topology", args.topology)):
         if value is not None and not str(value).strip():
             raise PlanInputError(f"{flag} was given an empty name: give a file (or, for --topology, a preset such "

@@ -13,7 +13,7 @@ import pytest
 from unisched import Costs
 from unisched.plan import encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, ramp, shape_bounds
-from unisched.plan.mapping import EVERY, fits, solve_mapping
+from unisched.plan.mapping import EVERY, WHOLE_SCHEME, fits, solve_mapping
 from unisched.plan.problem import PlanProblem, TimedProblem
 from unisched.plan.schedule import Schedule
 from unisched.work import Shape
@@ -41,7 +41,7 @@ def test_the_ramp_is_never_above_the_proven_optimum_of_its_class(shape, costs, m
     """Never above the whole-scheme model's proven optimum, and equal to it (``tight``) on five of
     these steps, where the bounds for every schedule fall short."""
     timed = timed_of(shape, costs, memory, split)
-    solved = solve_mapping(timed, time_limit=60, whole=True, num_workers=2)
+    solved = solve_mapping(timed, time_limit=60, scheme=WHOLE_SCHEME, num_workers=2)
     assert solved.optimal and timed.ticks.time(solved.objective) == optimum
     bound = timed.ticks.time(ramp(timed))
     assert bound <= optimum
@@ -127,7 +127,7 @@ def test_a_split_backwards_passes_apart_escape_the_ramp():
     schedule = Schedule(problem, compute, weight,
                         {w: [int(items.id(b, 0, d)) for b, d in passes] for w, passes in orders.items()})
     assert schedule.simulate().latency == 11 < ramp(timed) == 12
-    assert not fits(timed, compute, weight, whole=True)
+    assert not fits(timed, compute, weight, WHOLE_SCHEME)
     assert every_ramp(timed) == 11  # a W pass may be a worker's first, and an I its last
 
 
@@ -156,7 +156,7 @@ def test_the_replica_ramp_is_never_above_the_proven_optimum_of_every_schedule_a_
     """Never above the every-schedule model's proven optimum (replicas and passes apart allowed;
     the model's all-reduces are rounded down to whole ticks, as the replica ramp's are)."""
     timed = timed_of(shape, costs, None, split)
-    solved = solve_mapping(timed, time_limit=60, whole=True, every=True, num_workers=2)
+    solved = solve_mapping(timed, time_limit=60, scheme=EVERY, num_workers=2)
     assert solved.optimal and timed.ticks.time(solved.objective) == optimum
     assert timed.ticks.time(every_ramp(timed)) <= optimum
 

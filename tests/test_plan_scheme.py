@@ -52,7 +52,7 @@ def test_whole_scheme_model_finds_43_where_paired_passes_give_48():
     planner claimed 48 optimal)."""
     problem = PlanProblem(Shape(2, 4, 4), encode_costs(comm=1), memory_limit=2)
     timed = TimedProblem.build(problem)
-    solved = solve_mapping(timed, time_limit=60, whole=True, asap_replay=False)
+    solved = solve_mapping(timed, time_limit=60, scheme=WHOLE_SCHEME, asap_replay=False)
     assert solved.optimal and solved.objective == 43
     # its start times as release times: the simulator replays it exactly as planned, within the limit
     replay = Schedule.planned(timed, solved.compute, solved.weight, solved.starts).simulate()
@@ -68,7 +68,7 @@ def test_a_periodic_mapping_search_places_micro_batches_alike_and_claims_no_boun
     problem = PlanProblem(Shape(2, 4, 4), encode_costs(comm=1), memory_limit=2)
     timed = TimedProblem.build(problem)
     bounds = []
-    solved = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False, period=2,
+    solved = solve_mapping(timed, time_limit=30, scheme=WHOLE_SCHEME, asap_replay=False, period=2,
                            report=lambda objective, bound, seconds: bounds.append(bound))
     assert solved.found and solved.bound == 0 and not solved.optimal
     assert bounds and bounds == [None] * len(bounds), "its progress reports no bound either"
@@ -79,18 +79,16 @@ def test_a_periodic_mapping_search_places_micro_batches_alike_and_claims_no_boun
     assert replay.latency == solved.objective / timed.ticks.scale
 
 
-@pytest.mark.parametrize("shape, costs, memory, optimum", [
-    ((2, 2, 8), encode_costs(comm=1), 1, 49),
-    ((3, 2, 4), encode_costs(backward_input=1, backward_weight=1, comm=1), 1, 15),  # the whole scheme's: 17
-    ((2, 4, 8), encode_costs(comm=1), None, 49),  # proven at once by CP-SAT's fixed search (3 workers)
+@pytest.mark.parametrize("shape, costs, memory, optimum, proven", [
+    ((2, 2, 8), encode_costs(comm=1), 1, 49, ANY_SCHEDULE),
+    ((3, 2, 4), encode_costs(backward_input=1, backward_weight=1, comm=1), 1, 15, EVERY),  # the whole scheme's: 17
+    ((2, 4, 8), encode_costs(comm=1), None, 49, EVERY),  # the replica ramp's
 ])
-def test_small_steps_are_planned_to_their_proven_optimum(shape, costs, memory, optimum):
-    """Exact references: the plan meets a bound proven over the whole scheme (or every schedule),
-    and replays to it."""
+def test_small_steps_are_planned_to_their_proven_optimum(shape, costs, memory, optimum, proven):
+    """Exact references: the plan meets a bound proven for the class named, and replays to it."""
     result = plan(*shape, costs, memory_limit=memory, time_limit=10)
     assert result.latency == optimum and result.simulate().latency == optimum
-    assert result.optimal and result.lower_bound == optimum
-    assert result.proven_for in (WHOLE_SCHEME, EVERY, ANY_SCHEDULE)
+    assert result.optimal and result.lower_bound == optimum and result.proven_for == proven
 
 
 SPLIT_COMM_1 = encode_costs(backward_input=1, backward_weight=1, comm=1)
@@ -102,7 +100,7 @@ def test_every_schedule_beats_the_whole_schemes_optimum_with_a_split_backward():
     apart gives 12, which the model over every schedule a plan can hold proves."""
     problem = PlanProblem(Shape(2, 3, 2), SPLIT_COMM_1, memory_limit=2, split_backward=True)
     timed = TimedProblem.build(problem)
-    whole = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False)
+    whole = solve_mapping(timed, time_limit=30, scheme=WHOLE_SCHEME, asap_replay=False)
     assert whole.optimal and timed.ticks.time(whole.objective) == 14
 
     result = plan(2, 3, 2, SPLIT_COMM_1, memory_limit=2, split_backward=True, time_limit=10)
@@ -110,7 +108,6 @@ def test_every_schedule_beats_the_whole_schemes_optimum_with_a_split_backward():
     assert result.bounds["cpsat_every_schedule"] == 12
     replay = result.simulate()
     assert replay.latency == 12 and max(replay.worker_stats()["max_activation_storage"]) <= 2
-    assert not mapping.fits(timed, result.schedule.compute, result.schedule.weight, whole=True)
     compute = result.schedule.compute[problem.item_grid()]  # (batch, stage, pass): F, I, W
     assert np.any(compute[:, :, 1] != compute[:, :, 2])  # some I and W run apart
 
@@ -137,13 +134,13 @@ def test_replicated_weights_are_searched_and_proven_beyond_the_whole_scheme(spli
         assert whole.latency == 10 and whole.optimal and whole.proven_for == WHOLE_SCHEME
 
 
-@pytest.mark.parametrize("shape, costs, memory", [
-    ((2, 2, 2), SPLIT_COMM_1, 2),
-    ((2, 2, 2), SPLIT_COMM_1, 1),
-    ((3, 1, 3), encode_costs(fetch=1), None),  # replicas, an all-reduce of 4/3 (rounded down to 1)
-    ((2, 3, 2), encode_costs(comm=1), None),
+@pytest.mark.parametrize("shape, costs, memory, whole_ticks", [
+    ((2, 2, 2), SPLIT_COMM_1, 2, True),
+    ((2, 2, 2), SPLIT_COMM_1, 1, True),
+    ((3, 1, 3), encode_costs(fetch=1), None, False),  # replicas, an all-reduce of 4/3 (rounded down to 1)
+    ((2, 3, 2), encode_costs(comm=1), None, True),
 ])
-def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memory):
+def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memory, whole_ticks):
     """The model over every schedule a plan can hold leaves out link contention and the sum of a
     weight pass's stash parts, so its bound must stay at or below any such schedule the simulator
     runs: the registry's strategies and random mappings (compute and weight worker per pass:
@@ -154,7 +151,7 @@ def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memor
     split = costs.backward_input is not None
     problem = PlanProblem(Shape(*shape), costs, memory_limit=memory, split_backward=split)
     timed = TimedProblem.build(problem)
-    solved = solve_mapping(timed, time_limit=30, whole=True, every=True, asap_replay=False)
+    solved = solve_mapping(timed, time_limit=30, scheme=EVERY, asap_replay=False)
     assert solved.optimal
     bound = timed.ticks.time(solved.bound)
     rng = np.random.default_rng(1)
@@ -176,7 +173,7 @@ def test_every_schedules_bound_is_below_every_schedule_tried(shape, costs, memor
     replay = Schedule.planned(timed, solved.compute, solved.weight, solved.starts).simulate()
     assert replay.latency >= bound - 1e-9
     assert min(latencies + [replay.latency]) >= timed.ticks.time(every_ramp(timed)) - 1e-9  # the same class
-    if shape != (3, 1, 3):
+    if whole_ticks:
         assert replay.latency == bound
 
 
@@ -187,7 +184,7 @@ def test_weights_in_shards_can_beat_the_model_over_every_schedule_so_it_claims_n
     "any schedule"."""
     costs = Costs(forward=1, backward=2, latency=0.0, bandwidth=1.0, weight_bytes=[0.0, 3.0])
     timed = TimedProblem.build(PlanProblem(Shape(2, 2, 2), costs))
-    solved = solve_mapping(timed, time_limit=30, whole=True, every=True, asap_replay=False)
+    solved = solve_mapping(timed, time_limit=30, scheme=EVERY, asap_replay=False)
     assert solved.optimal and timed.ticks.time(solved.bound) == 7
     assert simulate(2, 2, 2, policies.get("fsdp", 2, 2, 2, shard=True), costs=costs).latency == 6.5
     result = plan(2, 2, 2, costs, time_limit=10)
@@ -200,17 +197,26 @@ def test_the_planners_mappings_read_replicas_as_the_simulator_does():
     worker 0's: worker 1 holds stage 0 (for its forward), so its backward computes with that copy,
     fetching and returning nothing, and both replicas all-reduce (2 (k - 1) comm plus
     2 (k - 1) / k of the 2 weight bytes at bandwidth 1: 4).  The planner's mapping of the strategy
-    says so, and the order model's releases and tails follow, as the simulator books them."""
+    says so, and the order model's tails follow, as the simulator books them.  So too where worker
+    1 holds the stage for its forward alone, both backwards running on worker 0: it takes part in
+    the all-reduce all the same (3 + 2 on worker 0, then 4)."""
     def mixed(w):
         return ComputeAndWeightWorkers(w.batch, w.batch if w.direction == FORWARD else 0)
 
-    problem = PlanProblem(Shape(2, 1, 2), encode_costs(comm=1, fetch=3))
+    def lends(w):
+        return ComputeAndWeightWorkers(*2 * [w.batch if w.direction == FORWARD else 0])
+
+    costs = encode_costs(comm=1, fetch=3)
+    problem = PlanProblem(Shape(2, 1, 2), costs)
     timed = TimedProblem.build(problem)
     compute, weight = mapping_of(problem, Strategy(mapping=mixed))  # F, B of micro-batch 0, then 1
     assert compute.tolist() == [0, 0, 1, 1] and weight.tolist() == [0, 0, 1, 1]
-    assert order.releases(timed, compute, weight).tolist() == [0, 0, 0, 0]
     assert order.step_tails(timed, compute, weight).tolist() == [0, 4, 0, 4]
-    assert simulate(2, 1, 2, mixed, costs=encode_costs(comm=1, fetch=3)).latency == 3 + 4
+    assert simulate(2, 1, 2, mixed, costs=costs).latency == 3 + 4
+    compute, weight = mapping_of(problem, Strategy(mapping=lends))
+    assert compute.tolist() == weight.tolist() == [0, 0, 1, 0]
+    assert order.step_tails(timed, compute, weight).tolist() == [0, 4, 0, 4]
+    assert simulate(2, 1, 2, lends, costs=costs).latency == 5 + 4
 
 
 def test_a_mapping_whose_greedy_replay_deadlocks_starts_from_a_list_schedule():
@@ -288,11 +294,11 @@ def test_forwards_filled_in_after_the_search_lose_no_schedule(monkeypatch, shape
     problem = PlanProblem(Shape(*shape), costs, memory_limit=memory,
                           split_backward=costs.backward_input is not None)
     timed = TimedProblem.build(problem)
-    assert mapping.forwards_fill_in(timed, True, False)
-    filled = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False)
+    assert mapping.forwards_fill_in(timed, WHOLE_SCHEME, False)
+    filled = solve_mapping(timed, time_limit=30, scheme=WHOLE_SCHEME, asap_replay=False)
     with monkeypatch.context() as patch:
         patch.setattr(mapping, "forwards_fill_in", lambda *args: False)
-        placed = solve_mapping(timed, time_limit=30, whole=True, asap_replay=False)
+        placed = solve_mapping(timed, time_limit=30, scheme=WHOLE_SCHEME, asap_replay=False)
     assert filled.optimal and placed.optimal and filled.objective == placed.objective
     replay = Schedule.planned(timed, filled.compute, filled.weight, filled.starts).simulate()
     assert replay.latency == timed.ticks.time(filled.objective)
@@ -304,11 +310,11 @@ def test_forwards_filled_in_after_the_search_lose_no_schedule(monkeypatch, shape
 
 
 def test_forwards_are_placed_by_the_model_wherever_their_worker_matters():
-    def fills(costs, whole=True, asap_replay=False, **limits) -> bool:
-        return mapping.forwards_fill_in(timed_2_2_4(costs, **limits), whole, asap_replay)
+    def fills(costs, scheme=WHOLE_SCHEME, asap_replay=False, **limits) -> bool:
+        return mapping.forwards_fill_in(timed_2_2_4(costs, **limits), scheme, asap_replay)
 
     assert fills(encode_costs(), memory_limit=1) and fills(encode_costs())
-    assert not fills(encode_costs(), whole=False)  # the paired class: forwards go with their backward
+    assert not fills(encode_costs(), scheme=PAIRED)  # the paired class: forwards go with their backward
     assert not fills(encode_costs(), asap_replay=True)  # a stash away from its forward counts from elsewhere
     assert not fills(encode_costs(comm=1)) and not fills(encode_costs(fetch=1))  # transfers wait on it
     assert not fills(encode_costs(), objective="span")  # a worker's span depends on its forwards
@@ -324,8 +330,8 @@ def test_a_periodic_run_keeps_its_forwards_periodic_without_transfer_times():
     run places them itself."""
     problem = PlanProblem(Shape(3, 3, 6), encode_costs(), memory_limit=2)
     timed = TimedProblem.build(problem)
-    assert mapping.forwards_fill_in(timed, True, False)
-    solved = solve_mapping(timed, time_limit=3, whole=True, asap_replay=False, period=2)
+    assert mapping.forwards_fill_in(timed, WHOLE_SCHEME, False)
+    solved = solve_mapping(timed, time_limit=3, scheme=WHOLE_SCHEME, asap_replay=False, period=2)
     assert solved.found
     compute = solved.compute[problem.item_grid()]  # (batch, stage, pass)
     assert np.array_equal(compute[2:], compute[:-2])
@@ -353,12 +359,12 @@ def test_a_split_backward_without_its_times_is_refused():
         plan(2, 2, 2, Costs(), split_backward=True, time_limit=2)
 
 
-@pytest.mark.parametrize("whole", [True, False])
-def test_mapping_model_with_a_split_backward_replays_within_its_memory(whole):
+@pytest.mark.parametrize("scheme", [WHOLE_SCHEME, PAIRED])
+def test_mapping_model_with_a_split_backward_replays_within_its_memory(scheme):
     problem = PlanProblem(Shape(2, 2, 3), encode_costs(backward_input=1, backward_weight=1, comm=1),
                           memory_limit=1.5, split_backward=True)
     timed = TimedProblem.build(problem)
-    solved = solve_mapping(timed, time_limit=20, whole=whole)
+    solved = solve_mapping(timed, time_limit=20, scheme=scheme)
     assert solved.found
     replay = Schedule.from_starts(problem, solved.compute, solved.weight, solved.starts).simulate()
     assert replay.latency <= timed.ticks.time(solved.objective)

@@ -15,7 +15,7 @@ from unisched import network
 from unisched.cli import main
 from unisched.errors import ShapeError
 from unisched.plan import load_plan, plan
-from unisched.plan.mapping import exact_links
+from unisched.plan.problem import exact_links
 from unisched.plan.order import step_tails
 from unisched.plan.problem import PlanInputError, PlanProblem, TimedProblem
 from unisched.strategy import Strategy

@@ -16,7 +16,7 @@ schedule where no transfer takes time: :func:`proven_class`):
 A stage has one weight worker, chosen apart from its compute workers; a worker
 computing a stage it does not hold waits ``fetch`` for the weights and sends
 the gradient back ``fetch`` after its last gradient pass.  A third model,
-over every schedule (``every``: on small problems, after the whole
+over every schedule (:data:`EVERY`: on small problems, after the whole
 scheme's, :func:`every_schedule_applies`), places each pass
 alone (a split backward's I and W too) and lets a stage have several
 weight workers, each computing with its own copy
@@ -51,11 +51,10 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from unisched import dataflow
-from unisched.network import transfer_time
 from unisched.plan.bounds import ANY_SCHEDULE
 from unisched.plan.order import (Improvements, Solved, busy_span, capacity, earliest_forwards, live_start,
                                  live_stashes, make_solver, memory_demands, run_solver)
-from unisched.plan.problem import TimedProblem, exact_links
+from unisched.plan.problem import TimedProblem
 from unisched.timeline import TRANSFER_KINDS
 from unisched.work import BACKWARD_WEIGHT, FORWARD
 
@@ -86,23 +85,24 @@ def whole_scheme_by_default(shape) -> bool:
     return all(n <= most for n, most in zip(shape, WHOLE_SCHEME_UP_TO))
 
 
-def searched_class(whole: bool, every: bool = False) -> str:
-    """The class of schedules the mapping model searches (every one, the whole scheme, or paired)."""
-    return EVERY if every else WHOLE_SCHEME if whole else PAIRED
+SCHEMES = (PAIRED, WHOLE_SCHEME, EVERY)
+"""The classes the mapping model searches, each within the next: its ``scheme``."""
 
 
-def proven_class(timed: TimedProblem, whole: bool, every: bool = False) -> str:
-    """The class of schedules a proof of the mapping model covers: the class searched, or for the
-    whole scheme's every schedule where those are as short as any (:func:`whole_scheme_is_any`)."""
-    return ANY_SCHEDULE if whole and not every and whole_scheme_is_any(timed) else searched_class(whole, every)
+def proven_class(timed: TimedProblem, scheme: str) -> str:
+    """The class of schedules a proof of the mapping model over ``scheme`` covers: that class, or
+    every schedule where the whole scheme's are as short as any (:func:`whole_scheme_is_any`) and
+    the class holds them."""
+    return ANY_SCHEDULE if scheme != PAIRED and whole_scheme_is_any(timed) else scheme
 
 
 def every_schedule_applies(timed: TimedProblem) -> bool:
-    """Whether the every-schedule model (``every``) may run and prove something the whole scheme's
+    """Whether the every-schedule model (:data:`EVERY`) may run and prove something the whole scheme's
     does not: a small problem (:func:`whole_scheme_by_default`) whose whole scheme is not already
-    as short as any schedule, with every link alike (:func:`exact_links`) and no memory budget
-    (replicated weights would take bytes the model does not count)."""
-    return (whole_scheme_by_default(timed.shape) and not whole_scheme_is_any(timed) and exact_links(timed)
+    as short as any schedule, with every link alike (:attr:`PlanProblem.links_alike
+    <unisched.plan.problem.PlanProblem.links_alike>`: an all-reduce then takes as long among any
+    workers) and no memory budget (replicated weights would take bytes the model does not count)."""
+    return (whole_scheme_by_default(timed.shape) and not whole_scheme_is_any(timed) and timed.problem.links_alike
             and timed.problem.memory_budget is None)
 
 
@@ -176,18 +176,18 @@ def solve_mapping(
     seed: int = 0,
     lns: bool | None = None,
     score: Scorer | None = None,
-    whole: bool | None = None,
+    scheme: str | None = None,
     lower_bound: int = 0,
     asap_replay: bool = True,
     period: int = 0,
     report=None,
-    every: bool = False,
 ) -> Solved:
     """Search mappings and orders together; LNS when the model is large (or ``lns=True``).
 
-    ``whole`` (default: :func:`whole_scheme_by_default`) searches the whole
-    scheme rather than one worker per (stage, batch), ``every`` every schedule
-    (:data:`EVERY`: replicated weights, each pass on its own worker); ``period`` p > 0 searches
+    ``scheme``, one of :data:`SCHEMES`, is the class searched: :data:`PAIRED` (one worker per
+    (stage, batch)), :data:`WHOLE_SCHEME` or :data:`EVERY` (replicated weights, each pass on its
+    own worker); by default the whole scheme on small problems (:func:`whole_scheme_by_default`),
+    else paired.  ``period`` p > 0 searches
     only mappings that repeat every p micro-batches (micro-batch b placed as
     b - p), where CP-SAT finds good schedules sooner; its bound then holds for
     that restriction alone, so the result carries none (bound 0); ``lower_bound`` (ticks),
@@ -199,24 +199,29 @@ def solve_mapping(
     CP-SAT reports is replayed and the one with the best replay is kept.
     """
     W, S, B = timed.shape
-    if whole is None:
-        whole = whole_scheme_by_default(timed.shape)
-    if hint is not None and not fits(timed, hint.compute, hint.weight, whole, every):
+    if scheme is None:
+        scheme = WHOLE_SCHEME if whole_scheme_by_default(timed.shape) else PAIRED
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if scheme == EVERY and timed.problem.memory_budget is not None:
+        raise ValueError("the every-schedule model does not count replicas' bytes: no memory budget "
+                         "(every_schedule_applies)")
+    if hint is not None and not fits(timed, hint.compute, hint.weight, scheme):
         hint = None
     if lns is None:
-        lns = S * B > (WHOLE_SCHEME_LNS if whole else WHOLE_MODEL_LIMIT) and hint is not None
+        lns = S * B > (WHOLE_MODEL_LIMIT if scheme == PAIRED else WHOLE_SCHEME_LNS) and hint is not None
     if hint is not None and score is not None:
         hint = replace(hint, score=score(hint.compute, hint.weight, hint.starts))
-    common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay, period=period, report=report, every=every)
+    common = dict(num_workers=num_workers, score=score, scheme=scheme, lower_bound=lower_bound,
+                  asap_replay=asap_replay, period=period, report=report)
     if not lns or hint is None:
         return _solve(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
     return _lns(timed, time_limit=time_limit, hint=hint, seed=seed, **common)
 
 
 def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers: int, seed: int,
-         score: Scorer | None, whole: bool, lower_bound: int, asap_replay: bool, period: int = 0,
-         report=None, every: bool = False) -> Solved:
+         score: Scorer | None, scheme: str, lower_bound: int, asap_replay: bool, period: int = 0,
+         report=None) -> Solved:
     """Free a window of micro-batches, keep the others' workers; repeat while time lasts."""
     begin = time.perf_counter()
     deadline = begin + time_limit
@@ -225,8 +230,8 @@ def _lns(timed: TimedProblem, *, time_limit: float, hint: Incumbent, num_workers
     best = hint
     window = max(2, min(B, LNS_PAIRS // S))
     round_limit = max(1.0, min(LNS_ROUND_SECONDS, time_limit / 6))
-    common = dict(num_workers=num_workers, score=score, whole=whole, lower_bound=lower_bound,
-                  asap_replay=asap_replay, period=period, report=report, every=every)
+    common = dict(num_workers=num_workers, score=score, scheme=scheme, lower_bound=lower_bound,
+                  asap_replay=asap_replay, period=period, report=report)
     first = _solve(timed, time_limit=min(round_limit, time_limit / 3), hint=best, seed=seed, **common)
     bound = first.bound
     best = _better(best, first)
@@ -278,18 +283,18 @@ class _Collector(Improvements):
 
 class _Places:
     """The placement literals: per (stage, batch, group, worker), group 0 the forward and group 1
-    the backward passes; in the paired class both groups share the forward's literals, and in
-    every schedule (``every``) each pass has its own group, its index among the problem's passes.
-    With a ``period`` p, micro-batch b >= p is placed as micro-batch b - p.  With ``fill_in``
-    (:func:`forwards_fill_in`) forwards have no literals: :meth:`compute` places them afterwards."""
+    the backward passes (the whole scheme); in the paired class both groups share the forward's
+    literals, and in every schedule each pass has its own group, its index among the problem's
+    passes.  With a ``period`` p, micro-batch b >= p is placed as micro-batch b - p.  With
+    ``fill_in`` (:func:`forwards_fill_in`) forwards have no literals: :meth:`compute` places them
+    afterwards."""
 
-    def __init__(self, model, timed: TimedProblem, whole: bool, period: int = 0, fill_in: bool = False,
-                 every: bool = False):
+    def __init__(self, model, timed: TimedProblem, scheme: str, period: int = 0, fill_in: bool = False):
         W, S, B = timed.shape
-        self.timed, self.whole, self.every, self.W, self.fill_in = timed, whole or every, every, W, fill_in
-        dirs = timed.problem.dirs
-        self.kind = {int(d): k if every else min(k, 1) for k, d in enumerate(dirs)}
-        self.groups = tuple(range(1 if fill_in else 0, len(dirs) if every else 2 if whole else 1))
+        self.timed, self.W, self.fill_in = timed, W, fill_in
+        last = {PAIRED: 0, WHOLE_SCHEME: 1, EVERY: len(timed.problem.dirs) - 1}[scheme]
+        self.kind = {int(d): min(k, last) for k, d in enumerate(timed.problem.dirs)}
+        self.groups = tuple(range(1 if fill_in else 0, last + 1))
         self.model = model
         self.apart: dict = {}
         self.x = {(s, b, g, w): model.new_bool_var(f"x{s},{b},{g},{w}")
@@ -304,8 +309,7 @@ class _Places:
 
     def group(self, item: int) -> tuple[int, int, int]:
         """(stage, batch, group) of an item."""
-        kind = self.kind[int(self.timed.direction[item])] if self.whole else 0
-        return int(self.timed.stage[item]), int(self.timed.batch[item]), kind
+        return int(self.timed.stage[item]), int(self.timed.batch[item]), self.kind[int(self.timed.direction[item])]
 
     def placed(self, item: int) -> bool:
         """Whether the model chooses the item's worker (a forward filled in afterwards: no)."""
@@ -348,7 +352,7 @@ def weights_of(stage: np.ndarray, compute: np.ndarray, holders: np.ndarray) -> n
     return np.where(own, compute, np.argmax(holders, axis=1)[stage]).astype(np.int64)
 
 
-def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> bool:
+def forwards_fill_in(timed: TimedProblem, scheme: str, asap_replay: bool) -> bool:
     """Whether the whole-scheme model may leave forwards unplaced, their workers filled in after
     the search (:func:`fill_forwards`) with no schedule lost.
 
@@ -365,7 +369,7 @@ def forwards_fill_in(timed: TimedProblem, whole: bool, asap_replay: bool) -> boo
     workers (docs/planner-measurements.md)."""
     problem = timed.problem
     forwards = timed.direction == FORWARD
-    return (whole and not asap_replay and problem.objective != "span" and problem.memory_budget is None
+    return (scheme != PAIRED and not asap_replay and problem.objective != "span" and problem.memory_budget is None
             and (problem.max_stages_per_worker is None or problem.max_stages_per_worker >= problem.shape.num_stages)
             and timed.free_transfers and timed.uniform
             and bool(np.all(timed.duration[forwards] == 1)) and bool(np.all(timed.duration > 0)))
@@ -396,21 +400,21 @@ def _solve(
     hint: Incumbent | None,
     num_workers: int,
     seed: int,
-    whole: bool,
+    scheme: str,
     free_batches: set[int] | None = None,
     period: int = 0,
     score: Scorer | None = None,
     lower_bound: int = 0,
     asap_replay: bool = True,
     report=None,
-    every: bool = False,
 ) -> Solved:
     begin = time.perf_counter()
     proves = free_batches is None and not period  # whether the model's bound holds for its whole class
     problem = timed.problem
     W, S, B = problem.shape
     model = cp_model.CpModel()
-    fill_in = not period and forwards_fill_in(timed, whole, asap_replay)
+    every = scheme == EVERY  # several weight workers per stage
+    fill_in = not period and forwards_fill_in(timed, scheme, asap_replay)
     leader = _leader(timed, fill_in)
     if hint is not None:
         hint = canonical(timed, hint, leader) if free_batches is None else hint
@@ -424,7 +428,7 @@ def _solve(
     if hint is not None and not span:
         horizon = min(horizon, int(hint.makespan))
 
-    places = _Places(model, timed, whole, period, fill_in, every)
+    places = _Places(model, timed, scheme, period, fill_in)
     owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}  # a weight worker
     held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
     for s in range(S):
@@ -535,11 +539,11 @@ def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
     edges = timed.data_edges()
     comm = timed.comm.max(axis=(0, 1))
     stash = timed.stash.max(axis=(0, 1))
-    outputs = _output_ticks(timed) if places.every else None
+    outputs = dataflow.output_bytes(comm, timed.problem.stage_graph)  # its first consumer's input moves so
     is_stash = edges.moves == TRANSFER_KINDS.index("stash")
     for u, v, s, moves, stashed in zip(edges.src.tolist(), edges.dst.tolist(), edges.stage.tolist(),
                                        edges.moves.tolist(), is_stash.tolist()):
-        if places.every and stashed and timed.direction[v] == BACKWARD_WEIGHT:
+        if stashed and timed.direction[v] == BACKWARD_WEIGHT:
             _weight_stash(model, timed, places, u, v, start, end, (int(stash[s]), int(outputs[s])))
             continue
         delay = int(stash[s] if stashed else comm[s])
@@ -550,22 +554,17 @@ def _transfers(model, timed: TimedProblem, places: _Places, start, end) -> None:
             model.add(start[v] >= end[u] + delay * away)
 
 
-def _output_ticks(timed: TimedProblem) -> np.ndarray:
-    """Per stage: the ticks, rounded down, its output gradient takes to another worker."""
-    problem = timed.problem
-    act = problem.costs.per_stage("activation_bytes", problem.shape.num_stages)
-    seconds = np.asarray(transfer_time(problem.costs, 0, 1, dataflow.output_bytes(act, problem.stage_graph)))
-    return np.floor(seconds * timed.ticks.scale + 1e-6).astype(np.int64)
-
-
 def _weight_stash(model, timed: TimedProblem, places: _Places, u: int, v: int, start, end,
                   delays: tuple[int, int]) -> None:
-    """A weight pass v after its input pass u (every schedule's model): apart from u, it waits for
-    each part of its stash it needs (:func:`unisched.dataflow.stash_sources`), ``delays`` ticks
-    each: its stage's inputs where it runs away from the forward, its output gradient where it
-    runs away from a consumer's input pass.  Each part alone is waited for: a bound on their sum."""
+    """A weight pass v after its input pass u: apart from u (in every schedule's model; the other
+    classes keep them together), it waits for each part of its stash it needs
+    (:func:`unisched.dataflow.stash_sources`), ``delays`` ticks each: its stage's inputs where it
+    runs away from the forward, its output gradient where it runs away from a consumer's input
+    pass.  Each part alone is waited for: a bound on their sum."""
     items = timed.problem.items
     model.add(start[v] >= end[u])
+    if places.away(u, v) is False:
+        return
     forward, consumers = dataflow.stash_sources(items.work(v), timed.problem.stage_graph)
     inputs, output = delays
     parts = ([(forward, inputs)] if forward is not None else []) + [(consumer, output) for consumer in consumers]
@@ -720,44 +719,41 @@ def _add_hint(model, timed: TimedProblem, hint: Incumbent, places: _Places, owne
     model.add_hint(makespan, int(hint.makespan))
 
 
-def fits(timed: TimedProblem, compute, weight, whole: bool, every: bool = False) -> bool:
-    """Whether a mapping lies in the model's class: one weight worker per stage, and all passes of a
-    (stage, batch) on one worker (paired) or all its backward passes on one (whole scheme); every
+def fits(timed: TimedProblem, compute, weight, scheme: str) -> bool:
+    """Whether a mapping lies in the class ``scheme``: one weight worker per stage, and all passes of
+    a (stage, batch) on one worker (paired) or all its backward passes on one (whole scheme); every
     mapping lies in every schedule's."""
-    if every:
+    if scheme == EVERY:
         return True
     problem = timed.problem
     grid = problem.item_grid()
     per_pair = np.asarray(compute)[grid]
-    backward = per_pair[:, :, 1:] if whole else per_pair
+    backward = per_pair if scheme == PAIRED else per_pair[:, :, 1:]
     if np.any(backward != backward[:, :, :1]):
         return False
     owners = np.asarray(weight)[grid]
     return not np.any(owners != owners[:1, :, :1])
 
 
-def incumbent_from(timed: TimedProblem, compute, weight, starts, whole: bool = False,
-                   every: bool = False) -> Incumbent | None:
-    """A hint for the mapping model, if the schedule fits its class (:func:`fits`), with the makespan
-    the model's rules give its start times (the returned gradients and, in every schedule's model,
-    the all-reduces among replicas).  Its weight workers are read as given: a plan's, as the
+def incumbent_from(timed: TimedProblem, compute, weight, starts, scheme: str = PAIRED) -> Incumbent | None:
+    """A hint for the mapping model over ``scheme``, if the schedule fits it (:func:`fits`), with the
+    makespan the model's rules give its start times (the returned gradients and the all-reduces
+    among replicas).  Its weight workers are read as given: a plan's, as the
     simulator reads them (:func:`unisched.plan.problem.mapping_of`)."""
     problem = timed.problem
     W, S, B = problem.shape
     compute = np.asarray(compute, dtype=np.int64)
     weight = np.asarray(weight, dtype=np.int64)
-    if not fits(timed, compute, weight, whole, every):
+    if not fits(timed, compute, weight, scheme):
         return None
     starts = np.asarray(starts, dtype=np.int64)
     ends = starts + timed.duration[np.arange(len(compute)), compute]
     fetch = timed.fetch.max(axis=(0, 1))
     returning = dataflow.returns_gradient(timed.direction, compute, weight, problem.split_backward)
-    tails = np.where(returning, fetch[timed.stage], 0)
-    if every:
-        gradient = timed.direction == dataflow.gradient_pass(problem.split_backward)
-        holders = [len(h) for h in dataflow.replicas(timed.stage, weight, S)]
-        reduce = timed.allreduce[np.arange(S), holders]
-        tails = tails + np.where(gradient, reduce[timed.stage], 0)
+    gradient = timed.direction == dataflow.gradient_pass(problem.split_backward)
+    holders = [len(h) for h in dataflow.replicas(timed.stage, weight, S)]  # one per stage outside EVERY
+    reduce = timed.allreduce[np.arange(S), holders]
+    tails = np.where(returning, fetch[timed.stage], 0) + np.where(gradient, reduce[timed.stage], 0)
     makespan = int(np.max(ends + tails))
     objective = None
     if problem.objective == "span":

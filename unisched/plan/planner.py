@@ -51,13 +51,13 @@ from unisched.plan.bounds import ANY_SCHEDULE, every_ramp, mapping_bounds, ramp,
 from unisched.plan.family import (FamilyResult, Member, constructed_members, held_in_shards, measures,
                                   registry_members, search_family, unplannable)
 from unisched.plan.mapping import (EVERY, PAIRED, WHOLE_SCHEME, claimable, class_breadth, every_schedule_applies,
-                                   exact_links, fits, incumbent_from, proven_class, searched_class, solve_mapping,
+                                   fits, incumbent_from, proven_class, solve_mapping,
                                    whole_scheme_by_default)
 from unisched.plan.order import PORTFOLIO, Solved, check_mapping_memory, order_class, solve_order_staged
 from unisched.plan.planfile import Plan, objective_value
 from unisched.plan.pooled import pooled_bound
 from unisched.plan.problem import (PlanInputError, PlanProblem, TimedProblem, check_plan_size, check_time_limit,
-                                   mapping_of, rows_of, seconds_tables, split_from)
+                                   exact_links, mapping_of, rows_of, seconds_tables, split_from)
 from unisched.plan.schedule import Schedule
 from unisched.plan.search import SEARCH_FROM_ITEMS, Mapped, construct, rules, search as heuristic_search
 
@@ -197,7 +197,8 @@ def plan(
             run.pooled()
         run.orders(run.targets(family))
         if strategy is None:
-            run.mapping(whole, every=scheme == "auto" and whole)
+            run.mapping(EVERY if scheme == "auto" and whole and every_schedule_applies(run.timed)
+                        else WHOLE_SCHEME if whole else PAIRED)
     except KeyboardInterrupt:
         run.interrupted = True
     _say(progress, "")
@@ -428,40 +429,39 @@ class _Search:
         self.candidates.append(best)
         return _start_ticks(timed, best.replay.timeline)
 
-    def mapping(self, whole: bool, every: bool = False) -> None:
-        """CP-SAT over mappings and orders, each run warm-started from the best candidate that fits
-        its class.
+    def mapping(self, widest: str) -> None:
+        """CP-SAT over mappings and orders up to the class ``widest`` (one of
+        :data:`unisched.plan.mapping.SCHEMES`), each run warm-started from the best candidate that
+        fits its class.
 
         Over the whole scheme, the paired model runs first (small, good schedules fast).  Solutions
         replay with their planned starts as release times, so no model needs ``asap_replay``'s
         restriction: the proofs and solutions are of the unrestricted classes.  The whole scheme
         is searched with periodic mappings first (:data:`MAPPING_PERIOD`; no proof comes of it),
-        then without.  With ``every``, where the every-schedule model applies
-        (:func:`unisched.plan.mapping.every_schedule_applies`), that run has :data:`WHOLE_SHARE`
-        of the time left, and the rest (more where the whole scheme's proof came early, or a bound
-        for the whole scheme alone was met before) goes to the every-schedule model, to lift the
-        proof to every schedule a plan can hold or find a shorter schedule outside the whole
-        scheme."""
-        runs = [(False, 1.0, 0, False)]  # (whole, share of the time left, period, every)
-        every = whole and every and every_schedule_applies(self.timed)
-        if whole:
+        then without.  Up to :data:`EVERY` (on small problems where the every-schedule model
+        applies: :func:`unisched.plan.mapping.every_schedule_applies`), that run has
+        :data:`WHOLE_SHARE` of the time left, and the rest (more where the whole scheme's proof came
+        early, or a bound for the whole scheme alone was met before) goes to the every-schedule
+        model, to lift the proof to every schedule a plan can hold or find a shorter schedule
+        outside the whole scheme."""
+        runs = [(PAIRED, 1.0, 0)]  # (class searched, share of the time left, period)
+        if widest != PAIRED:
             paired = PAIRED_SHARE if self.problem.memory_limited else UNLIMITED_PAIRED_SHARE
-            runs = [(False, paired, 0, False), (True, WHOLE_SHARE if every else 1.0, 0, False)]
+            runs = [(PAIRED, paired, 0), (WHOLE_SCHEME, WHOLE_SHARE if widest == EVERY else 1.0, 0)]
             if self.problem.shape.num_batches >= 2 * MAPPING_PERIOD:
-                runs.insert(1, (True, PERIODIC_SHARE, MAPPING_PERIOD, False))
-        if every:
-            runs.append((True, 1.0, 0, True))
-        for whole_run, share, period, every_run in runs:
+                runs.insert(1, (WHOLE_SCHEME, PERIODIC_SHARE, MAPPING_PERIOD))
+        if widest == EVERY:
+            runs.append((EVERY, 1.0, 0))
+        for scheme, share, period in runs:
             left = self.deadline - time.perf_counter()
-            if left > 0.5 and not self.done(widest=every_run):
-                self._map(whole_run, left * share, period, every_run)
+            if left > 0.5 and not self.done(widest=scheme == EVERY):
+                self._map(scheme, left * share, period)
 
-    def _map(self, whole: bool, seconds: float, period: int = 0, every: bool = False) -> None:
-        searched, proven = searched_class(whole, every), proven_class(self.timed, whole, every)
-        key = "cpsat_every_schedule" if every else "cpsat_whole_scheme" if whole else "cpsat_paired"  # in Plan.bounds
-        hint = _best_incumbent(self.timed, self.candidates, whole, every)
+    def _map(self, scheme: str, seconds: float, period: int = 0) -> None:
+        key = BOUND_KEYS[scheme]
+        hint = _best_incumbent(self.timed, self.candidates, scheme)
         restricted = f", micro-batches placed alike every {period}" if period else ""
-        _say(self.progress, f"CP-SAT mapping search over {searched}{restricted} ({seconds:.1f} s) ...")
+        _say(self.progress, f"CP-SAT mapping search over {scheme}{restricted} ({seconds:.1f} s) ...")
         objective = self.problem.objective
 
         def score(compute, weight, starts) -> float:  # what a plan reports of the solution
@@ -469,20 +469,20 @@ class _Search:
             return float("inf") if found is None else objective_value(found[1], objective)
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
-                               seed=self.seed, score=score, whole=whole, asap_replay=False, period=period, every=every,
+                               seed=self.seed, score=score, scheme=scheme, asap_replay=False, period=period,
                                lower_bound=self._ticks_below(max(self.floor(), self.replica_ramp,
-                                                                 0 if every else self.ramp_bound)),
+                                                                 0 if scheme == EVERY else self.ramp_bound)),
                                report=self._reporter(f"CP-SAT mapping ({key.removeprefix('cpsat_')})",
                                                      bounded=exact_links(self.timed)))
         self.interrupted |= solved.interrupted
         if exact_links(self.timed) and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
-            self.proofs.append((key, proven, self.timed.ticks.time(solved.bound)))
+            self.proofs.append((key, proven_class(self.timed, scheme), self.timed.ticks.time(solved.bound)))
         found = self.replay_mapped(solved.compute, solved.weight, solved.starts) if solved.found else None
         if found is not None:  # one the replay cannot follow is left out silently
             tag = key.removeprefix("cpsat_").replace("_", " ")
             self.candidates.append(Candidate(f"cpsat mapping ({tag})", "cpsat-mapping", *found,
-                                             self.timed.ticks.time(solved.objective), False, searched))
+                                             self.timed.ticks.time(solved.objective), False, scheme))
 
     def replay_mapped(self, compute, weight, starts) -> tuple[Schedule, Simulation] | None:
         """A CP-SAT mapping solution replayed (:func:`replayed`), or None where it does not run;
@@ -550,11 +550,11 @@ class _Search:
         if name in (ANY_SCHEDULE, EVERY) or name.startswith("orders of"):
             return True  # with a fixed strategy every candidate has its mapping; no plan holds shards or gangs
         if name == PAIRED:
-            return fits(self.timed, schedule.compute, schedule.weight, whole=False)
-        if not fits(self.timed, schedule.compute, schedule.weight, whole=True):
+            return fits(self.timed, schedule.compute, schedule.weight, PAIRED)
+        if not fits(self.timed, schedule.compute, schedule.weight, WHOLE_SCHEME):
             return False
         return name == WHOLE_SCHEME or candidate.searched == name \
-            or fits(self.timed, schedule.compute, schedule.weight, whole=False)
+            or fits(self.timed, schedule.compute, schedule.weight, PAIRED)
 
     def done(self, widest: bool = False) -> bool:
         """Whether to stop searching: Ctrl-C, the time limit, or a candidate meeting a lower bound
@@ -573,7 +573,7 @@ class _Search:
 
     def _ramp_for(self, compute, weight) -> float:
         """The ramp bound where a mapping lies in the whole scheme (it holds for those alone)."""
-        return self.ramp_bound if self.ramp_bound and fits(self.timed, compute, weight, whole=True) else 0.0
+        return self.ramp_bound if self.ramp_bound and fits(self.timed, compute, weight, WHOLE_SCHEME) else 0.0
 
     def _ticks_below(self, bound: float) -> int:
         """A lower bound in CP-SAT's ticks, rounded down (never stronger than proven)."""
@@ -619,6 +619,9 @@ class _Search:
             interrupted=self.interrupted,
         )
 
+
+BOUND_KEYS = {PAIRED: "cpsat_paired", WHOLE_SCHEME: "cpsat_whole_scheme", EVERY: "cpsat_every_schedule"}
+"""Each mapping model's bound, by the class it searches, in :attr:`Plan.bounds`."""
 
 MAX_TICKS = 2**53
 """The longest step, in the integer ticks CP-SAT works in."""
@@ -720,12 +723,11 @@ def _start_ticks(timed: TimedProblem, t) -> np.ndarray:
     return timed.ticks.table(t.start[rows_of(timed.problem, t)])
 
 
-def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], whole: bool, every: bool = False):
-    """The shortest candidate that fits the mapping model's class, as its warm start."""
+def _best_incumbent(timed: TimedProblem, candidates: list[Candidate], scheme: str):
+    """The shortest candidate that fits the mapping model's class ``scheme``, as its warm start."""
     for candidate in sorted(candidates, key=lambda c: c.latency):
         starts = _start_ticks(timed, candidate.replay.timeline)
-        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, whole,
-                                   every)
+        incumbent = incumbent_from(timed, candidate.schedule.compute, candidate.schedule.weight, starts, scheme)
         if incumbent is not None:
             return incumbent
     return None

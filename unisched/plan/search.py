@@ -770,7 +770,7 @@ class _Run:
         """The strongest bound for a mapping's class: the replica ramp, and the ramp too where it
         lies in the whole scheme."""
         bound = max(self.bound, self.replica_ramp)
-        if self.ramp > bound and fits(self.timed, compute, weight, whole=True):
+        if self.ramp > bound and fits(self.timed, compute, weight, WHOLE_SCHEME):
             return self.ramp
         return bound
 

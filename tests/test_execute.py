@@ -645,7 +645,7 @@ def test_unisched_run_prints_a_rank_error_as_one_line_and_keeps_the_log(capsys):
     root_cause = ("Root Cause (first observed failure):\\n[0]:\\n  rank      : 1 (local_rank: 1)\\n"
                   "  exitcode  : -9 (pid: 42)  (SIGKILL)\\n  error_file: <N/A>\\n"
                   "  traceback : Signal 9 (SIGKILL) received by PID 42\\n")
-    # (torchrun's exit status where no rank said why; 2, a usage error, where one did)
+    # (torchrun's exit status where no rank said why; 2, unisched's error status, where one did)
     for extra, said, status in (
             ("", "rank 1 was killed (Signal 9 (SIGKILL) received by PID 42), and torchrun stopped the others", 1),
             ("rank 0: error: rank 0 could not complete x\\n",

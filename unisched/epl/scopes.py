@@ -177,7 +177,6 @@ class Env:
         self.default: Scope | None = None
         self._default_open: TaskGraph | None = None
         self._capturing = True
-        self._listening = False
 
     @classmethod
     def get(cls) -> "Env":
@@ -201,10 +200,12 @@ class Env:
     def _listen(self) -> None:
         """Be told of the modules built while a scope is open or a default strategy is set, and
         only then (torch's own ``nn.Module.__init__`` runs otherwise)."""
-        wanted = self.scope is not None or self.default is not None
-        if wanted != self._listening:
-            (_BuiltModules.listen if wanted else _BuiltModules.stop)(self._on_build)
-            self._listening = wanted
+        listening = self._on_build in _BuiltModules.listeners
+        if self.scope is not None or self.default is not None:
+            if not listening:
+                _BuiltModules.listen(self._on_build)
+        elif listening:
+            _BuiltModules.stop(self._on_build)
 
     @property
     def cluster(self) -> Cluster:

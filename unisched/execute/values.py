@@ -47,7 +47,7 @@ class Wire(NamedTuple):
     def of(cls, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> "Wire":
         spans, at = [], 0
         for shape, dtype in zip(shapes, dtypes):
-            n = math.prod(shape) * _itemsize(dtype)
+            n = math.prod(shape) * dtype.itemsize
             spans.append((at, at + n))
             at += -(-n // ALIGNMENT) * ALIGNMENT
         return cls(tuple(shapes), tuple(dtypes), tuple(spans), at, len(spans) == 1)
@@ -322,7 +322,3 @@ def rows_of(x: torch.Tensor, members: tuple[int, ...], rank: int, stage: int) ->
     """``rank``'s share of the rows of a micro-batch, as a gang member of a source stage."""
     rows_shape(x.shape, len(members), f"the micro-batch of stage {stage}")
     return x.chunk(len(members))[members.index(rank)]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -149,6 +149,7 @@ def test_the_heuristic_search_stops_at_the_ramp_and_claims_its_class():
     ((3, 2, 4), encode_costs(comm=1), False, 10),
     ((3, 2, 4), encode_costs(comm=1, **SPLIT), True, 9),
     ((2, 3, 2), encode_costs(comm=1, **SPLIT), True, 9),
+    ((4, 2, 4), encode_costs(comm=1, **SPLIT), True, 8),
     ((3, 1, 3), encode_costs(comm=0, fetch=1), False, 4.0),
 ])
 def test_the_replica_ramp_is_never_above_the_proven_optimum_of_every_schedule_a_plan_can_hold(
@@ -176,3 +177,21 @@ def test_the_replica_ramp_counts_the_all_reduce_of_replicated_source_stages():
     split = timed_of((2, 3, 8), encode_costs(comm=1, **SPLIT), split=True)
     assert every_ramp(split) == 36 < ramp(split) == 37
     assert every_ramp(timed_of((4, 4, 8), Costs())) == 24
+
+
+def test_with_a_split_backward_only_passes_no_gradient_pass_needs_run_in_the_all_reduce():
+    """W = 4, S = 2, B = 8, split, comm 1: one holder of stage 0 gives 4 T >= 48 + 3 + 2; two leave
+    the other two waiting for its weights, 4 T >= 48 + 2 + 3; three or four make its all-reduce 4 or
+    6 long, and in those last ticks only stage 1's W passes (8 of work) can run: T >= 40 / 4 + 4.
+    So 14 (where the work bound is 12, and the count that let replicas start every worker at once
+    said 13), and the plan proves its 14 for every schedule a plan can hold.  At B = 4 the bound,
+    8, is the every-schedule model's proven optimum."""
+    costs = encode_costs(comm=1, **SPLIT)
+    timed = timed_of((4, 2, 8), costs, split=True)
+    assert timed.allreduce[0, 2:].tolist() == [2, 4, 6] and shape_bounds(timed.problem)["work"] == 12
+    assert every_ramp(timed) == 14
+    result = plan(4, 2, 8, costs, split_backward=True, time_limit=20)
+    assert result.latency == 14 and result.optimal and result.proven_for == EVERY
+    smaller = timed_of((4, 2, 4), costs, split=True)
+    solved = solve_mapping(smaller, time_limit=60, scheme=EVERY, num_workers=2)
+    assert solved.optimal and every_ramp(smaller) == solved.objective == 8

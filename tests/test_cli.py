@@ -285,6 +285,23 @@ def test_simulate_priority_is_reported_where_the_strategy_has_no_priority_of_its
     assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}
 
 
+def test_every_strategy_that_leaves_its_order_open_takes_the_priority_it_is_reported_with(capsys):
+    """looped has no priority of its own; run with --priority it reports priority among its
+    parameters, and given that parameter it runs the same (fill-drain here: 27, not the default's
+    28); a strategy that fixes every worker's order refuses it."""
+    shape = ["-W", "2", "-S", "4", "-B", "4", "--json"]
+    default = json.loads(run(capsys, "simulate", "--strategy", "looped", *shape)[1])
+    code, out, err = run(capsys, "simulate", "--strategy", "looped", "--priority", "oldest_stage_first", *shape)
+    flag = json.loads(out)
+    assert code == 0 and flag["params"] == {"group_size": 2, "priority": "oldest_stage_first"}, err
+    code, out, err = run(capsys, "simulate", "--strategy", "looped(group_size=2, priority=Oldest-Stage-First)", *shape)
+    assert code == 0, err
+    given = json.loads(out)
+    assert given["params"] == flag["params"] and given["latency"] == flag["latency"] == 27 < default["latency"]
+    code, out, err = run(capsys, "simulate", "--strategy", "zb_h1(priority=backward_first)")
+    assert code == 2 and out == "" and "'zb_h1' fixes every worker's order" in err and "drop it" in err
+
+
 def test_simulate_refuses_two_priorities_and_reads_a_priority_parameter_as_the_flag_does(capsys):
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe(priority=backward_first)", "--priority",
                          "oldest_stage_first", "--json")

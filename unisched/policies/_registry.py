@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from unisched.errors import ShapeError, UniSchedError
+from unisched.simulate.priorities import BUILTIN_PRIORITIES, priority_by_name
 from unisched.strategy import Strategy
 from unisched.work import Shape, name_key, unquoted
 
@@ -91,6 +92,13 @@ def _name_of(value: str, choices: tuple | None) -> str:
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
+TIE_BREAK = Param("priority", None,
+                  "the simulator's tie-break where the strategy leaves the order open, as --priority: "
+                  "oldest_batch_first, oldest_stage_first or backward_first", str, tuple(BUILTIN_PRIORITIES))
+"""A parameter every strategy takes that leaves its workers' orders open (``looped(priority=backward_first)``
+runs as ``looped`` with ``--priority backward_first``, and reports the same parameters), or takes as its own
+(gpipe); refused by one that fixes every order."""
+
 Grid = Callable[[Shape], Iterable[Mapping[str, Any]]]
 
 
@@ -124,8 +132,21 @@ class Entry:
         )
 
     def build(self, shape: Shape, params: Mapping[str, Any]) -> Strategy:
+        """The strategy for ``shape`` with ``params``; ``priority`` (:data:`TIE_BREAK`) also where the
+        factory takes none."""
+        params = dict(params)
+        own = any(param.name == TIE_BREAK.name for param in self.params)
+        tie_break = None if own or TIE_BREAK.name not in params else \
+            TIE_BREAK.coerce(self.name, params.pop(TIE_BREAK.name))
         values = {name: self.param(name).coerce(self.name, value) for name, value in params.items()}
-        return self.factory(*shape, **values)
+        strategy = self.factory(*shape, **values)
+        if tie_break is None:
+            return strategy
+        if strategy.worker_orders is not None:
+            raise StrategyParameterError(f"strategy {self.name!r} fixes every worker's order, so priority="
+                                         f"{tie_break} would change nothing; drop it")
+        return strategy.with_(priority=priority_by_name(tie_break, shape.num_stages, shape.num_batches),
+                              params={**strategy.params, TIE_BREAK.name: tie_break})
 
     def fits(self, shape: Shape, params: Mapping[str, Any]) -> bool:
         """Whether the strategy with ``params`` serves ``shape``; a parameter it does not have, or a

@@ -182,7 +182,8 @@ def test_the_replica_ramp_counts_the_all_reduce_of_replicated_source_stages():
 def test_with_a_split_backward_only_passes_no_gradient_pass_needs_run_in_the_all_reduce():
     """W = 4, S = 2, B = 8, split, comm 1: one holder of stage 0 gives 4 T >= 48 + 3 + 2; two leave
     the other two waiting for its weights, 4 T >= 48 + 2 + 3; three or four make its all-reduce 4 or
-    6 long, and in those last ticks only stage 1's W passes (8 of work) can run: T >= 40 / 4 + 4.
+    6 long, and in those last ticks only stage 1's W passes (8 of work) can run: 4 (T - 4) >= 40 + 1
+    (one worker waits for stage 0's weights), or 4 (T - 6) >= 40.
     So 14 (where the work bound is 12, and the count that let replicas start every worker at once
     said 13), and the plan proves its 14 for every schedule a plan can hold.  At B = 4 the bound,
     8, is the every-schedule model's proven optimum."""

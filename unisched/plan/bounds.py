@@ -111,19 +111,20 @@ def every_ramp(timed: TimedProblem) -> int:
     all-reduce (:attr:`TimedProblem.allreduce`). Either every source stage has one weight worker,
     and then, as in :func:`ramp`, only those start at once, and only the sole holders of sink stages
     end with the step: any other worker's last pass passes data on, returns a gradient or is
-    followed by its stage's all-reduce.  Or some source stage s has k > 1: only they (and the
-    holders of other source stages) start at once, and only the sole holders of the other sink
-    stages end with the step; and the all-reduce of k holders follows s's last gradient pass, so
-    what runs in those last ticks are passes no gradient pass of s needs (a split backward's W
-    passes of other stages; none where every pass of a micro-batch comes before s's gradient pass,
-    and then every worker idles for the all-reduce).  The bound is the least over these cases.
+    followed by its stage's all-reduce.  Or some source stage s has k > 1 holders: where s is the
+    only source stage, only they start at once; only the sole holders of the other sink stages end
+    with the step; and the all-reduce of k holders follows s's last gradient pass.  In its ticks
+    only passes that no gradient pass of s needs can run: a split backward's W passes of other
+    stages, and none with an unsplit backward, where every worker idles for it.  The bound is the
+    least over these cases.
     (Where links differ, the all-reduces are taken as 0: which workers hold a stage decides how
     long theirs takes.) For W = S = 2, B = 8, comm 1 (an all-reduce of 2), unsplit and without a
     memory limit: one holder of stage 0 gives 2 T >= 48 + 1 + 1, replicas of it 2 T >= 48 + 2 + 2,
     so T >= 25, where the work bound is 24.  With a split backward, W = 4, S = 2, B = 8, comm 1:
     one holder of stage 0 gives 4 T >= 48 + 3 + 2; two leave two workers waiting for its weights,
     4 T >= 48 + 2 + 3; three or four make the all-reduce 4 or 6 long, in which only stage 1's W
-    passes (8 in all) can run: T >= 11 + 4; so 14, where the work bound is 12."""
+    passes (8 of work) can run: 4 (T - 4) >= 40 + 1, or 4 (T - 6) >= 40; so 14, where the work
+    bound is 12."""
     if timed.problem.objective != "latency":
         return 0
     W, S, _ = timed.shape
@@ -136,8 +137,8 @@ def every_ramp(timed: TimedProblem) -> int:
     for s in ends.sources if W > 1 else ():
         early = W - min(W, len(ends.sinks - {s}))
         for k in range(2, W + 1):  # k replicas of source stage s
-            late = max(0, W - k - (len(ends.sources) - 1))
-            allreduce = int(timed.allreduce[s, k]) if reduce.any() else 0
+            late = W - k if len(ends.sources) == 1 else 0  # other sources' holders may be any
+            allreduce = int(timed.allreduce[s, k]) if timed.problem.links_alike else 0
             others = _least_step(timed, ends.work, late, ends.head, early, ends.tail)
             closing = _least_step(timed, ends.work - ends.free[s], late, ends.head, 0, 0) + allreduce
             cases.append(max(others, closing))

@@ -116,11 +116,12 @@ def every_ramp(timed: TimedProblem) -> int:
     with the step; and the all-reduce of k holders follows s's last gradient pass.  In its ticks
     only passes that no gradient pass of s needs can run: a split backward's W passes of other
     stages, and none with an unsplit backward, where every worker idles for it.  The bound is the
-    least over these cases.
-    (Where links differ, the all-reduces are taken as 0: which workers hold a stage decides how
-    long theirs takes.) For W = S = 2, B = 8, comm 1 (an all-reduce of 2), unsplit and without a
-    memory limit: one holder of stage 0 gives 2 T >= 48 + 1 + 1, replicas of it 2 T >= 48 + 2 + 2,
-    so T >= 25, where the work bound is 24.  With a split backward, W = 4, S = 2, B = 8, comm 1:
+    least over these cases.  (Where links differ, the all-reduces are taken as 0: which workers
+    hold a stage decides how long theirs takes.)
+
+    For W = S = 2, B = 8, comm 1 (an all-reduce of 2), unsplit and without a memory limit: one
+    holder of stage 0 gives 2 T >= 48 + 1 + 1, replicas of it 2 T >= 48 + 2 + 2, so T >= 25,
+    where the work bound is 24.  With a split backward, W = 4, S = 2, B = 8, comm 1:
     one holder of stage 0 gives 4 T >= 48 + 3 + 2; two leave two workers waiting for its weights,
     4 T >= 48 + 2 + 3; three or four make the all-reduce 4 or 6 long, in which only stage 1's W
     passes (8 of work) can run: 4 (T - 4) >= 40 + 1, or 4 (T - 6) >= 40; so 14, where the work

@@ -96,10 +96,7 @@ def ramp(timed: TimedProblem) -> int:
     them)."""
     if timed.problem.objective != "latency":
         return 0
-    W = timed.shape.num_workers
-    ends = _Ends.of(timed)
-    return _least_step(timed, ends.work, W - min(W, len(ends.sources)), ends.head, W - min(W, len(ends.sinks)),
-                       ends.tail)
+    return _Ends.of(timed).one_holder_each(timed)
 
 
 def every_ramp(timed: TimedProblem) -> int:
@@ -129,19 +126,16 @@ def every_ramp(timed: TimedProblem) -> int:
     if timed.problem.objective != "latency":
         return 0
     W, S, _ = timed.shape
-    reduce = np.zeros(S, dtype=np.int64)  # the least all-reduce among several holders (0: unknown)
-    if W > 1 and timed.problem.links_alike:
-        reduce = timed.allreduce[:, 2:].min(axis=1)
-    ends = _Ends.of(timed, reduce)
-    cases = [_least_step(timed, ends.work, W - min(W, len(ends.sources)), ends.head,
-                         W - min(W, len(ends.sinks)), ends.tail)]
+    # per stage and number of holders, its all-reduce (0 where links differ: it depends on which)
+    allreduce = timed.allreduce if timed.problem.links_alike else np.zeros((S, W + 1), dtype=np.int64)
+    ends = _Ends.of(timed, allreduce[:, 2:].min(axis=1) if W > 1 else np.zeros(S, dtype=np.int64))
+    cases = [ends.one_holder_each(timed)]
     for s in ends.sources if W > 1 else ():
         early = W - min(W, len(ends.sinks - {s}))
         for k in range(2, W + 1):  # k replicas of source stage s
             late = W - k if len(ends.sources) == 1 else 0  # other sources' holders may be any
-            allreduce = int(timed.allreduce[s, k]) if timed.problem.links_alike else 0
             others = _least_step(timed, ends.work, late, ends.head, early, ends.tail)
-            closing = _least_step(timed, ends.work - ends.free[s], late, ends.head, 0, 0) + allreduce
+            closing = _least_step(timed, ends.work - ends.free[s], late, ends.head, 0, 0) + int(allreduce[s, k])
             cases.append(max(others, closing))
     return min(cases)
 
@@ -210,13 +204,17 @@ class _Ends(NamedTuple):
 
         head = min(waits(i) for i in first if every or direction[i] != BACKWARD_WEIGHT)
         tail = min(leaves(i) for i in first if every or direction[i] != BACKWARD_INPUT)
-        least = dict(zip(first.tolist(), (timed.duration[first] * problem.costs.speeds(W)).min(axis=1).tolist()))
-        free = {}
-        for i in first:
-            if stage[i] in sources and direction[i] == gradient:
-                needed = nx.ancestors(graph, int(i)) | {int(i)}
-                free[int(stage[i])] = B * float(sum(w for j, w in least.items() if j not in needed))
-        return cls(B * float(sum(least.values())), sources, sinks, head, tail, free)
+        least = (timed.duration[first] * problem.costs.speeds(W)).min(axis=1)  # each pass's work at speed 1
+        free = {int(stage[i]): B * float(least[~np.isin(first, [*nx.ancestors(graph, int(i)), int(i)])].sum())
+                for i in first if stage[i] in sources and direction[i] == gradient}
+        return cls(B * float(least.sum()), sources, sinks, head, tail, free)
+
+    def one_holder_each(self, timed: TimedProblem) -> int:
+        """The shortest step where every source and sink stage has one weight worker: only those
+        start at once and end with the step (:func:`ramp`'s count)."""
+        W = timed.shape.num_workers
+        return _least_step(timed, self.work, W - min(W, len(self.sources)), self.head,
+                           W - min(W, len(self.sinks)), self.tail)
 
 
 def _least_step(timed: TimedProblem, work: float, late: int, head: int, early: int, tail: int) -> int:

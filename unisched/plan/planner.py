@@ -463,6 +463,7 @@ class _Search:
         restricted = f", micro-batches placed alike every {period}" if period else ""
         _say(self.progress, f"CP-SAT mapping search over {scheme}{restricted} ({seconds:.1f} s) ...")
         objective = self.problem.objective
+        exact = exact_links(self.timed)  # else the model takes the worst link, and its bound proves nothing
 
         def score(compute, weight, starts) -> float:  # what a plan reports of the solution
             found = self.replay_mapped(compute, weight, starts)
@@ -473,9 +474,9 @@ class _Search:
                                lower_bound=self._ticks_below(max(self.floor(), self.replica_ramp,
                                                                  0 if scheme == EVERY else self.ramp_bound)),
                                report=self._reporter(f"CP-SAT mapping ({key.removeprefix('cpsat_')})",
-                                                     bounded=exact_links(self.timed)))
+                                                     bounded=exact))
         self.interrupted |= solved.interrupted
-        if exact_links(self.timed) and solved.bound > 0 \
+        if exact and solved.bound > 0 \
                 and (solved.found or solved.status == "INFEASIBLE"):
             self.proofs.append((key, proven_class(self.timed, scheme), self.timed.ticks.time(solved.bound)))
         found = self.replay_mapped(solved.compute, solved.weight, solved.starts) if solved.found else None

@@ -33,7 +33,7 @@ from typing import NamedTuple
 from unisched.errors import UniSchedError
 from unisched.plan import encode_costs, plan
 from unisched.plan.bounds import ANY_SCHEDULE
-from unisched.plan.mapping import EVERY
+from unisched.plan.mapping import EVERY, PAIRED, WHOLE_SCHEME
 from unisched.plan.command import DEFAULT_TIME_LIMIT
 
 
@@ -102,15 +102,7 @@ def run(case: Case, seconds: float):
 
 def short_class(name: str) -> str:
     """A few words for the class of schedules a bound holds for."""
-    if name == ANY_SCHEDULE:
-        return "any"
-    if name == EVERY:
-        return "every"
-    if name.startswith("schedules with one worker per"):
-        return "paired"
-    if name.startswith("schedules with one weight worker"):
-        return "whole"
-    return name[:24]
+    return {ANY_SCHEDULE: "any", EVERY: "every", PAIRED: "paired", WHOLE_SCHEME: "whole"}.get(name, name[:24])
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ import numpy as np
 
 from unisched.costs import LARGEST_STEP, Costs, Link, PerStage, check_per_stage
 from unisched.errors import ShapeError, read_json
+from unisched.work import is_whole
 
 PRESETS = Path(__file__).resolve().parent / "topologies"
 COLLECTIVES = ("ring", "tree")
@@ -318,7 +319,7 @@ class ClusterCosts(Costs):
         object.__setattr__(self, "topology", Topology.load(self.topology))
         if self.links:
             raise ShapeError("Costs.links and a topology both say how fast workers talk; drop links")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+        if not is_whole(self.replicas):
             raise ShapeError(f"ClusterCosts.replicas must be an integer >= 1, got {self.replicas!r}")
 
     @classmethod
@@ -435,7 +436,7 @@ def _count(data: Mapping, name: str, where: str) -> int:
     if name not in data:
         raise ShapeError(f"{where}: missing field {name!r}")
     value = data[name]
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+    if not (is_whole(value) and value <= MAX_COUNT):
         raise ShapeError(f"{where}: {name} must be an integer from 1 to {MAX_COUNT}, got {value!r}")
     return value
 

@@ -95,9 +95,11 @@ class Shape(NamedTuple):
         return Shape(*(positive_count(name, value) for name, value in zip(self._fields, self)))
 
 
-def is_whole(value, least: int = 1) -> bool:
-    """Whether ``value`` is an integer (a numpy one too, but not a bool) of at least ``least``."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= least  # numpy's bool is no Integral
+def is_whole(value, least: int | None = 1) -> bool:
+    """Whether ``value`` is an integer (a numpy one too, but not a bool) of at least ``least``
+    (None: any)."""
+    integer = not isinstance(value, bool) and isinstance(value, numbers.Integral)  # numpy's bool is no Integral
+    return integer and (least is None or value >= least)
 
 
 def name_key(text: str) -> str:

@@ -134,7 +134,9 @@ class Cluster:
 
 class _BuiltModules:
     """Tells its listeners of every ``nn.Module`` built while any listens: ``nn.Module.__init__``
-    wrapped from the first :meth:`listen`, and torch's own restored at the last :meth:`stop`."""
+    wrapped from the first :meth:`listen`, and torch's own restored at the last :meth:`stop`.  A
+    listener is told once however often it listens, and stopping one that does not listen does
+    nothing."""
 
     listeners: list = []
     torch_init = None
@@ -152,7 +154,8 @@ class _BuiltModules:
                     told(module)
 
             nn.Module.__init__ = cls.wrapper = init_and_tell
-        cls.listeners.append(listener)
+        if listener not in cls.listeners:
+            cls.listeners.append(listener)
 
     @classmethod
     def stop(cls, listener) -> None:
@@ -200,12 +203,8 @@ class Env:
     def _listen(self) -> None:
         """Be told of the modules built while a scope is open or a default strategy is set, and
         only then (torch's own ``nn.Module.__init__`` runs otherwise)."""
-        listening = self._on_build in _BuiltModules.listeners
-        if self.scope is not None or self.default is not None:
-            if not listening:
-                _BuiltModules.listen(self._on_build)
-        elif listening:
-            _BuiltModules.stop(self._on_build)
+        wanted = self.scope is not None or self.default is not None
+        (_BuiltModules.listen if wanted else _BuiltModules.stop)(self._on_build)
 
     @property
     def cluster(self) -> Cluster:

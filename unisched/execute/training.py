@@ -217,7 +217,7 @@ def check_training_options(stages, loss_fn, optimizer, *, seed, precision, clip_
             raise ShapeError(f"{name} must be callable, got {_shown(value)}"
                              + ("; pass a factory: lambda params: torch.optim.SGD(params, lr=0.1)"
                                 if name == "optimizer" else "; pass loss_fn(output, target) -> scalar tensor"))
-    if not is_whole(seed, -math.inf):
+    if not is_whole(seed, None):
         raise ShapeError(f"seed must be a whole number, got {_shown(seed)}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ShapeError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {_shown(precision)}")

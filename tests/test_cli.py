@@ -320,7 +320,7 @@ def test_simulate_refuses_two_priorities_and_reads_a_priority_parameter_as_the_f
     assert code == 2 and "must be one of oldest_batch_first" in err
     # the flag in quotes, and a parameter given both ways in two spellings: one name, one rule (work.name_key)
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe", "--priority", "'backward_first'", "--json")
-    assert code == 0, err
+    assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}, err
     code, out, err = run(capsys, "simulate", "--strategy", "gpipe(priority=backward-first)", "--param",
                          "priority=backward_first", "--json")
     assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}, err

@@ -545,11 +545,16 @@ def test_a_module_in_two_taskgraphs_is_an_error():
             use()
 
 
-def test_an_empty_scope_is_an_error(monkeypatch):
+@pytest.fixture
+def no_process_group(monkeypatch):
+    """A Trainer that starts a process group fails the test: what it refuses, it refuses first."""
     def start(*args):
-        pytest.fail("a process group was started before the annotations were checked")
+        pytest.fail("a process group was started before the annotations were checked and the placement made")
 
     monkeypatch.setattr("unisched.epl.trainer.ensure_process_group", start)
+
+
+def test_an_empty_scope_is_an_error(no_process_group):
     with epl.replicate(1, name="empty"):
         pass
     for use in (epl.simulate, epl.strategy, epl.placement,
@@ -558,11 +563,7 @@ def test_an_empty_scope_is_an_error(monkeypatch):
             use()
 
 
-def test_a_placement_that_cannot_be_made_is_refused_before_a_process_group_starts(monkeypatch):
-    def start(*args):
-        pytest.fail("a process group was started before the placement was made")
-
-    monkeypatch.setattr("unisched.epl.trainer.ensure_process_group", start)
+def test_a_placement_that_cannot_be_made_is_refused_before_a_process_group_starts(no_process_group, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")  # or the group an earlier test left, of 1: neither holds 2 devices a replica
     with epl.replicate(2, name="a"):
         nn.Linear(2, 2)

@@ -152,14 +152,16 @@ def test_the_heuristic_search_stops_at_the_ramp_and_claims_its_class():
     ((4, 2, 4), encode_costs(comm=1, **SPLIT), True, 8),
     ((3, 1, 3), encode_costs(comm=0, fetch=1), False, 4.0),
 ])
-def test_the_replica_ramp_is_never_above_the_proven_optimum_of_every_schedule_a_plan_can_hold(
+def test_the_replica_ramp_meets_the_proven_optimum_of_every_schedule_a_plan_can_hold(
         shape, costs, split, optimum):
-    """Never above the every-schedule model's proven optimum (replicas and passes apart allowed;
-    the model's all-reduces are rounded down to whole ticks, as the replica ramp's are)."""
+    """The every-schedule model's proven optimum (replicas and passes apart allowed; the model's
+    all-reduces are rounded down to whole ticks, as the replica ramp's are) on these small steps,
+    never above it (W = 4, S = 2, B = 4, split: only with the all-reduce's last ticks counted for
+    each number of holders)."""
     timed = timed_of(shape, costs, None, split)
     solved = solve_mapping(timed, time_limit=60, scheme=EVERY, num_workers=2)
     assert solved.optimal and timed.ticks.time(solved.objective) == optimum
-    assert timed.ticks.time(every_ramp(timed)) <= optimum
+    assert timed.ticks.time(every_ramp(timed)) == optimum
 
 
 def test_the_replica_ramp_counts_the_all_reduce_of_replicated_source_stages():
@@ -185,14 +187,10 @@ def test_with_a_split_backward_only_passes_no_gradient_pass_needs_run_in_the_all
     6 long, and in those last ticks only stage 1's W passes (8 of work) can run: 4 (T - 4) >= 40 + 1
     (one worker waits for stage 0's weights), or 4 (T - 6) >= 40.
     So 14 (where the work bound is 12, and the count that let replicas start every worker at once
-    said 13), and the plan proves its 14 for every schedule a plan can hold.  At B = 4 the bound,
-    8, is the every-schedule model's proven optimum."""
+    said 13), and the plan proves its 14 for every schedule a plan can hold."""
     costs = encode_costs(comm=1, **SPLIT)
     timed = timed_of((4, 2, 8), costs, split=True)
     assert timed.allreduce[0, 2:].tolist() == [2, 4, 6] and shape_bounds(timed.problem)["work"] == 12
     assert every_ramp(timed) == 14
     result = plan(4, 2, 8, costs, split_backward=True, time_limit=20)
     assert result.latency == 14 and result.optimal and result.proven_for == EVERY
-    smaller = timed_of((4, 2, 4), costs, split=True)
-    solved = solve_mapping(smaller, time_limit=60, scheme=EVERY, num_workers=2)
-    assert solved.optimal and every_ramp(smaller) == solved.objective == 8

@@ -142,10 +142,11 @@ def test_zero_bubble_h2_bubble_and_memory(p, m):
     ((2, 1, 1), 6, [3, 2, 1, 0]),
     ((1, 1, 2), 3, [0, 0, 0, 0]),  # the ZB-H1 form says 0: W passes longer than F and I leave its fill
 ])
-def test_the_zero_bubble_forms_hold_at_the_papers_equal_times_only(times, h1_bubble, h2_idle):
+def test_the_zb_h1_form_fails_only_where_the_weight_pass_is_longest(times, h1_bubble, h2_idle):
     """The closed forms above are the paper's, at T_F = T_B = T_W.  W = S = 4, B = 8 under other
-    times: ZB-H1's bubble is (p - 1)(T_F + T_B - T_W) on the two where T_W is not the longest, and
-    ZB-H2 leaves no idle time inside the workers' spans on the one where T_F = T_B (README)."""
+    times (README): ZB-H1's bubble is (p - 1)(T_F + T_B - T_W) on the two where T_W is not the
+    longest, and 3 where the form says 0; ZB-H2 idles 3, 2, 1, 0 inside the workers' spans on those
+    two, and nowhere inside them where T_W is the longest."""
     F, I, W = times
     costs = Costs(forward=F, backward_input=I, backward_weight=W)
     h1 = run("zb_h1", 4, 4, 8, costs=costs)

@@ -544,19 +544,18 @@ def _simulate(args, name: str, params: dict, options: dict):
     from unisched.policies.grammar import label_of
 
     W, S, B = _shape(args)
-    if is_user_strategy(name):
+    if is_user_strategy(name):  # simulate breaks its ties by --priority (priority_order)
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
-    else:
-        strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
-        if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
-            strategy = strategy.with_(name=label_of(name, params))
-    if options["priority_order"] is not None and strategy.worker_orders is None:  # else simulate refuses it
-        flag = name_key(args.priority)
-        if "priority" in params and strategy.params.get("priority") != flag:  # the value as the strategy read it
+        return simulate(W, S, B, strategy, **options)
+    given = params
+    if options["priority_order"] is not None:  # --priority is the registry's priority parameter
+        if "priority" in params and name_key(str(params["priority"])) != name_key(args.priority):
             raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
                                 "give the priority once")
-        # the run breaks ties by --priority, so the strategy it reports says so
-        strategy = strategy.with_(params={**strategy.params, "priority": flag})
+        given, options = {**params, "priority": args.priority}, {**options, "priority_order": None}
+    strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **given)
+    if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
+        strategy = strategy.with_(name=label_of(name, params))
     return simulate(W, S, B, strategy, **options)
 
 

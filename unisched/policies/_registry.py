@@ -128,7 +128,8 @@ class Entry:
                 return param
         valid = ", ".join(p.name for p in self.params) or "none"
         raise StrategyParameterError(
-            f"strategy {self.name!r} has no parameter {name!r}; its parameters are: {valid}"
+            f"strategy {self.name!r} has no parameter {name!r}; its parameters are: {valid} (and {TIE_BREAK.name}, "
+            "the simulator's tie-break, where it leaves the order open)"
         )
 
     def build(self, shape: Shape, params: Mapping[str, Any]) -> Strategy:
@@ -143,8 +144,9 @@ class Entry:
         if tie_break is None:
             return strategy
         if strategy.worker_orders is not None:
-            raise StrategyParameterError(f"strategy {self.name!r} fixes every worker's order, so priority="
-                                         f"{tie_break} would change nothing; drop it")
+            raise StrategyParameterError(f"strategy {self.name!r} fixes every worker's order, and a priority only "
+                                         f"breaks the ties the simulator chooses: drop priority={tie_break} (or the "
+                                         "command's --priority)")
         return strategy.with_(priority=priority_by_name(tie_break, shape.num_stages, shape.num_batches),
                               params={**strategy.params, TIE_BREAK.name: tie_break})
 

@@ -15,11 +15,13 @@ then two backwards, whenever the next forward is late.)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from unisched.policies._orders import fixed_orders, warmup_steady_orders
-from unisched.policies._registry import Entry, Param, require
-from unisched.simulate.priorities import BUILTIN_PRIORITIES, priority_by_name
+from unisched.policies._registry import TIE_BREAK, Entry, Param, require
+from unisched.simulate.priorities import priority_by_name
 from unisched.strategy import Strategy, WorkerOrders
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
 
@@ -143,10 +145,9 @@ GPIPE = Entry(
     description="pipeline parallel: stage s on worker s, micro-batches flow through the workers",
     family="pipeline",
     constraints="W = S",
-    params=(Param("priority", "oldest_batch_first",
-                  "tie-break: oldest_batch_first (the seed's default), oldest_stage_first (fill-drain) "
-                  "or backward_first",
-                  str, tuple(BUILTIN_PRIORITIES)),),
+    params=(replace(TIE_BREAK, default="oldest_batch_first",
+                    help="tie-break: oldest_batch_first (the seed's default), oldest_stage_first (fill-drain) "
+                    "or backward_first"),),
     grid=_gpipe_grid,
 )
 ONE_F_ONE_B = Entry(

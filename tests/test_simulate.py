@@ -106,6 +106,16 @@ def test_a_built_in_priority_is_taken_by_class_or_name_as_well():
         simulate(4, 4, 8, gpipe, "newest")
 
 
+def test_the_priority_has_one_name_as_in_a_strategy_and_the_command():
+    made = simulate(4, 4, 8, gpipe, OldestStageFirst).timeline.start.tolist()
+    assert simulate(4, 4, 8, gpipe, priority="oldest_stage_first").timeline.start.tolist() == made
+    with pytest.warns(DeprecationWarning, match="now simulate\\(priority=...\\)"):
+        former = simulate(4, 4, 8, gpipe, priority_order="oldest_stage_first")
+    assert former.timeline.start.tolist() == made
+    with pytest.raises(TypeError, match="takes the priority once"):
+        simulate(4, 4, 8, gpipe, "oldest_stage_first", priority_order="oldest_stage_first")
+
+
 def test_seed_looped():
     sim = simulate(4, 4, 8, looped(4, 2))
     assert sim.latency == 28

@@ -531,7 +531,7 @@ def _step_options(args) -> dict:
     W, S, B = _shape(args)
     costs = costs_from_flags(args, (W, S), encode_free_links=False)
     return {
-        "priority_order": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
+        "priority": priority_by_name(args.priority, S, B) if getattr(args, "priority", None) else None,
         "costs": costs,
         "memory_limit": numbers("--memory-limit", args.memory_limit, W, "workers"),
     }  # the backward's form: simulate's rule, from the costs (where the time flags are) and the strategy
@@ -544,15 +544,15 @@ def _simulate(args, name: str, params: dict, options: dict):
     from unisched.policies.grammar import label_of
 
     W, S, B = _shape(args)
-    if is_user_strategy(name):  # simulate breaks its ties by --priority (priority_order)
+    if is_user_strategy(name):  # simulate breaks its ties by --priority
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
         return simulate(W, S, B, strategy, **options)
     given = params
-    if options["priority_order"] is not None:  # --priority is the registry's priority parameter
+    if options["priority"] is not None:  # --priority is the registry's priority parameter
         if "priority" in params and name_key(str(params["priority"])) != name_key(args.priority):
             raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
                                 "give the priority once")
-        given, options = {**params, "priority": args.priority}, {**options, "priority_order": None}
+        given, options = {**params, "priority": args.priority}, {**options, "priority": None}
     strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **given)
     if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
         strategy = strategy.with_(name=label_of(name, params))

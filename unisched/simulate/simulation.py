@@ -6,6 +6,7 @@ memory limit, priority) and the lower bounds it can be compared with.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import networkx as nx
@@ -28,12 +29,13 @@ def simulate(
     num_stages: int,
     num_batches: int,
     schedule: Strategy | Callable[[Work], Any],
-    priority_order: Callable[[Work], Any] | None = None,
+    priority: Callable[[Work], Any] | str | None = None,
     *,
     costs: Costs | None = None,
     memory_limit: float | Sequence[float] | None = None,
     split_backward: bool | None = None,
     stage_graph: nx.DiGraph | StageGraph | None = None,
+    priority_order: Callable[[Work], Any] | str | None = None,
 ) -> "Simulation":
     """Run the reference greedy scheduler and return a :class:`Simulation`.
 
@@ -42,9 +44,12 @@ def simulate(
     split backward and fixed orders, which the arguments here override (but
     for a priority given to a strategy that fixes every worker's order,
     which is refused: it would change nothing).
-    ``priority_order`` is any callable ``Work -> sortable key``, or a built-in
+    ``priority`` is any callable ``Work -> sortable key``, or a built-in
     priority's class or name ("backward_first") (default
-    :class:`OldestBatchFirst`); a strategy's own priority may be either too.
+    :class:`OldestBatchFirst`), as a strategy's ``priority=`` parameter and
+    the command's ``--priority`` take it; a strategy's own priority may be
+    either too.  ``priority_order`` is its former name, still taken (with a
+    DeprecationWarning).
     ``memory_limit`` caps the activations a worker may hold (stash units, or
     bytes when ``costs`` give ``activation_bytes``/``stash_bytes``), scalar
     or one per worker; a strategy's own limit always counts stashes.
@@ -70,12 +75,13 @@ def simulate(
         costs.times_halves and strategy.worker_orders is None)
     check_size(shape, split)
     costs.check(num_workers, num_stages)
-    if priority_order is not None and strategy.worker_orders is not None:
+    priority = _renamed_priority(priority, priority_order)
+    if priority is not None and strategy.worker_orders is not None:
         raise StrategyError(
-            f"the priority {getattr(priority_order, '__name__', priority_order)!r} would change nothing: "
+            f"the priority {getattr(priority, '__name__', priority)!r} would change nothing: "
             f"{strategy.name or 'the strategy'} fixes every worker's order of work, and a priority only breaks the "
-            "ties the simulator chooses; drop it (priority_order, or the command's --priority)")
-    priority = as_priority(priority_order or strategy.priority or OldestBatchFirst, num_stages, num_batches)
+            "ties the simulator chooses; drop it (priority=, or the command's --priority)")
+    priority = as_priority(priority or strategy.priority or OldestBatchFirst, num_stages, num_batches)
     limit = memory_limit if memory_limit is not None else strategy.memory_limit
     limit_in_bytes = costs.has_sizes and memory_limit is not None  # a strategy's own limit counts stashes
     graph = stage_graph if stage_graph is not None else strategy.stage_graph
@@ -130,6 +136,16 @@ def check_size(shape: Shape, split_backward: bool = False) -> None:
             "is full, every micro-batch adds the same time), or on a machine with the memory raise it: "
             "from unisched.simulate import simulation; simulation.MAX_ITEMS = ..."
         )
+
+
+def _renamed_priority(priority, priority_order):
+    """The priority given, under its name or its former one (``priority_order``, with a warning)."""
+    if priority_order is None:
+        return priority
+    if priority is not None:
+        raise TypeError("simulate() takes the priority once: give priority=, the name of priority_order")
+    warnings.warn("simulate(priority_order=...) is now simulate(priority=...)", DeprecationWarning, stacklevel=3)
+    return priority_order
 
 
 def _run(problem):

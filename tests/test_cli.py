@@ -326,6 +326,27 @@ def test_simulate_refuses_two_priorities_and_reads_a_priority_parameter_as_the_f
     assert code == 0 and json.loads(out)["params"] == {"priority": "backward_first"}, err
 
 
+def test_compare_breaks_ties_by_priority_where_a_strategy_leaves_them_open(capsys):
+    """--priority reaches every strategy compared that leaves its order open, as simulate's does,
+    and leaves one that fixes every worker's order as it is; given twice, differently, it is refused."""
+    shape = ["-W", "2", "-S", "4", "-B", "4", "--json"]
+
+    def compared(*flags):
+        code, out, err = run(capsys, "compare", "--strategies", "looped,zbv", *flags, *shape)
+        assert code == 0, err
+        return {row["strategy"]: row["latency"] for row in json.loads(out)["results"]}, json.loads(out)["priority"]
+
+    by_stage, priority = compared("--priority", "oldest_stage_first")
+    assert priority == "oldest_stage_first" and compared() == ({"looped": 28, "zbv": 25}, None)
+    for name, flags in (("looped", ["--priority", "oldest_stage_first"]), ("zbv", [])):
+        code, out, err = run(capsys, "simulate", "--strategy", name, *flags, *shape)
+        assert code == 0 and json.loads(out)["latency"] == by_stage[name], err
+    assert by_stage["looped"] == 27
+    code, out, err = run(capsys, "compare", "--strategies", "looped(priority=backward_first)", "--priority",
+                         "oldest_stage_first", *shape)
+    assert code == 2 and out == "" and "give the priority once" in err
+
+
 def test_an_unknown_priority_is_a_unisched_error():
     from unisched import policies
 

@@ -179,6 +179,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "shape)",
     )
     _add_problem_arguments(compare)
+    compare.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
+                         "ties of every strategy compared that leaves the order of work to the simulator, as "
+                         "simulate's --priority; one that fixes every worker's order is compared as it is")
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
     compare.set_defaults(handler=cmd_compare)
 
@@ -354,13 +357,17 @@ def cmd_compare(args) -> int:
         )
     else:
         candidates = list(policies.variants(*shape))
+    for name, values in candidates:
+        _one_priority(args, name, values)
     rows, bound, skipped = _compare(args, candidates)
     _some_row(rows, shape, skipped)
     if args.json:
-        print(_dumps({"shape": list(shape), "bound": bound, "results": rows, "skipped": skipped}))
+        print(_dumps({"shape": list(shape), "priority": args.priority, "bound": bound, "results": rows,
+                      "skipped": skipped}))
         return 0
+    ties = f"; ties broken by {args.priority} where a strategy leaves them open" if args.priority else ""
     print(f"W={shape[0]} S={shape[1]} B={shape[2]}: {len(rows)} {'strategy' if len(rows) == 1 else 'strategies'}, "
-          "best first\n")
+          f"best first{ties}\n")
     print(_table(rows, COMPARE_COLUMNS))
     print(_bound_note(bound))
     for name, reason in skipped:
@@ -409,7 +416,7 @@ def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]
     for name, params in candidates:
         label = label_of(name, params)
         try:
-            simulations.append((label, _simulate(args, name, params, options)))
+            simulations.append((label, _simulate(args, name, params, options, fixed_as_they_are=True)))
         except StrategyError:
             raise  # a strategy that fails or maps work to no worker is an error, not a row left out
         except UniSchedError as error:
@@ -537,8 +544,17 @@ def _step_options(args) -> dict:
     }  # the backward's form: simulate's rule, from the costs (where the time flags are) and the strategy
 
 
-def _simulate(args, name: str, params: dict, options: dict):
-    """Strategy ``name`` with ``params`` on the flags' shape, simulated with ``options`` (:func:`_step_options`)."""
+def _one_priority(args, name: str, params: dict) -> None:
+    """Refuse a strategy given one priority as a parameter and another by --priority."""
+    if args.priority and "priority" in params and name_key(str(params["priority"])) != name_key(args.priority):
+        raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
+                            "give the priority once")
+
+
+def _simulate(args, name: str, params: dict, options: dict, fixed_as_they_are: bool = False):
+    """Strategy ``name`` with ``params`` on the flags' shape, simulated with ``options`` (:func:`_step_options`);
+    with ``fixed_as_they_are``, a strategy that fixes every worker's order runs without --priority
+    instead of refusing it."""
     from unisched import policies, simulate
     from unisched.plan.command import is_user_strategy, user_strategy
     from unisched.policies.grammar import label_of
@@ -546,13 +562,16 @@ def _simulate(args, name: str, params: dict, options: dict):
     W, S, B = _shape(args)
     if is_user_strategy(name):  # simulate breaks its ties by --priority
         strategy = user_strategy(name, (W, S, B), params, label=label_of(name, params))
+        if fixed_as_they_are and strategy.worker_orders is not None:
+            options = {**options, "priority": None}
         return simulate(W, S, B, strategy, **options)
     given = params
     if options["priority"] is not None:  # --priority is the registry's priority parameter
-        if "priority" in params and name_key(str(params["priority"])) != name_key(args.priority):
-            raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
-                                "give the priority once")
+        _one_priority(args, name, params)
         given, options = {**params, "priority": args.priority}, {**options, "priority": None}
+        if fixed_as_they_are and policies.get(name, num_workers=W, num_stages=S, num_batches=B,
+                                              **params).worker_orders is not None:
+            given = params
     strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **given)
     if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
         strategy = strategy.with_(name=label_of(name, params))

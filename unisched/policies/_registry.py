@@ -123,9 +123,13 @@ class Entry:
     (those that design a fixed order); parameterless strategies only."""
 
     def param(self, name: str) -> Param:
+        """The parameter ``name``: one of the factory's, else :data:`TIE_BREAK` (which :meth:`build`
+        attaches, or refuses for a strategy that fixes every order)."""
         for param in self.params:
             if param.name == name:
                 return param
+        if name == TIE_BREAK.name:
+            return TIE_BREAK
         valid = ", ".join(p.name for p in self.params) or "none"
         raise StrategyParameterError(
             f"strategy {self.name!r} has no parameter {name!r}; its parameters are: {valid} (and {TIE_BREAK.name}, "

@@ -348,6 +348,11 @@ class _Search:
         proven = [bound for _, name, bound in self.proofs if name == ANY_SCHEDULE]
         return max(max(self.shape_bounds.values()), self.pooled_bound, *proven)
 
+    def held_floor(self) -> float:
+        """The strongest lower bound known for every schedule a plan can hold (:data:`EVERY`):
+        :meth:`floor` and the replica ramp."""
+        return max(self.floor(), self.replica_ramp)
+
     def targets(self, family: FamilyResult):
         """The mappings whose order CP-SAT improves (nothing once a bound is met)."""
         if self.done():
@@ -370,8 +375,8 @@ class _Search:
             if share <= 0.05 or self.done():
                 break
             _say(self.progress, f"CP-SAT order of {label} ({share:.1f} s) ...")
-            bound = max(max(mapping_bounds(self.problem, compute, weight).values()), self.pooled_bound,
-                        self.replica_ramp, self._ramp_for(compute, weight))
+            bound = max(max(mapping_bounds(self.problem, compute, weight).values()), self.held_floor(),
+                        self._ramp_for(compute, weight))
             solved = solve_order_staged(self.timed, compute, weight, time_limit=share, hint_starts=hint,
                                         num_workers=self.search_workers, seed=self.seed,
                                         lower_bound=self._ticks_below(bound), asap_replay=False,
@@ -471,7 +476,7 @@ class _Search:
 
         solved = solve_mapping(self.timed, time_limit=seconds, hint=hint, num_workers=self.search_workers,
                                seed=self.seed, score=score, scheme=scheme, asap_replay=False, period=period,
-                               lower_bound=self._ticks_below(max(self.floor(), self.replica_ramp,
+                               lower_bound=self._ticks_below(max(self.held_floor(),
                                                                  0 if scheme == EVERY else self.ramp_bound)),
                                report=self._reporter(f"CP-SAT mapping ({key.removeprefix('cpsat_')})",
                                                      bounded=exact))
@@ -565,7 +570,7 @@ class _Search:
         best = self.best()
         if best is None:
             return False
-        bound = max(self.floor(), self.replica_ramp)  # every candidate is a schedule a plan can hold
+        bound = self.held_floor()  # every candidate is a schedule a plan can hold
         if self.fixed:
             bound = max(bound, *mapping_bounds(self.problem, best.schedule.compute, best.schedule.weight).values())
         if not widest:

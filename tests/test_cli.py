@@ -347,6 +347,26 @@ def test_compare_breaks_ties_by_priority_where_a_strategy_leaves_them_open(capsy
     assert code == 2 and out == "" and "give the priority once" in err
 
 
+def test_compare_priority_over_every_strategy_gives_gpipe_one_row_and_keeps_a_designed_order(capsys):
+    """Without --strategies gpipe's grid tries each priority; with --priority it is one row, run with
+    the flag's.  looped_bfs orders its work by a priority of its own design: compared as it is, and
+    its priority= refused as a fixed order's is."""
+    code, out, err = run(capsys, "compare", "--priority", "'Backward-First'", "--json")
+    assert code == 0, err
+    compared = json.loads(out)
+    names = [row["strategy"] for row in compared["results"]]
+    assert compared["priority"] == "backward_first" and names.count("gpipe") == 1
+    code, out, _ = run(capsys, "simulate", "--strategy", "gpipe", "--priority", "backward_first", "--json")
+    assert json.loads(out)["latency"] == next(r["latency"] for r in compared["results"] if r["strategy"] == "gpipe")
+    shape = ["-W", "2", "-S", "4", "-B", "4", "--json"]
+    code, out, err = run(capsys, "simulate", "--strategy", "looped_bfs", *shape)
+    designed = json.loads(out)["latency"]
+    code, out, err = run(capsys, "compare", "--strategies", "looped_bfs", "--priority", "oldest_batch_first", *shape)
+    assert code == 0 and json.loads(out)["results"][0]["latency"] == designed == 27, err
+    code, out, err = run(capsys, "simulate", "--strategy", "looped_bfs(priority=oldest_batch_first)", *shape)
+    assert code == 2 and "orders its work by a priority of its own" in err
+
+
 def test_an_unknown_priority_is_a_unisched_error():
     from unisched import policies
 

@@ -48,7 +48,7 @@ from unisched.flags import (
     splits_backward,
 )
 from unisched.render.text import add_color_arguments
-from unisched.work import FORWARD, directions, name_key
+from unisched.work import FORWARD, Shape, directions, name_key
 
 DEMO_STRATEGIES = ("gpipe", "one_f_one_b", "looped", "interleaved", "zb_h1")
 
@@ -156,8 +156,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     _add_problem_arguments(simulate)
     simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
-                          "ties of a strategy that leaves the order of work to the simulator (replaces a strategy's "
-                          "own priority; refused for one that fixes every worker's order)")
+                          "ties of a strategy that leaves the order of work to the simulator (replaces gpipe's own; "
+                          "refused for one that decides its order itself: fixed orders, looped_bfs)")
     simulate.add_argument("--out", action="append", default=[], metavar="FILE",
                           help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt; repeatable")
     simulate.add_argument("--time-unit", default="s", metavar="UNIT",
@@ -181,7 +181,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     _add_problem_arguments(compare)
     compare.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
                          "ties of every strategy compared that leaves the order of work to the simulator, as "
-                         "simulate's --priority; one that fixes every worker's order is compared as it is")
+                         "simulate's --priority; one that decides its order itself (fixed orders, looped_bfs) is compared as it is")
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
     compare.set_defaults(handler=cmd_compare)
 
@@ -355,17 +355,21 @@ def cmd_compare(args) -> int:
         raise UniSchedError(
             "--param needs --strategies: it sets a parameter of every strategy listed (or write NAME(K=V) in the list)"
         )
+        for name, values in candidates:  # refused before any row, not listed as skipped
+            _one_priority(args, name, values)
     else:
         candidates = list(policies.variants(*shape))
-    for name, values in candidates:
-        _one_priority(args, name, values)
+        if args.priority:  # the grids' own tie-breaks (gpipe's) give way to the flag's, once per setting
+            settings = [(name, {k: v for k, v in values.items() if k != "priority"}) for name, values in candidates]
+            candidates = [c for i, c in enumerate(settings) if c not in settings[:i]]
+    priority = name_key(args.priority) if args.priority else None  # as the strategies report it
     rows, bound, skipped = _compare(args, candidates)
     _some_row(rows, shape, skipped)
     if args.json:
-        print(_dumps({"shape": list(shape), "priority": args.priority, "bound": bound, "results": rows,
+        print(_dumps({"shape": list(shape), "priority": priority, "bound": bound, "results": rows,
                       "skipped": skipped}))
         return 0
-    ties = f"; ties broken by {args.priority} where a strategy leaves them open" if args.priority else ""
+    ties = f"; ties broken by {priority} where a strategy leaves them open" if priority else ""
     print(f"W={shape[0]} S={shape[1]} B={shape[2]}: {len(rows)} {'strategy' if len(rows) == 1 else 'strategies'}, "
           f"best first{ties}\n")
     print(_table(rows, COMPARE_COLUMNS))
@@ -517,8 +521,6 @@ def _demo(args) -> int:
 
 # ---------------------------------------------------------------------- helpers
 def _shape(args) -> tuple[int, int, int]:
-    from unisched.work import Shape
-
     return tuple(Shape(*shape_of(args)).check())
 
 
@@ -565,14 +567,13 @@ def _simulate(args, name: str, params: dict, options: dict, fixed_as_they_are: b
         if fixed_as_they_are and strategy.worker_orders is not None:
             options = {**options, "priority": None}
         return simulate(W, S, B, strategy, **options)
-    given = params
+    strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **params)
     if options["priority"] is not None:  # --priority is the registry's priority parameter
         _one_priority(args, name, params)
-        given, options = {**params, "priority": args.priority}, {**options, "priority": None}
-        if fixed_as_they_are and policies.get(name, num_workers=W, num_stages=S, num_batches=B,
-                                              **params).worker_orders is not None:
-            given = params
-    strategy = policies.get(name, num_workers=W, num_stages=S, num_batches=B, **given)
+        entry = policies.entry(name)
+        if not (fixed_as_they_are and not entry.leaves_order_open(strategy)):
+            strategy = entry.tie_broken(strategy, args.priority, Shape(W, S, B))
+        options = {**options, "priority": None}
     if params:  # titled as given: settings of one strategy drawn side by side differ in their titles
         strategy = strategy.with_(name=label_of(name, params))
     return simulate(W, S, B, strategy, **options)

@@ -138,19 +138,33 @@ class Entry:
 
     def build(self, shape: Shape, params: Mapping[str, Any]) -> Strategy:
         """The strategy for ``shape`` with ``params``; ``priority`` (:data:`TIE_BREAK`) also where the
-        factory takes none."""
+        factory takes none (:meth:`tie_broken`)."""
         params = dict(params)
-        own = any(param.name == TIE_BREAK.name for param in self.params)
-        tie_break = None if own or TIE_BREAK.name not in params else \
-            TIE_BREAK.coerce(self.name, params.pop(TIE_BREAK.name))
+        tie_break = None if self.own_priority else params.pop(TIE_BREAK.name, None)
         values = {name: self.param(name).coerce(self.name, value) for name, value in params.items()}
         strategy = self.factory(*shape, **values)
-        if tie_break is None:
-            return strategy
-        if strategy.worker_orders is not None:
-            raise StrategyParameterError(f"strategy {self.name!r} fixes every worker's order, and a priority only "
-                                         f"breaks the ties the simulator chooses: drop priority={tie_break} (or the "
-                                         "command's --priority)")
+        return strategy if tie_break is None else self.tie_broken(strategy, tie_break, shape)
+
+    @property
+    def own_priority(self) -> bool:
+        """Whether the factory takes the tie-break as a parameter of its own (gpipe)."""
+        return any(param.name == TIE_BREAK.name for param in self.params)
+
+    def leaves_order_open(self, strategy: Strategy) -> bool:
+        """Whether ``strategy`` (built by this entry) leaves ties to the simulator's priority: no
+        fixed orders, and no priority of its design (looped_bfs's breadth-first order) unless it is
+        the factory's own tie-break."""
+        return strategy.worker_orders is None and (strategy.priority is None or self.own_priority)
+
+    def tie_broken(self, strategy: Strategy, tie_break: str, shape: Shape) -> Strategy:
+        """``strategy`` (built by this entry for ``shape``) with the simulator's tie-break ``tie_break``, and
+        reporting it among its parameters; refused where the strategy decides its order itself."""
+        tie_break = TIE_BREAK.coerce(self.name, tie_break)
+        if not self.leaves_order_open(strategy):
+            how = "fixes every worker's order" if strategy.worker_orders is not None else \
+                "orders its work by a priority of its own"
+            raise StrategyParameterError(f"strategy {self.name!r} {how}, and a priority only breaks the ties the "
+                                         f"simulator chooses: drop priority={tie_break} (or the command's --priority)")
         return strategy.with_(priority=priority_by_name(tie_break, shape.num_stages, shape.num_batches),
                               params={**strategy.params, TIE_BREAK.name: tie_break})
 

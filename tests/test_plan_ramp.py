@@ -85,7 +85,7 @@ def test_the_planner_proves_the_unlimited_step_with_transfers_optimal_in_its_cla
     assert result.bound_classes["replica_ramp"] == EVERY
     assert result.optimal and result.proven_for == EVERY
     assert result.bounds["work"] == 24 and result.bound_classes["work"] == ANY_SCHEDULE
-    assert result.elapsed < 19  # it stops at the bound, before the time limit
+    assert result.elapsed < 5  # it stops at the bound (about 0.2 s), long before the time limit
 
 
 def test_the_ramp_is_left_out_where_it_says_no_more_or_bounds_nothing():
@@ -139,7 +139,7 @@ def test_the_heuristic_search_stops_at_the_ramp_and_claims_its_class():
     result = plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=20)
     assert result.bounds["work"] == 96 and result.bounds["replica_ramp"] == 98 == result.latency
     assert result.optimal and result.proven_for == result.bound_for == EVERY
-    assert result.lower_bound == 98 and result.elapsed < 19
+    assert result.lower_bound == 98 and result.elapsed < 5  # stopped at the bound, not the 20 s limit
     bounds = plan(8, 8, 32, encode_costs(comm=1), search="heuristic", time_limit=2, objective="span").bounds
     assert "ramp" not in bounds and "replica_ramp" not in bounds
 

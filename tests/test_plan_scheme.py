@@ -514,3 +514,49 @@ def test_ctrl_c_in_the_first_in_first_out_pass_stops_the_staged_order_search(mon
     compute, weight = mapping_of(problem, policies.get("one_f_one_b", 4, 4, 8))
     solved = order.solve_order_staged(TimedProblem.build(problem), compute, weight, time_limit=60)
     assert calls == ["full", "fifo"] and solved.interrupted
+
+
+@pytest.mark.parametrize("shape, costs, memory, scheme", [
+    ((3, 2, 4), encode_costs(comm=1), 2, EVERY),
+    ((3, 3, 2), SPLIT_COMM_1, 2, EVERY),
+    ((3, 2, 3), encode_costs(comm=1), 1, WHOLE_SCHEME),
+    ((3, 2, 4), encode_costs(), 2, WHOLE_SCHEME),  # forwards filled in: numbered by their backwards
+], ids=["every", "every-split", "whole", "whole-filled-in"])
+def test_numbering_identical_workers_cuts_off_no_optimum(monkeypatch, shape, costs, memory, scheme):
+    """Identical workers are numbered in the order micro-batch by micro-batch, stage by stage,
+    their passes first meet them (mapping._Places.number_workers): the same proven optimum as the
+    model that only puts the first pass on worker 0, or that numbers them not at all."""
+    problem = PlanProblem(Shape(*shape), costs, memory_limit=memory, split_backward=costs.backward_input is not None)
+    timed = TimedProblem.build(problem)
+    numbered = solve_mapping(timed, time_limit=30, scheme=scheme, asap_replay=False)
+    monkeypatch.setattr(mapping._Places, "number_workers", lambda places: None)
+    free = solve_mapping(timed, time_limit=60, scheme=scheme, asap_replay=False)
+    assert numbered.optimal and free.optimal
+    assert numbered.objective == free.objective
+
+
+@pytest.mark.parametrize("scheme", [EVERY, WHOLE_SCHEME], ids=["every", "whole"])
+def test_a_hint_with_workers_and_micro_batches_relabelled_is_a_solution_of_the_model(monkeypatch, scheme):
+    """The search starts from the best schedule so far, relabelled (mapping.canonical) to meet
+    the model's symmetry breaking: with every hinted variable fixed to its hint, the model still
+    has that schedule as a solution, whichever way the schedule numbered its workers and
+    micro-batches."""
+    problem = PlanProblem(Shape(3, 2, 4), encode_costs(comm=1), memory_limit=2)
+    timed = TimedProblem.build(problem)
+    solved = solve_mapping(timed, time_limit=30, scheme=scheme, asap_replay=False)
+    grid = problem.item_grid()
+    workers, batches = np.array([2, 0, 1]), np.array([3, 1, 0, 2])
+    compute, weight, starts = (np.empty_like(a) for a in (solved.compute, solved.weight, solved.starts))
+    for relabelled, a in ((compute, solved.compute), (weight, solved.weight), (starts, solved.starts)):
+        relabelled[grid] = a[grid[batches]]
+    hint = mapping.Incumbent(workers[compute], workers[weight], starts, solved.objective)
+
+    def fixed_to_the_hint(*args, **kwargs):
+        solver = order.make_solver(*args, **kwargs)
+        solver.parameters.fix_variables_to_their_hinted_value = True
+        return solver
+
+    monkeypatch.setattr(mapping, "make_solver", fixed_to_the_hint)
+    again = solve_mapping(timed, time_limit=30, hint=hint, scheme=scheme, asap_replay=False)
+    assert again.objective == solved.objective
+    assert again.status in ("OPTIMAL", "FEASIBLE")

@@ -339,6 +339,30 @@ class _Places:
                 self.model.add(literal >= self.x[(*gu, w)] - self.x[(*gv, w)])
         return self.apart[key]
 
+    def in_order(self) -> list[tuple[int, int, int]]:
+        """Every group, by micro-batch, then stage, then pass: the order in which the symmetry
+        breaking of identical workers numbers them (:meth:`number_workers`, :func:`canonical`)."""
+        return sorted({key[:3] for key in self.x}, key=lambda g: (g[1], g[0], g[2]))
+
+    def number_workers(self) -> None:
+        """Identical workers are interchangeable: number them in the order :meth:`in_order` first
+        meets them.  Worker w > 0 takes a group only where worker w - 1 has taken an earlier one, so
+        the first group is on worker 0 and every relabelling of the workers but one is cut off."""
+        model, W = self.model, self.W
+        first, *rest = self.in_order()
+        met = [self.x[(*first, w)] for w in range(W)]  # met[w]: worker w has taken a group so far
+        model.add(met[0] == 1)
+        for g in rest:
+            on = [self.x[(*g, w)] for w in range(W)]
+            now = [model.new_bool_var(f"met{g},{w}") for w in range(W)]
+            for w in range(W):
+                if w:
+                    model.add_implication(on[w], met[w - 1])
+                model.add_bool_or([met[w], on[w]]).only_enforce_if(now[w])
+                model.add_implication(met[w], now[w])
+                model.add_implication(on[w], now[w])
+            met = now
+
     def on(self, s: int, b: int, w: int):
         """The literals of (stage, batch) on worker w."""
         return [self.x[s, b, g, w] for g in self.groups]
@@ -415,9 +439,9 @@ def _solve(
     model = cp_model.CpModel()
     every = scheme == EVERY  # several weight workers per stage
     fill_in = not period and forwards_fill_in(timed, scheme, asap_replay)
-    leader = _leader(timed, fill_in)
+    places = _Places(model, timed, scheme, period, fill_in)
     if hint is not None:
-        hint = canonical(timed, hint, leader) if free_batches is None else hint
+        hint = canonical(timed, hint, places) if free_batches is None else hint
     duration = timed.duration  # (items, workers)
     fetch = timed.fetch.max(axis=(0, 1))
     uniform = timed.uniform
@@ -428,7 +452,6 @@ def _solve(
     if hint is not None and not span:
         horizon = min(horizon, int(hint.makespan))
 
-    places = _Places(model, timed, scheme, period, fill_in)
     owner = {(s, w): model.new_bool_var(f"o{s},{w}") for s in range(S) for w in range(W)}  # a weight worker
     held = {(w, s): model.new_bool_var(f"h{w},{s}") for s in range(S) for w in range(W)}
     for s in range(S):
@@ -483,7 +506,7 @@ def _solve(
         for b in range(B - step):
             model.add(start[grid[b, first, forward]] <= start[grid[b + step, first, forward]])
         if uniform and problem.identical_workers:
-            model.add(places.of_item(leader, 0) == 1)
+            places.number_workers()
 
     if hint is not None:
         _add_hint(model, timed, hint, places, owner, held, start, makespan)
@@ -673,17 +696,9 @@ def _weight_need(model, problem, unit, owner, held, w: int):
     return total
 
 
-def _leader(timed: TimedProblem, fill_in: bool) -> int:
-    """The item the symmetry breaking of identical workers puts on worker 0: micro-batch 0's
-    forward of the first stage, or its gradient pass where forwards are filled in."""
-    problem = timed.problem
-    direction = dataflow.gradient_pass(problem.split_backward) if fill_in else FORWARD
-    return int(problem.item_grid()[0, problem.stage_graph.sources[0], problem.dirs.index(direction)])
-
-
-def canonical(timed: TimedProblem, hint: Incumbent, leader: int) -> Incumbent:
-    """Relabel micro-batches (by first-stage start) and workers (``leader`` on worker 0)
-    so the hint satisfies the model's symmetry breaking."""
+def canonical(timed: TimedProblem, hint: Incumbent, places: _Places) -> Incumbent:
+    """Relabel micro-batches (by first-stage start) and workers (in the order ``places`` numbers
+    them: :meth:`_Places.number_workers`) so the hint satisfies the model's symmetry breaking."""
     problem = timed.problem
     W = problem.shape.num_workers
     grid = problem.item_grid()
@@ -693,10 +708,12 @@ def canonical(timed: TimedProblem, hint: Incumbent, leader: int) -> Incumbent:
     for relabelled, a in ((compute, hint.compute), (weight, hint.weight), (starts, hint.starts)):
         relabelled[grid] = a[grid[order]]
     if timed.uniform and problem.identical_workers:
-        lead = int(compute[leader])
-        swap = np.arange(W)
-        swap[[0, lead]] = swap[[lead, 0]]
-        compute, weight = swap[compute], swap[weight]
+        where = {places.group(i): int(compute[i]) for i in range(problem.num_items) if places.placed(i)}
+        label: dict[int, int] = {}
+        for w in [where[g] for g in places.in_order()] + list(range(W)):
+            label.setdefault(w, len(label))
+        relabel = np.array([label[w] for w in range(W)])
+        compute, weight = relabel[compute], relabel[weight]
     return replace(hint, compute=compute, weight=weight, starts=starts)
 
 

@@ -123,6 +123,21 @@ def test_costs_whose_sum_overflows_are_refused():
         simulate(4, 4, 8, gpipe(), costs=huge)
 
 
+@pytest.mark.parametrize("costs", [Costs(forward=1e-310, backward=1e-310), Costs(forward=1, backward=2, latency=1e-300),
+                                   Costs(activation_bytes=1e-300, bandwidth=1e10)])
+def test_costs_too_small_to_draw_or_plan_are_refused(costs):
+    """A pass or transfer of 1e-310 made the diagram's characters per time unit infinite (an
+    OverflowError from the renderer); times of none (0) stay free."""
+    with pytest.raises(ShapeError, match="too small to measure"):
+        simulate(4, 4, 8, gpipe(), costs=costs)
+    assert simulate(4, 4, 8, gpipe(), costs=Costs(forward=0, backward=0)).latency == 0
+
+
+def test_costs_too_small_on_the_command_line_are_an_error_not_a_traceback(capsys):
+    code = main(["simulate", "--strategy", "gpipe", "--forward", "1e-310", "--backward", "1e-310"])
+    assert code == 2 and "too small to measure" in capsys.readouterr().err
+
+
 def test_costs_of_another_shape_are_refused_where_they_meet_it():
     with pytest.raises(ShapeError, match="3 entries but the model has 4 stages"):
         Costs(forward=[1, 2, 3]).check(num_workers=4, num_stages=4)
@@ -270,6 +285,12 @@ def test_huge_shapes_on_the_command_line(capsys, verb):
     _, err = capsys.readouterr()
     assert code == 2 and "1,000,000" not in err and "128,000,000 work items" in err
     assert time.perf_counter() - begin < 10
+
+
+def test_a_shape_too_large_to_plan_is_refused_before_its_per_worker_tables_are_built(capsys):
+    """10^12 workers once allocated terabytes for the costs' per-worker speeds before the size check."""
+    code = main(["plan", "-W", "1000000000000", "--time-limit", "1"])
+    assert code == 2 and "too large to plan" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- numbers on the command line

@@ -342,9 +342,23 @@ def test_compare_breaks_ties_by_priority_where_a_strategy_leaves_them_open(capsy
         code, out, err = run(capsys, "simulate", "--strategy", name, *flags, *shape)
         assert code == 0 and json.loads(out)["latency"] == by_stage[name], err
     assert by_stage["looped"] == 27
-    code, out, err = run(capsys, "compare", "--strategies", "looped(priority=backward_first)", "--priority",
+    code, out, err = run(capsys, "compare", "--strategies", "zbv,looped(priority=backward_first)", "--priority",
                          "oldest_stage_first", *shape)
-    assert code == 2 and out == "" and "give the priority once" in err
+    assert code == 2 and out == "" and "give the priority once" in err and "skipped" not in err
+
+
+@pytest.mark.parametrize("strategies, flags, words", [
+    ("gpipe,looped(group_size=0)", [], "group_size must be a positive integer"),  # whatever the shape
+    ("gpipe,one_f_one_b", ["--param", "priority=backward_first"], "fixes every worker's order"),
+    ("gpipe(priority=backward_first),one_f_one_b", ["--priority", "oldest_batch_first"], "give the priority once"),
+])
+def test_compare_refuses_a_value_no_shape_takes_before_any_row_not_as_a_skipped_row(capsys, strategies, flags, words):
+    """Skipped rows are for strategies that do not fit the shape; a parameter no shape can take,
+    or given two ways, is the command's error (it was a skipped row and exit 0)."""
+    code, out, err = run(capsys, "compare", "-W", "2", "-S", "2", "-B", "4", "--strategies", strategies, *flags)
+    assert code == 2 and out == "" and words in err
+    code, out, err = run(capsys, "compare", "-W", "2", "-S", "2", "-B", "4", "--strategies", "gpipe,looped(group_size=3)")
+    assert code == 0 and "skipped looped(group_size=3)" in out  # W = 2 cannot form groups of 3: a misfit
 
 
 def test_compare_priority_over_every_strategy_gives_gpipe_one_row_and_keeps_a_designed_order(capsys):
@@ -374,11 +388,20 @@ def test_an_unknown_priority_is_a_unisched_error():
         unisched.simulate(4, 4, 8, policies.get("gpipe", 4, 4, 8), "nope")
 
 
-@pytest.mark.parametrize("verb", [["simulate", "--strategy", "gpipe"], ["plan", "-W", "2", "-S", "2", "-B", "2"]])
-@pytest.mark.parametrize("flag", ["--topology", "--costs"])
-def test_an_empty_file_name_is_refused_not_ignored(capsys, verb, flag):
-    code, out, err = run(capsys, *verb, flag, "")
-    assert code == 2 and out == "" and f"{flag} was given an empty name" in err
+@pytest.mark.parametrize("verb, flag", [
+    *[(["simulate", "--strategy", "gpipe"], flag) for flag in ("--topology", "--costs", "--priority", "--out")],
+    (["simulate"], "--strategy"), (["simulate"], "--plan"), (["compare"], "--strategies"), (["compare"], "--priority"),
+    *[(["plan", "-W", "2", "-S", "2", "-B", "2"], flag) for flag in ("--topology", "--costs", "--strategy", "--out")],
+    *[(["run", "--dry-run", "-W", "2"], flag) for flag in ("--strategy", "--plan", "--timeline", "--checkpoint",
+                                                           "--resume")],
+])
+def test_an_empty_name_is_refused_not_read_as_the_flag_left_out(capsys, verb, flag):
+    """An unset shell variable (`--plan "$PLAN"`) gives an empty value: refused before anything
+    runs, where it was read as no plan, no checkpoints or no resume and the run went on."""
+    with pytest.raises(SystemExit) as exited:  # as argparse exits
+        run(capsys, *verb, flag, "")
+    code, (out, err) = exited.value.code, capsys.readouterr()
+    assert code == 2 and out == "" and f"argument {flag}: was given an empty value" in err
 
 
 def test_a_bad_width_is_refused_before_anything_runs_or_is_written(capsys, tmp_path):

@@ -678,6 +678,20 @@ def test_unisched_run_refuses_counts_below_one(capsys, argv, flag):
     assert flag in error and "positive whole number" in error and "Traceback" not in error
 
 
+def test_the_transformers_width_is_the_one_given_or_refused_not_rounded(capsys):
+    """An explicit --model-width 64 was read as "not given" and trained 32; 30 trained 28."""
+    from unisched.cli import main
+    from unisched.execute.example import build
+
+    def attention_width(width):
+        stages, _, _ = build("transformer", 2, width)
+        return next(m for m in stages[0].modules() if isinstance(m, torch.nn.MultiheadAttention)).embed_dim
+
+    assert attention_width(None) == 32 and attention_width(64) == 64 and attention_width(8) == 8
+    assert main(["run", "--model", "transformer", "--model-width", "30", "--dry-run"]) == 2
+    assert "give a multiple of 4, e.g. 28 or 32" in capsys.readouterr().err
+
+
 def test_unisched_run_takes_no_warm_up_and_refuses_a_negative_one(capsys):
     from unisched.cli import main
 

@@ -43,6 +43,7 @@ from unisched.flags import (
     add_memory_limit_argument,
     add_shape_arguments,
     cost_values,
+    named,
     numbers,
     shape_of,
     splits_backward,
@@ -96,7 +97,13 @@ class CommandLineError(UniSchedError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, raising its complaints so that ``main`` prints them like every other error."""
+    """argparse, raising its complaints so that ``main`` prints them like every other error.  No
+    abbreviated options: ``--js`` is not ``--json`` (an error would not come out as JSON), and an
+    abbreviation that means one option today may mean none or another when options are added."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise CommandLineError(message, self.format_usage(), self.prog)
@@ -148,17 +155,17 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "Without --strategy, compare a few strategies on a small shape (the demo).",
     )
     simulate.add_argument(
-        "--strategy", help=STRATEGY_HELP,
+        "--strategy", type=named, help=STRATEGY_HELP,
     )
     simulate.add_argument(
-        "--plan", metavar="FILE", help="simulate and draw a plan file (`unisched plan --out plan.json`) instead of a "
+        "--plan", type=named, metavar="FILE", help="simulate and draw a plan file (`unisched plan --out plan.json`) instead of a "
         "strategy: its shape, costs, memory limit and order come from the file",
     )
     _add_problem_arguments(simulate)
-    simulate.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
+    simulate.add_argument("--priority", type=named, help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
                           "ties of a strategy that leaves the order of work to the simulator (replaces gpipe's own; "
                           "refused for one that decides its order itself: fixed orders, looped_bfs)")
-    simulate.add_argument("--out", action="append", default=[], metavar="FILE",
+    simulate.add_argument("--out", action="append", default=[], type=named, metavar="FILE",
                           help="write the diagram: .html .png .svg .pdf .json (Chrome trace) .txt; repeatable")
     simulate.add_argument("--time-unit", default="s", metavar="UNIT",
                           help="what one unit of the costs is, for a Chrome trace (.json): s (the default), ms, us, "
@@ -174,12 +181,12 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         description="Simulate several strategies on one shape and rank them by latency.",
     )
     compare.add_argument(
-        "--strategies",
+        "--strategies", type=named,
         help=f"comma-separated, each {STRATEGY_HELP} (default: every registered strategy setting that fits the "
         "shape)",
     )
     _add_problem_arguments(compare)
-    compare.add_argument("--priority", help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
+    compare.add_argument("--priority", type=named, help="oldest_batch_first, oldest_stage_first or backward_first: breaks the "
                          "ties of every strategy compared that leaves the order of work to the simulator, as "
                          "simulate's --priority; one that decides its order itself (fixed orders, looped_bfs) is compared as it is")
     compare.add_argument("--json", action="store_true", help="print the table as JSON")
@@ -216,7 +223,7 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
     )
     costs = add_cost_arguments(parser)
     costs.add_argument(
-        "--topology", metavar="FILE|PRESET",
+        "--topology", type=named, metavar="FILE|PRESET",
         help="price every transfer on a cluster: a JSON topology file (docs/topology.md) or a preset "
         "(dgx_h100, dgx_a100, p4d_24xlarge); transfers share NVLink ports and NICs, all-reduces follow NCCL's "
         "cost models, times in seconds and sizes in bytes (give them with --costs); not with --comm or --fetch",
@@ -351,12 +358,11 @@ def cmd_compare(args) -> int:
             if key in named:
                 raise UniSchedError(f"--strategies names {named[key]!r} and {text!r}, the same strategy; name it once")
             named[key] = text
+            _one_priority(args, *candidates[i])  # refused before any row, not listed as skipped
     elif params:
         raise UniSchedError(
             "--param needs --strategies: it sets a parameter of every strategy listed (or write NAME(K=V) in the list)"
         )
-        for name, values in candidates:  # refused before any row, not listed as skipped
-            _one_priority(args, name, values)
     else:
         candidates = list(policies.variants(*shape))
         if args.priority:  # the grids' own tie-breaks (gpipe's) give way to the flag's, once per setting
@@ -413,6 +419,7 @@ COMPARE_COLUMNS = (
 def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]]:
     """Each (name, params) of ``candidates`` simulated: :func:`_ranked` rows,
     the strategies skipped (and why), and the bound."""
+    from unisched.policies import StrategyParameterError
     from unisched.policies.grammar import label_of
 
     simulations, skipped = [], []
@@ -421,8 +428,8 @@ def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]
         label = label_of(name, params)
         try:
             simulations.append((label, _simulate(args, name, params, options, fixed_as_they_are=True)))
-        except StrategyError:
-            raise  # a strategy that fails or maps work to no worker is an error, not a row left out
+        except (StrategyError, StrategyParameterError):
+            raise  # a strategy that fails, maps work to no worker or is given a value it cannot take: an error
         except UniSchedError as error:
             skipped.append((label, str(error).splitlines()[0]))
     return *_ranked(simulations), skipped

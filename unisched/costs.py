@@ -258,6 +258,18 @@ class Costs:
                     f"more than {LARGEST_STEP:g} (a step of many micro-batches would overflow a float); give the "
                     "times, sizes and speeds in units that keep them far smaller"
                 )
+            passes = np.concatenate([np.ravel(d) for d in self.durations(num_stages).values()]) / speeds.max()
+            sizes = np.concatenate([np.ravel(self.per_stage(name, num_stages))
+                                    for name in ("activation_bytes", "stash_bytes", "weight_bytes")])
+            moves = sizes / max(h.bandwidth for h in hops)
+            durations = np.concatenate([passes, moves, [h.latency for h in hops]])
+            shortest = np.min(durations[durations > 0], initial=np.inf)
+            if shortest < SMALLEST_TIME:
+                raise ShapeError(
+                    f"the costs are too small to measure: a pass or transfer takes {shortest:.3g}, less than "
+                    f"{SMALLEST_TIME:g} (its schedule could not be drawn or planned in whole ticks); give the times, "
+                    "sizes and speeds in units that keep them far larger"
+                )
         return self
 
     # ------------------------------------------------------------------ per-stage views
@@ -388,6 +400,10 @@ def _kinds_of(cls: type) -> list[type]:
 LARGEST_STEP = 1e290
 """The most one micro-batch's passes and transfers may add up to: far below
 the largest float, so that a step's latency and its measures stay finite."""
+
+SMALLEST_TIME = 1e-290
+"""The least a pass or transfer that takes any time may take: far above the smallest float, so
+that a diagram's characters per time unit and a plan's ticks stay finite."""
 
 PER_STAGE_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "activation_bytes", "stash_bytes",
                     "weight_bytes", "backward_workspace_bytes", "optimizer_bytes")

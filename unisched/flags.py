@@ -29,6 +29,16 @@ COST_FLAGS = ("forward", "backward", "backward_input", "backward_weight")
 """The per-stage time flags (``--forward`` ...), by their ``args`` names."""
 
 
+def named(text: str) -> str:
+    """The argparse ``type`` of a flag that names something (a file, a directory, a strategy, a
+    priority): an empty value, as an unset shell variable gives, is refused rather than read as
+    the flag left out."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("was given an empty value (an unset shell variable?): give one, or leave "
+                                         "the flag out")
+    return text
+
+
 DEMO_SHAPE = (4, 4, 8)
 """(W, S, B) of a verb given no shape."""
 
@@ -65,7 +75,7 @@ def add_cost_arguments(parser: argparse.ArgumentParser):
     costs.add_argument("--backward", type=float, help="backward time of a stage")
     costs.add_argument("--backward-input", type=float, help="input-gradient time (splits the backward)")
     costs.add_argument("--backward-weight", type=float, help="weight-gradient time (splits the backward)")
-    costs.add_argument("--costs", metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from "
+    costs.add_argument("--costs", type=named, metavar="FILE", help="a JSON costs file (unisched.Costs fields), e.g. from "
                        "calibration; time flags given beside it replace its times")
     costs.add_argument("--comm", type=float,
                        help="time to move an activation or gradient between workers (a weight fetch and each "

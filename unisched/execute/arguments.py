@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from unisched.flags import STRATEGY_HELP, check_writable
+from unisched.flags import STRATEGY_HELP, check_writable, named
 
 MODELS = ("mlp", "transformer")
+MODEL_WIDTHS = {"mlp": 64, "transformer": 32}
+"""Each model's hidden width when ``--model-width`` is not given."""
+TRANSFORMER_HEADS = 4
+"""The example transformer's attention heads, among which its width is split."""
 LR_SCHEDULES = ("constant", "cosine")
 DEFAULT_STRATEGY = "gpipe"
 TIMELINE_FORMATS = (".html", ".png", ".svg", ".json", ".txt")
@@ -22,9 +26,9 @@ tells it from a rank that failed to train (the report on stdout says how far).""
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """The options :func:`check_training_arguments` and :func:`make_schedule` read."""
-    p.add_argument("--strategy", help=f"{STRATEGY_HELP} (default {DEFAULT_STRATEGY})")
+    p.add_argument("--strategy", type=named, help=f"{STRATEGY_HELP} (default {DEFAULT_STRATEGY})")
     p.add_argument("--param", action="append", default=[], metavar="K=V", help="a strategy parameter, e.g. group_size=2")
-    p.add_argument("--plan", help="a plan file from `unisched plan --out` instead of a strategy")
+    p.add_argument("--plan", type=named, metavar="FILE", help="a plan file from `unisched plan --out` instead of a strategy")
     p.add_argument("--stages", "-S", type=positive_int, help="pipeline stages (default: what the strategy needs)")
     p.add_argument("--batches", "-B", type=positive_int, help="micro-batches (default: twice the workers, or as many or four times as many where "
                                                         "the strategy needs)")
@@ -34,15 +38,17 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     add_schedule_arguments(p)
     p.add_argument("--model", choices=MODELS, default="mlp", help="what to train (default mlp)")
     p.add_argument("--rows-per-batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
-    p.add_argument("--model-width", type=positive_int, default=64,
-                   help="hidden width of the model (default 64; the transformer uses 32)")
+    p.add_argument("--model-width", type=positive_int,
+                   help=f"hidden width of the model (default {MODEL_WIDTHS['mlp']} for the mlp, "
+                   f"{MODEL_WIDTHS['transformer']} for the transformer, whose width must be a multiple of its "
+                   f"{TRANSFORMER_HEADS} attention heads)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd (default) or adam")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 0.2 for sgd, 0.01 for adam)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds any wait or step may take (default 120)")
     add_numerics_arguments(p)
     add_long_run_arguments(p, default_steps=10)
     add_check_arguments(p)
-    p.add_argument("--timeline", metavar="FILE", help=f"save the last measured step ({', '.join(TIMELINE_FORMATS)})")
+    p.add_argument("--timeline", type=named, metavar="FILE", help=f"save the last measured step ({', '.join(TIMELINE_FORMATS)})")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
 
 
@@ -76,10 +82,10 @@ def add_long_run_arguments(p: argparse.ArgumentParser, default_steps: int) -> No
                      help=f"training steps this run takes (default {default_steps}; after --resume, steps more)")
     run.add_argument("--log-every", type=positive_int, metavar="N",
                      help="print loss, step time and throughput every N steps (default: about ten lines a run)")
-    run.add_argument("--checkpoint", metavar="DIR", help="save checkpoints to DIR/step-N (after the last step, and "
+    run.add_argument("--checkpoint", type=named, metavar="DIR", help="save checkpoints to DIR/step-N (after the last step, and "
                                                          "every --checkpoint-every steps)")
     run.add_argument("--checkpoint-every", type=positive_int, metavar="N", help="save a checkpoint every N steps")
-    run.add_argument("--resume", metavar="PATH", help="continue from a checkpoint, or the latest in a --checkpoint "
+    run.add_argument("--resume", type=named, metavar="PATH", help="continue from a checkpoint, or the latest in a --checkpoint "
                                                       "directory: the weights, optimizer state and step count")
 
 
@@ -117,6 +123,21 @@ def check_long_run_arguments(args: argparse.Namespace) -> None:
                               f"latest of either; move them out of the directory, or save this run in another")
     if args.checkpoint:
         check_writable(args.checkpoint, f"--checkpoint {args.checkpoint}", folder=True)
+
+
+def check_model_width(args: argparse.Namespace) -> None:
+    """Fill in the model's own width where ``--model-width`` is not given; refuse a transformer
+    width its attention heads cannot share."""
+    import unisched
+
+    if args.model_width is None:
+        args.model_width = MODEL_WIDTHS[args.model]
+    elif args.model == "transformer" and args.model_width % TRANSFORMER_HEADS:
+        below = args.model_width // TRANSFORMER_HEADS * TRANSFORMER_HEADS
+        nearest = " or ".join(str(w) for w in (below, below + TRANSFORMER_HEADS) if w > 0)
+        raise unisched.UniSchedError(
+            f"--model-width {args.model_width}: the transformer splits its width among {TRANSFORMER_HEADS} attention "
+            f"heads; give a multiple of {TRANSFORMER_HEADS}, e.g. {nearest}")
 
 
 def log_interval(args: argparse.Namespace) -> int:
@@ -164,6 +185,7 @@ def check_training_arguments(args: argparse.Namespace) -> None:
 
     check_numerics_arguments(args)
     check_long_run_arguments(args)
+    check_model_width(args)
     if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
         raise unisched.UniSchedError(
             f"--timeline {args.timeline}: the measured step is saved as {', '.join(TIMELINE_FORMATS)}; "

@@ -34,7 +34,9 @@ from torch import nn
 
 from unisched.execute.arguments import (
     CHECK_FAILED,
+    MODEL_WIDTHS,
     MODELS,
+    TRANSFORMER_HEADS,
     add_training_arguments,
     check_training_arguments,
     log_interval,
@@ -73,10 +75,12 @@ def transformer_stages(num_stages: int, width: int = 32, heads: int = 4, vocab: 
     return [_Block(width, heads, vocab, seq, s == 0, s == num_stages - 1) for s in range(num_stages)]
 
 
-def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
+def build(model: str, num_stages: int, width: int | None = None, seed: int = 0):
     """Stages, loss function and a data maker ``step -> (inputs, targets)`` for a full batch of ``rows``
-    (two batches in turn, so that the loss visibly falls within a few steps)."""
+    (two batches in turn, so that the loss visibly falls within a few steps); ``width`` is the
+    hidden width (default: the model's own, ``MODEL_WIDTHS``)."""
     torch.manual_seed(seed)
+    width = MODEL_WIDTHS.get(model) if width is None else width
     if model == "mlp":
         stages = mlp_stages(num_stages, width)
         teacher = torch.randn(width, 10, generator=torch.Generator().manual_seed(seed + 1))
@@ -88,7 +92,7 @@ def build(model: str, num_stages: int, width: int = 64, seed: int = 0):
 
         return stages, nn.functional.cross_entropy, data
     if model == "transformer":
-        stages = transformer_stages(num_stages, width=max(4, width // 4 * 4) if width != 64 else 32)
+        stages = transformer_stages(num_stages, width=width, heads=TRANSFORMER_HEADS)
 
         def data(step: int, rows: int):
             return counting_tokens(1000 + step % 2, rows, vocab=16, positions=12)

@@ -31,7 +31,7 @@ from unisched.errors import ShapeError, StrategyError, UniSchedError
 from unisched.costs import Costs
 from unisched.topology import ClusterCosts, cluster_json, describe_cluster, presets
 from unisched.flags import (COST_FLAGS, DEMO_SHAPE, STRATEGY_HELP, add_cost_arguments, add_memory_limit_argument,
-                            add_shape_arguments, check_writable, cost_values, numbers, shape_of)
+                            add_shape_arguments, check_writable, cost_values, named, numbers, shape_of)
 from unisched.strategy import Strategy, as_strategy, required_arguments
 from unisched.work import Shape
 
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser)
     costs = add_cost_arguments(parser)
     costs.add_argument(
-        "--topology", metavar="FILE|PRESET",
+        "--topology", type=named, metavar="FILE|PRESET",
         help="plan for a cluster: a JSON topology file (docs/topology.md) or a preset "
         f"({', '.join(presets())}), read as `unisched simulate --topology` reads it; every transfer takes its route's "
         "bottleneck, the CP-SAT models without contention, every candidate's replay with it (docs/planning.md); "
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer state per stage, held by the stage's weight worker (with --memory-budget); "
                         "one number, or one per stage separated by commas")
     search = parser.add_argument_group("search")
-    search.add_argument("--strategy", help="keep this strategy's mapping and optimize only the order of work: "
+    search.add_argument("--strategy", type=named, help="keep this strategy's mapping and optimize only the order of work: "
                         + STRATEGY_HELP)
     search.add_argument("--param", action="append", default=[], metavar="K=V",
                         help="parameter of --strategy, repeatable (e.g. group_size=2); the same as NAME(K=V)")
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"strategies' mappings (unisched.plan.search); auto (default): heuristic from "
                         f"{SEARCH_FROM_ITEMS} work items on, where the CP-SAT models do not finish")
     output = parser.add_argument_group("output")
-    output.add_argument("--out", action="append", default=[], metavar="FILE",
+    output.add_argument("--out", action="append", default=[], type=named, metavar="FILE",
                         help="by extension: .json writes the plan file (unisched.load_plan, `unisched simulate "
                         "--plan`, `unisched run --plan`); .png .svg .pdf .html .txt draw the plan's schedule; "
                         "repeatable")
@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     demo = _is_demo(args)
     W, S, B = shape_of(args)
     Shape(W, S, B).check()
+    check_plan_size(Shape(W, S, B), heuristic=True)  # before per-worker tables that large (again with the costs' split)
     memory_limit = (DEFAULT_MEMORY_LIMIT if demo
                     else numbers("--memory-limit", args.memory_limit, W, "workers", error=PlanInputError))
     time_limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
@@ -373,10 +374,6 @@ def costs_from_flags(args: argparse.Namespace, shape: tuple[int, int], encode_fr
 
 
 def _read_costs(args: argparse.Namespace, encode_free_links: bool) -> Costs:
-    for flag, value in (("--costs", args.costs), ("--topology", args.topology)):
-        if value is not None and not str(value).strip():
-            raise PlanInputError(f"{flag} was given an empty name: give a file (or, for --topology, a preset such "
-                                 f"as dgx_h100), or leave {flag} out")
     times = cost_values(args, (*COST_FLAGS, "comm", "fetch"), PlanInputError)
     links = {flag: times.pop(flag) for flag in ("comm", "fetch") if flag in times}
     clashing = [f"--{flag}" for flag, value in links.items() if value]

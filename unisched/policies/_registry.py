@@ -131,9 +131,10 @@ class Entry:
         if name == TIE_BREAK.name:
             return TIE_BREAK
         valid = ", ".join(p.name for p in self.params) or "none"
+        tie_break = "" if self.own_priority else (f" (and {TIE_BREAK.name}, the simulator's tie-break, where it "
+                                                  "leaves the order open)")
         raise StrategyParameterError(
-            f"strategy {self.name!r} has no parameter {name!r}; its parameters are: {valid} (and {TIE_BREAK.name}, "
-            "the simulator's tie-break, where it leaves the order open)"
+            f"strategy {self.name!r} has no parameter {name!r}; its parameters are: {valid}{tie_break}"
         )
 
     def build(self, shape: Shape, params: Mapping[str, Any]) -> Strategy:
@@ -194,6 +195,13 @@ def require(condition: bool, strategy: str, message: str) -> None:
     """Raise a StrategyShapeError naming the strategy when a constraint fails."""
     if not condition:
         raise StrategyShapeError(f"strategy {strategy!r}: {message}")
+
+
+def require_count(value, strategy: str, name: str) -> None:
+    """Refuse a count parameter given as anything but a positive integer: a bad value whatever
+    the shape (a StrategyParameterError), not a strategy that does not fit it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise StrategyParameterError(f"strategy {strategy!r}: {name} must be a positive integer, got {value!r}")
 
 
 def divisors(n: int) -> list[int]:

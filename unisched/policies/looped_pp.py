@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from unisched.policies._orders import KeyPriority
-from unisched.policies._registry import Entry, Param, divisors, require
+from unisched.policies._registry import Entry, Param, divisors, require, require_count
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.strategy import Strategy
 from unisched.work import FORWARD, ComputeAndWeightWorkers, Shape, Work
@@ -84,8 +84,8 @@ def _h(R: int, W: int):
 
 def _looped_shape(name: str, W: int, S: int, B: int, group_size: int | None) -> tuple[Shape, int]:
     W, S, B = shape = Shape(W, S, B).check()
+    require_count(group_size, name, "group_size")
     R = group_size if group_size is not None else max(d for d in divisors(W) if d <= S)
-    require(isinstance(R, int) and R >= 1, name, f"group_size must be a positive integer, got {R!r}")
     require(W % R == 0, name,
             f"W={W} workers cannot form groups of group_size={R}; use a divisor of {W}: "
             f"{', '.join(map(str, divisors(W)))}")

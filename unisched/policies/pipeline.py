@@ -20,7 +20,7 @@ from dataclasses import replace
 import numpy as np
 
 from unisched.policies._orders import fixed_orders, warmup_steady_orders
-from unisched.policies._registry import TIE_BREAK, Entry, Param, require
+from unisched.policies._registry import TIE_BREAK, Entry, Param, require, require_count
 from unisched.simulate.priorities import priority_by_name
 from unisched.strategy import Strategy, WorkerOrders
 from unisched.work import ComputeAndWeightWorkers, Shape, Work
@@ -72,6 +72,7 @@ def interleaved(num_workers: int, num_stages: int, num_batches: int, virtual_sta
     require(num_stages % num_workers == 0 and v >= 1, "interleaved",
             f"needs S = v * W stages (v virtual stages per worker), got S={num_stages}, W={num_workers}; "
             f"use a number of stages that is a multiple of {num_workers}")
+    require_count(virtual_stages, "interleaved", "virtual_stages")
     if virtual_stages is not None:
         require(virtual_stages == v, "interleaved",
                 f"virtual_stages={virtual_stages} with W={num_workers} workers needs S={virtual_stages * num_workers} "

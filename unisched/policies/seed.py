@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unisched.policies._registry import Entry, Param, StrategyParameterError, require
+from unisched.policies._registry import Entry, Param, StrategyParameterError, require, require_count
 from unisched.strategy import Strategy
 from unisched.work import FORWARD, ComputeAndWeightWorkers, Shape, Work
 
@@ -56,8 +56,9 @@ def overflow(num_workers: int, num_stages: int, num_batches: int, stages: int | 
     require(extra >= 1, "overflow",
             f"needs extra workers beyond one per stage (W > S), got W={num_workers}, S={num_stages}; "
             f"use W = S + E with E >= 1 extra workers, e.g. W={num_stages + 1}")
+    require_count(stages, "overflow", "stages")
     stages = min(extra, num_stages) if stages is None else stages
-    require(isinstance(stages, int) and 1 <= stages <= num_stages, "overflow",
+    require(stages <= num_stages, "overflow",
             f"stages (how many early stages overflow) must lie in 1..{num_stages}, got {stages!r}")
 
     def mapping(work: Work) -> ComputeAndWeightWorkers:

@@ -483,7 +483,9 @@ def _deadlock(p: Problem, remaining, start, end, memory: _Memory | None) -> Dead
         hint = ("raise the memory limit of the workers named (the strategy fixes each worker's order: "
                 "no priority changes it)")
     else:
-        hint = "raise the memory limit of the workers named, or choose a priority that runs backwards earlier"
+        hint = ("raise the memory limit of the workers named, or choose a priority that runs backwards earlier "
+                "(simulate's priority=; the command's --priority where the strategy leaves its order to the "
+                "simulator, not one with a priority of its own such as looped_bfs)")
     done = sum(1 for r in remaining if r <= 0)
     return DeadlockError(
         f"deadlock: no work item can make progress ({p.num_items - done} of {p.num_items} items never became "

@@ -664,3 +664,15 @@ def test_ctrl_c_outside_a_search_is_one_line_not_a_traceback(capsys, monkeypatch
         assert json.loads(err)["type"] == "KeyboardInterrupt"
     else:
         assert err == "unisched: error: interrupted (Ctrl-C) before an answer was ready\n"
+
+
+def test_compare_leaves_a_priority_parameter_of_the_users_own_factory_to_it(capsys, tmp_path):
+    """--priority beside NAME(priority=...) is one priority given twice for a registry strategy;
+    a factory of the user's own may have a parameter of that name that means something else."""
+    (tmp_path / "mine.py").write_text(
+        "from unisched import ComputeAndWeightWorkers\n"
+        "def factory(num_workers, num_stages, num_batches, priority='x'):\n"
+        "    return lambda work: ComputeAndWeightWorkers(work.stage % num_workers, work.stage % num_workers)\n")
+    code, out, err = run(capsys, "compare", "-W", "2", "-S", "2", "-B", "4", "--strategies",
+                         f"gpipe,{tmp_path}/mine.py:factory(priority=abc)", "--priority", "backward_first")
+    assert code == 0 and "mine.py:factory" in out, err

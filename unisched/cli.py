@@ -358,7 +358,8 @@ def cmd_compare(args) -> int:
             if key in named:
                 raise UniSchedError(f"--strategies names {named[key]!r} and {text!r}, the same strategy; name it once")
             named[key] = text
-            _one_priority(args, *candidates[i])  # refused before any row, not listed as skipped
+            if not is_user_strategy(name):  # a factory of the user's own may have a priority parameter of its own
+                _one_priority(args, *candidates[i])  # refused before any row, not listed as skipped
     elif params:
         raise UniSchedError(
             "--param needs --strategies: it sets a parameter of every strategy listed (or write NAME(K=V) in the list)"

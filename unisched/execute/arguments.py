@@ -185,7 +185,6 @@ def check_training_arguments(args: argparse.Namespace) -> None:
 
     check_numerics_arguments(args)
     check_long_run_arguments(args)
-    check_model_width(args)
     if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
         raise unisched.UniSchedError(
             f"--timeline {args.timeline}: the measured step is saved as {', '.join(TIMELINE_FORMATS)}; "

@@ -33,8 +33,8 @@ import tempfile
 import threading
 
 from unisched.errors import UniSchedError
-from unisched.execute.arguments import (CHECK_FAILED, add_training_arguments, check_training_arguments, make_schedule,
-                                        positive_int)
+from unisched.execute.arguments import (CHECK_FAILED, add_training_arguments, check_model_width, check_training_arguments,
+                                        make_schedule, positive_int)
 
 DEFAULT_NPROC = 4
 
@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_training_arguments(args)
+    check_model_width(args)
     _check_nodes(args)
     workers = _workers(args)
     if args.program:

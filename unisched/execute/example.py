@@ -38,6 +38,7 @@ from unisched.execute.arguments import (
     MODELS,
     TRANSFORMER_HEADS,
     add_training_arguments,
+    check_model_width,
     check_training_arguments,
     log_interval,
     make_schedule,
@@ -195,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_ranks(parser(), argv, _run)
+    return run_ranks(parser(), argv, _run, check_model_width)
 
 
 def run_ranks(p: argparse.ArgumentParser, argv: Sequence[str] | None,

@@ -68,11 +68,11 @@ def one_f_one_b(num_workers: int, num_stages: int, num_batches: int) -> Strategy
 def interleaved(num_workers: int, num_stages: int, num_batches: int, virtual_stages: int | None = None) -> Strategy:
     """v = S / W stages per worker (stage s on worker s mod W), in Megatron-LM's interleaved 1F1B order."""
     num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
+    require_count(virtual_stages, "interleaved", "virtual_stages")  # before the shape: a bad value on any
     v = num_stages // num_workers
     require(num_stages % num_workers == 0 and v >= 1, "interleaved",
             f"needs S = v * W stages (v virtual stages per worker), got S={num_stages}, W={num_workers}; "
             f"use a number of stages that is a multiple of {num_workers}")
-    require_count(virtual_stages, "interleaved", "virtual_stages")
     if virtual_stages is not None:
         require(virtual_stages == v, "interleaved",
                 f"virtual_stages={virtual_stages} with W={num_workers} workers needs S={virtual_stages * num_workers} "

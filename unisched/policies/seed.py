@@ -52,11 +52,11 @@ def cuckoo(num_workers: int, num_stages: int, num_batches: int,
 def overflow(num_workers: int, num_stages: int, num_batches: int, stages: int | None = None) -> Strategy:
     """GPipe on workers 0..S-1; B(s, b) for the first ``stages`` stages on extra worker S + (s mod E)."""
     num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
+    require_count(stages, "overflow", "stages")  # before the shape: a bad value on any
     extra = num_workers - num_stages
     require(extra >= 1, "overflow",
             f"needs extra workers beyond one per stage (W > S), got W={num_workers}, S={num_stages}; "
             f"use W = S + E with E >= 1 extra workers, e.g. W={num_stages + 1}")
-    require_count(stages, "overflow", "stages")
     stages = min(extra, num_stages) if stages is None else stages
     require(stages <= num_stages, "overflow",
             f"stages (how many early stages overflow) must lie in 1..{num_stages}, got {stages!r}")

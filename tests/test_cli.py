@@ -676,3 +676,12 @@ def test_compare_leaves_a_priority_parameter_of_the_users_own_factory_to_it(caps
     code, out, err = run(capsys, "compare", "-W", "2", "-S", "2", "-B", "4", "--strategies",
                          f"gpipe,{tmp_path}/mine.py:factory(priority=abc)", "--priority", "backward_first")
     assert code == 0 and "mine.py:factory" in out, err
+
+
+def test_compare_refuses_two_names_of_one_strategy_once_its_defaults_are_resolved(capsys):
+    """looped's group_size defaults to the largest divisor of W up to S: at W = 2 that is 2, so
+    looped and looped(group_size=2) are one strategy (two identical rows before); at W = 4 two."""
+    code, out, err = run(capsys, "compare", "-W", "2", "-S", "2", "-B", "4", "--strategies", "looped,looped(group_size=2)")
+    assert code == 2 and out == "" and "the same strategy on this shape" in err
+    code, out, err = run(capsys, "compare", "-W", "4", "-S", "4", "-B", "8", "--strategies", "looped,looped(group_size=2)")
+    assert code == 0 and "2 strategies" in out, err

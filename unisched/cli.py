@@ -420,19 +420,28 @@ COMPARE_COLUMNS = (
 def _compare(args, candidates) -> tuple[list[dict], float, list[tuple[str, str]]]:
     """Each (name, params) of ``candidates`` simulated: :func:`_ranked` rows,
     the strategies skipped (and why), and the bound."""
+    from unisched.plan.command import is_user_strategy
     from unisched.policies import StrategyParameterError
     from unisched.policies.grammar import label_of
 
     simulations, skipped = [], []
+    built: dict = {}  # a registry strategy with the values it resolved on this shape: the label that gave it
     options = _step_options(args)
     for name, params in candidates:
         label = label_of(name, params)
         try:
-            simulations.append((label, _simulate(args, name, params, options, fixed_as_they_are=True)))
+            simulation = _simulate(args, name, params, options, fixed_as_they_are=True)
         except (StrategyError, StrategyParameterError):
             raise  # a strategy that fails, maps work to no worker or is given a value it cannot take: an error
         except UniSchedError as error:
             skipped.append((label, str(error).splitlines()[0]))
+            continue
+        resolved = (name, tuple(sorted((k, repr(v)) for k, v in simulation.strategy.params.items())))
+        if resolved in built and args.strategies is not None and not is_user_strategy(name):
+            raise UniSchedError(f"--strategies names {built[resolved]!r} and {label!r}, the same strategy on this shape "
+                                f"({label_of(name, simulation.strategy.params)}); name it once")
+        built[resolved] = label
+        simulations.append((label, simulation))
     return *_ranked(simulations), skipped
 
 

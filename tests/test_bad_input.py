@@ -138,6 +138,19 @@ def test_costs_too_small_on_the_command_line_are_an_error_not_a_traceback(capsys
     assert code == 2 and "too small to measure" in capsys.readouterr().err
 
 
+def test_a_link_from_a_worker_to_itself_is_refused():
+    with pytest.raises(ShapeError, match="link 1,1: a worker sends nothing to itself"):
+        Costs(links={"1,1": {"latency": 1.0}})
+
+
+def test_a_scheme_beside_a_strategy_is_refused_not_ignored(capsys):
+    """With a strategy its mapping is kept: there is no mapping search for --scheme to choose the class of."""
+    with pytest.raises(PlanInputError, match="drop one of the two"):
+        plan(2, 2, 4, strategy="gpipe", scheme="whole", time_limit=1)
+    assert main(["plan", "-W", "2", "-S", "2", "-B", "4", "--strategy", "gpipe", "--scheme", "paired"]) == 2
+    assert "no mapping search" in capsys.readouterr().err
+
+
 def test_costs_of_another_shape_are_refused_where_they_meet_it():
     with pytest.raises(ShapeError, match="3 entries but the model has 4 stages"):
         Costs(forward=[1, 2, 3]).check(num_workers=4, num_stages=4)

@@ -167,6 +167,10 @@ def plan(
         raise PlanInputError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if search not in SEARCHES:
         raise PlanInputError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
+    if strategy is not None and scheme != "auto":
+        raise PlanInputError(f"scheme={scheme!r} (--scheme) chooses the class the mapping search covers, and with a "
+                             "strategy there is no mapping search: its mapping is kept and only the order of work is "
+                             "searched; drop one of the two")
     begin = time.perf_counter()
     num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     if costs is not None and not isinstance(costs, Costs):

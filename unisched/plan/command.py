@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the class the CP-SAT mapping search covers: whole (a backward may run on another "
                         "worker than its forward), paired (one worker per stage and micro-batch), auto (default): "
                         "whole on small problems, then every schedule (replicated weights, a split backward's I and "
-                        "W apart) with at least half the time left")
+                        "W apart) with at least half the time left; not with --strategy, whose mapping is kept")
     search.add_argument("--search", choices=SEARCHES, default="auto",
                         help="cpsat: the CP-SAT models; heuristic: list scheduling and local search on the named "
                         f"strategies' mappings (unisched.plan.search); auto (default): heuristic from "

@@ -337,12 +337,12 @@ def cmd_compare(args) -> int:
     shape = _shape(args)
     check_size(shape, splits_backward(args))
     params = parse_params(args.param)
-    if args.strategies is not None:  # "" names none, as "," does
+    if args.strategies is not None:  # "," names none ("" is refused as it is read)
         texts = split_strategies(args.strategies)
         candidates = [strategy_spec(text, params) for text in texts]
         if not candidates:
             raise UniSchedError(f"--strategies names no strategy: {args.strategies!r}")
-        named: dict = {}  # each strategy with every parameter's value, defaults too: what was named already
+        listed: dict = {}  # each strategy with every parameter's value, defaults too: what was named already
         for i, (text, (name, values)) in enumerate(zip(texts, candidates)):  # a misspelt name or parameter: an error
             if is_user_strategy(name):
                 try:
@@ -355,9 +355,9 @@ def cmd_compare(args) -> int:
                 candidates[i] = (entry.name, values)  # listed by its own name ("GPipe" is gpipe)
                 given = {key: entry.param(key).coerce(entry.name, value) for key, value in values.items()}
                 key = (entry.name, tuple(sorted({**{p.name: p.default for p in entry.params}, **given}.items())))
-            if key in named:
-                raise UniSchedError(f"--strategies names {named[key]!r} and {text!r}, the same strategy; name it once")
-            named[key] = text
+            if key in listed:
+                raise UniSchedError(f"--strategies names {listed[key]!r} and {text!r}, the same strategy; name it once")
+            listed[key] = text
             if not is_user_strategy(name):  # a factory of the user's own may have a priority parameter of its own
                 _one_priority(args, *candidates[i])  # refused before any row, not listed as skipped
     elif params:

@@ -241,3 +241,42 @@ def test_offloaded_and_tensor_parallel_stages_resume_exactly(tmp_path):
             assert out[name]["worst"] < 1e-6, f"{name} on rank {rank}: {out[name]['worst']}"
     saved = read_checkpoint(tmp_path / "split")
     assert any(":1." in key for key in saved), "share 1 of the split stage has keys of its own"
+
+
+def test_saving_never_deletes_what_is_not_a_checkpoint_and_refuses_extras_it_cannot_load(tmp_path):
+    """A checkpoint replaces an older one in its place, and an empty directory; a directory of the
+    user's own files (they were deleted) or a file is refused, and so is an ``extra`` that torch's
+    weights-only loader would refuse on the way back, before anything is written."""
+    trainer = trainer_for("looped", 1)
+    try:
+        train(trainer, range(1))
+        mine = tmp_path / "experiment"
+        (mine / "data").mkdir(parents=True)
+        (mine / "notes.txt").write_text("keep me")
+        with pytest.raises(CheckpointError, match="holds files that are not a checkpoint"):
+            save_checkpoint(trainer, mine)
+        assert (mine / "notes.txt").read_text() == "keep me" and (mine / "data").is_dir()
+        with pytest.raises(CheckpointError, match="it is a file"):
+            save_checkpoint(trainer, mine / "notes.txt")
+        with pytest.raises(CheckpointError, match="extra= cannot be kept"):
+            save_checkpoint(trainer, tmp_path / "new", extra={"where": tmp_path})
+        assert not (tmp_path / "new").exists() and not (tmp_path / "new.partial").exists()
+        (tmp_path / "empty").mkdir()
+        for path in (tmp_path / "empty", tmp_path / "empty"):  # an empty directory, then the checkpoint in it
+            save_checkpoint(trainer, path, extra={"step": 1})
+            assert read_checkpoint(path)["trainer.extra"] == {"step": 1}
+    finally:
+        trainer.close()
+
+
+def test_a_corrupt_checkpoint_is_a_checkpoint_error_not_a_base_exception(tmp_path):
+    """DCP's CheckpointException derives from BaseException alone: it escaped every `except Exception`."""
+    trainer = trainer_for("looped", 1)
+    try:
+        save_checkpoint(trainer, tmp_path / "ck")
+        for data in (tmp_path / "ck").glob("*.distcp"):
+            data.write_bytes(b"not a checkpoint")
+        with pytest.raises(CheckpointError, match="cannot read checkpoint|loading checkpoint"):
+            checkpoint_state_dict(tmp_path / "ck")
+    finally:
+        trainer.close()

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException as DCPFailure  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from unisched.errors import first_line
@@ -93,15 +94,21 @@ def save_checkpoint(trainer, path: str | Path, extra: dict | None = None) -> Pat
             f"cannot save checkpoint {path} after {accumulated} of {trainer.accumulate} accumulated steps: their "
             f"gradients would not be in it, and it could not be loaded; save right after an optimizer step"
         )
+    if extra is not None:  # the same on every rank: all refuse alike, before anything is written
+        try:
+            unpack(pack(dict(extra)))
+        except Exception as error:
+            raise CheckpointError(f"extra= cannot be kept in a checkpoint: {first_line(error)}; give numbers, "
+                                  "strings, tensors, and lists, tuples and dicts of them") from None
     partial = partial_checkpoint(path)
     problem = None
     if trainer.rank == 0:
-        problem = _attempt(lambda: _fresh_directory(partial), f"cannot write {partial}")
+        problem = _not_replaceable(path) or _attempt(lambda: _fresh_directory(partial), f"cannot write {partial}")
     _agree(trainer, problem)
     state = _state_to_save(trainer, extra)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=trainer.control_group)
-    except Exception as error:
+    except (Exception, DCPFailure) as error:
         raise CheckpointError(f"saving checkpoint {path} failed: {first_line(error)}") from error
     problem = None
     if trainer.rank == 0:
@@ -149,6 +156,17 @@ def pack(value: Any) -> torch.Tensor:
 def unpack(data: torch.Tensor) -> Any:
     """The value :func:`pack` stored, read with torch's weights-only unpickler (no code runs)."""
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def _not_replaceable(path: Path) -> str | None:
+    """Why ``path`` may not become a checkpoint (a checkpoint there is replaced once the new one is
+    written, and so is an empty directory; anything else is the user's), or None."""
+    if path.is_dir() and not is_checkpoint(path) and any(path.iterdir()):
+        return (f"cannot save checkpoint {path}: the directory holds files that are not a checkpoint, which saving "
+                f"would delete; name a new directory (or an empty one, or an older checkpoint to replace)")
+    if path.exists() and not path.is_dir():
+        return f"cannot save checkpoint {path}: it is a file; name a directory"
+    return None
 
 
 def _fresh_directory(partial: Path) -> None:
@@ -222,7 +240,7 @@ def load_checkpoint(trainer, path: str | Path, optimizer: bool = True) -> dict |
     destination = _destination(trainer, metadata, optimizer)
     try:
         dcp.load(destination, storage_reader=dcp.FileSystemReader(path), process_group=trainer.control_group)
-    except Exception as error:
+    except (Exception, DCPFailure) as error:
         raise CheckpointError(f"loading checkpoint {path} failed: {first_line(error)}") from error
     if optimizer:
         _restore_optimizer(trainer, destination, objects)
@@ -256,7 +274,7 @@ def read_metadata(path: str | Path) -> Metadata:
                               f"save_checkpoint wrote (or the directory of step-N checkpoints to --resume)")
     try:
         return dcp.FileSystemReader(path).read_metadata()
-    except Exception as error:
+    except (Exception, DCPFailure) as error:
         raise CheckpointError(f"cannot read checkpoint {path}: {first_line(error)}") from error
 
 
@@ -275,7 +293,7 @@ def _load_alone(path: Path, destination: dict[str, torch.Tensor]) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(destination, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    except Exception as error:
+    except (Exception, DCPFailure) as error:
         raise CheckpointError(f"cannot read checkpoint {path}: {first_line(error)}") from error
 
 

@@ -574,3 +574,19 @@ def test_a_figure_refuses_a_dpi_that_is_not_a_positive_number(tmp_path):
         with pytest.raises(UniSchedError, match="dpi must be a positive number"):
             save(gpipe(), tmp_path / "x.png", dpi=dpi)
     assert save(gpipe(), tmp_path / "x.png", dpi=40).stat().st_size > 0
+
+
+def test_every_renderer_and_measure_takes_a_simulation_as_save_does():
+    """figure, to_text, ... read a Simulation's Timeline (they raised AttributeError on it), and
+    name what they need for anything else."""
+    import unisched
+    from unisched.render import figure, stats_table, to_chrome_trace, to_html, to_text
+
+    sim = unisched.simulate(2, 2, 4, unisched.policies.get("gpipe", 2, 2, 4))
+    for draw in (figure, to_text, to_html, to_chrome_trace, stats_table, unisched.worker_stats,
+                 unisched.memory_curves):
+        given, alone = draw(sim), draw(sim.timeline)
+        if isinstance(given, (str, dict, list)) and draw is not to_html:  # html names its elements afresh
+            assert given == alone
+        with pytest.raises(TypeError, match="needs a Timeline or Simulation, got NoneType"):
+            draw(None)

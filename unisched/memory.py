@@ -59,7 +59,7 @@ from __future__ import annotations
 import numpy as np
 
 from unisched import dataflow
-from unisched.timeline import MemoryCurve, Timeline
+from unisched.timeline import MemoryCurve, Timeline, as_timeline
 from unisched.work import FORWARD, Direction
 
 MEMORY_KINDS = ("activations", "weights", "fetched", "gradients", "weight_gradients", "workspace", "optimizer")
@@ -68,6 +68,7 @@ MEMORY_KINDS = ("activations", "weights", "fetched", "gradients", "weight_gradie
 def memory_curves(timeline: Timeline, kind: str = "total", unit: str = "bytes") -> list[MemoryCurve]:
     """Per-worker step curves of ``kind`` ("total" or one of ``MEMORY_KINDS``)
     in ``unit`` ("bytes", or "units": one per stash, stage or buffer)."""
+    timeline = as_timeline(timeline, "memory_curves")
     if unit not in ("bytes", "units"):
         raise ValueError(f"unit must be 'bytes' or 'units', got {unit!r}")
     kinds = MEMORY_KINDS if kind == "total" else (kind,)

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from unisched.memory import memory_curves, own_share, weights_held
-from unisched.timeline import ACTIVATION_KINDS, Timeline
+from unisched.timeline import ACTIVATION_KINDS, Timeline, as_timeline
 
 STAT_COLUMNS = (
     "busy_time",
@@ -56,6 +56,7 @@ def above(value: float, bound: float) -> str:
 
 def worker_stats(timeline: Timeline) -> dict[str, list]:
     """Column name -> list indexed by worker (columns in ``STAT_COLUMNS``)."""
+    timeline = as_timeline(timeline, "worker_stats")
     t, tr, n = timeline, timeline.transfers, timeline.num_workers
     busy = t.busy_time
     latency = t.latency

@@ -653,6 +653,15 @@ registers each (:meth:`Timeline.register_view`)."""
 _VIEWS: dict[str, Callable[..., Any]] = {}
 
 
+def as_timeline(value: Any, caller: str) -> "Timeline":
+    """``value`` as a Timeline: a Timeline, or a Simulation's (its ``.timeline``); anything else
+    is a TypeError naming ``caller``."""
+    timeline = getattr(value, "timeline", value)
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"{caller}() needs a Timeline or Simulation, got {type(value).__name__}")
+    return timeline
+
+
 def _view(name: str) -> Callable[..., Any]:
     try:
         return _VIEWS[name]

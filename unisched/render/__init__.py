@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 
 from unisched.errors import UniSchedError
-from unisched.timeline import Timeline
+from unisched.timeline import Timeline, as_timeline
 
 FORMATS = {
     ".html": "HTML diagram and stats (open in a browser)",
@@ -30,9 +30,7 @@ def save(timeline, path, **options) -> Path:
     """Write ``timeline`` to ``path``, the format chosen by the extension
     (see :data:`FORMATS`).  ``options`` go to the renderer (e.g. ``dpi`` or
     ``arrows=True`` for a figure, ``width`` for text).  Returns the path."""
-    timeline = getattr(timeline, "timeline", timeline)  # a Simulation draws its Timeline
-    if not isinstance(timeline, Timeline):
-        raise TypeError(f"save() needs a Timeline or Simulation, got {type(timeline).__name__}")
+    timeline = as_timeline(timeline, "save")  # a Simulation draws its Timeline
     path = Path(path)
     suffix = check_path(path)
     try:

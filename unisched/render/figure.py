@@ -46,7 +46,7 @@ from unisched.render._common import (
     text_color_on,
     time_grid,
 )
-from unisched.timeline import TRANSFER_KINDS, Timeline
+from unisched.timeline import TRANSFER_KINDS, Timeline, as_timeline
 
 TRANSFER_COLORS = {
     "activation": "#222222",
@@ -95,6 +95,7 @@ def figure(
     in boxes (default: where they fit).  ``max_arrows``: above this many
     transfers, arrows are drawn as plain lines.
     """
+    timeline = as_timeline(timeline, "figure")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     W = timeline.num_workers
     grid = time_grid(timeline, max_columns=1)

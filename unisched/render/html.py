@@ -43,7 +43,7 @@ from unisched.render._common import (
     text_color_on,
     time_grid,
 )
-from unisched.timeline import Timeline
+from unisched.timeline import Timeline, as_timeline
 
 MODES = ("grid", "proportional", "bars")
 _ids = itertools.count()
@@ -87,6 +87,7 @@ def to_html(
     proportional strip for irregular times, and bar charts when there are
     more than ``max_workers`` workers or too many columns to read.
     """
+    timeline = as_timeline(timeline, "to_html")
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers

@@ -43,7 +43,7 @@ from unisched.render._common import (
     time_grid,
 )
 from unisched.errors import ShapeError
-from unisched.timeline import Timeline
+from unisched.timeline import Timeline, as_timeline
 from unisched.work import is_whole
 
 MIN_WIDTH = 24
@@ -165,6 +165,7 @@ def to_text(
     wide step is wrapped into before it is compressed instead (default: as
     many as keep the diagram under about 60 lines, at most 8).
     """
+    timeline = as_timeline(timeline, "to_text")
     check_width(width)
     if max_bands is not None and not is_whole(max_bands):
         raise ValueError(f"max_bands must be a whole number of at least 1 (or None: as many as fit), got "
@@ -388,6 +389,7 @@ def stats_table(timeline: Timeline, width: int = 100, max_rows: int = 32) -> str
     instead of one row each.  Columns that do not fit ``width`` are left off
     (the last line says which).
     """
+    timeline = as_timeline(timeline, "stats_table")
     stats = timeline.worker_stats()
     names = stat_columns(stats)
     W = timeline.num_workers

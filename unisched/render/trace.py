@@ -33,7 +33,7 @@ import numpy as np
 
 from unisched.errors import UniSchedError
 from unisched.render._common import DIRECTION_NAMES, LETTERS, lanes, time_origin
-from unisched.timeline import TRANSFER_KINDS, Timeline
+from unisched.timeline import TRANSFER_KINDS, Timeline, as_timeline
 
 COMPUTE_TID = 1
 """Thread id of a worker's compute track (overlap lanes follow: 2, 3, ...)."""
@@ -80,6 +80,7 @@ def to_chrome_trace(timeline: Timeline, time_unit: str | float = "s") -> dict:
     ``time_unit``: what one unit of the timeline's times is (default one
     second: a measured timeline, or a simulation whose costs are in seconds);
     e.g. ``"ms"`` for costs in milliseconds.  Events are in microseconds."""
+    timeline = as_timeline(timeline, "to_chrome_trace")
     seconds = unit_seconds(time_unit)
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     scale = seconds * 1e6  # microseconds per time unit

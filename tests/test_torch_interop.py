@@ -458,3 +458,16 @@ def test_torchs_schedule_class_given_as_a_strategy_is_told_to_give_its_name():
 
     with pytest.raises(TypeError, match=r"Schedule1F1B is torch's class.*policies.get\('Schedule1F1B'"):
         unisched.simulate(4, 4, 8, Schedule1F1B)
+
+
+def test_one_cell_naming_a_huge_stage_is_refused_at_once():
+    """It once counted over every stage up to 10^11 before saying the file lists too few passes."""
+    import io
+    import time
+
+    from unisched.policies.torch_interop import TorchCSVError, from_torch_csv
+
+    begin = time.perf_counter()
+    with pytest.raises(TorchCSVError, match="lists 3 of the 200000000000 passes"):
+        from_torch_csv(io.StringIO("0F0,0B0,99999999999F0\n"))
+    assert time.perf_counter() - begin < 5

@@ -39,7 +39,7 @@ from unisched.policies._orders import Columns, fixed_orders, warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_columns, zbv_columns
-from unisched.simulate import simulate
+from unisched.simulate import simulate, simulation
 from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
 from unisched.work import (
@@ -286,14 +286,20 @@ def from_torch_csv(source: str | os.PathLike | io.TextIOBase, *, num_stages: int
         if given is not None and given != found:
             raise TorchCSVError(f"{label}: names {found} {what} (0 to {found - 1}), expected {given}")
     shape = Shape(len(rows), S, B).check()
-    rank_of = _stage_ranks(label, orders, cells, S)
     dirs = directions(split)
-    if len(items) < S * B * len(dirs):
+
+    def missing() -> TorchCSVError:
         listed = set(items)
         absent = (Work(b, s, d) for s in range(S) for b in range(B) for d in dirs if Work(b, s, d) not in listed)
-        raise TorchCSVError(
+        return TorchCSVError(
             f"{label}: lists {len(items)} of the {S * B * len(dirs)} passes of {S} stage(s) and {B} micro-batch(es); "
             f"missing e.g. {', '.join(map(str, islice(absent, 4)))}")
+
+    if S * B * len(dirs) > max(len(items), simulation.MAX_ITEMS):  # said before counting over stages one cell may name: 10^11
+        raise missing()
+    rank_of = _stage_ranks(label, orders, cells, S)
+    if len(items) < S * B * len(dirs):
+        raise missing()
     problem = _blocked(orders, S, split)
     if problem:
         raise TorchCSVError(f"{label}: this schedule cannot run: {problem}")

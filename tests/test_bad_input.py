@@ -434,3 +434,18 @@ def test_a_master_port_in_use_is_named_as_such_not_as_a_timeout():
     assert out.startswith(f"ExecutionError rank 0 could not listen on MASTER_ADDR:MASTER_PORT (127.0.0.1:{port}): "
                           "the port is in use")
     assert "pick another port (torchrun --master-port, or MASTER_PORT)" in out and "timeout" not in out
+
+
+def test_a_strategy_of_another_shape_is_refused_by_plan_as_by_simulate():
+    """plan() took it and planned its mapping on the wrong shape, "optimal"."""
+    built = unisched.policies.get("one_f_one_b", 4, 4, 4)
+    with pytest.raises(ShapeError, match="built for W=4, S=4, B=4 but is planned with W=2, S=2, B=2"):
+        plan(2, 2, 2, strategy=built, time_limit=1)
+    with pytest.raises(ShapeError, match="but is simulated with"):
+        simulate(2, 2, 2, built)
+
+
+def test_a_strategys_split_backward_must_be_a_truth_value():
+    """split_backward="False" read as true: I and W passes where none were asked for."""
+    with pytest.raises(ShapeError, match="must be True or False, got 'False'"):
+        unisched.Strategy(gpipe(2, 2, 2).mapping, split_backward="False")

@@ -182,6 +182,16 @@ class Strategy:
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", getattr(self.mapping, "__name__", type(self.mapping).__name__))
+        if not isinstance(self.split_backward, (bool, np.bool_)):  # "False" would read as true
+            raise ShapeError(f"Strategy.split_backward must be True or False, got {self.split_backward!r}")
+
+    def check_shape(self, shape: Sequence[int], use: str) -> None:
+        """Refuse a shape other than the one this strategy was built for (where it says), ``use``
+        saying what is done with it ("simulated", "planned")."""
+        if self.shape is not None and tuple(self.shape) != tuple(shape):
+            (W, S, B), (w, s, b) = self.shape, shape
+            raise ShapeError(f"strategy {self.name!r} was built for W={W}, S={S}, B={B} but is {use} with W={w}, "
+                             f"S={s}, B={b}")
 
     def with_(self, **changes) -> "Strategy":
         """A copy with some fields changed (e.g. another memory limit).  A new

@@ -227,7 +227,9 @@ def _strategy_members(problem: PlanProblem, strategy) -> tuple[str, list[tuple[s
                              f"Work -> ComputeAndWeightWorkers, got {strategy!r}")
     label = strategy.name if isinstance(strategy, Strategy) and strategy.name else getattr(strategy, "__name__", "")
     label = label if label and label != "<lambda>" else "your strategy"
-    return label, [(label, as_strategy(strategy, name=label), "")]
+    strategy = as_strategy(strategy, name=label)
+    strategy.check_shape(problem.shape, "planned")
+    return label, [(label, strategy, "")]
 
 
 def _refuse_shards(members) -> None:

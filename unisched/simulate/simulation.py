@@ -60,11 +60,7 @@ def simulate(
     """
     num_workers, num_stages, num_batches = shape = Shape(num_workers, num_stages, num_batches).check()
     strategy = as_strategy(schedule)
-    if strategy.shape is not None and tuple(strategy.shape) != tuple(shape):
-        raise ShapeError(
-            f"strategy {strategy.name!r} was built for W={strategy.shape[0]}, S={strategy.shape[1]}, "
-            f"B={strategy.shape[2]} but is simulated with W={num_workers}, S={num_stages}, B={num_batches}"
-        )
+    strategy.check_shape(shape, "simulated")
     costs = costs if costs is not None else DEFAULT_COSTS
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a unisched.Costs, got {type(costs).__name__}")

@@ -449,3 +449,20 @@ def test_a_strategys_split_backward_must_be_a_truth_value():
     """split_backward="False" read as true: I and W passes where none were asked for."""
     with pytest.raises(ShapeError, match="must be True or False, got 'False'"):
         unisched.Strategy(gpipe(2, 2, 2).mapping, split_backward="False")
+
+
+@pytest.mark.parametrize("graph, error, words", [
+    ([(0, 1), (1, 2), (2, 3)], TypeError, "must be a networkx.DiGraph"),  # an AttributeError on .nodes before
+    ("0-1-2-3", TypeError, "got str"),
+    ("undirected", TypeError, "got Graph"),
+    ("twice", TypeError, "no edge twice"),  # a reshape error deep in the dataflow before
+    ("floats", ShapeError, "nodes must be the stage numbers"),  # an IndexError before
+])
+def test_a_stage_graph_of_the_wrong_kind_is_refused_naming_what_is_needed(graph, error, words):
+    import networkx as nx
+
+    named = {"undirected": nx.path_graph(4), "twice": nx.MultiDiGraph([(0, 1), (0, 1), (1, 2), (2, 3)]),
+             "floats": nx.DiGraph([(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)])}
+    graph = named.get(graph, graph) if isinstance(graph, str) else graph
+    with pytest.raises(error, match=words):
+        simulate(4, 4, 8, gpipe(), stage_graph=graph)

@@ -143,6 +143,12 @@ class StageGraph:
     def __init__(self, num_stages: int, graph: nx.DiGraph | None = None):
         if graph is None:
             graph = nx.path_graph(num_stages, create_using=nx.DiGraph)
+        if not isinstance(graph, nx.DiGraph) or graph.is_multigraph():
+            raise TypeError(f"stage_graph must be a networkx.DiGraph on the stages 0..{num_stages - 1} (no edge twice) "
+                            f"or a StageGraph, got {type(graph).__name__}: e.g. networkx.DiGraph([(0, 2), (1, 2)])")
+        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in graph.nodes):
+            raise ShapeError(f"stage_graph's nodes must be the stage numbers 0..{num_stages - 1}, got "
+                             f"{sorted(graph.nodes, key=repr)}")
         nodes = set(graph.nodes)
         if nodes != set(range(num_stages)):
             missing = sorted(set(range(num_stages)) - nodes)

@@ -466,3 +466,10 @@ def test_a_stage_graph_of_the_wrong_kind_is_refused_naming_what_is_needed(graph,
     graph = named.get(graph, graph) if isinstance(graph, str) else graph
     with pytest.raises(error, match=words):
         simulate(4, 4, 8, gpipe(), stage_graph=graph)
+
+
+@pytest.mark.parametrize("members", [[("x",)], "gpipe", [unisched.policies.get("gpipe", 2, 2, 2)],
+                                     [("x", lambda work: work, "")]])
+def test_members_of_the_wrong_form_are_refused_saying_what_they_must_be(members):
+    with pytest.raises(PlanInputError, match=r"members must be \(label, Strategy, ''\) triples"):
+        plan(2, 2, 2, members=members, time_limit=1)

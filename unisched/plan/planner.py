@@ -183,6 +183,7 @@ def plan(
     problem = PlanProblem(shape, costs, memory_limit, max_stages_per_worker, split, memory_budget,
                           optimizer_bytes, objective)
     _check_some_time(problem)
+    members = _checked_members(members)
     if members is None and strategy is not None:
         strategy, members = _strategy_members(problem, strategy)
     _refuse_shards(members)
@@ -230,6 +231,24 @@ def _strategy_members(problem: PlanProblem, strategy) -> tuple[str, list[tuple[s
     strategy = as_strategy(strategy, name=label)
     strategy.check_shape(problem.shape, "planned")
     return label, [(label, strategy, "")]
+
+
+def _checked_members(members) -> list[tuple[str, Strategy | None, str]] | None:
+    """``plan(members=...)`` as a list of (label, Strategy or None, why it is None) triples, or a
+    PlanInputError saying what it must be."""
+    if members is None:
+        return None
+    what = ("members must be (label, Strategy, '') triples, or (label, None, why it cannot run), as "
+            "unisched.plan.family.registry_members gives them")
+    if isinstance(members, (str, bytes)) or not isinstance(members, Iterable):
+        raise PlanInputError(f"{what}; got {members!r}")
+    checked = []
+    for member in members:
+        if not (isinstance(member, tuple) and len(member) == 3 and isinstance(member[0], str)
+                and (member[1] is None or isinstance(member[1], Strategy)) and isinstance(member[2], str)):
+            raise PlanInputError(f"{what}; got {member!r}")
+        checked.append(member)
+    return checked
 
 
 def _refuse_shards(members) -> None:

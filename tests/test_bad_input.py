@@ -473,3 +473,22 @@ def test_a_stage_graph_of_the_wrong_kind_is_refused_naming_what_is_needed(graph,
 def test_members_of_the_wrong_form_are_refused_saying_what_they_must_be(members):
     with pytest.raises(PlanInputError, match=r"members must be \(label, Strategy, ''\) triples"):
         plan(2, 2, 2, members=members, time_limit=1)
+
+
+def test_fixed_orders_and_gangs_of_the_wrong_form_are_refused_saying_what_is_needed():
+    from unisched.strategy import fixed_strategy
+
+    mapping = gpipe(2, 2, 2).mapping
+    with pytest.raises(TypeError, match=r"worker_orders must map each worker to its order"):
+        unisched.Strategy(mapping, worker_orders=[[unisched.Work(0, 0, unisched.FORWARD)]])
+    compute = weight = [0] * 8
+    for orders in (None, [[0, 1]]):
+        with pytest.raises(TypeError, match="worker_orders must map each worker"):
+            fixed_strategy((2, 2, 2), compute, weight, orders)
+    with pytest.raises(ShapeError):
+        fixed_strategy((2, -2, 2), compute, weight, {0: []})
+    with pytest.raises(ShapeError, match="gang names gang 1 but gang_members lists 1"):
+        fixed_strategy((2, 2, 2), compute, weight, {0: []}, gang=[1] + [-1] * 7, gang_members=[(0, 1)])
+    with pytest.raises(ShapeError, match="gang_collective has 2 entries for 1 gangs"):
+        fixed_strategy((2, 2, 2), compute, weight, {0: []}, gang=[0] + [-1] * 7, gang_members=[(0, 1)],
+                       gang_collective=[True, False])

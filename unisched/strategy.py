@@ -182,6 +182,9 @@ class Strategy:
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", getattr(self.mapping, "__name__", type(self.mapping).__name__))
+        if self.worker_orders is not None and not isinstance(self.worker_orders, Mapping):
+            raise TypeError(f"Strategy.worker_orders must map each worker to its order, {{worker: [Work, ...]}}, got "
+                            f"{type(self.worker_orders).__name__}")
         if not isinstance(self.split_backward, (bool, np.bool_)):  # "False" would read as true
             raise ShapeError(f"Strategy.split_backward must be True or False, got {self.split_backward!r}")
 
@@ -265,8 +268,11 @@ def fixed_strategy(
     weight worker) -> the workers holding that stage in shards, for the
     sharded ones (``Strategy.weight_shards`` as a table).
     What a plan and a timeline replay as (:meth:`Timeline.as_strategy`)."""
-    shape = Shape(*shape)
+    shape = Shape(*shape).check()
     W, S, B = shape
+    if not isinstance(worker_orders, Mapping):
+        raise TypeError(f"worker_orders must map each worker to its order, {{worker: [Work, ...]}} or item ids, got "
+                        f"{type(worker_orders).__name__}")
     items = dataflow.Items(S, B, split_backward)
     compute, weight = _int_array(compute), _int_array(weight)
     if len(compute) != items.count or len(weight) != items.count:
@@ -291,6 +297,12 @@ def fixed_strategy(
     release = release_times(release, items.count, name)
     ganged = gang is not None and bool(np.any(_int_array(gang) >= 0))
     gang = _int_array(gang) if ganged else None
+    if gang is not None and gang.max() >= len(gang_members):
+        raise ShapeError(f"gang names gang {int(gang.max())} but gang_members lists {len(gang_members)}; give every "
+                         "gang's members (an index into gang_members, or -1 for an item one worker runs)")
+    if gang_collective and len(gang_collective) != len(gang_members):
+        raise ShapeError(f"gang_collective has {len(gang_collective)} entries for {len(gang_members)} gangs; give "
+                         "one per gang, or none (every gang all-reduces)")
     collective = tuple(gang_collective) or (True,) * len(gang_members)
     groups = [Gang(tuple(m), bool(c)) for m, c in zip(gang_members, collective)]
 

@@ -269,3 +269,16 @@ def test_rows_no_view_can_draw_are_refused_when_the_timeline_is_made(column, row
         replace(t, **{column: values})
     with pytest.raises(TimelineError, match="differ in length"):
         replace(t, start=t.start[:-1])
+
+
+def test_a_timeline_of_python_lists_is_taken_and_one_of_wrong_values_refused():
+    """Hand-made rows as lists raised numpy's and Python's own errors ('>=' between list and int)."""
+    from unisched import Timeline
+    from unisched.errors import TimelineError
+
+    rows = dict(batch=[0], stage=[0], direction=[0], worker=[0], weight_worker=[0], start=[0], end=[1])
+    assert Timeline(2, 2, 2, **rows).latency == 1
+    with pytest.raises(TimelineError, match="activation_bytes must be one number, or one per stage"):
+        Timeline(2, 2, 2, **rows, activation_bytes=[1, 2, 3])
+    with pytest.raises(TimelineError, match="batch must be a sequence of numbers"):
+        Timeline(2, 2, 2, **{**rows, "batch": ["x"]})

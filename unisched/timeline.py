@@ -214,6 +214,15 @@ class Timeline:
     worker."""
 
     def __post_init__(self):
+        for name, kind in (("batch", _ints), ("stage", _ints), ("direction", _ints), ("worker", _ints),
+                           ("weight_worker", _ints), ("start", _floats), ("end", _floats)):
+            column = getattr(self, name)
+            if not isinstance(column, np.ndarray):  # a list, as a hand-made timeline gives them
+                try:
+                    object.__setattr__(self, name, kind(column))
+                except (TypeError, ValueError):
+                    raise TimelineError(f"Timeline.{name} must be a sequence of numbers, one per row, got "
+                                        f"{column!r}"[:200]) from None
         gang = np.full(len(self.batch), -1, dtype=np.int64) if self.gang is None else _ints(self.gang)
         object.__setattr__(self, "gang", gang)
         object.__setattr__(self, "gang_members", tuple(tuple(int(m) for m in g) for g in self.gang_members))
@@ -231,7 +240,12 @@ class Timeline:
             "stash_bytes": self.activation_bytes if self.stash_bytes is None else self.stash_bytes,
         }
         for name, value in sizes.items():
-            value = np.zeros(self.num_stages) if value is None else np.broadcast_to(_floats(value), (self.num_stages,))
+            try:
+                value = np.zeros(self.num_stages) if value is None else np.broadcast_to(_floats(value),
+                                                                                          (self.num_stages,))
+            except (TypeError, ValueError):
+                raise TimelineError(f"Timeline.{name} must be one number, or one per stage ({self.num_stages}), got "
+                                    f"{value!r}") from None
             object.__setattr__(self, name, np.array(value, dtype=np.float64))
         self._check_row_values()
 

@@ -492,3 +492,14 @@ def test_fixed_orders_and_gangs_of_the_wrong_form_are_refused_saying_what_is_nee
     with pytest.raises(ShapeError, match="gang_collective has 2 entries for 1 gangs"):
         fixed_strategy((2, 2, 2), compute, weight, {0: []}, gang=[0] + [-1] * 7, gang_members=[(0, 1)],
                        gang_collective=[True, False])
+
+
+def test_odd_arguments_of_the_layout_and_registry_helpers_are_named():
+    from unisched.render import to_html
+    from unisched.simulate.layout import simulate_layout
+
+    with pytest.raises(TypeError, match="layout must be a unisched Layout"):
+        simulate_layout((2, 2, 2), "dgx_h100", gpipe(2, 2, 2), None)
+    assert {name for name, _ in unisched.policies.variants(4, 4, 8, only="gpipe")} == {"gpipe"}  # not 'g', 'p', ...
+    with pytest.raises(ValueError, match="max_columns must be a whole number of at least 1"):
+        to_html(simulate(4, 4, 8, gpipe()), max_columns=0)

@@ -471,3 +471,19 @@ def test_one_cell_naming_a_huge_stage_is_refused_at_once():
     with pytest.raises(TorchCSVError, match="lists 3 of the 200000000000 passes"):
         from_torch_csv(io.StringIO("0F0,0B0,99999999999F0\n"))
     assert time.perf_counter() - begin < 5
+
+
+def test_csv_bytes_are_read_as_text_and_a_binary_file_or_an_unwritable_path_refused(tmp_path):
+    import io
+
+    import unisched
+    from unisched.policies.torch_interop import TorchCSVError, from_torch_csv, to_torch_csv
+
+    assert from_torch_csv(io.BytesIO(b"0F0,0B0\n")).worker_orders[0] == from_torch_csv(io.StringIO("0F0,0B0\n")).worker_orders[0]
+    binary = tmp_path / "x.csv"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    for source in (binary, io.BytesIO(b"\xff\xfe\x00\x01")):
+        with pytest.raises(TorchCSVError, match="is not a text file"):
+            from_torch_csv(source)
+    with pytest.raises(TorchCSVError, match="cannot write .*nowhere"):
+        to_torch_csv(unisched.simulate(2, 2, 4, unisched.policies.get("gpipe", 2, 2, 4)), tmp_path / "nowhere" / "x.csv")

@@ -124,6 +124,7 @@ def variants(num_workers: int, num_stages: int, num_batches: int,
     Settings whose constraints fail are skipped; ``only`` restricts the names.
     """
     shape = Shape(num_workers, num_stages, num_batches).check()
+    only = [only] if isinstance(only, str) else only  # one name, not its letters
     for e in (entry(n) for n in only) if only is not None else _REGISTRY.values():
         for params in e.grid(shape):
             if e.fits(shape, params):

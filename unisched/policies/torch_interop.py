@@ -337,8 +337,12 @@ def to_torch_csv(schedule: Any, path: str | os.PathLike | None = None, *, align:
     csv.writer(buffer).writerows(rows)
     text = buffer.getvalue()
     if path is not None:
-        with open(path, "w", newline="") as file:
-            file.write(text)
+        try:
+            with open(path, "w", newline="", encoding="utf-8") as file:
+                file.write(text)
+        except OSError as error:
+            raise TorchCSVError(f"cannot write {os.fspath(path)}: {error.strerror or error}; name a file in a folder "
+                                "that exists and that you may write to") from None
     return text
 
 
@@ -378,13 +382,20 @@ def _read_rows(source) -> tuple[str, list[list[str]]]:
     if hasattr(source, "read"):
         label = str(getattr(source, "name", "<csv>"))
         text = source.read()
+        if isinstance(text, bytes):  # a binary file or BytesIO: the CSV is UTF-8 text
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TorchCSVError(f"{label}: is not a text file; a torch CSV schedule is UTF-8 text") from None
     else:
         label = os.fspath(source)
         try:
-            with open(label, newline="") as file:
+            with open(label, newline="", encoding="utf-8") as file:
                 text = file.read()
         except OSError as error:
             raise TorchCSVError(f"cannot read the torch CSV schedule {label}: {error.strerror or error}") from None
+        except UnicodeDecodeError:
+            raise TorchCSVError(f"{label}: is not a text file; a torch CSV schedule is UTF-8 text") from None
     try:
         rows = list(csv.reader(io.StringIO(text, newline="")))
     except csv.Error as error:

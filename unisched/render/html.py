@@ -44,6 +44,7 @@ from unisched.render._common import (
     time_grid,
 )
 from unisched.timeline import Timeline, as_timeline
+from unisched.work import is_whole
 
 MODES = ("grid", "proportional", "bars")
 _ids = itertools.count()
@@ -90,6 +91,9 @@ def to_html(
     timeline = as_timeline(timeline, "to_html")
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, value in (("max_workers", max_workers), ("max_columns", max_columns)):
+        if not is_whole(value, 1):
+            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     scope = f"unisched-{next(_ids)}"
     mode = mode or choose_mode(timeline, max_workers, max_columns)

@@ -170,6 +170,10 @@ def simulate_layout(layout: Layout, topology, pipeline: Strategy, model: Model, 
     ``layout.pipeline`` workers and stages whose shape gives the
     micro-batches per replica; by symmetry where that is exact (see the
     module docstring), else every replica."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a unisched Layout(pipeline=, tensor=, data=), got {type(layout).__name__}")
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a unisched Model (its layers' times and sizes), got {type(model).__name__}")
     layout.check()
     topology = Topology.load(topology).sized(layout.devices)
     P, T, D = layout.pipeline, layout.tensor, layout.data

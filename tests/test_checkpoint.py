@@ -258,6 +258,11 @@ def test_saving_never_deletes_what_is_not_a_checkpoint_and_refuses_extras_it_can
         assert (mine / "notes.txt").read_text() == "keep me" and (mine / "data").is_dir()
         with pytest.raises(CheckpointError, match="it is a file"):
             save_checkpoint(trainer, mine / "notes.txt")
+        for nowhere in (None, ""):
+            with pytest.raises(CheckpointError, match="needs a directory to save in"):
+                save_checkpoint(trainer, nowhere)
+        with pytest.raises(TypeError, match="needs a unisched Trainer"):
+            save_checkpoint(None, tmp_path / "new")
         with pytest.raises(CheckpointError, match="extra= cannot be kept"):
             save_checkpoint(trainer, tmp_path / "new", extra={"where": tmp_path})
         assert not (tmp_path / "new").exists() and not (tmp_path / "new.partial").exists()

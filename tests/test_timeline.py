@@ -282,3 +282,18 @@ def test_a_timeline_of_python_lists_is_taken_and_one_of_wrong_values_refused():
         Timeline(2, 2, 2, **rows, activation_bytes=[1, 2, 3])
     with pytest.raises(TimelineError, match="batch must be a sequence of numbers"):
         Timeline(2, 2, 2, **{**rows, "batch": ["x"]})
+
+
+def test_check_and_worker_order_refuse_what_they_cannot_answer():
+    """A negative tolerance made a sound timeline fail ("ends before it starts"); worker 5 of 2 gave []."""
+    import unisched
+    from unisched.errors import TimelineError
+
+    timeline = unisched.simulate(2, 2, 4, unisched.policies.get("gpipe", 2, 2, 4)).timeline
+    for tolerance in (-1, float("nan"), "x"):
+        with pytest.raises(TimelineError, match="tolerance"):
+            timeline.check(tolerance=tolerance)
+    for worker in (5, "0", -1):
+        with pytest.raises(TimelineError, match="the workers are 0..1"):
+            timeline.worker_order(worker)
+    assert timeline.check() is timeline and timeline.worker_order(1)

@@ -33,6 +33,7 @@ renames it to ``DIR`` once DCP has finished; a ``DIR`` without
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -87,6 +88,10 @@ def save_checkpoint(trainer, path: str | Path, extra: dict | None = None) -> Pat
     """Write ``trainer``'s weights of truth, optimizer and scheduler state
     (every rank calls it, between steps) to the directory ``path``; ``extra``
     (the same on every rank) comes back from :func:`load_checkpoint`."""
+    if not callable(getattr(trainer, "training_state", None)):
+        raise TypeError(f"save_checkpoint() needs a unisched Trainer, got {type(trainer).__name__}")
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise CheckpointError(f"save_checkpoint() needs a directory to save in, got {path!r}")
     path = Path(path)
     accumulated = trainer.training_state()["accumulated"]
     if accumulated:  # the same count on every rank: all refuse alike

@@ -348,3 +348,12 @@ def test_a_gpt2_on_the_meta_device_splits_and_loads_from_the_models_state_dict()
         uninitialized = split_model(transformers.GPT2LMHeadModel(config), 3, tied="untie")
     with pytest.raises(unisched.UniSchedError, match="its submodule transformer.h.0.attn.c_attn .* no reset_parameters"):
         build_stages(uninitialized, 3, only=[0])
+
+
+def test_huge_block_weights_still_give_non_empty_parts():
+    """Squares of weights near 1e160 overflowed to inf and the partition came back as empty ranges."""
+    from unisched.execute.split import balanced_partition
+
+    parts = balanced_partition([1e160, 1, 1, 1], 2)
+    assert all(len(part) for part in parts) and parts[0].start == 0 and parts[-1].stop == 4
+    assert balanced_partition([4e300, 1e300, 1e300, 1e300], 2) == balanced_partition([4, 1, 1, 1], 2)

@@ -234,6 +234,8 @@ def balanced_partition(weights: Sequence[float], num_parts: int) -> list[range]:
         raise SplitError(f"cannot cut {n} blocks into {num_parts} non-empty stages; ask for at most {n} stages")
     if not np.all(np.isfinite(w)) or np.any(w < 0):
         raise SplitError(f"block weights must be finite and not negative, got {w.tolist()}")
+    if w.max() > 0:  # the partition does not change with the scale; the squares below must stay finite
+        w = w / w.max()
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     span = prefix[:, None] - prefix[None, :]                    # span[i, m]: items m..i-1
     before = np.tril(np.ones((n + 1, n + 1), dtype=bool), k=-1)  # m < i: a non-empty part

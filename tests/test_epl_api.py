@@ -725,3 +725,13 @@ def test_a_negative_world_size_is_a_clear_error():
         torch.nn.Linear(2, 2)
     with pytest.raises(unisched.UniSchedError, match="positive number of devices"):
         epl.simulate(world_size=-2)
+
+
+def test_simulate_names_costs_or_sizes_of_the_wrong_kind():
+    """A dict for costs raised AttributeError; internal_bytes="x" numpy's own message."""
+    with epl.replicate(1):
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="costs must be a unisched.Costs"):
+        epl.simulate(world_size=1, costs={"forward": 1})
+    with pytest.raises(ScopeError, match=r"internal_bytes=\.\.\.\) takes a non-negative number"):
+        epl.simulate(world_size=1, internal_bytes="x")

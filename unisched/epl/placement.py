@@ -263,6 +263,9 @@ def stage_costs(
     device the whole input and 1/k of the internal activations (its features).
     """
     base = base if base is not None else Costs()
+    if not isinstance(base, Costs):
+        raise TypeError(f"costs must be a unisched.Costs (one device's times and sizes), got {type(base).__name__}; "
+                        "e.g. unisched.Costs(forward=..., backward=...)")
     S = placement.num_stages
     forward = base.per_stage("forward", S).copy()
     backward = base.per_stage("backward", S).copy()
@@ -290,7 +293,10 @@ def stage_costs(
 
 
 def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> np.ndarray:
-    array = np.asarray(value, dtype=float)
+    try:
+        array = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        array = np.full((), np.nan)  # refused below, by name
     if array.ndim == 0:
         array = np.full(num_stages, float(array))
     if array.ndim != 1 or len(array) != num_stages or np.any(array < 0) or not np.all(np.isfinite(array)):

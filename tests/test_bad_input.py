@@ -503,3 +503,8 @@ def test_odd_arguments_of_the_layout_and_registry_helpers_are_named():
     assert {name for name, _ in unisched.policies.variants(4, 4, 8, only="gpipe")} == {"gpipe"}  # not 'g', 'p', ...
     with pytest.raises(ValueError, match="max_columns must be a whole number of at least 1"):
         to_html(simulate(4, 4, 8, gpipe()), max_columns=0)
+
+
+def test_a_tied_weight_of_an_infinite_stage_is_refused_by_shape():
+    with pytest.raises(ShapeError, match="a tied weight is"):
+        Costs(tied_weights=[{"stages": [0, float("inf")], "bytes": 1}])  # an OverflowError before

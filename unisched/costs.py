@@ -71,7 +71,7 @@ class TiedWeight(NamedTuple):
             stages = tuple(sorted({int(s) for s in given if not isinstance(s, bool) and int(s) == s}))
             if len(stages) != len(given) or len(stages) < 2 or stages[0] < 0:
                 raise ValueError
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             raise ShapeError(f"a tied weight is {{\"stages\": [two or more distinct stage indices], \"bytes\": n}}, "
                              f"got {value!r}") from None
         if not _is(nbytes, "number") or not _is_finite(nbytes) or nbytes < 0:

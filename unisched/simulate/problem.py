@@ -564,10 +564,8 @@ def _gangs_on_arrays(strategy: Strategy, shape: Shape, batch, stage, direction, 
             number[a] = _numbered(answers[a], members, Work(int(batch[i]), int(stage[i]), Direction(int(direction[i]))),
                                   strategy, W)[1]
     gang = number[index]
-    holds = np.zeros((len(members) + 1, W), bool)
-    for (group, _), g in members.items():
-        holds[g, list(group)] = True
-    bad = np.flatnonzero((gang >= 0) & ~holds[gang, compute])
+    held = np.array([g * W + m for (group, _), g in members.items() for m in group], dtype=np.int64)  # (gang, worker)
+    bad = np.flatnonzero((gang >= 0) & ~np.isin(gang * W + compute, held))  # not a gang x worker table: W may be 10^6
     if len(bad):
         i = int(bad[0])
         group = next(group for (group, _), g in members.items() if g == gang[i])

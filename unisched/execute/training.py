@@ -63,10 +63,6 @@ def scalar_loss(loss: Any, batch: int) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ShapeError(f"loss_fn must return a scalar tensor, got {_shown(loss)} for micro-batch {batch}; "
                          f"reduce it (e.g. .mean())")
-    if torch.is_grad_enabled() and not loss.requires_grad:  # a training step: its gradient would be none at all
-        raise ShapeError(f"loss_fn's loss for micro-batch {batch} has no gradient to pass back ({_shown(loss)}: "
-                         "detached, a new tensor, or computed from outputs that need none), so nothing would train; "
-                         "compute it from the last stage's output with torch operations")
     loss = loss.reshape(())
     return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 

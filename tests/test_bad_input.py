@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import unisched
@@ -136,11 +137,6 @@ def test_costs_too_small_to_draw_or_plan_are_refused(costs):
 def test_costs_too_small_on_the_command_line_are_an_error_not_a_traceback(capsys):
     code = main(["simulate", "--strategy", "gpipe", "--forward", "1e-310", "--backward", "1e-310"])
     assert code == 2 and "too small to measure" in capsys.readouterr().err
-
-
-def test_a_link_from_a_worker_to_itself_is_refused():
-    with pytest.raises(ShapeError, match="link 1,1: a worker sends nothing to itself"):
-        Costs(links={"1,1": {"latency": 1.0}})
 
 
 def test_a_scheme_beside_a_strategy_is_refused_not_ignored(capsys):
@@ -473,6 +469,7 @@ def test_a_stage_graph_of_the_wrong_kind_is_refused_naming_what_is_needed(graph,
 def test_members_of_the_wrong_form_are_refused_saying_what_they_must_be(members):
     with pytest.raises(PlanInputError, match=r"members must be \(label, Strategy, ''\) triples"):
         plan(2, 2, 2, members=members, time_limit=1)
+    assert plan(2, 2, 2, members=[["gpipe", gpipe(2, 2, 2), ""]], time_limit=1).latency == 6  # a list, as before
 
 
 def test_fixed_orders_and_gangs_of_the_wrong_form_are_refused_saying_what_is_needed():
@@ -492,6 +489,8 @@ def test_fixed_orders_and_gangs_of_the_wrong_form_are_refused_saying_what_is_nee
     with pytest.raises(ShapeError, match="gang_collective has 2 entries for 1 gangs"):
         fixed_strategy((2, 2, 2), compute, weight, {0: []}, gang=[0] + [-1] * 7, gang_members=[(0, 1)],
                        gang_collective=[True, False])
+    assert fixed_strategy((2, 2, 2), compute, weight, {0: []}, gang=[0] + [-1] * 7, gang_members=[(0, 1)],
+                          gang_collective=np.array([True])).shape == (2, 2, 2)  # an array, as before
 
 
 def test_odd_arguments_of_the_layout_and_registry_helpers_are_named():

@@ -243,7 +243,18 @@ def test_offloaded_and_tensor_parallel_stages_resume_exactly(tmp_path):
     assert any(":1." in key for key in saved), "share 1 of the split stage has keys of its own"
 
 
-def test_saving_never_deletes_what_is_not_a_checkpoint_and_refuses_extras_it_cannot_load(tmp_path):
+@pytest.fixture
+def in_this_process():
+    """A Trainer of one process starts a process group of one here; it goes with the test."""
+    import torch.distributed as dist
+
+    running = dist.is_initialized()
+    yield
+    if not running and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_saving_never_deletes_what_is_not_a_checkpoint_and_refuses_extras_it_cannot_load(tmp_path, in_this_process):
     """A checkpoint replaces an older one in its place, and an empty directory; a directory of the
     user's own files (they were deleted) or a file is refused, and so is an ``extra`` that torch's
     weights-only loader would refuse on the way back, before anything is written."""
@@ -258,6 +269,8 @@ def test_saving_never_deletes_what_is_not_a_checkpoint_and_refuses_extras_it_can
         assert (mine / "notes.txt").read_text() == "keep me" and (mine / "data").is_dir()
         with pytest.raises(CheckpointError, match="it is a file"):
             save_checkpoint(trainer, mine / "notes.txt")
+        with pytest.raises(CheckpointError, match="cannot write"):  # an OSError on rank 0 alone left the others waiting
+            save_checkpoint(trainer, tmp_path / ("x" * 300))
         for nowhere in (None, ""):
             with pytest.raises(CheckpointError, match="needs a directory to save in"):
                 save_checkpoint(trainer, nowhere)
@@ -274,7 +287,7 @@ def test_saving_never_deletes_what_is_not_a_checkpoint_and_refuses_extras_it_can
         trainer.close()
 
 
-def test_a_corrupt_checkpoint_is_a_checkpoint_error_not_a_base_exception(tmp_path):
+def test_a_corrupt_checkpoint_is_a_checkpoint_error_not_a_base_exception(tmp_path, in_this_process):
     """DCP's CheckpointException derives from BaseException alone: it escaped every `except Exception`."""
     trainer = trainer_for("looped", 1)
     try:

@@ -478,9 +478,6 @@ def _pair(pair) -> tuple[int, int]:
             raise ValueError
     except (TypeError, ValueError):
         raise ShapeError(f"Costs.links keys must be (src, dst) worker pairs or 'src,dst' strings, got {pair!r}") from None
-    if src == dst:
-        raise ShapeError(f"Costs.links names the link {src},{dst}: a worker sends nothing to itself (what stays on a "
-                         "worker takes no time); drop it")
     return int(src), int(dst)
 
 

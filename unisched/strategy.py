@@ -300,7 +300,7 @@ def fixed_strategy(
     if gang is not None and gang.max() >= len(gang_members):
         raise ShapeError(f"gang names gang {int(gang.max())} but gang_members lists {len(gang_members)}; give every "
                          "gang's members (an index into gang_members, or -1 for an item one worker runs)")
-    if gang_collective and len(gang_collective) != len(gang_members):
+    if len(gang_collective) and len(gang_collective) != len(gang_members):
         raise ShapeError(f"gang_collective has {len(gang_collective)} entries for {len(gang_members)} gangs; give "
                          "one per gang, or none (every gang all-reduces)")
     collective = tuple(gang_collective) or (True,) * len(gang_members)

@@ -108,7 +108,8 @@ def save_checkpoint(trainer, path: str | Path, extra: dict | None = None) -> Pat
     partial = partial_checkpoint(path)
     problem = None
     if trainer.rank == 0:
-        problem = _not_replaceable(path) or _attempt(lambda: _fresh_directory(partial), f"cannot write {partial}")
+        problem = _attempt(lambda: _refuse_to_replace(path), f"cannot write {path}") or _attempt(
+            lambda: _fresh_directory(partial), f"cannot write {partial}")
     _agree(trainer, problem)
     state = _state_to_save(trainer, extra)
     try:
@@ -163,15 +164,15 @@ def unpack(data: torch.Tensor) -> Any:
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
-def _not_replaceable(path: Path) -> str | None:
-    """Why ``path`` may not become a checkpoint (a checkpoint there is replaced once the new one is
-    written, and so is an empty directory; anything else is the user's), or None."""
+def _refuse_to_replace(path: Path) -> None:
+    """Raise an OSError (for :func:`_attempt`, on rank 0) where ``path`` may not become a checkpoint:
+    a checkpoint there is replaced once the new one is written, and so is an empty directory;
+    anything else is the user's."""
     if path.is_dir() and not is_checkpoint(path) and any(path.iterdir()):
-        return (f"cannot save checkpoint {path}: the directory holds files that are not a checkpoint, which saving "
-                f"would delete; name a new directory (or an empty one, or an older checkpoint to replace)")
+        raise OSError("the directory holds files that are not a checkpoint, which saving would delete; name a new "
+                      "directory (or an empty one, or an older checkpoint to replace)")
     if path.exists() and not path.is_dir():
-        return f"cannot save checkpoint {path}: it is a file; name a directory"
-    return None
+        raise OSError("it is a file; name a directory")
 
 
 def _fresh_directory(partial: Path) -> None:

@@ -234,7 +234,7 @@ def balanced_partition(weights: Sequence[float], num_parts: int) -> list[range]:
         raise SplitError(f"cannot cut {n} blocks into {num_parts} non-empty stages; ask for at most {n} stages")
     if not np.all(np.isfinite(w)) or np.any(w < 0):
         raise SplitError(f"block weights must be finite and not negative, got {w.tolist()}")
-    if w.max() > 0:  # the partition does not change with the scale; the squares below must stay finite
+    if w.max() > 1e100:  # the partition does not change with the scale; the squares below must stay finite
         w = w / w.max()
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     span = prefix[:, None] - prefix[None, :]                    # span[i, m]: items m..i-1

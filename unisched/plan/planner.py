@@ -244,10 +244,10 @@ def _checked_members(members) -> list[tuple[str, Strategy | None, str]] | None:
         raise PlanInputError(f"{what}; got {members!r}")
     checked = []
     for member in members:
-        if not (isinstance(member, tuple) and len(member) == 3 and isinstance(member[0], str)
+        if not (isinstance(member, (tuple, list)) and len(member) == 3 and isinstance(member[0], str)
                 and (member[1] is None or isinstance(member[1], Strategy)) and isinstance(member[2], str)):
             raise PlanInputError(f"{what}; got {member!r}")
-        checked.append(member)
+        checked.append(tuple(member))
     return checked
 
 

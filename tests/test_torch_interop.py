@@ -487,3 +487,14 @@ def test_csv_bytes_are_read_as_text_and_a_binary_file_or_an_unwritable_path_refu
             from_torch_csv(source)
     with pytest.raises(TorchCSVError, match="cannot write .*nowhere"):
         to_torch_csv(unisched.simulate(2, 2, 4, unisched.policies.get("gpipe", 2, 2, 4)), tmp_path / "nowhere" / "x.csv")
+
+
+@pytest.mark.parametrize("given", [{"num_stages": "2"}, {"num_batches": 0}, {"num_stages": 1.5}])
+def test_counts_to_check_the_file_against_must_be_whole_numbers(given):
+    """num_stages="2" said the file 'names 2 stages, expected 2'."""
+    import io
+
+    from unisched.policies.torch_interop import TorchCSVError, from_torch_csv
+
+    with pytest.raises(TorchCSVError, match="a whole number >= 1, or None"):
+        from_torch_csv(io.StringIO("0F0,0B0\n"), **given)

@@ -51,6 +51,7 @@ from unisched.work import (
     Shape,
     Work,
     directions,
+    is_whole,
 )
 
 Orders = dict[int, list[Work]]
@@ -260,6 +261,10 @@ def from_torch_csv(source: str | os.PathLike | io.TextIOBase, *, num_stages: int
     its W pass (so does a file of B only).  Raises :class:`TorchCSVError`
     naming the rank and cell at fault.
     """
+    for name, value in (("num_stages", num_stages), ("num_batches", num_batches)):
+        if value is not None and not is_whole(value):
+            raise TorchCSVError(f"from_torch_csv({name}=...) checks the file's count: a whole number >= 1, or None, "
+                                f"got {value!r}")
     label, rows = _read_rows(source)
     orders, cells = _parse_rows(label, rows)
     kinds = {Direction(w.direction) for order in orders.values() for w in order}

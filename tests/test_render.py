@@ -590,3 +590,13 @@ def test_every_renderer_and_measure_takes_a_simulation_as_save_does():
             assert given == alone
         with pytest.raises(TypeError, match="needs a Timeline or Simulation, got NoneType"):
             draw(None)
+
+
+@pytest.mark.parametrize("width", [0, -1, "x", 1000])
+def test_a_figure_width_that_cannot_be_drawn_is_refused_by_name(width):
+    """width=0 made an empty image that PIL refused to save; -1 matplotlib's own error."""
+    import unisched
+    from unisched.render import figure
+
+    with pytest.raises(ValueError, match=r"figure\(width=\.\.\.\) is the figure's width in inches"):
+        figure(unisched.simulate(2, 2, 4, unisched.policies.get("gpipe", 2, 2, 4)), width=width)

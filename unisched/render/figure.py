@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,8 @@ def figure(
     transfers, arrows are drawn as plain lines.
     """
     timeline = as_timeline(timeline, "figure")
+    if isinstance(width, bool) or not isinstance(width, numbers.Real) or not 1 <= width <= 200:
+        raise ValueError(f"figure(width=...) is the figure's width in inches, a number from 1 to 200, got {width!r}")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     W = timeline.num_workers
     grid = time_grid(timeline, max_columns=1)

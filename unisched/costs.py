@@ -246,11 +246,12 @@ class Costs:
                     f"(0..{num_stages - 1}); give the costs of this model's split"
                 )
         hops = [self.link(src, dst) for src, dst in self.links] + [Link(self.latency, self.bandwidth)]
+        passes = np.concatenate([np.ravel(d) for d in self.durations(num_stages).values()])
+        sizes = np.concatenate([np.ravel(self.per_stage(name, num_stages))
+                                for name in ("activation_bytes", "stash_bytes", "weight_bytes")])
         with np.errstate(over="ignore", invalid="ignore"):
-            work = sum(np.sum(d) for d in self.durations(num_stages).values()) / speeds.min(initial=np.inf)
-            most = max(np.max(self.per_stage(name, num_stages), initial=0.0)
-                       for name in ("activation_bytes", "stash_bytes", "weight_bytes"))
-            hop = max(h.latency for h in hops) + most / min(h.bandwidth for h in hops)
+            work = passes.sum() / speeds.min(initial=np.inf)
+            hop = max(h.latency for h in hops) + sizes.max(initial=0.0) / min(h.bandwidth for h in hops)
             total = np.float64(work) + np.float64(hop) * (4.0 * num_stages)
             if not total <= LARGEST_STEP:
                 raise ShapeError(
@@ -258,11 +259,8 @@ class Costs:
                     f"more than {LARGEST_STEP:g} (a step of many micro-batches would overflow a float); give the "
                     "times, sizes and speeds in units that keep them far smaller"
                 )
-            passes = np.concatenate([np.ravel(d) for d in self.durations(num_stages).values()]) / speeds.max()
-            sizes = np.concatenate([np.ravel(self.per_stage(name, num_stages))
-                                    for name in ("activation_bytes", "stash_bytes", "weight_bytes")])
             moves = sizes / max(h.bandwidth for h in hops)
-            durations = np.concatenate([passes, moves, [h.latency for h in hops]])
+            durations = np.concatenate([passes / speeds.max(), moves, [h.latency for h in hops]])
             shortest = np.min(durations[durations > 0], initial=np.inf)
             if shortest < SMALLEST_TIME:
                 raise ShapeError(

@@ -461,16 +461,14 @@ def test_torchs_schedule_class_given_as_a_strategy_is_told_to_give_its_name():
 
 
 def test_one_cell_naming_a_huge_stage_is_refused_at_once():
-    """It once counted over every stage up to 10^11 before saying the file lists too few passes."""
+    """The stages that run nowhere were listed, all 10^11 of them (memory without limit), before the
+    first eight were named."""
     import io
-    import time
 
     from unisched.policies.torch_interop import TorchCSVError, from_torch_csv
 
-    begin = time.perf_counter()
-    with pytest.raises(TorchCSVError, match="lists 3 of the 200000000000 passes"):
+    with pytest.raises(TorchCSVError, match="stage\\(s\\) 1, 2, 3, 4, 5, 6, 7, 8 and 99999999990 more run nowhere"):
         from_torch_csv(io.StringIO("0F0,0B0,99999999999F0\n"))
-    assert time.perf_counter() - begin < 5
 
 
 def test_csv_bytes_are_read_as_text_and_a_binary_file_or_an_unwritable_path_refused(tmp_path):

@@ -39,7 +39,7 @@ from unisched.policies._orders import Columns, fixed_orders, warmup_steady_order
 from unisched.policies._registry import Entry, require
 from unisched.policies.pipeline import stage_modulo_workers
 from unisched.policies.zero_bubble import _pipeline_shape, _v_mapping, _v_shape, dualpipe_v_columns, zbv_columns
-from unisched.simulate import simulate, simulation
+from unisched.simulate import simulate
 from unisched.strategy import Strategy, fixed_strategy
 from unisched.timeline import Timeline
 from unisched.work import (
@@ -291,20 +291,14 @@ def from_torch_csv(source: str | os.PathLike | io.TextIOBase, *, num_stages: int
         if given is not None and given != found:
             raise TorchCSVError(f"{label}: names {found} {what} (0 to {found - 1}), expected {given}")
     shape = Shape(len(rows), S, B).check()
+    rank_of = _stage_ranks(label, orders, cells, S)
     dirs = directions(split)
-
-    def missing() -> TorchCSVError:
+    if len(items) < S * B * len(dirs):
         listed = set(items)
         absent = (Work(b, s, d) for s in range(S) for b in range(B) for d in dirs if Work(b, s, d) not in listed)
-        return TorchCSVError(
+        raise TorchCSVError(
             f"{label}: lists {len(items)} of the {S * B * len(dirs)} passes of {S} stage(s) and {B} micro-batch(es); "
             f"missing e.g. {', '.join(map(str, islice(absent, 4)))}")
-
-    if S * B * len(dirs) > max(len(items), simulation.MAX_ITEMS):  # said before counting over stages one cell may name: 10^11
-        raise missing()
-    rank_of = _stage_ranks(label, orders, cells, S)
-    if len(items) < S * B * len(dirs):
-        raise missing()
     problem = _blocked(orders, S, split)
     if problem:
         raise TorchCSVError(f"{label}: this schedule cannot run: {problem}")
@@ -387,18 +381,16 @@ def _read_rows(source) -> tuple[str, list[list[str]]]:
     if hasattr(source, "read"):
         label = str(getattr(source, "name", "<csv>"))
         text = source.read()
-        if isinstance(text, bytes):  # a binary file or BytesIO: the CSV is UTF-8 text
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError:
-                raise TorchCSVError(f"{label}: is not a text file; a torch CSV schedule is UTF-8 text") from None
     else:
         label = os.fspath(source)
         try:
-            with open(label, newline="", encoding="utf-8") as file:
+            with open(label, "rb") as file:
                 text = file.read()
         except OSError as error:
             raise TorchCSVError(f"cannot read the torch CSV schedule {label}: {error.strerror or error}") from None
+    if isinstance(text, bytes):  # a file read as bytes (a path, BytesIO): the CSV is UTF-8 text
+        try:
+            text = text.decode("utf-8")
         except UnicodeDecodeError:
             raise TorchCSVError(f"{label}: is not a text file; a torch CSV schedule is UTF-8 text") from None
     try:
@@ -457,10 +449,11 @@ def _stage_ranks(label: str, orders: Orders, cells: Mapping[Work, str], num_stag
                 raise TorchCSVError(
                     f"{label}: {cells[work]}: stage {work.stage} runs on ranks {other} and {rank}; torch's format "
                     f"places each stage (and its weights) on one rank")
-    absent = [s for s in range(num_stages) if s not in rank_of]
-    if absent:
-        more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
-        raise TorchCSVError(f"{label}: stage(s) {', '.join(map(str, absent[:8]))}{more} run nowhere")
+    if len(rank_of) < num_stages:  # the first few named, not a list of them: one cell may name stage 10^11
+        absent = list(islice((s for s in range(num_stages) if s not in rank_of), 8))
+        count = num_stages - len(rank_of)
+        more = f" and {count - len(absent)} more" if count > len(absent) else ""
+        raise TorchCSVError(f"{label}: stage(s) {', '.join(map(str, absent))}{more} run nowhere")
     return [rank_of[s] for s in range(num_stages)]
 
 

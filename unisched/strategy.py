@@ -182,9 +182,8 @@ class Strategy:
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", getattr(self.mapping, "__name__", type(self.mapping).__name__))
-        if self.worker_orders is not None and not isinstance(self.worker_orders, Mapping):
-            raise TypeError(f"Strategy.worker_orders must map each worker to its order, {{worker: [Work, ...]}}, got "
-                            f"{type(self.worker_orders).__name__}")
+        if self.worker_orders is not None:
+            _check_orders(self.worker_orders, "Strategy.worker_orders")
         if not isinstance(self.split_backward, (bool, np.bool_)):  # "False" would read as true
             raise ShapeError(f"Strategy.split_backward must be True or False, got {self.split_backward!r}")
 
@@ -241,6 +240,13 @@ def required_arguments(function) -> int | None:
     return sum(1 for p in signature.parameters.values() if p.kind in kinds and p.default is p.empty)
 
 
+def _check_orders(orders, what: str) -> None:
+    """Refuse orders that are not a mapping of each worker to its order."""
+    if not isinstance(orders, Mapping):
+        raise TypeError(f"{what} must map each worker to its order, {{worker: [Work, ...]}} or item ids, got "
+                        f"{type(orders).__name__}")
+
+
 def fixed_strategy(
     shape: Shape | Sequence[int],
     compute: Sequence[int],
@@ -270,9 +276,7 @@ def fixed_strategy(
     What a plan and a timeline replay as (:meth:`Timeline.as_strategy`)."""
     shape = Shape(*shape).check()
     W, S, B = shape
-    if not isinstance(worker_orders, Mapping):
-        raise TypeError(f"worker_orders must map each worker to its order, {{worker: [Work, ...]}} or item ids, got "
-                        f"{type(worker_orders).__name__}")
+    _check_orders(worker_orders, "worker_orders")
     items = dataflow.Items(S, B, split_backward)
     compute, weight = _int_array(compute), _int_array(weight)
     if len(compute) != items.count or len(weight) != items.count:

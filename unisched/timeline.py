@@ -14,7 +14,6 @@ give the familiar row view.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
@@ -34,6 +33,8 @@ from unisched.work import (
     StageGraph,
     Work,
     as_stage_graph,
+    is_real,
+    is_whole,
 )
 
 TRANSFER_KINDS = ("activation", "gradient", "stash", "weights", "weight_gradient", "allreduce")
@@ -347,7 +348,7 @@ class Timeline:
 
     def worker_order(self, worker: int) -> list[Work]:
         """The work items ``worker`` ran, in the order it ran them (see :meth:`worker_orders`)."""
-        if isinstance(worker, bool) or not isinstance(worker, numbers.Integral) or not 0 <= worker < self.num_workers:
+        if not (is_whole(worker, 0) and worker < self.num_workers):
             raise TimelineError(f"worker_order({worker!r}): the workers are 0..{self.num_workers - 1}")
         rows = self._run_order()
         return [self.work(i) for i in rows[self.worker[rows] == worker]]
@@ -391,7 +392,7 @@ class Timeline:
         and to the limit for memory).
         Check a timeline, not its :meth:`per_worker` view, which repeats items."""
         rows = self._rows_by_item()
-        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 <= tolerance < math.inf:
+        if not (is_real(tolerance) and 0 <= tolerance < math.inf):
             raise TimelineError(f"check(tolerance=...) must be a number >= 0 (relative round-off), got {tolerance!r}")
         slack = tolerance * max(1.0, float(np.abs(self.start).max(initial=0.0)), float(np.abs(self.end).max(initial=0.0)))
         self._check_durations(slack)

@@ -102,6 +102,12 @@ def is_whole(value, least: int | None = 1) -> bool:
     return integer and (least is None or value >= least)
 
 
+def is_real(value) -> bool:
+    """Whether ``value`` is a real number (a numpy one too, but not a bool); its range is the
+    caller's to check."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def name_key(text: str) -> str:
     """A name as given (a strategy, a priority, a parameter's value) as it is looked up and compared:
     without surrounding spaces and one pair of quotes, dashes as underscores, in lower case
@@ -146,7 +152,7 @@ class StageGraph:
         if not isinstance(graph, nx.DiGraph) or graph.is_multigraph():
             raise TypeError(f"stage_graph must be a networkx.DiGraph on the stages 0..{num_stages - 1} (no edge twice) "
                             f"or a StageGraph, got {type(graph).__name__}: e.g. networkx.DiGraph([(0, 2), (1, 2)])")
-        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in graph.nodes):
+        if not all(is_whole(s, None) for s in graph.nodes):
             raise ShapeError(f"stage_graph's nodes must be the stage numbers 0..{num_stages - 1}, got "
                              f"{sorted(graph.nodes, key=repr)}")
         nodes = set(graph.nodes)

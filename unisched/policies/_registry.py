@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 from unisched.errors import ShapeError, UniSchedError
 from unisched.simulate.priorities import BUILTIN_PRIORITIES, priority_by_name
 from unisched.strategy import Strategy
-from unisched.work import Shape, name_key, unquoted
+from unisched.work import Shape, is_whole, name_key, unquoted
 
 
 class UnknownStrategyError(UniSchedError, ValueError):
@@ -200,7 +200,7 @@ def require(condition: bool, strategy: str, message: str) -> None:
 def require_count(value, strategy: str, name: str) -> None:
     """Refuse a count parameter given as anything but a positive integer: a bad value whatever
     the shape (a StrategyParameterError), not a strategy that does not fit it."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and not is_whole(value):
         raise StrategyParameterError(f"strategy {strategy!r}: {name} must be a positive integer, got {value!r}")
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import math
-import numbers
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,7 @@ from unisched.render._common import (
     time_grid,
 )
 from unisched.timeline import TRANSFER_KINDS, Timeline, as_timeline
+from unisched.work import is_real
 
 TRANSFER_COLORS = {
     "activation": "#222222",
@@ -97,7 +97,7 @@ def figure(
     transfers, arrows are drawn as plain lines.
     """
     timeline = as_timeline(timeline, "figure")
-    if isinstance(width, bool) or not isinstance(width, numbers.Real) or not 1 <= width <= 200:
+    if not (is_real(width) and 1 <= width <= 200):
         raise ValueError(f"figure(width=...) is the figure's width in inches, a number from 1 to 200, got {width!r}")
     timeline = timeline.per_worker()  # a gang item is drawn on each of its workers
     W = timeline.num_workers

@@ -26,7 +26,6 @@ Symmetry
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,7 +37,7 @@ from unisched.simulate.simulation import Simulation, simulate
 from unisched.dataflow import Items
 from unisched.strategy import Gang, Strategy, WorkerOrders, works
 from unisched.topology import ClusterCosts, Topology
-from unisched.work import ComputeAndWeightWorkers, Shape, Work, is_whole, positive_count
+from unisched.work import ComputeAndWeightWorkers, Shape, Work, is_real, is_whole, positive_count
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ class Model:
         for name in ("layer_forward", "layer_weight_bytes", "activation_bytes", "layer_stash_bytes",
                      "backward_ratio", "optimizer_bytes_per_weight_byte"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            if not (is_real(value) and 0 <= value < math.inf):
                 raise ShapeError(f"Model.{name} must be a finite number >= 0, got {value!r}")
         if self.layer_forward == 0:
             raise ShapeError("Model.layer_forward must be positive: a layer's forward takes time")
@@ -110,7 +109,7 @@ class Model:
         Recomputation in Large Transformer Models", 2022)."""
         for name, count in (("layers", layers), ("hidden", hidden), ("sequence", sequence), ("micro_batch", micro_batch)):
             positive_count(name, count, "Model.transformer: ")
-        if isinstance(gpu_flops, bool) or not isinstance(gpu_flops, numbers.Real) or not 0 < gpu_flops < math.inf:
+        if not (is_real(gpu_flops) and 0 < gpu_flops < math.inf):
             raise ShapeError(f"Model.transformer: gpu_flops must be a positive number, got {gpu_flops!r}")
         b, s, h = micro_batch, sequence, hidden
         return cls(

@@ -525,10 +525,17 @@ def test_ctrl_c_in_the_first_in_first_out_pass_stops_the_staged_order_search(mon
 def test_numbering_identical_workers_cuts_off_no_optimum(monkeypatch, shape, costs, memory, scheme):
     """Identical workers are numbered in the order micro-batch by micro-batch, stage by stage,
     their passes first meet them (mapping._Places.number_workers): the same proven optimum as the
-    model that only puts the first pass on worker 0, or that numbers them not at all."""
+    model that numbers them not at all; and the numbered model's solution is numbered so."""
     problem = PlanProblem(Shape(*shape), costs, memory_limit=memory, split_backward=costs.backward_input is not None)
     timed = TimedProblem.build(problem)
     numbered = solve_mapping(timed, time_limit=30, scheme=scheme, asap_replay=False)
+    filled_in = mapping.forwards_fill_in(timed, scheme, False)  # forwards placed after the search: not numbered
+    placed = [i for i in range(problem.num_items) if not (filled_in and timed.direction[i] == FORWARD)]
+    met = []
+    for i in sorted(placed, key=lambda i: (timed.batch[i], timed.stage[i], timed.direction[i])):
+        if numbered.compute[i] not in met:
+            met.append(int(numbered.compute[i]))
+    assert met == list(range(len(met)))
     monkeypatch.setattr(mapping._Places, "number_workers", lambda places: None)
     free = solve_mapping(timed, time_limit=60, scheme=scheme, asap_replay=False)
     assert numbered.optimal and free.optimal

@@ -358,8 +358,6 @@ def cmd_compare(args) -> int:
             if key in listed:
                 raise UniSchedError(f"--strategies names {listed[key]!r} and {text!r}, the same strategy; name it once")
             listed[key] = text
-            if not is_user_strategy(name):  # a factory of the user's own may have a priority parameter of its own
-                _one_priority(args, *candidates[i])  # refused before any row, not listed as skipped
     elif params:
         raise UniSchedError(
             "--param needs --strategies: it sets a parameter of every strategy listed (or write NAME(K=V) in the list)"
@@ -564,10 +562,13 @@ def _step_options(args) -> dict:
 
 
 def _one_priority(args, name: str, params: dict) -> None:
-    """Refuse a strategy given one priority as a parameter and another by --priority."""
+    """Refuse a registry strategy given one priority as a parameter and another by --priority (an
+    error of the command, which compare raises rather than skipping the row)."""
+    from unisched.policies import StrategyParameterError
+
     if args.priority and "priority" in params and name_key(str(params["priority"])) != name_key(args.priority):
-        raise UniSchedError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
-                            "give the priority once")
+        raise StrategyParameterError(f"{name} is given priority={params['priority']} and --priority {args.priority}; "
+                                     "give the priority once")
 
 
 def _simulate(args, name: str, params: dict, options: dict, fixed_as_they_are: bool = False):
